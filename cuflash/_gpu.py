@@ -1,0 +1,85 @@
+"""The CUDA path: turn a Problem into the kernels' arguments and launch them.
+
+Everything here runs on the current CuPy stream and never synchronizes. Per (batch, head) matrix
+the kernels read from an offset table (DESIGN.md), so broadcasting, GQA and arbitrary strides
+cost no copies.
+"""
+import cupy
+import numpy as np
+
+from . import _broadcast, _launch
+from ._validate import element_strides
+
+_Q, _K, _V, _MASK, _BIAS = range(5)
+
+# Tests set this to fill every buffer the kernels write with NaN first, proving that each element
+# is written (CuPy's pool would otherwise hand back whatever memory held before).
+POISON = False
+
+
+def _empty(shape, dtype):
+    buf = cupy.empty(shape, dtype=dtype)
+    if POISON:
+        if np.dtype(dtype).name == "bfloat16":  # a quiet NaN, written as bits
+            buf.view(np.uint16).fill(0x7FC0)
+        else:
+            buf.fill(np.nan)
+    return buf
+
+
+class _Args:
+    """The kernel arguments shared by the forward and backward launches of one Problem."""
+
+    def __init__(self, p):
+        BH = p.BH
+        table = np.zeros((5, BH), dtype=np.int64)
+        table[_Q], table[_K], table[_V] = (m.reshape(BH) for m in (p.q_map, p.k_map, p.v_map))
+        self.mask_rs = self.mask_cs = self.bias_rs = self.bias_cs = 0
+        if p.mask is not None:
+            st = element_strides(p.mask)
+            table[_MASK] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
+            self.mask_rs, self.mask_cs = st[-2:]
+        if p.bias is not None:
+            st = element_strides(p.bias)
+            table[_BIAS] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
+            self.bias_rs, self.bias_cs = st[-2:]
+        self.offsets = cupy.asarray(table)
+        self.kv_lens = None if p.kv_lens is None else cupy.asarray(p.kv_lens.reshape(BH))
+        self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
+
+    def common(self, p):
+        """Arguments in the order every main kernel takes them after its own pointers."""
+        return dict(offsets=self.offsets, mask=p.mask, bias=p.bias, kv_lens=self.kv_lens,
+                    q_rs=self.q_rs, k_rs=self.k_rs, v_rs=self.v_rs,
+                    mask_rs=self.mask_rs, mask_cs=self.mask_cs,
+                    bias_rs=self.bias_rs, bias_cs=self.bias_cs,
+                    BH=p.BH, Nq=p.Nq, Nk=p.Nk, Dk=p.Dk, Dv=p.Dv, scale=p.scale,
+                    left=p.left, right=p.right, bottom_right=int(p.bottom_right))
+
+
+def forward(p):
+    with p.q.device:
+        args = _Args(p)
+        out = _empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+        lse = _empty((p.BH, p.Nq), dtype=p.acc_dtype)
+        _launch.launch_fwd(p.q, p.k, p.v, out, lse, **args.common(p))
+        return out, lse
+
+
+def backward(p, dout, out, lse):
+    """Returns dq, dk, dv per output (batch, head), in the accumulator dtype."""
+    with p.q.device:
+        args = _Args(p)
+        BH = p.BH
+        dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
+        out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
+        lse = cupy.ascontiguousarray(lse.astype(p.acc_dtype, copy=False)).reshape(BH, p.Nq)
+        delta = _empty((BH, p.Nq), dtype=p.acc_dtype)
+        _launch.launch_bwd_preprocess(dout, out, delta, BH * p.Nq, p.Dv)
+        dq = _empty((BH, p.Nq, p.Dk), dtype=p.acc_dtype)
+        dk = _empty((BH, p.Nk, p.Dk), dtype=p.acc_dtype)
+        dv = _empty((BH, p.Nk, p.Dv), dtype=p.acc_dtype)
+        common = args.common(p)
+        _launch.launch_bwd_dkdv(p.q, p.k, p.v, dout, lse, delta, dk, dv, **common)
+        _launch.launch_bwd_dq(p.q, p.k, p.v, dout, lse, delta, dq, **common)
+        return dq, dk, dv

@@ -1,0 +1,341 @@
+"""Every check of user input, and its message, lives here.
+
+``make_problem`` turns the arguments of ``cuflash.attention`` into a :class:`Problem`: validated,
+normalized, and ready for any path (NumPy, generic CUDA, tensor cores). Nothing after it checks
+user input again, and nothing in it launches work on a GPU. The one exception to "no device
+work" is ``kv_lens`` given as a CuPy array: its values must be read to be checked (one small copy).
+"""
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _broadcast
+from ._config import MAX_HEAD_DIM, accumulator_dtype, supported_dtype_names
+
+ALIGNS = ("bottom-right", "top-left")
+
+
+@dataclass
+class Problem:
+    xp: Any
+    q: Any
+    k: Any
+    v: Any
+    lead: tuple
+    Nq: int
+    Nk: int
+    Dk: int
+    Dv: int
+    dtype: np.dtype
+    acc_dtype: np.dtype
+    scale: float
+    causal: bool
+    bottom_right: bool
+    left: int
+    right: int
+    mask: Optional[Any]
+    bias: Optional[Any]
+    kv_lens: Optional[np.ndarray]
+    q_map: np.ndarray
+    k_map: np.ndarray
+    v_map: np.ndarray
+
+    @property
+    def BH(self):
+        return math.prod(self.lead)
+
+    @property
+    def out_shape(self):
+        return self.lead + (self.Nq, self.Dv)
+
+    @property
+    def lse_shape(self):
+        return self.lead + (self.Nq,)
+
+
+# ---------------------------------------------------------------------------------------------
+# array kinds
+
+def _library(x):
+    """'numpy', 'cupy' or None for anything that is not an array of either."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    mod = type(x).__module__ or ""
+    if mod.startswith("cupy") and hasattr(x, "device") and hasattr(x, "data"):
+        return "cupy"
+    return None
+
+
+def _xp_of(name):
+    if name == "numpy":
+        return np
+    import cupy
+    return cupy
+
+
+def _describe(x):
+    lib = _library(x)
+    if lib is None:
+        return type(x).__name__
+    return f"{lib}.ndarray"
+
+
+def _check_same_family(named, lib, device):
+    """Every array argument must come from the same library (and, for CuPy, the same device)."""
+    for name, x in named:
+        if x is None:
+            continue
+        other = _library(x)
+        if other is None:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
+        if other != lib:
+            raise TypeError(
+                f"q, k, v and every array option must come from one library: q is a {lib}.ndarray "
+                f"but {name} is a {other}.ndarray")
+        if lib == "cupy" and x.device.id != device:
+            raise ValueError(
+                f"all arrays must be on one device: q is on cuda device {device} but {name} is on "
+                f"cuda device {x.device.id}")
+
+
+def _dtype_name(dt):
+    return np.dtype(dt).name
+
+
+# ---------------------------------------------------------------------------------------------
+# scalar options
+
+def _check_scale(scale, Dk):
+    if scale is None:
+        return 1.0 / math.sqrt(Dk)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _check_align(align):
+    if not isinstance(align, str) or align not in ALIGNS:
+        raise ValueError(f"align must be 'bottom-right' or 'top-left', got {align!r}")
+    return align == "bottom-right"
+
+
+def _check_window(window, causal, unbounded):
+    """(left, right) as ints; None sides become ``unbounded``, and causal caps right at 0."""
+    left = right = unbounded
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
+        sides = []
+        for side, value in zip(("left", "right"), window):
+            if value is None:
+                sides.append(unbounded)
+                continue
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                raise ValueError(
+                    f"window {side} must be a non-negative int or None, got {value!r}")
+            if value < 0:
+                raise ValueError(f"window {side} must be non-negative, got {value}")
+            sides.append(min(int(value), unbounded))
+        left, right = sides
+    if causal:
+        right = min(right, 0)
+    return left, right
+
+
+# ---------------------------------------------------------------------------------------------
+# array options
+
+def _check_mask(mask, full, lib):
+    if mask is None:
+        return None
+    if mask.dtype != np.bool_:
+        raise TypeError(f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}")
+    if mask.ndim < 2 or not _broadcasts_to(mask.shape, full):
+        raise ValueError(
+            f"mask must broadcast to (..., Nq, Nk) = {full}, got mask.shape={mask.shape}")
+    return _xp_of(lib).broadcast_to(mask, full)
+
+
+def _check_bias(bias, full, lib, acc_dtype):
+    if bias is None:
+        return None
+    if _dtype_name(bias.dtype) not in supported_dtype_names():
+        raise TypeError(
+            f"bias must be a floating array ({', '.join(supported_dtype_names())}), "
+            f"got dtype {bias.dtype}")
+    if bias.ndim < 2 or not _broadcasts_to(bias.shape, full):
+        raise ValueError(
+            f"bias must broadcast to (..., Nq, Nk) = {full}, got bias.shape={bias.shape}")
+    return _xp_of(lib).broadcast_to(bias.astype(acc_dtype, copy=False), full)
+
+
+def _check_kv_lens(kv_lens, lead, Nk, lib):
+    if kv_lens is None:
+        return None
+    kind = _library(kv_lens)
+    if kind is not None and kind != lib:
+        raise TypeError(
+            f"kv_lens must be an int, a sequence of ints or a {lib}.ndarray like q, "
+            f"got a {kind}.ndarray")
+    host = kv_lens.get() if kind == "cupy" else kv_lens
+    try:
+        arr = np.asarray(host)
+    except Exception:  # ragged sequences and the like
+        raise TypeError(f"kv_lens must be an int or an array of ints, got {type(kv_lens).__name__}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"kv_lens must hold integers, got dtype {arr.dtype}")
+    if not _broadcasts_to(arr.shape, lead):
+        raise ValueError(
+            f"kv_lens must broadcast to the leading dims {lead}, got kv_lens.shape={arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > Nk):
+        raise ValueError(
+            f"kv_lens must lie in [0, Nk] = [0, {Nk}], got values from {arr.min()} to {arr.max()}")
+    return np.ascontiguousarray(np.broadcast_to(arr.astype(np.int64), lead))
+
+
+def _broadcasts_to(shape, target):
+    if len(shape) > len(target):
+        return False
+    for s, t in zip(reversed(shape), reversed(target)):
+        if s != 1 and s != t:
+            return False
+    return True
+
+
+def _innermost_contiguous(xp, x):
+    """q/k/v may have any strides except on the innermost axis (copied only then)."""
+    item = x.dtype.itemsize
+    if x.shape[-1] > 1 and x.strides[-1] != item or any(s % item for s in x.strides):
+        return xp.ascontiguousarray(x)
+    return x
+
+
+def element_strides(x):
+    return tuple(s // x.dtype.itemsize for s in x.strides)
+
+
+# ---------------------------------------------------------------------------------------------
+# the entry points
+
+def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
+                 mask=None, bias=None, kv_lens=None):
+    lib = _library(q)
+    if lib is None:
+        raise TypeError(f"q must be a numpy.ndarray or cupy.ndarray, got {type(q).__name__}")
+    device = q.device.id if lib == "cupy" else None
+    for name, x in (("k", k), ("v", v)):
+        if _library(x) is None:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
+    _check_same_family((("k", k), ("v", v), ("mask", mask), ("bias", bias)), lib, device)
+    xp = _xp_of(lib)
+
+    names = supported_dtype_names()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if _dtype_name(x.dtype) not in names:
+            raise TypeError(f"{name} must have dtype {', '.join(names)}, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+            f"v.dtype={v.dtype}")
+    for name, x, shape in (("q", q, "(..., Nq, Dk)"), ("k", k, "(..., Nk, Dk)"),
+                           ("v", v, "(..., Nk, Dv)")):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have shape {shape} with at least 2 dims, "
+                             f"got {name}.shape={x.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head dim (axis -1), got q.shape={q.shape} and "
+            f"k.shape={k.shape}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys (axis -2), got k.shape={k.shape} and "
+            f"v.shape={v.shape}")
+    Nq, Dk = q.shape[-2:]
+    Nk, Dv = v.shape[-2:]
+    for name, d in (("Dk (q.shape[-1])", Dk), ("Dv (v.shape[-1])", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {d}")
+    lead = _broadcast.broadcast_lead((q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    if lead is None:
+        raise ValueError(
+            "the leading dims of q, k and v must broadcast (on axis -3 k and v may instead hold "
+            f"H/g heads, grouped-query attention), got q.shape={q.shape}, k.shape={k.shape}, "
+            f"v.shape={v.shape}")
+
+    scale = _check_scale(scale, Dk)
+    causal = _check_bool("causal", causal)
+    bottom_right = _check_align(align)
+    left, right = _check_window(window, causal, unbounded=Nq + Nk)
+    dtype = np.dtype(q.dtype)
+    acc_dtype = accumulator_dtype(dtype)
+    full = lead + (Nq, Nk)
+    mask = _check_mask(mask, full, lib)
+    bias = _check_bias(bias, full, lib, acc_dtype)
+    kv_lens = _check_kv_lens(kv_lens, lead, Nk, lib)
+
+    q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
+    maps = [_broadcast.lead_offsets(lead, x.shape[:-2], element_strides(x)[:-2]) for x in (q, k, v)]
+    return Problem(xp=xp, q=q, k=k, v=v, lead=lead, Nq=Nq, Nk=Nk, Dk=Dk, Dv=Dv, dtype=dtype,
+                   acc_dtype=acc_dtype, scale=scale, causal=causal, bottom_right=bottom_right,
+                   left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
+                   q_map=maps[0], k_map=maps[1], v_map=maps[2])
+
+
+def check_backward_inputs(problem, dout, out, lse):
+    """dout and out must have the output's shape and dtype; lse the lse's shape, float dtype."""
+    lib = "numpy" if problem.xp is np else "cupy"
+    device = problem.q.device.id if lib == "cupy" else None
+    _check_same_family((("dout", dout), ("out", out), ("lse", lse)), lib, device)
+    for name, x in (("dout", dout), ("out", out)):
+        if x is None:
+            raise TypeError(f"{name} must be an array, got None")
+        if tuple(x.shape) != problem.out_shape:
+            raise ValueError(
+                f"{name} must have the output's shape (..., Nq, Dv) = {problem.out_shape}, "
+                f"got {name}.shape={x.shape}")
+        if x.dtype != problem.dtype:
+            raise TypeError(f"{name} must have q's dtype {problem.dtype}, got {x.dtype}")
+    if lse is None:
+        raise TypeError("lse must be an array, got None")
+    if tuple(lse.shape) != problem.lse_shape:
+        raise ValueError(
+            f"lse must have shape (..., Nq) = {problem.lse_shape}, got lse.shape={lse.shape}")
+    if lse.dtype not in (np.float32, np.float64):
+        raise TypeError(f"lse must be float32 or float64, got {lse.dtype}")
+
+
+def check_merge_inputs(out_a, lse_a, out_b, lse_b):
+    named = (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b))
+    lib = _library(out_a)
+    if lib is None:
+        raise TypeError(f"out_a must be a numpy.ndarray or cupy.ndarray, got {type(out_a).__name__}")
+    device = out_a.device.id if lib == "cupy" else None
+    _check_same_family(named, lib, device)
+    for name, x in named:
+        if x is None:
+            raise TypeError(f"{name} must be an array, got None")
+        if _dtype_name(x.dtype) not in supported_dtype_names():
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    if out_a.dtype != out_b.dtype:
+        raise TypeError(f"out_a and out_b must have one dtype, got {out_a.dtype} and {out_b.dtype}")
+    if out_a.ndim < 1 or out_a.shape != out_b.shape:
+        raise ValueError(
+            f"out_a and out_b must have one shape (..., Nq, Dv), got {out_a.shape} and "
+            f"{out_b.shape}")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.shape != out_a.shape[:-1]:
+            raise ValueError(
+                f"{name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}")
+    return _xp_of(lib)

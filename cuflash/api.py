@@ -1,0 +1,180 @@
+"""The public functions: validate -> normalize -> dispatch (NumPy path or CUDA path)."""
+import numpy as np
+
+from . import _broadcast
+from ._validate import check_backward_inputs, check_merge_inputs, make_problem
+
+_VISIBILITY_DOC = """
+    Visibility. Query row ``i`` sits at the aligned position ``p``: ``p = i + L - Nq`` with
+    ``align="bottom-right"`` (the FlashAttention >= 2.1 convention; ``L`` is ``kv_lens`` for that
+    sequence, else ``Nk``) and ``p = i`` with ``align="top-left"`` (torch SDPA's ``is_causal``).
+    Key ``j`` is visible iff ``j < L``, ``j <= p`` when ``causal``, ``p - left <= j <= p + right``
+    for ``window=(left, right)`` (None = unbounded on that side), and ``mask[..., i, j]`` is True.
+    Causal pictures (``x`` = visible), Nq = 2, Nk = 5 and Nq = 5, Nk = 2::
+
+        bottom-right     top-left         bottom-right    top-left
+        x x x x .        x . . . .        . .             x .
+        x x x x x        x x . . .        . .             x x
+                                          . .             x x
+                                          x .             x x
+                                          x x             x x
+
+    Empty rows (no visible key, Nk = 0 included) give an output row of exactly 0 and lse = -inf,
+    never NaN (FlashAttention-2 returns +inf there; -inf is the log of an empty sum).
+"""
+
+_OPTIONS_DOC = """
+    scale : float, optional
+        Multiplies q·kᵀ; defaults to 1/sqrt(Dk). Must be finite.
+    causal : bool
+        Query at aligned position p sees keys j <= p.
+    align : {"bottom-right", "top-left"}
+        Where the queries sit when Nq != Nk (see Visibility).
+    window : (left, right), optional
+        Key j is visible from aligned position p iff p - left <= j <= p + right; None on a side
+        means unbounded. Combined with causal and mask by AND.
+    mask : bool array, optional
+        Broadcastable to (..., Nq, Nk); True = may attend. Never expanded in memory.
+    bias : float array, optional
+        Broadcastable to (..., Nq, Nk); added to the scaled logits (no gradient). A -inf entry
+        hides that key.
+    kv_lens : int or int array, optional
+        Broadcastable to the leading dims: only the first kv_lens keys of that sequence exist.
+        Bottom-right alignment then aligns to kv_lens, not to Nk.
+"""
+
+
+def _dispatch(problem):
+    if problem.xp is np:
+        from . import _numpy
+        return _numpy
+    from . import _gpu
+    return _gpu
+
+
+def _forward(problem):
+    xp = problem.xp
+    if problem.BH == 0 or problem.Nq == 0 or problem.Nk == 0:
+        # nothing to compute: every row is empty (or there are no rows)
+        out = xp.zeros(problem.out_shape, dtype=problem.dtype)
+        lse = xp.full(problem.lse_shape, -np.inf, dtype=problem.acc_dtype)
+        return out, lse
+    out, lse = _dispatch(problem).forward(problem)
+    return out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
+
+
+def _backward(problem, dout, out, lse):
+    xp = problem.xp
+    if problem.BH == 0 or problem.Nq == 0 or problem.Nk == 0:
+        return tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (problem.q, problem.k, problem.v))
+    dq, dk, dv = _dispatch(problem).backward(problem, dout, out, lse)
+    # gradients were computed per output (batch, head): sum them back over broadcast/GQA axes
+    grads = []
+    for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
+        g = g.reshape(problem.lead + g.shape[-2:])
+        grads.append(_broadcast.reduce_to_lead(xp, g, x.shape).astype(problem.dtype, copy=False))
+    return tuple(grads)
+
+
+def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
+              bias=None, kv_lens=None, return_lse=False):
+    """Exact softmax attention, computed tile by tile in O(N) extra memory.
+
+    Parameters
+    ----------
+    q : array (..., Nq, Dk)
+    k : array (..., Nk, Dk)
+    v : array (..., Nk, Dv)
+        NumPy arrays run on the CPU, CuPy arrays on their GPU; mixing them is a TypeError. One
+        dtype for all three: float16, bfloat16 (ml_dtypes), float32 or float64. Leading dims
+        broadcast the NumPy way; on axis -3 k and v may have Hkv heads with H % Hkv == 0
+        (grouped-query attention: query head h reads kv head h // (H // Hkv)). Any strides;
+        only an innermost axis that is not contiguous is copied. Dk, Dv <= 256.
+    {options}    return_lse : bool
+        Also return the log-sum-exp of the visible scaled (biased) logits per row.
+
+    Returns
+    -------
+    out : array (..., Nq, Dv) of the input dtype
+    lse : array (..., Nq), float32 (float64 for float64 inputs); only with return_lse.
+    {visibility}
+    Accumulation is in float32 (float64 for float64 inputs).
+    """
+    problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                           mask=mask, bias=bias, kv_lens=kv_lens)
+    out, lse = _forward(problem)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
+                       window=None, mask=None, bias=None, kv_lens=None):
+    """Gradients of :func:`attention` with respect to q, k and v.
+
+    ``out`` and ``lse`` are the forward's results for the same inputs and options. Score tiles are
+    recomputed from q, k and lse; no probability matrix is stored. With D = rowsum(dout ∘ out) and
+    P = exp(scale·q·kᵀ + bias - lse) on visible pairs: dv = Pᵀ·dout, dS = P ∘ (dout·vᵀ - D),
+    dq = scale·dS·k, dk = scale·dSᵀ·q. Empty rows contribute nothing. Gradients of broadcast or
+    grouped k/v are summed into their own shapes.
+
+    Returns
+    -------
+    dq, dk, dv : arrays shaped and typed like q, k, v.
+    """
+    problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                           mask=mask, bias=bias, kv_lens=kv_lens)
+    check_backward_inputs(problem, dout, out, lse)
+    return _backward(problem, dout, out, lse)
+
+
+def attention_vjp(q, k, v, **options):
+    """Forward pass plus a function for its vector-Jacobian product.
+
+    Returns ``(out, vjp)`` where ``vjp(dout)`` returns ``(dq, dk, dv)``; for training without a
+    framework. Takes the options of :func:`attention` (except ``return_lse``).
+    """
+    if "return_lse" in options:
+        raise TypeError("attention_vjp takes no return_lse option (it keeps lse itself)")
+    problem = make_problem(q, k, v, **options)
+    out, lse = _forward(problem)
+
+    def vjp(dout):
+        check_backward_inputs(problem, dout, out, lse)
+        return _backward(problem, dout, out, lse)
+
+    return out, vjp
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Attention over the union of two disjoint key sets, from the two partial results.
+
+    Each part is (out, lse) as returned by ``attention(..., return_lse=True)``. Both parts are
+    put on a common maximum m = max(lse_a, lse_b): weights w = exp(lse - m) rescale numerator
+    and denominator alike, out = (w_a·out_a + w_b·out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
+    An empty part (lse = -inf) is the identity; two empty parts give out 0 and lse -inf.
+    Works on any leading dims; out keeps its dtype, lse is float32 or wider.
+    """
+    xp = check_merge_inputs(out_a, lse_a, out_b, lse_b)
+    lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
+    acc = np.dtype(np.float64) if lse_dtype == np.float64 or out_a.dtype == np.float64 \
+        else np.dtype(np.float32)
+    la = lse_a.astype(acc, copy=False)
+    lb = lse_b.astype(acc, copy=False)
+    m = xp.maximum(la, lb)
+    finite = m > -np.inf
+    m_safe = xp.where(finite, m, 0)           # never exp(-inf - (-inf))
+    wa = xp.where(finite, xp.exp(la - m_safe), 0)
+    wb = xp.where(finite, xp.exp(lb - m_safe), 0)
+    total = wa + wb
+    denom = xp.where(finite, total, 1)
+    # an empty side contributes weight exactly 0, whatever its out holds
+    oa = xp.where((wa > 0)[..., None], out_a.astype(acc, copy=False), 0)
+    ob = xp.where((wb > 0)[..., None], out_b.astype(acc, copy=False), 0)
+    out = (wa[..., None] * oa + wb[..., None] * ob) / denom[..., None]
+    lse = xp.where(finite, m_safe + xp.log(denom), -np.inf)
+    return out.astype(out_a.dtype, copy=False), lse.astype(lse_dtype, copy=False)
+
+
+attention.__doc__ = attention.__doc__.format(options=_OPTIONS_DOC.lstrip("\n"),
+                                             visibility=_VISIBILITY_DOC)
+for _f in (attention_backward,):
+    _f.__doc__ += "\n    Options as in :func:`attention`.\n"

@@ -1,0 +1,205 @@
+"""Dense float64 attention: the executable spec that every other path is tested against.
+
+This module materializes the full ``(..., Nq, Nk)`` score matrix, so it is meant for tests and small
+problems only. It deliberately shares no code with the fast paths: inputs are checked by
+``cuflash._validate.make_problem`` (so that bad input fails here exactly as it does in
+``cuflash.attention``), and then everything is rebuilt from the raw arguments and the definitions in
+``cuflash.attention``'s docstring: GQA by ``np.repeat``, leading dims by ``np.broadcast_to``, and the
+visibility mask literally from its definition.
+
+Inputs may be NumPy or CuPy arrays (CuPy arrays are copied to the host). Results are always NumPy
+``float64`` arrays, whatever the input dtype.
+"""
+import math
+
+import numpy as np
+
+from cuflash import _validate
+
+__all__ = ["attention", "attention_backward"]
+
+
+def _host(x):
+    """A NumPy view or copy of ``x`` (NumPy or CuPy array, or array-like); None stays None."""
+    if x is None:
+        return None
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):
+        x = x.get()
+    return np.asarray(x)
+
+
+def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens):
+    """Reject bad input with the library's own messages; the Problem itself is not used."""
+    _validate.make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                           mask=mask, bias=bias, kv_lens=kv_lens)
+
+
+def _lead_shape(q, k, v):
+    """The output's leading shape: NumPy broadcasting, except k/v may have H / g heads (GQA)."""
+    leads = [x.shape[:-2] for x in (q, k, v)]
+    ndim = max(len(s) for s in leads)
+    leads = [(1,) * (ndim - len(s)) + s for s in leads]
+    if ndim == 0:
+        return ()
+    body = np.broadcast_shapes(*(s[:-1] for s in leads))
+    heads = [s[-1] for s in leads]
+    nheads = 0 if 0 in heads else max(heads)
+    return tuple(body) + (nheads,)
+
+
+def _expand(x, lead):
+    """``x`` (..., N, D) read by every output (batch, head): shape lead + (N, D), GQA by repeat."""
+    if len(lead) == 0:
+        return x
+    x = x.reshape((1,) * (len(lead) + 2 - x.ndim) + x.shape)
+    nheads, xheads = lead[-1], x.shape[-3]
+    if xheads not in (1, nheads):
+        x = np.repeat(x, nheads // xheads, axis=-3)  # query head h reads kv head h // (H // Hx)
+    return np.broadcast_to(x, lead + x.shape[-2:])
+
+
+def _sum_to(grad, shape):
+    """Adjoint of ``_expand``: sum ``grad`` (lead + (N, D)) back to an input's ``shape``."""
+    lead = grad.shape[:-2]
+    if math.prod(lead) == 0:
+        return np.zeros(shape)
+    if len(lead) == 0:
+        return grad.reshape(shape)
+    xlead = (1,) * (len(lead) - (len(shape) - 2)) + tuple(shape[:-2])
+    nheads, xheads = lead[-1], xlead[-1]
+    # GQA / head broadcast: output heads h = g * group + r all came from input head g.
+    grad = grad.reshape(lead[:-1] + (xheads, nheads // xheads) + grad.shape[-2:]).sum(axis=-3)
+    for axis, (size, xsize) in enumerate(zip(lead[:-1], xlead[:-1])):
+        if xsize == 1 and size != 1:
+            grad = grad.sum(axis=axis, keepdims=True)
+    return grad.reshape(shape)
+
+
+def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens):
+    """Dense bool array lead + (Nq, Nk): may query i attend to key j, straight from the definition."""
+    i = np.arange(nq).reshape(nq, 1)
+    j = np.arange(nk).reshape(1, nk)
+    if kv_lens is None:
+        length = np.full(lead, nk, dtype=np.int64)
+    else:
+        length = np.broadcast_to(np.asarray(kv_lens).astype(np.int64), lead)
+    length = length[..., None, None]
+    # The query's aligned position: bottom-right aligns the last query with the last existing key.
+    p = i + (length - nq) if align == "bottom-right" else i + 0 * length
+    visible = j < length
+    if causal:
+        visible = visible & (j <= p)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible = visible & (p - left <= j)
+        if right is not None:
+            visible = visible & (j <= p + right)
+    if mask is not None:
+        visible = visible & mask
+    if bias is not None:
+        visible = visible & (bias > -np.inf)  # exp(-inf) = 0: such a key carries no mass
+    return np.broadcast_to(visible, lead + (nq, nk))
+
+
+class _Dense:
+    """The dense computation, shared by the float64 spec and the same-dtype naive baselines.
+
+    ``work`` is the dtype arithmetic happens in; ``rnd`` rounds each intermediate result to the
+    storage dtype (identity for the spec). The public functions use float64 and no rounding.
+    """
+
+    def __init__(self, q, k, v, scale, causal, align, window, mask, bias, kv_lens,
+                 work=np.float64, storage=None):
+        self.work = work
+        self.storage = storage
+        q, k, v = (_host(x) for x in (q, k, v))
+        self.shapes = q.shape, k.shape, v.shape
+        self.lead = _lead_shape(q, k, v)
+        nq, nk = q.shape[-2], k.shape[-2]
+        self.out_shape = self.lead + (nq, v.shape[-1])
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        self.q, self.k, self.v = (self.rnd(_expand(x.astype(work), self.lead)) for x in (q, k, v))
+        mask = _host(mask)
+        bias = _host(bias)
+        if bias is not None:
+            bias = np.broadcast_to(bias.astype(np.float64), self.lead + (nq, nk))
+        self.bias = bias
+        self.visible = _visible(self.lead, nq, nk, causal, align, window,
+                                None if mask is None else mask.astype(bool), bias, _host(kv_lens))
+
+    def rnd(self, x):
+        if self.storage is None:
+            return x
+        return np.asarray(x).astype(self.storage).astype(self.work)
+
+    def logits(self):
+        s = self.rnd(self.scale * self.rnd(self.q @ np.swapaxes(self.k, -1, -2)))
+        if self.bias is not None:
+            s = self.rnd(s + self.bias.astype(self.work))
+        return np.where(self.visible, s, -np.inf)  # invisible -> -inf, also hides inf/NaN there
+
+    def forward(self):
+        # Masked-out entries never reach exp or log as -inf - (-inf); this only silences
+        # overflow of extreme (or deliberately low-precision) logits.
+        with np.errstate(all="ignore"):
+            return self._forward()
+
+    def backward(self, dout, out, lse):
+        with np.errstate(all="ignore"):
+            return self._backward(dout, out, lse)
+
+    def _forward(self):
+        s = self.logits()
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        nonempty = m > -np.inf
+        m0 = np.where(nonempty, m, 0)  # empty rows: shift by 0, so no -inf - (-inf)
+        e = self.rnd(np.exp(s - m0))  # exp(-inf) = 0 on invisible keys
+        l = self.rnd(e.sum(axis=-1, keepdims=True))
+        num = self.rnd(e @ self.v)
+        out = np.where(nonempty, self.rnd(num / np.where(nonempty, l, 1)), 0)
+        lse = np.where(nonempty, m0 + np.log(np.where(nonempty, l, 1)), -np.inf)
+        return out, lse[..., 0]
+
+    def _backward(self, dout, out, lse):
+        s = self.logits()
+        lse = np.broadcast_to(self.rnd(_host(lse).astype(self.work)), s.shape[:-1])[..., None]
+        dout = np.broadcast_to(self.rnd(_host(dout).astype(self.work)), self.out_shape)
+        out = np.broadcast_to(self.rnd(_host(out).astype(self.work)), self.out_shape)
+        rows = lse > -np.inf
+        p = self.rnd(np.exp(np.where(rows, s - np.where(rows, lse, 0), -np.inf)))
+        delta = self.rnd((dout * out).sum(axis=-1, keepdims=True))
+        dv = self.rnd(np.swapaxes(p, -1, -2) @ dout)
+        dp = self.rnd(dout @ np.swapaxes(self.v, -1, -2))
+        ds = self.rnd(p * self.rnd(dp - delta))
+        dq = self.rnd(self.scale * self.rnd(ds @ self.k))
+        dk = self.rnd(self.scale * self.rnd(np.swapaxes(ds, -1, -2) @ self.q))
+        qs, ks, vs = self.shapes
+        return (self.rnd(_sum_to(dq, qs)), self.rnd(_sum_to(dk, ks)), self.rnd(_sum_to(dv, vs)))
+
+
+def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
+              bias=None, kv_lens=None, return_lse=False):
+    """Dense float64 attention with exactly the semantics of ``cuflash.attention``.
+
+    Returns ``out`` (``lead + (Nq, Dv)``), or ``(out, lse)`` (``lse``: ``lead + (Nq,)``), as NumPy
+    float64 arrays whatever the input dtype or array module. Empty rows give out = 0, lse = -inf.
+    """
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens)
+    out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens).forward()
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
+                       window=None, mask=None, bias=None, kv_lens=None):
+    """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``.
+
+    Uses the same formula as the API, from the *passed* ``out`` and ``lse`` (not recomputed ones):
+    ``P = exp(S - lse)`` on visible keys of rows with finite ``lse`` (else 0),
+    ``D = rowsum(dout * out)``, ``dV = P^T dout``, ``dS = P * (dout V^T - D)``,
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``; gradients of broadcast or grouped inputs are summed
+    into the input's own shape. Empty rows contribute nothing. Results are NumPy float64.
+    """
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens)
+    dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens)
+    return dense.backward(dout, out, lse)

@@ -1,0 +1,108 @@
+"""Shared test helpers: random inputs, same-dtype naive baselines, and the baseline-relative check.
+
+Everything here accepts NumPy or CuPy arrays (CuPy arrays are copied to the host), so that CPU and
+GPU tests use the same comparison.
+"""
+import numpy as np
+
+from cuflash import reference
+
+try:
+    import ml_dtypes
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # bfloat16 tests skip themselves
+    BFLOAT16 = None
+
+#: Absolute error allowed on top of 2x the naive baseline's error, per dtype name. The baseline's
+#: own error is what scales with the dtype; the floor only absorbs the cases where the baseline
+#: happens to be (nearly) exact, e.g. float64 or a single visible key.
+FLOORS = {"float64": 1e-12, "float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def to_host(x):
+    """NumPy view/copy of a NumPy or CuPy array (None stays None)."""
+    if x is None:
+        return None
+    if not isinstance(x, np.ndarray) and hasattr(x, "get"):
+        return x.get()
+    return np.asarray(x)
+
+
+def to_f64(x):
+    return to_host(x).astype(np.float64)
+
+
+def rand_inputs(rng, shapes, dtype, xp=np):
+    """Standard-normal arrays of the given shapes, rounded to ``dtype``, as ``xp`` arrays."""
+    dtype = np.dtype(dtype)
+    arrays = [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+    return [a if xp is np else xp.asarray(a) for a in arrays]
+
+
+def _arithmetic(dtype):
+    """(work dtype, storage dtype) of a naive implementation in ``dtype``.
+
+    16-bit types compute each operation in float32 and round its result to the dtype (what a
+    naive GPU implementation with float32-accumulating matmuls does); float32 and float64 compute
+    natively in their own precision.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2:
+        return np.float32, dtype
+    return dtype.type, None
+
+
+def naive_attention(q, k, v, **options):
+    """Dense attention computed in q's dtype (every intermediate rounded to it).
+
+    Returns ``(out, lse)`` as float64 NumPy arrays holding the same-dtype results: the baseline
+    whose error against the float64 reference sets the tolerance.
+    """
+    work, storage = _arithmetic(to_host(q).dtype)
+    dense = reference._Dense(q, k, v, work=work, storage=storage, **_dense_options(options))
+    out, lse = dense.forward()
+    return out.astype(np.float64), lse.astype(np.float64)
+
+
+def naive_attention_backward(dout, q, k, v, out, lse, **options):
+    """Dense gradients computed in q's dtype; ``(dq, dk, dv)`` as float64 NumPy arrays."""
+    work, storage = _arithmetic(to_host(q).dtype)
+    dense = reference._Dense(q, k, v, work=work, storage=storage, **_dense_options(options))
+    return tuple(g.astype(np.float64) for g in dense.backward(dout, out, lse))
+
+
+def _dense_options(options):
+    names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens")
+    defaults = dict(scale=None, causal=False, align="bottom-right", window=None, mask=None,
+                    bias=None, kv_lens=None)
+    return {name: options.get(name, defaults[name]) for name in names}
+
+
+def assert_close_to_reference(got, ref64, naive_same_dtype, floor, name="out"):
+    """Assert ``|got - ref64| <= 2 * |naive_same_dtype - ref64| + floor`` (max over elements).
+
+    Where the reference is not finite (lse = -inf on empty rows) ``got`` must equal it exactly.
+    ``got`` must hold no NaN anywhere. ``naive_same_dtype`` may be None (baseline error 0).
+    On failure the message gives max and mean errors of ``got`` and of the baseline.
+    """
+    got, ref = to_f64(got), to_f64(ref64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} NaN entries"
+    finite = np.isfinite(ref)
+    bad = ~finite & (got != ref)
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())} entries differ where the reference is {ref[bad][:3]}: "
+        f"got {got[bad][:3]}")
+    if not finite.any():
+        return
+    err = np.abs(got[finite] - ref[finite])
+    if naive_same_dtype is None:
+        base = np.zeros(1)
+    else:
+        naive = to_f64(naive_same_dtype)
+        both = finite & np.isfinite(naive)  # a naive 16-bit row may overflow: no baseline there
+        base = np.abs(naive[both] - ref[both]) if both.any() else np.zeros(1)
+    limit = 2 * base.max() + floor
+    assert err.max() <= limit, (
+        f"{name}: max error {err.max():.3e} (mean {err.mean():.3e}) exceeds "
+        f"2 x naive max error {base.max():.3e} (mean {base.mean():.3e}) + floor {floor:.1e}")
