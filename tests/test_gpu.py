@@ -1,0 +1,191 @@
+"""The CUDA path against the float64 reference: same contract as the CPU path, every dtype.
+
+Marked ``gpu``: skipped on machines without a CUDA device. Every buffer the kernels write is
+filled with NaN before the launch (``cuflash._gpu.POISON``), so an element left unwritten fails.
+"""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+from helpers import (BFLOAT16, FLOORS, assert_close_to_reference, naive_attention,
+                     naive_attention_backward, to_host)
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    from cuflash import _gpu
+    monkeypatch.setattr(_gpu, "POISON", True)
+
+
+@pytest.fixture(params=["generic"])
+def path(request, monkeypatch):
+    """Run the test once per kernel path this machine has (the fast paths slot in here)."""
+    from cuflash import _gpu
+    monkeypatch.setattr(_gpu, "FORCE_PATH", request.param, raising=False)
+    return request.param
+
+
+def _dtype(name):
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def to_device(host, dtype):
+    """A CuPy array of ``dtype`` holding ``host`` (bfloat16 goes through its bits)."""
+    import cupy
+    host = np.asarray(host).astype(dtype)
+    if dtype == BFLOAT16:
+        return cupy.asarray(host.view(np.uint16)).view(dtype)
+    return cupy.asarray(host)
+
+
+def randn(rng, shape, dtype):
+    return to_device(rng.standard_normal(shape), _dtype(dtype))
+
+
+def check(q, k, v, rng, backward=True, **options):
+    """cuflash on CuPy inputs vs the reference, error within 2x a same-dtype naive baseline."""
+    import cupy
+    dtype = np.dtype(q.dtype)
+    low = dtype != np.float64
+    floor = FLOORS[dtype.name]
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    assert isinstance(out, cupy.ndarray) and out.dtype == dtype
+    assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    qh, kh, vh = (to_host(x) for x in (q, k, v))
+    host_options = {name: to_host(x) if hasattr(x, "device") else x for name, x in options.items()}
+    ref_out, ref_lse = reference.attention(qh, kh, vh, return_lse=True, **host_options)
+    naive = naive_attention(qh, kh, vh, **host_options) if low else (None, None)
+    assert_close_to_reference(out, ref_out, naive[0], floor, "out")
+    assert_close_to_reference(lse, ref_lse, naive[1], floor, "lse")
+    empty = ref_lse == -np.inf
+    assert np.all(to_host(out).astype(np.float64)[empty] == 0)
+    if not backward:
+        return out, lse
+    dout = randn(rng, out.shape, dtype.name)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    douth, outh, lseh = to_host(dout), to_host(out), to_host(lse)
+    ref = reference.attention_backward(douth, qh, kh, vh, outh, lseh, **host_options)
+    base = (naive_attention_backward(douth, qh, kh, vh, outh, lseh, **host_options) if low
+            else (None,) * 3)
+    for name, x, g, r, n in zip(("dq", "dk", "dv"), (q, k, v), grads, ref, base):
+        assert isinstance(g, cupy.ndarray) and g.shape == x.shape and g.dtype == dtype, name
+        assert_close_to_reference(g, r, n, floor * 4, name)
+    return out, lse
+
+
+# (name, q leading dims, k/v leading dims, Nq, Nk, Dk, Dv, options)
+CASES = [
+    ("plain-odd", (2, 3), (2, 3), 97, 113, 64, 64, {}),
+    ("gqa-causal-br", (1, 4), (1, 2), 7, 300, 32, 48, dict(causal=True)),
+    ("nq>nk-causal-br", (2,), (2,), 300, 7, 16, 16, dict(causal=True)),
+    ("nq>nk-causal-tl", (2,), (2,), 300, 7, 16, 16, dict(causal=True, align="top-left")),
+    ("mqa-decode", (3,), (1,), 1, 1025, 128, 128, {}),
+    ("window", (1,), (1,), 200, 200, 96, 96, dict(window=(5, 2))),
+    ("window-left-only-causal", (2,), (2,), 130, 260, 64, 64, dict(window=(17, None), causal=True)),
+    ("kv_lens", (3, 2), (3, 2), 40, 90, 64, 32, dict(kv_lens=np.array([[0], [17], [90]]), causal=True)),
+    ("head-dim-256", (1,), (1,), 130, 70, 256, 256, dict(causal=True, align="top-left")),
+    ("odd-head-dims", (2,), (2,), 33, 65, 5, 97, {}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sweep(case, dtype, rng, path):
+    _, lq, lkv, Nq, Nk, Dk, Dv, options = case
+    q = randn(rng, lq + (Nq, Dk), dtype)
+    k = randn(rng, lkv + (Nk, Dk), dtype)
+    v = randn(rng, lkv + (Nk, Dv), dtype)
+    check(q, k, v, rng, **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_and_bias_with_empty_rows(dtype, rng, path):
+    """A broadcast mask with fully masked rows and columns, plus a broadcast bias."""
+    import cupy
+    Nq, Nk = 70, 150
+    q, k, v = (randn(rng, (2, 3, n, 32), dtype) for n in (Nq, Nk, Nk))
+    mask = rng.random((3, Nq, Nk)) < 0.3
+    mask[:, 5] = False          # empty rows
+    mask[:, :, 64:128] = False  # an empty key tile in the middle of every row
+    bias = rng.standard_normal((Nq, 1)) * 3 + rng.standard_normal((1, Nk))
+    out, lse = check(q, k, v, rng, mask=cupy.asarray(mask), bias=cupy.asarray(bias, np.float32))
+    assert bool((lse[:, :, 5] == -np.inf).all())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if BFLOAT16 is not None else ["float32"])
+def test_strided_and_reversed_inputs(dtype, rng, path):
+    """(B, N, H, D) arrays passed as swapaxes(1, 2), and keys read backwards: no copy needed."""
+    B, N, H, D = 2, 77, 4, 64
+    qkv = randn(rng, (B, N, 3, H, D), dtype)
+    q, k, v = (qkv[:, :, i].swapaxes(1, 2) for i in range(3))
+    k = k[:, :, ::-1]
+    check(q, k, v, rng, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_sizes(dtype, rng):
+    q = randn(rng, (2, 5, 16), dtype)
+    k = randn(rng, (2, 0, 16), dtype)
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    assert out.shape == (2, 5, 16) and bool((out == 0).all()) and bool((lse == -np.inf).all())
+    dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse)
+    assert dq.shape == q.shape and bool((dq == 0).all()) and dk.shape == k.shape
+    out = cuflash.attention(q[:0], k, k)
+    assert out.shape == (0, 5, 16)
+    out = cuflash.attention(q[:, :0], q, q)
+    assert out.shape == (2, 0, 16)
+
+
+def test_mixed_libraries_are_a_type_error(rng):
+    q = randn(rng, (4, 16), "float32")
+    with pytest.raises(TypeError, match="k is a numpy.ndarray"):
+        cuflash.attention(q, to_host(q), q)
+    with pytest.raises(TypeError, match="mask is a numpy.ndarray"):
+        cuflash.attention(q, q, q, mask=np.ones((4, 4), bool))
+
+
+def test_merge_and_vjp_on_device(rng):
+    """merge of two key halves equals attention over all keys; vjp matches attention_backward."""
+    q, k, v = (randn(rng, (2, 33, 32), "float32") for _ in range(3))
+    out_a, lse_a = cuflash.attention(q, k[:, :20], v[:, :20], return_lse=True)
+    out_b, lse_b = cuflash.attention(q, k[:, 20:], v[:, 20:], return_lse=True)
+    out, lse = cuflash.merge(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = reference.attention(*(to_host(x) for x in (q, k, v)), return_lse=True)
+    assert np.abs(to_host(out) - ref_out).max() < 1e-5
+    assert np.abs(to_host(lse) - ref_lse).max() < 1e-5
+    out, vjp = cuflash.attention_vjp(q, k, v, causal=True)
+    dout = randn(rng, out.shape, "float32")
+    for g, h in zip(vjp(dout), cuflash.attention_backward(dout, q, k, v, *cuflash.attention(
+            q, k, v, causal=True, return_lse=True), causal=True)):
+        assert np.array_equal(to_host(g), to_host(h))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence_in_bounded_memory(causal, rng, path):
+    """N = 32k, one head: the N x N float32 scores (4 GiB) would not fit the 1 GiB this test allows."""
+    import cupy
+    N, D = 32768, 64
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    pool.set_limit(size=1 << 30)
+    try:
+        q, k, v = (randn(rng, (1, N, D), "float16") for _ in range(3))
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        cupy.cuda.get_current_stream().synchronize()
+    finally:
+        pool.set_limit(size=0)
+    qh, kh, vh = (to_host(x) for x in (q, k, v))
+    for start in (0, N // 2 - 64, N - 256):  # three blocks of rows against the reference
+        stop = start + 256
+        keys = stop if causal else N  # causal rows [start, stop) see keys < stop, bottom-right
+        ref_out, ref_lse = reference.attention(qh[:, start:stop], kh[:, :keys], vh[:, :keys],
+                                               causal=causal, return_lse=True)
+        naive_out, naive_lse = naive_attention(qh[:, start:stop], kh[:, :keys], vh[:, :keys],
+                                               causal=causal)
+        assert_close_to_reference(out[:, start:stop], ref_out, naive_out, FLOORS["float16"])
+        assert_close_to_reference(lse[:, start:stop], ref_lse, naive_lse, FLOORS["float16"])
