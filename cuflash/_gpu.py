@@ -7,7 +7,7 @@ cost no copies.
 import cupy
 import numpy as np
 
-from . import _broadcast, _launch
+from . import _broadcast, _config, _launch
 from ._validate import element_strides
 
 _Q, _K, _V, _MASK, _BIAS = range(5)
@@ -15,6 +15,40 @@ _Q, _K, _V, _MASK, _BIAS = range(5)
 # Tests set this to fill every buffer the kernels write with NaN first, proving that each element
 # is written (CuPy's pool would otherwise hand back whatever memory held before).
 POISON = False
+
+
+# Tests set this to run every problem a path can take on that path ("generic" forces the generic
+# kernels everywhere); None lets forward_path choose.
+FORCE_PATH = None
+
+_MAX_SM80_LEN = 1 << 29  # fwd_sm80's 32-bit visibility arithmetic is exact below this
+
+
+def _sm80_fits(p):
+    """Whether the tensor-core forward takes this Problem (kernels_cu/fwd_sm80.cu, Requirements)."""
+    if p.dtype.name not in _config.SM80_DTYPES or p.Dk != p.Dv or p.Dk not in _config.SM80_HEAD_DIMS:
+        return False
+    if not p.scale > 0 or max(p.Nq, p.Nk) > _MAX_SM80_LEN:
+        return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
+    device = cupy.cuda.Device()
+    if int(device.compute_capability) < 80:
+        return False
+    has_mb = p.mask is not None or p.bias is not None
+    if _config.sm80_smem_bytes(p.Dk, has_mb) > device.attributes["MaxSharedMemoryPerBlockOptin"]:
+        return False
+    for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
+        strides = element_strides(x)
+        # 16-byte cp.async: unit innermost stride, rows and matrices 8 elements apart, aligned base
+        if strides[-1] != 1 or strides[-2] % 8 or x.data.ptr % 16 or np.any(offsets % 8):
+            return False
+    return True
+
+
+def forward_path(p):
+    """'sm80' (tensor cores) when the Problem fits it, else 'generic'."""
+    if FORCE_PATH == "generic":
+        return "generic"
+    return "sm80" if _sm80_fits(p) else "generic"
 
 
 def _empty(shape, dtype):
@@ -62,7 +96,8 @@ def forward(p):
         args = _Args(p)
         out = _empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
         lse = _empty((p.BH, p.Nq), dtype=p.acc_dtype)
-        _launch.launch_fwd(p.q, p.k, p.v, out, lse, **args.common(p))
+        launch = _launch.launch_fwd_sm80 if forward_path(p) == "sm80" else _launch.launch_fwd
+        launch(p.q, p.k, p.v, out, lse, **args.common(p))
         return out, lse
 
 

@@ -22,11 +22,11 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(_gpu, "POISON", True)
 
 
-@pytest.fixture(params=["generic"])
+@pytest.fixture(params=["generic", "auto"])
 def path(request, monkeypatch):
-    """Run the test once per kernel path this machine has (the fast paths slot in here)."""
+    """Run the test once on the generic kernels and once on the fastest path that takes it."""
     from cuflash import _gpu
-    monkeypatch.setattr(_gpu, "FORCE_PATH", request.param, raising=False)
+    monkeypatch.setattr(_gpu, "FORCE_PATH", None if request.param == "auto" else request.param)
     return request.param
 
 
@@ -189,3 +189,13 @@ def test_long_sequence_in_bounded_memory(causal, rng, path):
                                                causal=causal)
         assert_close_to_reference(out[:, start:stop], ref_out, naive_out, FLOORS["float16"])
         assert_close_to_reference(lse[:, start:stop], ref_lse, naive_lse, FLOORS["float16"])
+
+
+def test_fast_path_is_chosen_where_it_applies(rng):
+    """The 'auto' runs above test the tensor-core path only if dispatch really picks it."""
+    from cuflash import _gpu, _validate
+    q, k, v = (randn(rng, (2, 4, 256, 128), "bfloat16") for _ in range(3))
+    assert _gpu.forward_path(_validate.make_problem(q, k, v, causal=True)) == "sm80"
+    q32 = randn(rng, (2, 4, 256, 128), "float32")
+    assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "generic"
+    assert _gpu.forward_path(_validate.make_problem(q[..., :80], k[..., :80], v[..., :80])) == "generic"

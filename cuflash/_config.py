@@ -1,0 +1,233 @@
+"""The one config table: dtypes, head-dim buckets, tile sizes, kernel instantiations.
+
+Everything the host needs to name, size and launch a kernel lives here, and nowhere else:
+
+* dtype -> (C storage type, C accumulator type); the accumulator is float, double for float64;
+* head-dim buckets: a kernel is compiled for HEAD_DIM = the smallest bucket >= max(Dk, Dv);
+* tile sizes per (path, kernel, accumulator, bucket), passed to the kernels as template arguments
+  (so this table is their single source), and the shared-memory size each layout needs.
+
+The number of instantiations is bounded on purpose: 4 dtypes x 4 buckets x 3 main kernels, plus
+one preprocess kernel per dtype (52 generic), plus 24 tensor-core forwards (below). Runtime options (causal,
+window, kv_lens, mask, bias, alignment) are kernel arguments, not template parameters: in the
+generic path they only decide which tiles are visited and a per-element test, never the inner loop.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+MAX_HEAD_DIM = 256
+HEAD_DIM_BUCKETS = (32, 64, 128, 256)
+
+# Threads per block of every generic kernel: 16 row groups of 8 lanes (kernels_cu/common.cuh
+# NUM_THREADS; the kernels are written for exactly this layout).
+GENERIC_THREADS = 128
+
+# The largest dynamic shared memory a block may ask for on sm_80 (the smallest opt-in of the
+# supported architectures that matter; sm_90 allows 227 KiB). Every generic layout fits in it.
+SMEM_LIMIT_SM80 = 163 * 1024
+SMEM_DEFAULT_LIMIT = 48 * 1024
+
+# Source file of each kernel family, in kernels_cu/.
+SOURCES = {
+    "fwd": "fwd_generic.cu",
+    "bwd_preprocess": "bwd_generic.cu",
+    "bwd_dkdv": "bwd_generic.cu",
+    "bwd_dq": "bwd_generic.cu",
+}
+_KERNEL_NAMES = {
+    "fwd": "fwd_generic",
+    "bwd_preprocess": "bwd_preprocess",
+    "bwd_dkdv": "bwd_dkdv",
+    "bwd_dq": "bwd_dq",
+}
+# Kernels that have a head-dim bucket and tiles (the preprocess kernel has neither).
+TILED_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+
+# (path, kernel, acc C type, bucket) -> (BLOCK_M, BLOCK_N): BLOCK_M query rows, BLOCK_N key rows.
+# Constraints of the generic layout: the kernel's "own" rows (queries in fwd/dq, keys in dkdv) are
+# a multiple of 16 and the "lane" rows a multiple of 8. Sizes keep the register accumulators within
+# budget (no spills up to HEAD_DIM 128; tests/test_build.py checks it) and the shared memory within
+# SMEM_LIMIT_SM80 for double at HEAD_DIM 256.
+TILES = {}
+for _bucket, _f, _d in (
+    (32, (32, 64), (32, 32)),
+    (64, (32, 64), (32, 32)),
+    (128, (32, 64), (16, 32)),
+    (256, (32, 32), (16, 32)),
+):
+    TILES[("generic", "fwd", "float", _bucket)] = _f
+    TILES[("generic", "fwd", "double", _bucket)] = _d
+for _bucket, _f, _d in (
+    (32, (32, 32), (32, 32)),
+    (64, (32, 32), (32, 32)),
+    (128, (32, 32), (16, 16)),
+    (256, (32, 16), (16, 16)),
+):
+    TILES[("generic", "bwd_dkdv", "float", _bucket)] = _f
+    TILES[("generic", "bwd_dkdv", "double", _bucket)] = _d
+for _bucket, _f, _d in (
+    (32, (32, 64), (32, 32)),
+    (64, (32, 64), (32, 32)),
+    (128, (32, 32), (16, 32)),
+    (256, (32, 16), (16, 16)),
+):
+    TILES[("generic", "bwd_dq", "float", _bucket)] = _f
+    TILES[("generic", "bwd_dq", "double", _bucket)] = _d
+del _bucket, _f, _d
+
+
+# ---- tensor-core forward (kernels_cu/fwd_sm80.cu): float16 / bfloat16, sm_80+, Dk == Dv --------
+#
+# Sm80Tile: BLOCK_M = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp:
+# 2 when Q is re-read from shared memory by ldmatrix, 1 when Q sits in registers), BLOCK_N keys per
+# tile, a STAGES-deep cp.async ring for K and V, and the __launch_bounds__ minimum blocks per SM.
+# Chosen by ptxas reports and H200 measurements (bf16, tools/tc_fwd_check.py --variants; TFLOP/s
+# at N=16k non-causal / causal; torch SDPA flash 352 / 320 at D=128, 301 / 292 at D=64):
+#   D=128 128x32  4 warps Q smem 2 stages  255 regs / 0 spill  325 / 300   <- chosen (2 blocks/SM)
+#   D=128 128x32  4 warps Q smem 3 stages  255 / 0             318 / 297
+#   D=128 128x64  4 warps Q smem           255 / 48 spill (FA2's tile)     rejected
+#   D=128 128x64  8 warps Q regs 2-3 stg.  209 / 0             251-273 / 257-277 (1 block/SM)
+#   D=128  64x64  4 warps Q regs           209 / 0             267 / 278
+#   D=64  128x64  4 warps Q smem 2 stages  233 / 0             311 / 296   <- chosen
+#   D=64  128x64  4 warps Q smem 3 stages  230 / 0             309 / 297
+#   D=64  128x32  4 warps Q smem           182 / 0             264 / 257
+#   D=64   64x128 4 warps Q regs           212 / 0             246 / 247
+#   D=64  128x128 4 warps Q smem           255 / 56 spill                  rejected
+# A boolean mask or a bias (HAS_MB) adds ~25 registers: those use 64-row tiles (D=256: 64x32,
+# 64x64 spills). D=32/96/192/256 were chosen from register and shared-memory counts, not timed yet.
+# Instantiations: 2 dtypes x 6 head dims x (with, without mask/bias) = 24.
+Sm80Tile = namedtuple("Sm80Tile", "block_m block_n warps stages q_in_regs min_blocks")
+SM80_DTYPES = ("float16", "bfloat16")
+SM80_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+SM80_TILES = {
+    # (head dim, has mask or bias) -> tile
+    (32, False): Sm80Tile(128, 128, 4, 2, True, 2),
+    (64, False): Sm80Tile(128, 64, 4, 2, False, 2),
+    (96, False): Sm80Tile(128, 64, 8, 2, True, 1),
+    (128, False): Sm80Tile(128, 32, 4, 2, False, 2),
+    (192, False): Sm80Tile(64, 64, 4, 2, False, 1),
+    (256, False): Sm80Tile(64, 64, 4, 2, False, 1),
+    (32, True): Sm80Tile(64, 64, 4, 2, True, 2),
+    (64, True): Sm80Tile(64, 64, 4, 2, True, 2),
+    (96, True): Sm80Tile(64, 64, 4, 2, True, 2),
+    (128, True): Sm80Tile(64, 64, 4, 2, True, 2),
+    (192, True): Sm80Tile(64, 64, 4, 2, False, 1),
+    (256, True): Sm80Tile(64, 32, 4, 2, False, 1),
+}
+SOURCES["fwd_sm80"] = "fwd_sm80.cu"
+_KERNEL_NAMES["fwd_sm80"] = "fwd_sm80"
+
+
+def sm80_smem_bytes(head_dim, has_mb):
+    """Q tile plus STAGES K and V tiles of 16-bit elements, rows padded by 8 elements."""
+    t = SM80_TILES[(head_dim, has_mb)]
+    return (t.block_m + 2 * t.stages * t.block_n) * (head_dim + 8) * 2
+
+
+def sm80_name_expression(dtype, head_dim, has_mb):
+    t = SM80_TILES[(head_dim, has_mb)]
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return (f"fwd_sm80<{c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
+            f"{t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}>")
+
+
+def _bfloat16():
+    try:
+        import ml_dtypes
+    except ImportError:  # bfloat16 is then simply unavailable
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def supported_dtype_names():
+    return ("float16", "bfloat16", "float32", "float64")
+
+
+def accumulator_dtype(dtype):
+    """float64 inputs accumulate in float64, every other dtype in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+# dtype name -> (storage C type, accumulator C type); the C types are defined in common.cuh.
+_C_TYPES = {
+    "float16": ("half_t", "float"),
+    "bfloat16": ("bf16_t", "float"),
+    "float32": ("float", "float"),
+    "float64": ("double", "double"),
+}
+_C_SIZES = {"float": 4, "double": 8}
+
+
+def _dtype_name(dtype):
+    if isinstance(dtype, str) and dtype in _C_TYPES:
+        return dtype
+    dt = np.dtype(dtype)
+    bf16 = _bfloat16()
+    if bf16 is not None and dt == bf16:
+        return "bfloat16"
+    if dt.name in _C_TYPES and dt.name != "bfloat16":
+        return dt.name
+    raise TypeError(f"no kernel for dtype {dt}; supported: {', '.join(supported_dtype_names())}")
+
+
+def c_types(dtype):
+    """(storage C type, accumulator C type) of a supported dtype (or dtype name)."""
+    return _C_TYPES[_dtype_name(dtype)]
+
+
+def head_dim_bucket(Dk, Dv):
+    """The smallest bucket >= max(Dk, Dv)."""
+    d = max(int(Dk), int(Dv), 1)
+    for b in HEAD_DIM_BUCKETS:
+        if d <= b:
+            return b
+    raise ValueError(f"head dims must be at most {MAX_HEAD_DIM}, got Dk={Dk}, Dv={Dv}")
+
+
+def tiles(kernel, acc_ctype, bucket, path="generic"):
+    """(BLOCK_M, BLOCK_N) of a tiled kernel."""
+    return TILES[(path, kernel, acc_ctype, bucket)]
+
+
+def smem_bytes(kernel, acc_ctype, bucket, path="generic"):
+    """Dynamic shared memory of one block; mirrors the layout comment at the top of each kernel."""
+    if kernel == "bwd_preprocess":
+        return 0
+    bm, bn = tiles(kernel, acc_ctype, bucket, path)
+    ld = bucket + 1
+    if kernel == "fwd":  # Q [BM][LD], K|V [BN][LD], P [BM][BN+1]
+        n = bm * ld + bn * ld + bm * (bn + 1)
+    elif kernel == "bwd_dkdv":  # K, V [BN][LD], Q, dO [BM][LD], P^T, dS^T [BN][BM+1], lse, delta [BM]
+        n = 2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 2 * bm
+    elif kernel == "bwd_dq":  # Q, dO [BM][LD], K, V [BN][LD], dS [BM][BN+1]
+        n = 2 * bm * ld + 2 * bn * ld + bm * (bn + 1)
+    else:
+        raise KeyError(kernel)
+    return n * _C_SIZES[acc_ctype]
+
+
+def name_expression(kernel, dtype, bucket=None, path="generic"):
+    """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'."""
+    t, acc = c_types(dtype)
+    name = _KERNEL_NAMES[kernel]
+    if kernel == "bwd_preprocess":
+        return f"{name}<{t}, {acc}>"
+    bm, bn = tiles(kernel, acc, bucket, path)
+    return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}>"
+
+
+def all_instantiations():
+    """Every (kernel, dtype name, bucket or None, source file, name expression) the package can request."""
+    out = []
+    for dt in supported_dtype_names():
+        for kernel in TILED_KERNELS:
+            for b in HEAD_DIM_BUCKETS:
+                out.append((kernel, dt, b, SOURCES[kernel], name_expression(kernel, dt, b)))
+        out.append(("bwd_preprocess", dt, None, SOURCES["bwd_preprocess"],
+                    name_expression("bwd_preprocess", dt)))
+    for dt in SM80_DTYPES:
+        for (head_dim, has_mb) in SM80_TILES:
+            out.append(("fwd_sm80", dt, head_dim, SOURCES["fwd_sm80"],
+                        sm80_name_expression(dt, head_dim, has_mb)))
+    return out

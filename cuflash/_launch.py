@@ -1,0 +1,135 @@
+"""One launcher per kernel: grid, block, shared memory, and typed arguments in the C order.
+
+CuPy does not check kernel arguments and turns a Python float into a C double, so every scalar is
+passed as an explicit NumPy scalar of the C parameter's type, and absent arrays as a null pointer.
+Launches go to the current CuPy stream; nothing here synchronizes. Callers (``_gpu.py``) pass
+arrays that already satisfy DESIGN.md "Kernel ABI" (dtypes, contiguity, offsets); nothing is
+checked again here.
+"""
+import numpy as np
+
+from . import _config, _kernels
+
+_NULL = np.uint64(0)  # a null device pointer (8 bytes, as CuPy passes array pointers)
+_MAX_GRID_Y = 65535
+_MAX_GRID_X = 2**31 - 1
+_smem_set = {}  # id(kernel) -> largest max_dynamic_shared_size_bytes already set
+
+
+def _ptr(a):
+    return _NULL if a is None else a
+
+
+def _bh_grid(tiles, BH):
+    """(x, y, z): x = tile index, y * z >= BH (the kernels flatten bh = z * gridDim.y + y)."""
+    y = min(BH, _MAX_GRID_Y)
+    z = -(-BH // y)
+    if tiles > _MAX_GRID_X or z > _MAX_GRID_Y:
+        raise ValueError(f"problem too large for one launch: {tiles} tiles x {BH} batch*heads")
+    return (tiles, y, z)
+
+
+def _opt_in(kern, smem):
+    """Raise the kernel's dynamic shared-memory limit when it needs more than 48 KiB."""
+    if smem > _config.SMEM_DEFAULT_LIMIT and _smem_set.get(id(kern), 0) < smem:
+        kern.max_dynamic_shared_size_bytes = smem
+        _smem_set[id(kern)] = smem
+
+
+def _prepare(kernel_name, dtype, bucket):
+    """The compiled kernel, its (BLOCK_M, BLOCK_N) and its dynamic shared memory, opted in if > 48 KiB."""
+    acc = _config.c_types(dtype)[1]
+    kern = _kernels.get_kernel(kernel_name, dtype, bucket)
+    smem = _config.smem_bytes(kernel_name, acc, bucket)
+    _opt_in(kern, smem)
+    return kern, _config.tiles(kernel_name, acc, bucket), smem
+
+
+def _scale(dtype, scale):
+    return np.float64(scale) if _config.c_types(dtype)[1] == "double" else np.float32(scale)
+
+
+def _main_args(offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs,
+               bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, dtype):
+    """The arguments every main kernel takes after its own tensors, in the C order."""
+    i64, i32 = np.int64, np.int32
+    return (offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens),
+            i64(q_rs), i64(k_rs), i64(v_rs), i64(mask_rs), i64(mask_cs), i64(bias_rs),
+            i64(bias_cs), i32(BH), i32(Nq), i32(Nk), i32(Dk), i32(Dv), _scale(dtype, scale),
+            i32(left), i32(right), i32(bool(bottom_right)))
+
+
+def launch_fwd(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
+               mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right):
+    """fwd_generic: out (BH, Nq, Dv) of q.dtype and lse (BH, Nq) of the accumulator dtype."""
+    if BH == 0 or Nq == 0:
+        return
+    bucket = _config.head_dim_bucket(Dk, Dv)
+    kern, (bm, _), smem = _prepare("fwd", q.dtype, bucket)
+    grid = _bh_grid(-(-Nq // bm), BH)
+    args = (q, k, v, out, lse) + _main_args(
+        offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
+        BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
+    kern(grid, (_config.GENERIC_THREADS,), args, shared_mem=smem)
+
+
+def launch_fwd_sm80(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
+                    mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
+                    bottom_right):
+    """fwd_sm80 (tensor cores): the generic forward's arguments; lse is float32."""
+    if BH == 0 or Nq == 0:
+        return
+    has_mb = mask is not None or bias is not None
+    tile = _config.SM80_TILES[(Dk, has_mb)]
+    kern = _kernels.get_function(_config.SOURCES["fwd_sm80"],
+                                 _config.sm80_name_expression(q.dtype, Dk, has_mb))
+    smem = _config.sm80_smem_bytes(Dk, has_mb)
+    _opt_in(kern, smem)
+    # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
+    blocks = -(-Nq // tile.block_m) * BH
+    if blocks > _MAX_GRID_X:
+        raise ValueError(f"problem too large for one launch: {blocks} blocks")
+    args = (q, k, v, out, lse) + _main_args(
+        offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
+        BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
+    kern((blocks,), (tile.warps * 32,), args, shared_mem=smem)
+
+
+def launch_bwd_preprocess(dout, out, delta, rows, Dv):
+    """bwd_preprocess: delta (rows,) = rowsum(dout * out); dout, out contiguous (rows, Dv)."""
+    if rows == 0:
+        return
+    kern = _kernels.get_kernel("bwd_preprocess", dout.dtype)
+    rows_per_block = _config.GENERIC_THREADS // 32  # one warp per row
+    blocks = min(-(-rows // rows_per_block), _MAX_GRID_X)  # the kernel loops beyond that
+    kern((blocks,), (_config.GENERIC_THREADS,), (dout, out, delta, np.int64(rows), np.int32(Dv)))
+
+
+def launch_bwd_dkdv(q, k, v, dout, lse, delta, dk_acc, dv_acc, offsets, mask, bias, kv_lens,
+                    q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv,
+                    scale, left, right, bottom_right):
+    """bwd_dkdv: dk_acc (BH, Nk, Dk) and dv_acc (BH, Nk, Dv) in the accumulator dtype, every element."""
+    if BH == 0 or Nk == 0:
+        return
+    bucket = _config.head_dim_bucket(Dk, Dv)
+    kern, (_, bn), smem = _prepare("bwd_dkdv", q.dtype, bucket)
+    grid = _bh_grid(-(-Nk // bn), BH)
+    args = (q, k, v, dout, lse, delta, dk_acc, dv_acc) + _main_args(
+        offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
+        BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
+    kern(grid, (_config.GENERIC_THREADS,), args, shared_mem=smem)
+
+
+def launch_bwd_dq(q, k, v, dout, lse, delta, dq_acc, offsets, mask, bias, kv_lens, q_rs, k_rs,
+                  v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left,
+                  right, bottom_right):
+    """bwd_dq: dq_acc (BH, Nq, Dk) in the accumulator dtype, every element."""
+    if BH == 0 or Nq == 0:
+        return
+    bucket = _config.head_dim_bucket(Dk, Dv)
+    kern, (bm, _), smem = _prepare("bwd_dq", q.dtype, bucket)
+    grid = _bh_grid(-(-Nq // bm), BH)
+    args = (q, k, v, dout, lse, delta, dq_acc) + _main_args(
+        offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
+        BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
+    kern(grid, (_config.GENERIC_THREADS,), args, shared_mem=smem)

@@ -1,0 +1,366 @@
+// bwd_generic.cu: exact attention backward on CUDA cores (SIMT), any sm_70+.
+//
+// Two passes instead of atomics (deterministic by construction; DESIGN.md "Kernel ABI"):
+//   bwd_preprocess  delta = rowsum(dO * O)
+//   bwd_dkdv        one block per key tile:   dV = P^T dO,  dK = scale * dS^T Q
+//   bwd_dq          one block per query tile: dQ = scale * dS K
+// with P = exp(s - lse) where visible and lse > -inf (else 0), dS = P * (dP - delta), dP = dO V^T.
+// Every output element is written (zeros where nothing contributes): the host allocates with empty().
+// Thread layout as in fwd_generic.cu: a row (key row in dkdv, query row in dq) belongs to 8 lanes.
+#include "common.cuh"
+#include "mask.cuh"
+
+// delta[row] = sum_c dout[row, c] * out[row, c]; one warp per row, both inputs contiguous (rows, Dv).
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
+bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, Acc* __restrict__ delta,
+               long long rows, int Dv) {
+  constexpr int WARPS = NUM_THREADS / 32;
+  const int lane = threadIdx.x % 32;
+  const long long first = static_cast<long long>(blockIdx.x) * WARPS + threadIdx.x / 32;
+  const long long stride = static_cast<long long>(gridDim.x) * WARPS;
+  for (long long row = first; row < rows; row += stride) {
+    const T* d = dout + row * Dv;
+    const T* o = out + row * Dv;
+    Acc sum = Acc(0);
+    for (int c = lane; c < Dv; c += 32) sum += to_acc(d[c]) * to_acc(o[c]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, offset);
+    if (lane == 0) delta[row] = sum;
+  }
+}
+
+// Per-(batch, head) pointers and predicate inputs shared by the two main backward kernels.
+template <typename T, typename Acc>
+struct BwdHead {
+  const T *q, *k, *v, *dout;
+  const Acc *lse, *delta;
+  MaskBias<Acc> mb;
+  Window w;
+};
+
+template <typename T, typename Acc>
+__device__ __forceinline__ BwdHead<T, Acc> bwd_head(
+    long long bh, const T* q, const T* k, const T* v, const T* dout, const Acc* lse,
+    const Acc* delta, const long long* offsets, const unsigned char* mask, const Acc* bias,
+    const long long* kv_lens, long long mask_rs, long long mask_cs, long long bias_rs,
+    long long bias_cs, int BH, int Nq, int Nk, int Dv, int left, int right, int bottom_right) {
+  BwdHead<T, Acc> h;
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  h.w = make_window(Nq, L, left, right, bottom_right);
+  h.q = q + offsets[0 * BH + bh];
+  h.k = k + offsets[1 * BH + bh];
+  h.v = v + offsets[2 * BH + bh];
+  h.dout = dout + bh * Nq * Dv;
+  h.lse = lse + bh * Nq;
+  h.delta = delta + bh * Nq;
+  h.mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  h.mb.mask_rs = mask_rs;
+  h.mb.mask_cs = mask_cs;
+  h.mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  h.mb.bias_rs = bias_rs;
+  h.mb.bias_cs = bias_cs;
+  return h;
+}
+
+// P for one (query i, key j) pair from its unscaled score; 0 where invisible or the row is empty.
+template <typename Acc>
+__device__ __forceinline__ Acc recompute_p(Acc s, Acc scale, long long i, long long j,
+                                           const Window& w, Acc lse_i, const MaskBias<Acc>& mb) {
+  if (!(lse_i > NEG_INF)) return Acc(0);
+  const Acc x = masked_logit(s * scale, i, j, key_range(w, i), mb);
+  return (x > NEG_INF) ? acc_exp(x - lse_i) : Acc(0);
+}
+
+// Grid: x = key tile (BLOCK_N keys), (y, z) = batch*head. Each block walks only the query tiles
+// that can see its key tile (tile_query_range) and writes dk_acc (BH, Nk, Dk), dv_acc (BH, Nk, Dv).
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
+bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+         const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
+         Acc* __restrict__ dk_acc, Acc* __restrict__ dv_acc,
+         const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
+         const Acc* __restrict__ bias, const long long* __restrict__ kv_lens, long long q_rs,
+         long long k_rs, long long v_rs, long long mask_rs, long long mask_cs, long long bias_rs,
+         long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, Acc scale, int left,
+         int right, int bottom_right) {
+  static_assert(BLOCK_N % ROW_GROUPS == 0 && BLOCK_M % LANES_PER_ROW == 0, "tile shape");
+  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
+  constexpr int ROWS = BLOCK_N / ROW_GROUPS;      // key rows per thread
+  constexpr int QUERIES = BLOCK_M / LANES_PER_ROW; // queries per thread per tile
+  constexpr int COLS = HEAD_DIM / LANES_PER_ROW;
+  constexpr int LD = HEAD_DIM + 1;
+  constexpr int LDP = BLOCK_M + 1;
+
+  const long long bh = block_bh();
+  if (bh >= BH) return;
+  const long long j0 = static_cast<long long>(blockIdx.x) * BLOCK_N;
+  const long long j_end = (j0 + BLOCK_N < Nk) ? j0 + BLOCK_N : Nk;
+
+  // Shared layout (mirrored by _config.smem_bytes): K, V [BLOCK_N][LD], Q, dO [BLOCK_M][LD],
+  // P^T, dS^T [BLOCK_N][LDP], lse, delta [BLOCK_M].
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Acc* Ks = reinterpret_cast<Acc*>(smem_raw);
+  Acc* Vs = Ks + BLOCK_N * LD;
+  Acc* Qs = Vs + BLOCK_N * LD;
+  Acc* dOs = Qs + BLOCK_M * LD;
+  Acc* Ps = dOs + BLOCK_M * LD;
+  Acc* dSs = Ps + BLOCK_N * LDP;
+  Acc* lse_s = dSs + BLOCK_N * LDP;
+  Acc* delta_s = lse_s + BLOCK_M;
+
+  const int group = threadIdx.x / LANES_PER_ROW;
+  const int lane = threadIdx.x % LANES_PER_ROW;
+  const BwdHead<T, Acc> h = bwd_head(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens,
+                                     mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, left,
+                                     right, bottom_right);
+
+  Acc dk[ROWS][COLS], dv[ROWS][COLS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) dk[r][c] = dv[r][c] = Acc(0);
+
+  // Keys >= L are invisible: tile_query_range returns an empty range for them.
+  const KeyRange qr = tile_query_range(h.w, j0, j_end - 1, Nq);
+  if (qr.lo <= qr.hi) {
+    load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Ks, h.k, k_rs, j0, j_end, Dk);
+    load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Vs, h.v, v_rs, j0, j_end, Dv);
+  }
+  for (long long i0 = qr.lo; i0 <= qr.hi; i0 += BLOCK_M) {
+    const long long i_end = (i0 + BLOCK_M <= qr.hi) ? i0 + BLOCK_M : qr.hi + 1;
+    __syncthreads();  // previous tile's accumulation finished with Q, dO, P, dS
+    load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
+    load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);
+    for (int t = threadIdx.x; t < BLOCK_M; t += NUM_THREADS) {
+      const bool in = i0 + t < i_end;
+      lse_s[t] = in ? h.lse[i0 + t] : NEG_INF;  // -inf: padding rows contribute nothing
+      delta_s[t] = in ? h.delta[i0 + t] : Acc(0);
+    }
+    __syncthreads();
+
+    // S^T = K Q^T and dP^T = V dO^T for this thread's keys and queries.
+    Acc s[ROWS][QUERIES], dp[ROWS][QUERIES];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int ii = 0; ii < QUERIES; ++ii) s[r][ii] = dp[r][ii] = Acc(0);
+#pragma unroll 4
+    for (int d = 0; d < Dk; ++d) {
+      Acc qd[QUERIES];
+#pragma unroll
+      for (int ii = 0; ii < QUERIES; ++ii) qd[ii] = Qs[(lane + LANES_PER_ROW * ii) * LD + d];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const Acc kd = Ks[(group + ROW_GROUPS * r) * LD + d];
+#pragma unroll
+        for (int ii = 0; ii < QUERIES; ++ii) s[r][ii] += kd * qd[ii];
+      }
+    }
+#pragma unroll 4
+    for (int d = 0; d < Dv; ++d) {
+      Acc od[QUERIES];
+#pragma unroll
+      for (int ii = 0; ii < QUERIES; ++ii) od[ii] = dOs[(lane + LANES_PER_ROW * ii) * LD + d];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const Acc vd = Vs[(group + ROW_GROUPS * r) * LD + d];
+#pragma unroll
+        for (int ii = 0; ii < QUERIES; ++ii) dp[r][ii] += vd * od[ii];
+      }
+    }
+
+    // P and dS = P * (dP - delta), staged transposed (key-major) for the two products below.
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int jr = group + ROW_GROUPS * r;
+      const long long j = j0 + jr;
+#pragma unroll
+      for (int ii = 0; ii < QUERIES; ++ii) {
+        const int ir = lane + LANES_PER_ROW * ii;
+        const long long i = i0 + ir;
+        Acc p = Acc(0);
+        if (j < j_end) p = recompute_p(s[r][ii], scale, i, j, h.w, lse_s[ir], h.mb);
+        Ps[jr * LDP + ir] = p;
+        dSs[jr * LDP + ir] = p * (dp[r][ii] - delta_s[ir]);
+      }
+    }
+    __syncthreads();
+
+    // dV += P^T dO,  dK += dS^T Q (scale applied at the end).
+    const int n_queries = static_cast<int>(i_end - i0);
+#pragma unroll 2
+    for (int ii = 0; ii < n_queries; ++ii) {
+      Acc od[COLS], qd[COLS];
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) {
+        od[c] = dOs[ii * LD + lane + LANES_PER_ROW * c];
+        qd[c] = Qs[ii * LD + lane + LANES_PER_ROW * c];
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int jr = group + ROW_GROUPS * r;
+        const Acc p = Ps[jr * LDP + ii];
+        const Acc ds = dSs[jr * LDP + ii];
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+          dv[r][c] += p * od[c];
+          dk[r][c] += ds * qd[c];
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const long long j = j0 + group + ROW_GROUPS * r;
+    if (j >= j_end) continue;
+    Acc* dk_row = dk_acc + (bh * Nk + j) * Dk;
+    Acc* dv_row = dv_acc + (bh * Nk + j) * Dv;
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      const int col = lane + LANES_PER_ROW * c;
+      if (col < Dk) dk_row[col] = dk[r][c] * scale;
+      if (col < Dv) dv_row[col] = dv[r][c];
+    }
+  }
+}
+
+// Grid: x = query tile (BLOCK_M queries), (y, z) = batch*head. Walks the key tiles the query tile
+// can see (tile_key_range) and writes dq_acc (BH, Nq, Dk) = scale * dS K.
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
+bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+       const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
+       Acc* __restrict__ dq_acc, const long long* __restrict__ offsets,
+       const unsigned char* __restrict__ mask, const Acc* __restrict__ bias,
+       const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
+       long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
+       int Nq, int Nk, int Dk, int Dv, Acc scale, int left, int right, int bottom_right) {
+  static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
+  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
+  constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread
+  constexpr int KEYS = BLOCK_N / LANES_PER_ROW;  // keys per thread per tile
+  constexpr int COLS = HEAD_DIM / LANES_PER_ROW;
+  constexpr int LD = HEAD_DIM + 1;
+  constexpr int LDP = BLOCK_N + 1;
+
+  const long long bh = block_bh();
+  if (bh >= BH) return;
+  const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
+  const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
+
+  // Shared layout (mirrored by _config.smem_bytes): Q, dO [BLOCK_M][LD], K, V [BLOCK_N][LD],
+  // dS [BLOCK_M][LDP].
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Acc* Qs = reinterpret_cast<Acc*>(smem_raw);
+  Acc* dOs = Qs + BLOCK_M * LD;
+  Acc* Ks = dOs + BLOCK_M * LD;
+  Acc* Vs = Ks + BLOCK_N * LD;
+  Acc* dSs = Vs + BLOCK_N * LD;
+
+  const int group = threadIdx.x / LANES_PER_ROW;
+  const int lane = threadIdx.x % LANES_PER_ROW;
+  const BwdHead<T, Acc> h = bwd_head(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens,
+                                     mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, left,
+                                     right, bottom_right);
+
+  load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
+  load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);
+
+  Acc lse_r[ROWS], delta_r[ROWS], dq[ROWS][COLS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const long long i = i0 + group + ROW_GROUPS * r;
+    lse_r[r] = (i < i_end) ? h.lse[i] : NEG_INF;  // -inf: padding rows contribute nothing
+    delta_r[r] = (i < i_end) ? h.delta[i] : Acc(0);
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) dq[r][c] = Acc(0);
+  }
+
+  const KeyRange tile = tile_key_range(h.w, i0, i_end - 1);
+  for (long long j0 = tile.lo; j0 <= tile.hi; j0 += BLOCK_N) {
+    const long long j_end = (j0 + BLOCK_N <= tile.hi) ? j0 + BLOCK_N : tile.hi + 1;
+    __syncthreads();  // previous tile's accumulation finished with K and dS
+    load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Ks, h.k, k_rs, j0, j_end, Dk);
+    load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Vs, h.v, v_rs, j0, j_end, Dv);
+    __syncthreads();
+
+    // S = Q K^T and dP = dO V^T for this thread's queries and keys.
+    Acc s[ROWS][KEYS], dp[ROWS][KEYS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = dp[r][jj] = Acc(0);
+#pragma unroll 4
+    for (int d = 0; d < Dk; ++d) {
+      Acc kd[KEYS];
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) kd[jj] = Ks[(lane + LANES_PER_ROW * jj) * LD + d];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const Acc qd = Qs[(group + ROW_GROUPS * r) * LD + d];
+#pragma unroll
+        for (int jj = 0; jj < KEYS; ++jj) s[r][jj] += qd * kd[jj];
+      }
+    }
+#pragma unroll 4
+    for (int d = 0; d < Dv; ++d) {
+      Acc vd[KEYS];
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) vd[jj] = Vs[(lane + LANES_PER_ROW * jj) * LD + d];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const Acc od = dOs[(group + ROW_GROUPS * r) * LD + d];
+#pragma unroll
+        for (int jj = 0; jj < KEYS; ++jj) dp[r][jj] += od * vd[jj];
+      }
+    }
+
+    // dS = P * (dP - delta), staged through shared memory for the dS K product.
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int ir = group + ROW_GROUPS * r;
+      const long long i = i0 + ir;
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) {
+        const long long j = j0 + lane + LANES_PER_ROW * jj;
+        Acc ds = Acc(0);
+        if (j < j_end) {
+          const Acc p = recompute_p(s[r][jj], scale, i, j, h.w, lse_r[r], h.mb);
+          ds = p * (dp[r][jj] - delta_r[r]);
+        }
+        dSs[ir * LDP + lane + LANES_PER_ROW * jj] = ds;
+      }
+    }
+    __syncthreads();
+
+    // dQ += dS K (scale applied at the end).
+    const int n_keys = static_cast<int>(j_end - j0);
+#pragma unroll 2
+    for (int jj = 0; jj < n_keys; ++jj) {
+      Acc kc[COLS];
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) kc[c] = Ks[jj * LD + lane + LANES_PER_ROW * c];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const Acc ds = dSs[(group + ROW_GROUPS * r) * LDP + jj];
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) dq[r][c] += ds * kc[c];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const long long i = i0 + group + ROW_GROUPS * r;
+    if (i >= i_end) continue;
+    Acc* dq_row = dq_acc + (bh * Nq + i) * Dk;
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      const int col = lane + LANES_PER_ROW * c;
+      if (col < Dk) dq_row[col] = dq[r][c] * scale;
+    }
+  }
+}

@@ -1,0 +1,175 @@
+// fwd_generic.cu: exact attention forward on CUDA cores (SIMT), any sm_70+.
+//
+// One block of NUM_THREADS = 128 threads owns BLOCK_M query rows of one (batch, head). Thread t
+// owns rows (t / 8) + 16 * r (r < BLOCK_M / 16) and, in each key tile, the keys (t % 8) + 8 * jj;
+// the 8 lanes of a row combine their max / sum by shuffles. Q stays in shared memory; K and then V
+// of each key tile go through one shared buffer; P goes through shared memory to the P.V product.
+// Tile sizes come from cuflash/_config.py (the one table) as template arguments.
+#include "common.cuh"
+#include "mask.cuh"
+
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
+fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+            T* __restrict__ out, Acc* __restrict__ lse, const long long* __restrict__ offsets,
+            const unsigned char* __restrict__ mask, const Acc* __restrict__ bias,
+            const long long* __restrict__ kv_lens, long long q_rs, long long k_rs,
+            long long v_rs, long long mask_rs, long long mask_cs, long long bias_rs,
+            long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, Acc scale, int left,
+            int right, int bottom_right) {
+  static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
+  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
+  constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread
+  constexpr int KEYS = BLOCK_N / LANES_PER_ROW;  // keys per thread per tile
+  constexpr int COLS = HEAD_DIM / LANES_PER_ROW; // output columns per thread
+  constexpr int LD = HEAD_DIM + 1;               // padded shared row (Q, K, V)
+  constexpr int LDP = BLOCK_N + 1;               // padded shared row (P)
+
+  const long long bh = block_bh();
+  if (bh >= BH) return;
+  const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
+  const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
+
+  // Shared layout (mirrored by _config.smem_bytes): Q [BLOCK_M][LD], K|V [BLOCK_N][LD], P [BLOCK_M][LDP].
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Acc* Qs = reinterpret_cast<Acc*>(smem_raw);
+  Acc* KVs = Qs + BLOCK_M * LD;
+  Acc* Ps = KVs + BLOCK_N * LD;
+
+  const int group = threadIdx.x / LANES_PER_ROW;
+  const int lane = threadIdx.x % LANES_PER_ROW;
+
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const T* qh = q + offsets[0 * BH + bh];
+  const T* kh = k + offsets[1 * BH + bh];
+  const T* vh = v + offsets[2 * BH + bh];
+  MaskBias<Acc> mb;
+  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  mb.mask_rs = mask_rs;
+  mb.mask_cs = mask_cs;
+  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  mb.bias_rs = bias_rs;
+  mb.bias_cs = bias_cs;
+
+  load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, qh, q_rs, i0, i_end, Dk);
+
+  // Per-row state (DESIGN.md "Empty state"): m = -inf, l = 0, acc = 0. l is a per-lane partial
+  // sum, reduced once at the end.
+  KeyRange rows[ROWS];
+  Acc m[ROWS], l[ROWS], acc[ROWS][COLS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const long long i = i0 + group + ROW_GROUPS * r;
+    if (i < i_end) {
+      rows[r] = key_range(w, i);
+    } else {
+      rows[r].lo = 0;
+      rows[r].hi = -1;  // padding row: sees nothing
+    }
+    m[r] = NEG_INF;
+    l[r] = Acc(0);
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) acc[r][c] = Acc(0);
+  }
+
+  // Only key tiles inside the tile's visible range are visited; no element test outside it.
+  const KeyRange tile = tile_key_range(w, i0, i_end - 1);
+  for (long long j0 = tile.lo; j0 <= tile.hi; j0 += BLOCK_N) {
+    const long long j_end = (j0 + BLOCK_N <= tile.hi) ? j0 + BLOCK_N : tile.hi + 1;
+    __syncthreads();  // previous P.V finished with KVs and Ps (first trip: nothing to wait for)
+    load_tile<T, Acc, HEAD_DIM, BLOCK_N>(KVs, kh, k_rs, j0, j_end, Dk);
+    __syncthreads();
+
+    // Scores S = Q K^T for this thread's rows and keys.
+    Acc s[ROWS][KEYS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = Acc(0);
+#pragma unroll 8
+    for (int d = 0; d < Dk; ++d) {
+      Acc kd[KEYS];
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) kd[jj] = KVs[(lane + LANES_PER_ROW * jj) * LD + d];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const Acc qd = Qs[(group + ROW_GROUPS * r) * LD + d];
+#pragma unroll
+        for (int jj = 0; jj < KEYS; ++jj) s[r][jj] += qd * kd[jj];
+      }
+    }
+
+    // Online softmax: mask by global position, new max, rescale BOTH l and acc, add this mass.
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const long long i = i0 + group + ROW_GROUPS * r;
+      Acc tile_max = NEG_INF;
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) {
+        const long long j = j0 + lane + LANES_PER_ROW * jj;
+        s[r][jj] = masked_logit(s[r][jj] * scale, i, j, rows[r], mb);
+        tile_max = acc_max(tile_max, s[r][jj]);
+      }
+      tile_max = row_max(tile_max);
+      if (tile_max > NEG_INF) {
+        // A row with nothing visible in this tile is left untouched (never exp(-inf - (-inf))).
+        const Acc m_new = acc_max(m[r], tile_max);
+        const Acc alpha = (m[r] > NEG_INF) ? acc_exp(m[r] - m_new) : Acc(0);
+        Acc mass = Acc(0);
+#pragma unroll
+        for (int jj = 0; jj < KEYS; ++jj) {
+          s[r][jj] = (s[r][jj] > NEG_INF) ? acc_exp(s[r][jj] - m_new) : Acc(0);
+          mass += s[r][jj];
+        }
+        l[r] = l[r] * alpha + mass;
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
+        m[r] = m_new;
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = Acc(0);
+      }
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj)
+        Ps[(group + ROW_GROUPS * r) * LDP + lane + LANES_PER_ROW * jj] = s[r][jj];
+    }
+
+    __syncthreads();  // everyone is done reading K and writing P
+    load_tile<T, Acc, HEAD_DIM, BLOCK_N>(KVs, vh, v_rs, j0, j_end, Dv);
+    __syncthreads();
+
+    // acc += P V over the tile's keys.
+    const int n_keys = static_cast<int>(j_end - j0);
+#pragma unroll 2
+    for (int jj = 0; jj < n_keys; ++jj) {
+      Acc vj[COLS];
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) vj[c] = KVs[jj * LD + lane + LANES_PER_ROW * c];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const Acc p = Ps[(group + ROW_GROUPS * r) * LDP + jj];
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[r][c] += p * vj[c];
+      }
+    }
+  }
+
+  // Normalize once. l == 0 means no visible key: out = 0, lse = -inf.
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const Acc l_row = row_sum(l[r]);
+    const long long i = i0 + group + ROW_GROUPS * r;
+    if (i >= i_end) continue;
+    const bool empty = !(l_row > Acc(0));
+    const Acc inv_l = empty ? Acc(0) : Acc(1) / l_row;
+    T* out_row = out + (bh * Nq + i) * Dv;
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      const int col = lane + LANES_PER_ROW * c;
+      if (col < Dv) store_acc(out_row + col, acc[r][c] * inv_l);
+    }
+    if (lane == 0) lse[bh * Nq + i] = empty ? NEG_INF : m[r] + acc_log(l_row);
+  }
+}

@@ -1,0 +1,428 @@
+// fwd_sm80.cu: FlashAttention-2-class forward on tensor cores (mma.sync), float16 / bfloat16, sm_80+.
+//
+// One block of NWARPS warps owns BLOCK_M = 16 * MF * NWARPS query rows of one (batch, head); warp w
+// owns the MF m-fragments (16 rows each) starting at row 16 * MF * w. Per key tile of BLOCK_N keys:
+//   S = Q K^T      mma.sync m16n8k16, A = Q (ldmatrix from shared, or registers), B = K (ldmatrix)
+//   online softmax on the S accumulators in registers (exp2, log2(e) folded into the scale)
+//   O += P V       A = P packed from the S accumulators (no shared round trip), B = V (ldmatrix.trans)
+// K and V tiles stream through a STAGES-deep cp.async ring (16-byte copies, zero-filled past the
+// last needed key); shared rows are padded by 16 bytes so every ldmatrix phase is conflict-free.
+// Key tiles outside the block's visible range are never visited; tiles entirely visible to every
+// row of the block skip the per-element predicate; the others apply it (mask.cuh's key_range).
+// With a boolean mask or a bias (HAS_MB) every tile takes the per-element path.
+//
+// Requirements (the host falls back to the generic path otherwise): Dk == Dv == HEAD_DIM, unit
+// innermost stride, row strides and offsets multiples of 8 elements, 16-byte aligned bases, scale > 0.
+#include "common.cuh"
+#include "mask.cuh"
+
+namespace tc {
+
+typedef unsigned int u32;
+constexpr float LN2 = 0.6931471805599453f;
+
+// ---- PTX wrappers ------------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The 16-bit type's tensor-core product and its pair packing (lo goes to the low half).
+template <typename T> struct Mma;
+template <> struct Mma<half_t> {
+  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+template <> struct Mma<bf16_t> {
+  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+// Copy rows [row0, row0 + ROWS) of a (row stride rs, unit column stride) matrix into a padded
+// shared tile; rows >= limit become zeros (P = 0 times a stale NaN would not be 0). Thread t copies
+// chunk t % CPR of rows t / CPR + RPI * it: one base pointer per call, constant shared offsets.
+template <int ROWS, int HEAD_DIM, int THREADS, typename T>
+__device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long long rs, int row0,
+                                        int limit) {
+  constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  // rs through an opaque move: otherwise the compiler hoists every row's 64-bit address out of the
+  // key loop and keeps them all live (~24 registers).
+  long long rs_o;
+  asm volatile("mov.b64 %0, %1;" : "=l"(rs_o) : "l"(rs));
+  if constexpr (THREADS % CPR == 0) {
+    constexpr int RPI = THREADS / CPR;  // rows per iteration
+    const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
+    const T* base = src + static_cast<long long>(row0 + r_thr) * rs_o + c_thr * 8;
+    const u32 d = dst + r_thr * ROW_BYTES + c_thr * 16;
+#pragma unroll
+    for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
+      const int r = it * RPI + r_thr;
+      if (ROWS % RPI == 0 || r < ROWS) {
+        const bool ok = row0 + r < limit;
+        cp_async16(d + it * RPI * ROW_BYTES, ok ? base + it * RPI * rs_o : src, ok ? 16 : 0);
+      }
+    }
+  } else {  // head dims 96, 192: rows do not divide the block evenly
+    constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+      const int idx = it * THREADS + threadIdx.x;
+      if (TOTAL % THREADS == 0 || idx < TOTAL) {
+        const int r = idx / CPR, c = idx % CPR;
+        const bool ok = row0 + r < limit;
+        const T* gp = src + (ok ? static_cast<long long>(row0 + r) * rs_o : 0LL) + c * 8;
+        cp_async16(dst + r * ROW_BYTES + c * 16, gp, ok ? 16 : 0);
+      }
+    }
+  }
+}
+
+}  // namespace tc
+
+// Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile): no 65535 limit on BH, and the
+// blocks of one (batch, head) run together so its K/V stay in L2.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
+          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+         T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
+         const unsigned char* __restrict__ mask, const float* __restrict__ bias,
+         const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
+         long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
+         int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right) {
+  using namespace tc;
+  constexpr int THREADS = NWARPS * 32;
+  constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp
+  constexpr int NF = BLOCK_N / 8;              // score n-fragments (keys)
+  constexpr int DF = HEAD_DIM / 8;             // output n-fragments (head dim)
+  constexpr int KD = HEAD_DIM / 16;            // k-steps of Q K^T
+  constexpr int KN = BLOCK_N / 16;             // k-steps of P V
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  constexpr int TILE_BYTES = BLOCK_N * ROW_BYTES;
+  static_assert(MF >= 1 && MF * 16 * NWARPS == BLOCK_M, "BLOCK_M must be 16 * MF * NWARPS");
+  static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+  static_assert(STAGES >= 2, "cp.async ring depth");
+
+  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
+  const long long bh = blockIdx.x / n_mtiles;
+  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
+  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row g (+8), columns 2t, 2t+1
+  const int warp_row0 = warp * MF * 16;
+
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const KeyRange range = tile_key_range(w, i0, i_last);
+  // A tile [j0, j0 + BLOCK_N) with lo(i_last) <= j0 and j0 + BLOCK_N - 1 <= hi(i0) is visible to
+  // every row of the block (lo, hi are non-decreasing): no per-element test there.
+  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, L));
+  const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
+  // The same predicate in 32 bits for the boundary tiles: lo(i) = max(i + dlo, 0),
+  // hi(i) = min(i + dhi, L - 1). Exact because the host keeps Nq, Nk <= 2^29 on this path.
+  constexpr long long CLAMP = 1LL << 30;
+  const int dlo = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift - w.left)));
+  const int dhi = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift + w.right)));
+  const int L_last = static_cast<int>(L) - 1;
+  const int n_tiles = range.hi >= range.lo
+                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
+  const int j_first = static_cast<int>(range.lo);
+  const int j_limit = static_cast<int>(range.hi) + 1;  // keys >= j_limit load as zeros
+
+  const T* qh = q + offsets[0 * BH + bh];
+  const T* kh = k + offsets[1 * BH + bh];
+  const T* vh = v + offsets[2 * BH + bh];
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sQ = smem_u32(smem_raw);
+  const u32 sK = sQ + BLOCK_M * ROW_BYTES;
+  const u32 sV = sK + STAGES * TILE_BYTES;
+
+  // Per-lane ldmatrix offsets (see the m16n8k16 fragment layouts):
+  //  Q (A, x4): lane -> row lane % 16, column 8 * (lane / 16)
+  //  K (B, x4 over two key fragments): row (lane % 8) + 8 * (lane / 16), column 8 * ((lane / 8) % 2)
+  //  V (B, x4.trans over two dim fragments): row (lane % 8) + 8 * ((lane / 8) % 2), col 8 * (lane / 16)
+  const u32 q_lane = sQ + (warp_row0 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
+  const u32 k_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
+  const u32 v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
+
+  // Prologue: Q with the first key tile, then STAGES - 2 more tiles, one commit group each.
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) {
+      const int j0 = j_first + s * BLOCK_N;
+      cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + s * TILE_BYTES, kh, k_rs, j0, j_limit);
+      cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
+    }
+    cp_async_commit();
+  }
+
+  // Row state (DESIGN.md "Empty state"): m = -inf (log2 units, scaled), l = 0 (per-lane partial),
+  // acc = 0. Thread owns rows g and g + 8 of each m-fragment (index h = 0, 1).
+  float m[MF][2], l[MF][2], acc[MF][DF][4];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[mf][h] = -__int_as_float(0x7f800000);
+      l[mf][h] = 0.f;
+    }
+#pragma unroll
+    for (int df = 0; df < DF; ++df)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mf][df][e] = 0.f;
+  }
+  const float NEG = -__int_as_float(0x7f800000);
+  // With a bias the logits are formed explicitly in log2 units (s * scale * log2e + bias * log2e);
+  // otherwise the scale is folded into the exponent's FFMA.
+  const float scale_log2 = scale * LOG2E;
+  const float sl2 = HAS_MB ? 1.f : scale_log2;
+
+  const unsigned char* mh = (HAS_MB && mask) ? mask + offsets[3 * BH + bh] : nullptr;
+  const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
+
+  u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int j0 = j_first + n * BLOCK_N;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile n landed for everyone; everyone finished tile n - 1's buffers
+    {
+      const int nn = n + STAGES - 1;
+      const int buf = nn % STAGES;
+      if (nn < n_tiles) {
+        const int jn = j_first + nn * BLOCK_N;
+        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn, j_limit);
+        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn, j_limit);
+      }
+      cp_async_commit();
+    }
+    const u32 kbuf = sK + (n % STAGES) * TILE_BYTES + k_lane;
+    const u32 vbuf = sV + (n % STAGES) * TILE_BYTES + v_lane;
+
+    if (Q_IN_REGS && n == 0) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk)
+          ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0]);
+    }
+
+    // S = Q K^T (raw dot products, fp32).
+    float s[MF][NF][4];
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      u32 qa[MF][4];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        if (Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) qa[mf][e] = qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0][e];
+        } else {
+          ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qa[mf]);
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < NF / 2; ++p) {
+        u32 kb[4];
+        ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          Mma<T>::run(s[mf][2 * p], qa[mf], kb[0], kb[1]);
+          Mma<T>::run(s[mf][2 * p + 1], qa[mf], kb[2], kb[3]);
+        }
+      }
+    }
+
+    // Mask by global position, only in tiles not entirely visible to the block.
+    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = i0 + warp_row0 + mf * 16 + g + 8 * h;
+          // Visible key columns of this row, relative to j0 (padding rows i >= Nq see nothing).
+          const int c_lo = max(i + dlo, 0) - j0;
+          const int c_hi = i < Nq ? min(i + dhi, L_last) - j0 : -1;
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int c = nf * 8 + 2 * t + e;
+              float x = s[mf][nf][2 * h + e];
+              if (c < c_lo || c > c_hi) {
+                x = NEG;
+              } else if (HAS_MB) {
+                const long long j = static_cast<long long>(j0) + c;
+                if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
+                  x = NEG;
+                } else {
+                  x *= scale_log2;
+                  if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
+                }
+              }
+              s[mf][nf][2 * h + e] = x;
+            }
+        }
+    }
+
+    float alphas[MF][2];
+    // Online softmax: new max, rescale BOTH l and acc, add this tile's mass. A row with nothing
+    // visible so far keeps m = -inf and uses 0 as its reference, so no exp(-inf - (-inf)).
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = NEG;
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[mf][h], mx * sl2);
+        const float m_ref = (m_new == NEG) ? 0.f : m_new;
+        const float alpha = ex2(m[mf][h] - m_ref);
+        m[mf][h] = m_new;
+        const float neg_ref = -m_ref;
+        float mass = 0.f;
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
+            s[mf][nf][2 * h + e] = p;
+            mass += p;
+          }
+        l[mf][h] = l[mf][h] * alpha + mass;
+        alphas[mf][h] = alpha;
+      }
+
+    // O += P V with P packed straight from the score accumulators into A fragments; acc's rescale
+    // sits next to the first product that consumes it. The V addresses take a data dependency on
+    // the softmax (l >= 0, so the sign bit is 0; a NaN input shifts by one aligned 16-byte chunk):
+    // without it ptxas hoists every V ldmatrix above the softmax and the MF = 2 tiles spill.
+    const u32 vdep = (__float_as_uint(l[MF - 1][1]) >> 31) << 4;
+    const u32 vbuf_dep = vbuf + vdep;
+#pragma unroll
+    for (int kk = 0; kk < KN; ++kk) {
+      u32 pa[MF][4];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        pa[mf][0] = Mma<T>::pack(s[mf][2 * kk][0], s[mf][2 * kk][1]);
+        pa[mf][1] = Mma<T>::pack(s[mf][2 * kk][2], s[mf][2 * kk][3]);
+        pa[mf][2] = Mma<T>::pack(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
+        pa[mf][3] = Mma<T>::pack(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int p = 0; p < DF / 2; ++p) {
+        u32 vb[4];
+        ldsm_x4_t(vbuf_dep + kk * 16 * ROW_BYTES + p * 32, vb);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          if (kk == 0) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[mf][2 * p][e] *= alphas[mf][e / 2];
+              acc[mf][2 * p + 1][e] *= alphas[mf][e / 2];
+            }
+          }
+          Mma<T>::run(acc[mf][2 * p], pa[mf], vb[0], vb[1]);
+          Mma<T>::run(acc[mf][2 * p + 1], pa[mf], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+
+  // Every copy (Q included, when no tile was visited) has landed before Q's rows are reused.
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Normalize once. l == 0: no visible key, out = 0 and lse = -inf. The warp stages its own rows
+  // of the output in its own rows of the Q tile, then writes them with 16-byte stores.
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l_row = l[mf][h];
+      l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
+      l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+      const bool empty = !(l_row > 0.f);
+      const float inv_l = empty ? 0.f : 1.f / l_row;
+      const int r = warp_row0 + mf * 16 + g + 8 * h;
+      const int i = i0 + r;
+      if (t == 0 && i < Nq)
+        lse[bh * Nq + i] = empty ? NEG : m[mf][h] * LN2 + logf(l_row);
+      const u32 row_addr = sQ + r * ROW_BYTES + 4 * t;
+#pragma unroll
+      for (int df = 0; df < DF; ++df) {
+        const u32 packed =
+            Mma<T>::pack(acc[mf][df][2 * h] * inv_l, acc[mf][df][2 * h + 1] * inv_l);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(row_addr + df * 16), "r"(packed) : "memory");
+      }
+    }
+  __syncwarp();
+  constexpr int CPR = HEAD_DIM / 8;
+#pragma unroll
+  for (int idx = lane; idx < MF * 16 * CPR; idx += 32) {
+    const int r = idx / CPR, c = idx % CPR;
+    const int i = i0 + warp_row0 + r;
+    if (i < Nq) {
+      uint4 val;
+      asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(sQ + (warp_row0 + r) * ROW_BYTES + c * 16) : "memory");
+      *reinterpret_cast<uint4*>(out + (bh * Nq + i) * HEAD_DIM + c * 8) = val;
+    }
+  }
+}

@@ -1,0 +1,92 @@
+// mask.cuh: THE visibility predicate (DESIGN.md "The visibility predicate"), used by every kernel.
+// Mirrors: cuflash/_numpy.py (CPU path) and cuflash/reference.py (dense rebuild from the API).
+//
+// For one (batch, head) with L valid keys, query i sees key j iff
+//   p  = bottom_right ? i + (L - Nq) : i
+//   lo = max(p - left, 0),  hi = min(p + right, L - 1)
+//   lo <= j <= hi  and  mask[i, j]  and  bias[i, j] > -inf.
+// `left`/`right` arrive from the host with None replaced by Nq + Nk and causal already applied
+// (right <= 0). Positions are int64: p + right can exceed int32 for long sequences.
+#pragma once
+#include "common.cuh"
+
+struct KeyRange {
+  long long lo, hi;  // inclusive; empty when lo > hi
+};
+
+// Per-problem constants of the predicate.
+struct Window {
+  long long shift;  // L - Nq when bottom-right aligned, else 0
+  long long L;      // valid keys
+  long long left, right;
+};
+
+__device__ __forceinline__ Window make_window(int Nq, long long L, int left, int right,
+                                              int bottom_right) {
+  Window w;
+  w.shift = bottom_right ? L - Nq : 0;
+  w.L = L;
+  w.left = left;
+  w.right = right;
+  return w;
+}
+
+// Keys visible to query i by position alone (before mask and bias). lo and hi are
+// non-decreasing in i.
+__device__ __forceinline__ KeyRange key_range(const Window& w, long long i) {
+  const long long p = i + w.shift;
+  KeyRange r;
+  r.lo = p - w.left;
+  if (r.lo < 0) r.lo = 0;
+  r.hi = p + w.right;
+  if (r.hi > w.L - 1) r.hi = w.L - 1;
+  return r;
+}
+
+// Keys any query of the tile [i0, i1] can see: [lo(i0), hi(i1)] by monotonicity.
+__device__ __forceinline__ KeyRange tile_key_range(const Window& w, long long i0, long long i1) {
+  KeyRange r;
+  r.lo = key_range(w, i0).lo;
+  r.hi = key_range(w, i1).hi;
+  return r;
+}
+
+// Queries (within [0, Nq)) that can see at least one key of [j0, j1], by position.
+// Inverts the closed forms: hi(i) >= j0  <=>  i >= j0 - right - shift   (needs j0 <= L - 1)
+//                           lo(i) <= j1  <=>  i <= j1 + left  - shift   (needs j1 >= 0)
+// Keys >= L are never visible, so a key tile starting at or after L has no queries.
+__device__ __forceinline__ KeyRange tile_query_range(const Window& w, long long j0, long long j1,
+                                                     int Nq) {
+  KeyRange r;
+  if (j1 > w.L - 1) j1 = w.L - 1;
+  if (j0 > j1) {
+    r.lo = 0;
+    r.hi = -1;
+    return r;
+  }
+  r.lo = j0 - w.right - w.shift;
+  if (r.lo < 0) r.lo = 0;
+  r.hi = j1 + w.left - w.shift;
+  if (r.hi > Nq - 1) r.hi = Nq - 1;
+  return r;
+}
+
+// Optional dense inputs of the predicate, already offset to this (batch, head).
+template <typename Acc>
+struct MaskBias {
+  const unsigned char* mask;  // may be null
+  long long mask_rs, mask_cs;
+  const Acc* bias;            // may be null
+  long long bias_rs, bias_cs;
+};
+
+// The per-element test. `s` is the scaled logit; on return it holds the biased logit when the key
+// is visible and -inf otherwise (a -inf biased logit is invisible by definition).
+template <typename Acc>
+__device__ __forceinline__ Acc masked_logit(Acc s, long long i, long long j, const KeyRange& r,
+                                            const MaskBias<Acc>& mb) {
+  if (j < r.lo || j > r.hi) return NEG_INF;
+  if (mb.mask != nullptr && !mb.mask[i * mb.mask_rs + j * mb.mask_cs]) return NEG_INF;
+  if (mb.bias != nullptr) s += mb.bias[i * mb.bias_rs + j * mb.bias_cs];
+  return s;
+}

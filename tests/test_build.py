@@ -1,0 +1,71 @@
+"""Every kernel instantiation the package can request compiles with NVRTC, without a GPU.
+
+Runs in CI (no device): NVRTC assembles for real architectures (sm_80, sm_90a) and its ptxas report
+(`--ptxas-options=-v`) gives registers, stack frame and spill bytes per kernel. The hot kernels
+(forward and backward, HEAD_DIM <= 128) must not spill or use a stack frame. One NVRTC program per
+(source file, architecture) compiles all of its instantiations at once (about 25 s each on a 2-core
+box; about 1 min for the whole file).
+"""
+import pytest
+
+pytest.importorskip("cupy")
+compiler = pytest.importorskip("cupy.cuda.compiler")
+
+from cuflash import _config, _kernels  # noqa: E402
+
+ARCHS = ("sm_80", "sm_90a")
+NO_SPILL_MAX_HEAD_DIM = 128
+INSTANTIATIONS = _config.all_instantiations()
+
+_builds = {}
+
+
+def _usage(filename, arch):
+    """{expr: ptxas resource dict} for every instantiation of `filename` (compiled once per arch)."""
+    key = (filename, arch)
+    if key not in _builds:
+        exprs = [e for _, _, _, f, e in INSTANTIATIONS if f == filename]
+        try:
+            _builds[key] = _kernels.resource_usage(exprs, arch)
+        except compiler.CompileException as exc:  # keep the log in the failure message
+            _builds[key] = exc
+    result = _builds[key]
+    if isinstance(result, Exception):
+        pytest.fail(f"NVRTC failed for {filename} on {arch}:\n{result}")
+    return result
+
+
+def test_instantiation_table_is_complete():
+    kernels = {k for k, *_ in INSTANTIATIONS}
+    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_sm80"}
+    assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS)) == 52 + 24
+
+
+@pytest.mark.parametrize("kernel,dtype,bucket", [(k, d, b) for k, d, b, _, _ in INSTANTIATIONS
+                                                 if b and k in _config.TILED_KERNELS])
+def test_shared_memory_fits_sm80(kernel, dtype, bucket):
+    acc = _config.c_types(dtype)[1]
+    assert _config.smem_bytes(kernel, acc, bucket) <= _config.SMEM_LIMIT_SM80
+
+
+def test_source_is_self_contained():
+    for filename in set(_config.SOURCES.values()):
+        src = _kernels.source(filename)
+        assert "#include" not in src, f"{filename}: an include survived inlining"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel,dtype,bucket,filename,expr", INSTANTIATIONS,
+                         ids=[e for *_, e in INSTANTIATIONS])
+def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch):
+    info = _usage(filename, arch)[expr]
+    assert "registers" in info, f"{expr}: no ptxas report for {arch}"
+    if bucket is None or bucket <= NO_SPILL_MAX_HEAD_DIM:
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{expr} on {arch}: {info}"
+        assert info["stack"] == 0, f"{expr} on {arch}: {info}"
+
+
+@pytest.mark.parametrize("head_dim,has_mb", sorted(_config.SM80_TILES))
+def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
+    """Tiles that exceed sm_80's 163 KiB are only taken where the device allows (cuflash._gpu)."""
+    assert _config.sm80_smem_bytes(head_dim, has_mb) <= 227 * 1024
