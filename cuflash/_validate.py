@@ -2,8 +2,9 @@
 
 ``make_problem`` turns the arguments of ``cuflash.attention`` into a :class:`Problem`: validated,
 normalized, and ready for any path (NumPy, generic CUDA, tensor cores). Nothing after it checks
-user input again, and nothing in it launches work on a GPU. The one exception to "no device
-work" is ``kv_lens`` given as a CuPy array: its values must be read to be checked (one small copy).
+user input again, and nothing in it launches work on a GPU. ``kv_lens`` may be host data (an int,
+a sequence, a NumPy array) for either library; given as a CuPy array its values are copied to the
+host to be checked (one small synchronizing copy).
 """
 import math
 import numbers
@@ -185,10 +186,9 @@ def _check_kv_lens(kv_lens, lead, Nk, lib):
     if kv_lens is None:
         return None
     kind = _library(kv_lens)
-    if kind is not None and kind != lib:
-        raise TypeError(
-            f"kv_lens must be an int, a sequence of ints or a {lib}.ndarray like q, "
-            f"got a {kind}.ndarray")
+    if kind == "cupy" and lib != "cupy":
+        raise TypeError("kv_lens must be an int, a sequence of ints or a numpy.ndarray for NumPy "
+                        "inputs, got a cupy.ndarray")
     host = kv_lens.get() if kind == "cupy" else kv_lens
     try:
         arr = np.asarray(host)

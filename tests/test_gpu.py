@@ -88,6 +88,7 @@ CASES = [
     ("window", (1,), (1,), 200, 200, 96, 96, dict(window=(5, 2))),
     ("window-left-only-causal", (2,), (2,), 130, 260, 64, 64, dict(window=(17, None), causal=True)),
     ("kv_lens", (3, 2), (3, 2), 40, 90, 64, 32, dict(kv_lens=np.array([[0], [17], [90]]), causal=True)),
+    ("kv_lens-window", (2, 2), (2, 1), 64, 130, 64, 64, dict(kv_lens=[[100], [3]], window=(9, 4))),
     ("head-dim-256", (1,), (1,), 130, 70, 256, 256, dict(causal=True, align="top-left")),
     ("odd-head-dims", (2,), (2,), 33, 65, 5, 97, {}),
 ]
@@ -135,7 +136,7 @@ def test_empty_sizes(dtype, rng):
     assert out.shape == (2, 5, 16) and bool((out == 0).all()) and bool((lse == -np.inf).all())
     dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse)
     assert dq.shape == q.shape and bool((dq == 0).all()) and dk.shape == k.shape
-    out = cuflash.attention(q[:0], k, k)
+    out = cuflash.attention(q[:0], k[:0], k[:0])
     assert out.shape == (0, 5, 16)
     out = cuflash.attention(q[:, :0], q, q)
     assert out.shape == (2, 0, 16)
@@ -199,3 +200,13 @@ def test_fast_path_is_chosen_where_it_applies(rng):
     q32 = randn(rng, (2, 4, 256, 128), "float32")
     assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "generic"
     assert _gpu.forward_path(_validate.make_problem(q[..., :80], k[..., :80], v[..., :80])) == "generic"
+
+
+def test_kv_lens_as_device_array(rng):
+    """kv_lens may live on the device too (validation copies it to the host to check it)."""
+    import cupy
+    q, k, v = (randn(rng, (3, 20, 32), "float32") for _ in range(3))
+    lens = [0, 5, 20]
+    a = cuflash.attention(q, k, v, kv_lens=cupy.asarray(lens), causal=True)
+    b = cuflash.attention(q, k, v, kv_lens=lens, causal=True)
+    assert np.array_equal(to_host(a), to_host(b))

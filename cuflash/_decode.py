@@ -1,0 +1,422 @@
+"""Split-KV decode path (kernels_cu/decode.cu): when it applies, how work is split, and launches.
+
+The kernel reads each kv head's keys once for all the query rows that share it (GQA packing) and
+splits the key axis across blocks; see the header of kernels_cu/decode.cu for the block layout
+and the workspace format (normalized partial out, base-2 partial lse).
+
+Host side, per call (all NumPy, then ONE host-to-device copy of one int64 table):
+
+1. Grouping (`group_heads`): the output (batch, head) matrices bh that read the same k matrix, the
+   same v matrix and have the same valid length form a group (k_map, v_map, kv_lens equal). For
+   the standard (B, H) GQA layout these are the runs of H // Hkv consecutive heads. Groups longer
+   than MAX_GROUP are cut; shorter ones are padded with -1 to the common size G.
+2. Row tiles: a group's G * Nq query rows (query-major) in tiles of ROWS (`rows_per_block`).
+3. Key extent of each row tile (`tile_extents`): the keys any of its rows can see by position, the
+   same closed form as kernels_cu/mask.cuh (DESIGN.md). It only decides which blocks exist: the
+   kernel clips each block to its rows' ranges with mask.cuh itself.
+4. Split size (`split_size`, the one rule): one uniform split size S (keys) for the call, the
+   smallest multiple of the block's key pass, at least SPLIT_MIN_KEYS, such that the number of
+   blocks sum(ceil(extent / S)) fits in WAVES waves of resident blocks (SM count x blocks per SM
+   from the occupancy API). Equal-size blocks that are all resident at once finish together, so
+   there is no tail wave; kv_lens only changes the extents, so the invalid tail of a sequence gets
+   no blocks at all and time follows the valid keys. A tile with an empty extent still gets one
+   (empty) block, which writes out = 0 and lse = -inf.
+
+`supports(problem)` says when this path applies (see SUPPORT RULE below); `forward(problem)`
+returns (out (BH, Nq, Dv) of T, lse (BH, Nq) of the accumulator dtype) like cuflash._gpu.forward,
+launched on the current stream without synchronizing.
+"""
+import math
+import os
+import sys
+import threading
+
+import numpy as np
+
+from . import _broadcast, _config, _kernels
+from ._validate import element_strides
+
+SOURCE = "decode.cu"
+WARPS = 4                 # kernels_cu/decode.cu DECODE_WARPS
+THREADS = 32 * WARPS
+
+# ---- the config table of this path -------------------------------------------------------------
+# SUPPORT RULE: the split path applies to CuPy inputs with Nq <= MAX_NQ query rows per head whose
+# largest key extent is >= MIN_KEYS (below that one block per (batch, head) is as good and the
+# generic path is already tuned for it). Everything else (masks, bias, kv_lens, windows, causal
+# with either alignment, GQA/MQA/broadcast, any strides, every dtype, Dk, Dv <= 256) is supported.
+MAX_NQ = 16
+MIN_KEYS = 512
+MAX_ROWS = 8              # rows per block (template ROWS in {1, 2, 4, 8})
+MAX_GROUP = 64            # query heads packed on one kv head at most
+SPLIT_MIN_KEYS = 256      # a split never has fewer keys than this (tiny caches do not split)
+WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see split_size)
+# Instantiations: 4 dtypes x 4 buckets x 4 ROWS x (mask/bias or not) x (aligned or not), compiled
+# on first use; the hot ones (aligned, no mask/bias, ROWS <= 8, 16-bit, D <= 128) are held to zero
+# spills by tools/decode_check.py --build.
+
+
+def _storage_size(dtype):
+    return {"half_t": 2, "bf16_t": 2, "float": 4, "double": 8}[_config.c_types(dtype)[0]]
+
+
+def shape_constants(dtype, bucket, rows):
+    """Mirror of DecodeShape<T, HEAD_DIM, ROWS> in kernels_cu/decode.cu."""
+    vec = 16 // _storage_size(dtype)
+    row_vecs = bucket // vec
+    lk = min(row_vecs, 32)
+    nv = row_vecs // lk
+    kpl = 32 // lk
+    u = min(max(16 // rows, 1), max(4 // nv, 1))
+    return dict(VEC=vec, LK=lk, NV=nv, COLS=nv * vec, KPL=kpl, U=u, NS=u * rows, WC=kpl * u,
+                BLOCK_KEYS=kpl * u * WARPS)
+
+
+def max_rows(dtype, bucket):
+    """Largest ROWS whose q + acc registers (ROWS x COLS each, in 32-bit words) stay <= 64 + 64."""
+    c = shape_constants(dtype, bucket, 1)
+    words = 2 if _config.c_types(dtype)[1] == "double" else 1
+    r = MAX_ROWS
+    while r > 1 and r * c["COLS"] * words > 64:
+        r //= 2
+    return r
+
+
+def rows_per_block(dtype, bucket, group_rows):
+    """ROWS template value: the smallest power of two >= the group's rows, capped."""
+    cap = max_rows(dtype, bucket)
+    r = 1
+    while r < group_rows and r < cap:
+        r *= 2
+    return r
+
+
+def name_expression(dtype, bucket, rows, has_mb, aligned):
+    t, acc = _config.c_types(dtype)
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return f"decode_split<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}>"
+
+
+def combine_expression(dtype, rows):
+    t, acc = _config.c_types(dtype)
+    return f"decode_combine<{t}, {acc}, {rows}>"
+
+
+# ---- compilation (memoized per device, like _kernels.get_kernel) -------------------------------
+_lock = threading.Lock()
+_functions = {}   # (device, expr) -> (module, kernel, blocks per SM)
+_counters = {}    # (device, stream ptr) -> cupy uint32 array, all zeros between launches
+
+
+def _kernel(expr):
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (dev, expr)
+    with _lock:
+        hit = _functions.get(key)
+    if hit is not None:
+        return hit[1], hit[2]
+    module = cupy.RawModule(code=_kernels.source(SOURCE), options=_kernels.OPTIONS,
+                            name_expressions=[expr])
+    func = module.get_function(expr)
+    per_sm = _blocks_per_sm(func)
+    if os.environ.get("CUFLASH_DEBUG", "") not in ("", "0"):
+        a = func.attributes
+        print(f"cuflash: {expr} on device {dev}: {a['num_regs']} registers, "
+              f"{a['shared_size_bytes']} B static shared, {a['local_size_bytes']} B local, "
+              f"{per_sm} blocks/SM", file=sys.stderr)
+    with _lock:
+        _functions.setdefault(key, (module, func, per_sm))
+        return _functions[key][1], _functions[key][2]
+
+
+def _blocks_per_sm(func):
+    """Resident blocks per SM of THREADS-thread blocks (occupancy API; estimate as fallback)."""
+    try:
+        from cupy_backends.cuda.api import driver
+        n = driver.occupancyMaxActiveBlocksPerMultiprocessor(func.kernel.ptr, THREADS, 0)
+        if n > 0:
+            return int(n)
+    except Exception:
+        pass
+    a = func.attributes
+    regs = max(int(a["num_regs"]), 1)
+    by_regs = 65536 // (((regs * 32 + 255) // 256) * 256 * WARPS)
+    by_smem = (227 * 1024) // max(int(a["shared_size_bytes"]) + 1024, 1)
+    return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
+
+
+def _sm_count():
+    import cupy
+
+    dev = cupy.cuda.Device()
+    return int(cupy.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
+
+
+def _counter_buffer(n):
+    """Per (device, stream) zeroed counters; decode_split resets every counter it uses to 0."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    with _lock:
+        buf = _counters.get(key)
+        if buf is None or buf.size < n:
+            buf = cupy.zeros(max(n, 1024), dtype=np.uint32)
+            _counters[key] = buf
+        return buf
+
+
+# ---- host scheduling (pure NumPy; tested without a GPU) ----------------------------------------
+
+def group_heads(k_map, v_map, lens, max_group=MAX_GROUP):
+    """(groups (n_groups, G) int64 of bh, -1 padded; G). Members of a group share k, v and length.
+
+    Fast path: consecutive runs of equal keys of one common length (the standard GQA layout).
+    """
+    k_map, v_map, lens = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (k_map, v_map, lens))
+    BH = k_map.size
+    keys = np.stack([k_map, v_map, lens], axis=1)
+    change = np.ones(BH, dtype=bool)
+    change[1:] = np.any(keys[1:] != keys[:-1], axis=1)
+    starts = np.flatnonzero(change)
+    runs = np.diff(np.append(starts, BH))
+    if runs.size and np.all(runs == runs[0]) and runs[0] <= max_group:
+        # every run is a whole group iff no two runs have equal keys
+        if np.unique(keys[starts], axis=0).shape[0] == starts.size:
+            G = int(runs[0])
+            return np.arange(BH, dtype=np.int64).reshape(-1, G), G
+    _, inverse, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")
+    G = int(min(counts.max(), max_group))
+    rows = []
+    pos = 0
+    for c in counts:
+        members = order[pos:pos + c]
+        pos += c
+        for s in range(0, c, G):
+            chunk = members[s:s + G]
+            rows.append(np.concatenate([chunk, np.full(G - chunk.size, -1, dtype=np.int64)]))
+    return np.array(rows, dtype=np.int64).reshape(-1, G), G
+
+
+def tile_extents(group_lens, G, Nq, rows, left, right, bottom_right):
+    """Per row tile: (group, tile, lo, hi) with [lo, hi] the keys its rows can see by position.
+
+    Row rho = i * G + gi of a group; tile t holds rho in [t * rows, (t + 1) * rows). Mirrors
+    key_range in kernels_cu/mask.cuh: p = i + (L - Nq if bottom_right else 0),
+    lo = max(p - left, 0), hi = min(p + right, L - 1); lo, hi non-decreasing in i.
+    """
+    group_lens = np.asarray(group_lens, dtype=np.int64)
+    n_tiles = -(-(G * Nq) // rows)
+    t = np.arange(n_tiles, dtype=np.int64)
+    i_first = (t * rows) // G
+    i_last = np.minimum((t + 1) * rows, G * Nq) // G - ((np.minimum((t + 1) * rows, G * Nq) % G) == 0)
+    L = group_lens[:, None]
+    shift = (L - Nq) if bottom_right else np.zeros_like(L)
+    lo = np.maximum(i_first[None, :] + shift - left, 0)
+    hi = np.minimum(i_last[None, :] + shift + right, L - 1)
+    g = np.repeat(np.arange(group_lens.size, dtype=np.int64), n_tiles)
+    tt = np.tile(t, group_lens.size)
+    return g, tt, lo.reshape(-1), hi.reshape(-1)
+
+
+def split_size(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS):
+    """The one split rule: smallest S (multiple of block_keys, >= min_keys) with
+    sum(ceil(extent / S)) <= capacity; the largest extent if even one block per tile exceeds it."""
+    ext = np.asarray(extents, dtype=np.int64)
+    ext = ext[ext > 0]
+    if ext.size == 0:
+        return max(min_keys, block_keys)
+    unit = block_keys
+    lo = -(-max(min_keys, 1) // unit)           # S in units of block_keys
+    hi = max(lo, -(-int(ext.max()) // unit))
+    count = lambda s: int(np.sum(-(-ext // (s * unit))))  # noqa: E731
+    if count(hi) > capacity:
+        return hi * unit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(mid) <= capacity:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * unit
+
+
+def make_items(lo, hi, S):
+    """(tiles (n_tiles, 4) = group-tile first item / count columns filled later, items (n, 3)).
+
+    Returns (first, count, items): items = (tile id, k0, k1) with k1 exclusive; every tile has at
+    least one item (an empty tile gets one item with k0 = k1)."""
+    lo = np.asarray(lo, dtype=np.int64)
+    hi = np.asarray(hi, dtype=np.int64)
+    ext = np.maximum(hi - lo + 1, 0)
+    count = np.maximum(-(-ext // S), 1)
+    first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+    n = int(count.sum())
+    tile_of = np.repeat(np.arange(lo.size, dtype=np.int64), count)
+    split = np.arange(n, dtype=np.int64) - first[tile_of]
+    k0 = lo[tile_of] + split * S
+    k1 = np.minimum(k0 + S, hi[tile_of] + 1)
+    empty = ext[tile_of] == 0
+    k0 = np.where(empty, 0, k0)
+    k1 = np.where(empty, 0, k1)
+    return first, count, np.stack([tile_of, k0, k1], axis=1)
+
+
+# ---- the Problem-facing API --------------------------------------------------------------------
+
+def _lens(p):
+    return (np.full(p.BH, p.Nk, dtype=np.int64) if p.kv_lens is None
+            else np.asarray(p.kv_lens, dtype=np.int64).reshape(p.BH))
+
+
+def _max_extent(p):
+    L = int(_lens(p).max()) if p.BH else 0
+    shift = L - p.Nq if p.bottom_right else 0
+    lo = max(shift - p.left, 0)
+    hi = min(p.Nq - 1 + shift + p.right, L - 1)
+    return hi - lo + 1
+
+
+def supports(p):
+    """True when the split-KV path should run this Problem (SUPPORT RULE above)."""
+    if p.xp is np or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
+        return False
+    if p.Nq > MAX_NQ or max(p.Dk, p.Dv) > _config.MAX_HEAD_DIM:
+        return False
+    return _max_extent(p) >= MIN_KEYS
+
+
+def _aligned(p):
+    vec = 16 // _storage_size(p.dtype)
+    if p.Dk % vec or p.Dv % vec:
+        return False
+    for x, mp in ((p.k, p.k_map), (p.v, p.v_map)):
+        isz = x.dtype.itemsize
+        rs = element_strides(x)[-2] if p.Nk > 1 else 0
+        if (rs * isz) % 16 or x.data.ptr % 16:
+            return False
+        if np.any((np.asarray(mp, dtype=np.int64) * isz) % 16):
+            return False
+    return True
+
+
+class Plan:
+    """Everything of one call but the launches: compiled kernels, the device table, buffers.
+
+    `run()` launches on the current stream and returns (out, lse); tools/decode_check.py times
+    `run()` alone, with the host preparation outside the timed region.
+    """
+
+    def __init__(self, p, fused=True, waves=WAVES, poison=False):
+        import cupy
+
+        self.p = p
+        self.fused = bool(fused)
+        BH = p.BH
+        lens = _lens(p)
+        k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
+        v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
+        groups, G = group_heads(k_map, v_map, lens)
+        self.G = G
+        bucket = _config.head_dim_bucket(p.Dk, p.Dv)
+        rows = rows_per_block(p.dtype, bucket, G * p.Nq)
+        self.rows = rows
+        has_mb = p.mask is not None or p.bias is not None
+        aligned = _aligned(p)
+        self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
+        with p.q.device:
+            self.kernel, per_sm = _kernel(self.expr)
+            self.combine = None if self.fused else _kernel(combine_expression(p.dtype, rows))[0]
+            capacity = max(1, int(waves * per_sm * _sm_count()))
+        sc = shape_constants(p.dtype, bucket, rows)
+
+        g, t, lo, hi = tile_extents(lens[groups[:, 0]], G, p.Nq, rows, p.left, p.right,
+                                    p.bottom_right)
+        self.split = split_size(np.maximum(hi - lo + 1, 0), capacity, sc["BLOCK_KEYS"])
+        first, count, items = make_items(lo, hi, self.split)
+        tiles = np.stack([g, t, first, count], axis=1)
+        self.n_items = items.shape[0]
+        self.n_tiles = tiles.shape[0]
+        self.capacity = capacity
+
+        offsets = np.zeros((5, BH), dtype=np.int64)
+        offsets[0] = np.asarray(p.q_map, dtype=np.int64).reshape(BH)
+        offsets[1], offsets[2] = k_map, v_map
+        self.mask_rs = self.mask_cs = self.bias_rs = self.bias_cs = 0
+        if p.mask is not None:
+            st = element_strides(p.mask)
+            offsets[3] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
+            self.mask_rs, self.mask_cs = st[-2:]
+        if p.bias is not None:
+            st = element_strides(p.bias)
+            offsets[4] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
+            self.bias_rs, self.bias_cs = st[-2:]
+        parts = [offsets.reshape(-1), lens, groups.reshape(-1), tiles.reshape(-1),
+                 items.reshape(-1)]
+        bounds = np.cumsum([0] + [x.size for x in parts])
+        with p.q.device:
+            table = cupy.asarray(np.concatenate(parts))  # the one host-to-device copy
+            (self.offsets, self.lens, self.groups, self.tiles,
+             self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+            self.table = table
+            split_any = bool(np.any(count > 1))
+            acc = p.acc_dtype
+            self.ws_out = cupy.empty((self.n_items, rows, p.Dv) if split_any else (1,), dtype=acc)
+            self.ws_lse = cupy.empty((self.n_items, rows) if split_any else (1,), dtype=acc)
+            self.counters = _counter_buffer(self.n_tiles) if (split_any and self.fused) \
+                else cupy.zeros(1, dtype=np.uint32)
+            self.split_any = split_any
+        self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
+        self.poison = poison
+
+    def _outputs(self):
+        import cupy
+
+        p = self.p
+        out = cupy.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+        lse = cupy.empty((p.BH, p.Nq), dtype=p.acc_dtype)
+        if self.poison:
+            if p.dtype.name == "bfloat16":
+                out.view(np.uint16).fill(0x7FC0)
+            else:
+                out.fill(np.nan)
+            lse.fill(np.nan)
+        return out, lse
+
+    def run(self, out=None, lse=None):
+        """Launch (split kernel, and the combine kernel when not fused); returns (out, lse)."""
+        p = self.p
+        if out is None:
+            out, lse = self._outputs()
+        i64, i32 = np.int64, np.int32
+        sc = np.float64 if p.acc_dtype == np.float64 else np.float32
+        null = np.uint64(0)
+        with p.q.device:
+            args = (p.q, p.k, p.v, out, lse, self.ws_out, self.ws_lse, self.counters,
+                    self.offsets, self.lens, self.groups, self.tiles, self.items,
+                    null if p.mask is None else p.mask, null if p.bias is None else p.bias,
+                    i64(self.q_rs), i64(self.k_rs), i64(self.v_rs), i64(self.mask_rs),
+                    i64(self.mask_cs), i64(self.bias_rs), i64(self.bias_cs), i32(p.BH),
+                    i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G), sc(p.scale), i32(p.left),
+                    i32(p.right), i32(bool(p.bottom_right)), i32(self.fused))
+            self.kernel((self.n_items,), (THREADS,), args)
+            if self.split_any and not self.fused:
+                self.combine((self.n_tiles,), (THREADS,),
+                             (out, lse, self.ws_out, self.ws_lse, self.lens, self.groups,
+                              self.tiles, i32(p.Nq), i32(p.Dv), i32(self.G), i32(p.left),
+                              i32(p.right), i32(bool(p.bottom_right))))
+        return out, lse
+
+
+def plan(p, fused=True, waves=WAVES, poison=False):
+    return Plan(p, fused=fused, waves=waves, poison=poison)
+
+
+def forward(p):
+    """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream."""
+    from . import _gpu
+
+    return Plan(p, poison=_gpu.POISON).run()

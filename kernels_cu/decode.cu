@@ -1,0 +1,586 @@
+// decode.cu: split-KV attention for a few query rows per kv head (decode), sm_80+, CUDA cores.
+//
+// Work decomposition (the host, cuflash/_decode.py, builds every table):
+//   group    the output (batch, head) matrices that read ONE k matrix and ONE v matrix and share
+//            one valid length: G query heads (GQA: H / Hkv), table `groups` (n_groups, G) of bh,
+//            -1 where a group is shorter than G;
+//   row tile ROWS of the group's G * Nq query rows, query-major (row rho -> i = rho / G, head
+//            gi = rho % G), so a tile's rows have neighbouring positions and key ranges;
+//   item     one block: a contiguous key range [k0, k1) of one row tile (its "split").
+// Each block reads its keys of one kv head ONCE for all of its rows, with 16-byte loads, and keeps
+// the online softmax per row in Acc (float; double for double). Scores are in the base-2 domain:
+// q is pre-multiplied by scale * log2(e), so p = exp2(t - m).
+//
+// Block layout: DECODE_WARPS warps stream disjoint warp chunks of keys (warp w takes chunks
+// w, w + DECODE_WARPS, ...). In a warp, LK consecutive lanes span one key row (16 bytes each, NV
+// vectors per lane when a row is wider than 32 vectors), so one load instruction covers KPL =
+// 32 / LK keys ("key slots"); each lane loads U keys of K and of V per chunk, and the next chunk
+// is loaded (register double buffer) before the current one is computed. The U x ROWS partial dot
+// products of a lane are summed over its LK lanes with a reduce-scatter plus gather (NS - 1 + NS
+// shuffles instead of NS * log2(LK)); every lane of a slot then runs the same online softmax and
+// accumulates P.V for its own columns. At the end slots merge by shuffles, warps through shared
+// memory.
+//
+// Results per item (DESIGN.md "Empty state" for the rules):
+//   * a row tile with one item writes out (T) and lse (natural log, Acc) directly;
+//   * otherwise the item writes its partial to the workspace: ws_out (n_items, ROWS, Dv) holds the
+//     NORMALIZED partial output acc / l, ws_lse (n_items, ROWS) the partial lse in BASE 2
+//     (m + log2 l; -inf for an empty partial, whose ws_out row is then not written). The partials
+//     are merged with the rule of cuflash.merge (weights exp2(lse_i - max), an empty partial is
+//     the identity, all empty -> out 0, lse -inf) either by the last block of the row tile to
+//     finish (fused = 1: an atomic counter per row tile, reset to 0 by that block so the buffer
+//     can be reused without a memset) or by decode_combine (fused = 0).
+#include "common.cuh"
+#include "mask.cuh"
+
+constexpr int DECODE_WARPS = 4;
+constexpr int DECODE_THREADS = DECODE_WARPS * 32;
+
+// Per-instantiation shape constants; cuflash/_decode.py `shape_constants` mirrors them.
+template <typename T, int HEAD_DIM, int ROWS>
+struct DecodeShape {
+  static constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
+  static constexpr int ROW_VECS = HEAD_DIM / VEC;                // 16-byte vectors per key row
+  static constexpr int LK = ROW_VECS < 32 ? ROW_VECS : 32;        // lanes per key row
+  static constexpr int NV = ROW_VECS / LK;                        // vectors per lane per key row
+  static constexpr int COLS = NV * VEC;                           // columns per lane
+  static constexpr int KPL = 32 / LK;                             // keys per warp load (slots)
+  // Keys per lane per chunk: U * ROWS = 16 scores fill the reduce-scatter, U * NV <= 4 bounds the
+  // registers of one K (or V) buffer to 16.
+  static constexpr int U_ROWS = 16 / ROWS > 0 ? 16 / ROWS : 1;
+  static constexpr int U_REGS = 4 / NV > 0 ? 4 / NV : 1;
+  static constexpr int U = U_ROWS < U_REGS ? U_ROWS : U_REGS;
+  static constexpr int NS = U * ROWS;   // scores per lane per chunk
+  static constexpr int WC = KPL * U;    // keys per warp chunk
+  static_assert(ROW_VECS >= 1 && ROW_VECS % LK == 0, "head-dim bucket");
+  static_assert((LK & (LK - 1)) == 0 && (NS & (NS - 1)) == 0, "powers of two");
+};
+
+// ---- small helpers -----------------------------------------------------------------------------
+template <typename Acc> __device__ __forceinline__ Acc log2e() { return Acc(1.4426950408889634); }
+template <typename Acc> __device__ __forceinline__ Acc ln2() { return Acc(0.6931471805599453); }
+// exp2 of a base-2 logit; exp2(-inf) = 0. float: the MUFU instruction (rel. error ~2^-22).
+__device__ __forceinline__ float exp2_acc(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
+__device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
+__device__ __forceinline__ double log2_acc(double x) { return log2(x); }
+
+// Workspace reads of partials written by other blocks of this launch: L2 only (.cg), never a
+// stale L1 line.
+__device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ double ld_cg(const double* p) { return __ldcg(p); }
+
+// K/V stream: read once, so no L1 allocation; ask L2 to fetch whole 256-byte lines.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+// 16 bytes of a row starting at column col (a multiple of VEC); columns >= ncols read as 0.
+// ALIGNED: the host proved 16-byte alignment and ncols % VEC == 0, so a vector is all in or out.
+template <typename T, bool ALIGNED>
+__device__ __forceinline__ uint4 load_vec(const T* row, int col, int ncols, bool key_ok) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  if (ALIGNED) {
+    if (key_ok && col < ncols) return ld_stream(row + col);
+    return make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    union {
+      uint4 v;
+      T e[VEC];
+    } u;
+    u.v = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      if (key_ok && col + e < ncols) u.e[e] = row[col + e];
+    return u.v;
+  }
+}
+
+// 16 bytes of storage -> VEC values in Acc (element e sits at byte e * sizeof(T)).
+__device__ __forceinline__ void unpack(const uint4& w, float (&x)[8], bf16_t) {
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[2 * k] = __uint_as_float(u[k] << 16);            // bf16 is the top half of a float
+    x[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void unpack(const uint4& w, float (&x)[8], half_t) {
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;}"
+        : "=f"(x[2 * k]), "=f"(x[2 * k + 1])
+        : "r"(u[k]));
+}
+__device__ __forceinline__ void unpack(const uint4& w, float (&x)[4], float) {
+  x[0] = __uint_as_float(w.x);
+  x[1] = __uint_as_float(w.y);
+  x[2] = __uint_as_float(w.z);
+  x[3] = __uint_as_float(w.w);
+}
+__device__ __forceinline__ void unpack(const uint4& w, double (&x)[2], double) {
+  x[0] = __hiloint2double(static_cast<int>(w.y), static_cast<int>(w.x));
+  x[1] = __hiloint2double(static_cast<int>(w.w), static_cast<int>(w.z));
+}
+
+// Sum v[0..NS) over the LK lanes of one key slot; afterwards every lane of the slot holds all NS
+// totals. Reduce-scatter: at step s the lanes with bit s set keep the upper half of their values
+// and add their partner's copy of it, so after S = log2(min(NS, LK)) steps a lane holds NH = NS >> S
+// values starting at original index NH * bitrev_S(lane). Remaining lane bits (LK > NS) are summed
+// by xor shuffles; a gather then reads each total from its owner.
+__host__ __device__ constexpr int bitrev(int x, int bits) {
+  return bits == 0 ? 0 : ((x & 1) << (bits - 1)) | bitrev(x >> 1, bits - 1);
+}
+__host__ __device__ constexpr int clog2(int x) { return x <= 1 ? 0 : 1 + clog2(x / 2); }
+
+// Value select by predicate, kept as a select (selp): with a plain ?: on two array elements the
+// compiler may select the ADDRESS instead and move the whole array to local memory.
+__device__ __forceinline__ float select(bool p, float a, float b) {
+  float r;
+  asm("{.reg .pred q;\n\tsetp.ne.b32 q, %1, 0;\n\tselp.f32 %0, %2, %3, q;}"
+      : "=f"(r) : "r"(static_cast<int>(p)), "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ double select(bool p, double a, double b) {
+  double r;
+  asm("{.reg .pred q;\n\tsetp.ne.b32 q, %1, 0;\n\tselp.f64 %0, %2, %3, q;}"
+      : "=d"(r) : "r"(static_cast<int>(p)), "d"(a), "d"(b));
+  return r;
+}
+
+template <typename Acc, int NS, int LK>
+__device__ __forceinline__ void slot_allreduce(Acc (&v)[NS], int lane_in_slot) {
+  constexpr int STEPS = clog2(NS < LK ? NS : LK);
+  constexpr int NH = NS >> STEPS;
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const int half = NS >> (s + 1);
+    const bool upper = (lane_in_slot >> s) & 1;
+#pragma unroll
+    for (int t = 0; t < NS / 2; ++t) {  // constant trip counts: every index folds to a constant
+      if (t < half) {
+        const Acc keep = select(upper, v[t + half], v[t]);
+        const Acc send = select(upper, v[t], v[t + half]);
+        v[t] = keep + __shfl_xor_sync(FULL_WARP, send, 1 << s, LK);
+      }
+    }
+  }
+#pragma unroll
+  for (int b = STEPS; (1 << b) < LK; ++b) v[0] += __shfl_xor_sync(FULL_WARP, v[0], 1 << b, LK);
+  Acc total[NS];
+#pragma unroll
+  for (int idx = 0; idx < NS; ++idx)
+    total[idx] = __shfl_sync(FULL_WARP, v[idx % NH], bitrev(idx / NH, STEPS), LK);
+#pragma unroll
+  for (int idx = 0; idx < NS; ++idx) v[idx] = total[idx];
+}
+
+// One query row of a block: its (batch, head) (-1: padding row), position i, and visible keys
+// already clipped to the block's item [k0, k1).
+struct DecodeRow {
+  long long bh, i, lo, hi;
+};
+
+// Fill rows[0..ROWS) for row tile `tile` of group g (threads < ROWS), then __syncthreads().
+template <int ROWS>
+__device__ __forceinline__ void setup_rows(DecodeRow* rows, const long long* __restrict__ groups,
+                                           long long g, long long tile, int G, int Nq,
+                                           const Window& w, long long k0, long long k1) {
+  if (threadIdx.x < ROWS) {
+    const long long rho = tile * ROWS + threadIdx.x;
+    DecodeRow row;
+    row.bh = -1;
+    row.i = 0;
+    row.lo = 0;
+    row.hi = -1;
+    if (rho < static_cast<long long>(G) * Nq) {
+      row.i = rho / G;
+      row.bh = groups[g * G + rho % G];
+    }
+    if (row.bh >= 0) {
+      const KeyRange kr = key_range(w, row.i);
+      row.lo = kr.lo > k0 ? kr.lo : k0;
+      row.hi = kr.hi < k1 - 1 ? kr.hi : k1 - 1;
+    }
+    rows[threadIdx.x] = row;
+  }
+  __syncthreads();
+}
+
+// Merge the row tile's partials (the merge rule of cuflash.merge, in base 2) and write out / lse.
+// rows[] is set up; sM, sInv are ROWS-entry shared scratch.
+template <typename T, typename Acc, int ROWS>
+__device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
+                                 const Acc* __restrict__ ws_out, const Acc* __restrict__ ws_lse,
+                                 long long first, int n_items, const DecodeRow* rows, Acc* sM,
+                                 Acc* sInv, int Nq, int Dv) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (int r = warp; r < ROWS; r += DECODE_WARPS) {
+    Acc M = NEG_INF;
+    for (int it = lane; it < n_items; it += 32)
+      M = acc_max(M, ld_cg(ws_lse + (first + it) * ROWS + r));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) M = acc_max(M, __shfl_xor_sync(FULL_WARP, M, o));
+    Acc sum = Acc(0);
+    if (M > NEG_INF)  // an all-empty row never evaluates exp2(-inf - (-inf))
+      for (int it = lane; it < n_items; it += 32)
+        sum += exp2_acc(ld_cg(ws_lse + (first + it) * ROWS + r) - M);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, o);
+    if (lane == 0) {
+      const bool empty = !(M > NEG_INF);
+      sM[r] = M;
+      sInv[r] = empty ? Acc(0) : Acc(1) / sum;
+      if (rows[r].bh >= 0)
+        lse[rows[r].bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<Acc>();
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
+    const int r = idx / Dv;
+    const int col = idx % Dv;
+    if (rows[r].bh < 0) continue;
+    const Acc M = sM[r];
+    Acc o = Acc(0);
+    if (M > NEG_INF) {
+#pragma unroll 4
+      for (int it = 0; it < n_items; ++it) {
+        const long long slot = (first + it) * ROWS + r;
+        const Acc x = ld_cg(ws_lse + slot);
+        // an empty partial has weight exactly 0 and an unwritten ws_out row: never read it
+        if (x > NEG_INF) o += exp2_acc(x - M) * ld_cg(ws_out + slot * Dv + col);
+      }
+    }
+    store_acc(out + (rows[r].bh * Nq + rows[r].i) * Dv + col, o * sInv[r]);
+  }
+}
+
+// ---- the split kernel --------------------------------------------------------------------------
+// Tables (int64): offsets (5, BH) rows q, k, v, mask, bias as in DESIGN.md "Kernel ABI";
+// lens (BH) valid keys per (batch, head); groups (n_groups, G); tiles (n_tiles, 4) =
+// (group, tile index, first item, item count); items (n_items, 3) = (row tile, k0, k1).
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED>
+__global__ void __launch_bounds__(DECODE_THREADS)
+decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+             T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,
+             Acc* __restrict__ ws_lse, unsigned* __restrict__ counters,
+             const long long* __restrict__ offsets, const long long* __restrict__ lens,
+             const long long* __restrict__ groups, const long long* __restrict__ tiles,
+             const long long* __restrict__ items, const unsigned char* __restrict__ mask,
+             const Acc* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
+             long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
+             int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right,
+             int fused) {
+  using Shape = DecodeShape<T, HEAD_DIM, ROWS>;
+  constexpr int VEC = Shape::VEC, LK = Shape::LK, NV = Shape::NV, COLS = Shape::COLS;
+  constexpr int KPL = Shape::KPL, U = Shape::U, NS = Shape::NS, WC = Shape::WC;
+  constexpr long long STRIDE = static_cast<long long>(WC) * DECODE_WARPS;  // keys per block pass
+
+  __shared__ DecodeRow rows[ROWS];
+  __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];
+  __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
+  __shared__ Acc sM[ROWS], sInv[ROWS];
+  __shared__ int s_last;
+
+  const long long item = blockIdx.x;
+  const long long tile_id = items[3 * item];
+  const long long k0 = items[3 * item + 1];
+  const long long k1 = items[3 * item + 2];
+  const long long g = tiles[4 * tile_id];
+  const long long tile = tiles[4 * tile_id + 1];
+  const long long first = tiles[4 * tile_id + 2];
+  const int n_items = static_cast<int>(tiles[4 * tile_id + 3]);
+  const long long bh0 = groups[g * G];  // every group's first member exists
+  const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
+  setup_rows<ROWS>(rows, groups, g, tile, G, Nq, win, k0, k1);
+
+  // Keys any row sees (union) and keys every valid row sees (intersection: chunks inside it need
+  // no per-element test). Padding rows count in neither.
+  long long blo = k1, bhi = k0 - 1, flo = k0, fhi = k1 - 1;
+  bool any_row = false;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (rows[r].bh < 0) continue;
+    any_row = true;
+    if (rows[r].lo <= rows[r].hi) {
+      blo = rows[r].lo < blo ? rows[r].lo : blo;
+      bhi = rows[r].hi > bhi ? rows[r].hi : bhi;
+    }
+    flo = rows[r].lo > flo ? rows[r].lo : flo;
+    fhi = rows[r].hi < fhi ? rows[r].hi : fhi;
+  }
+  if (!any_row) fhi = flo - 1;
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int slot = lane / LK;  // which key of a warp load
+  const int t = lane % LK;     // which 16-byte column vector(s) of it
+
+  // q rows, pre-scaled into the base-2 domain; padding rows and columns >= Dk are 0.
+  Acc qr[ROWS][COLS];
+  const Acc qscale = scale * log2e<Acc>();
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const long long bh = rows[r].bh;
+    const T* qrow = q + (bh >= 0 ? offsets[bh] + rows[r].i * q_rs : 0);
+#pragma unroll
+    for (int n = 0; n < NV; ++n)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int col = (n * LK + t) * VEC + e;
+        qr[r][n * VEC + e] = (bh >= 0 && col < Dk) ? to_acc(qrow[col]) * qscale : Acc(0);
+      }
+  }
+  const T* kh = k + offsets[1 * BH + bh0];
+  const T* vh = v + offsets[2 * BH + bh0];
+
+  // Per-row state (DESIGN.md "Empty state"), per key slot: m = -inf, l = 0, acc = 0.
+  Acc m[ROWS], l[ROWS], acc[ROWS][COLS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    m[r] = NEG_INF;
+    l[r] = Acc(0);
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) acc[r][c] = Acc(0);
+  }
+
+  struct Frag {
+    uint4 k[U][NV], v[U][NV];
+  };
+  // Load the warp chunk starting at key `base`; keys past bhi and columns past Dk / Dv read 0.
+  auto load = [&](Frag& f, long long base) {
+    const long long j = base + slot;
+    const T* krow = kh + j * k_rs;
+    const T* vrow = vh + j * v_rs;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool ok = j + u * KPL <= bhi;
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int col = (n * LK + t) * VEC;
+        f.k[u][n] = load_vec<T, ALIGNED>(krow + u * KPL * k_rs, col, Dk, ok);
+        f.v[u][n] = load_vec<T, ALIGNED>(vrow + u * KPL * v_rs, col, Dv, ok);
+      }
+    }
+  };
+
+  auto step = [&](const Frag& f, long long base) {
+    // Scores: partial dot products over this lane's columns, then summed over the slot's lanes.
+    Acc s[NS];  // s[u * ROWS + r]
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      Acc kx[COLS];
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        Acc part[VEC];
+        unpack(f.k[u][n], part, T{});
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) kx[n * VEC + e] = part[e];
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        Acc d = Acc(0);
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) d += qr[r][c] * kx[c];
+        s[u * ROWS + r] = d;
+      }
+    }
+    slot_allreduce<Acc, NS, LK>(s, t);
+
+    // Mask by global position only where some key of the chunk may be invisible to some row.
+    const bool interior = !HAS_MB && base >= flo && base + WC - 1 <= fhi;
+    if (!interior) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        KeyRange kr;
+        kr.lo = rows[r].lo;
+        kr.hi = rows[r].hi;
+        MaskBias<Acc> mb;
+        mb.mask = nullptr;
+        mb.bias = nullptr;
+        mb.mask_rs = mask_rs;
+        mb.mask_cs = mask_cs;
+        mb.bias_rs = bias_rs;
+        mb.bias_cs = bias_cs;
+        if (HAS_MB && rows[r].bh >= 0) {
+          if (mask) mb.mask = mask + offsets[3 * BH + rows[r].bh];
+          if (bias) mb.bias = bias + offsets[4 * BH + rows[r].bh];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const long long j = base + u * KPL + slot;
+          Acc& x = s[u * ROWS + r];
+          if (HAS_MB)  // the bias is in natural units: leave the base-2 domain around it
+            x = masked_logit(x * ln2<Acc>(), rows[r].i, j, kr, mb) * log2e<Acc>();
+          else
+            x = masked_logit(x, rows[r].i, j, kr, mb);  // range test only; x unchanged if visible
+        }
+      }
+    }
+
+    // Online softmax per row: new max, rescale BOTH l and acc, add this chunk's mass.
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      Acc tile_max = s[r];
+#pragma unroll
+      for (int u = 1; u < U; ++u) tile_max = acc_max(tile_max, s[u * ROWS + r]);
+      if (tile_max > NEG_INF) {
+        const Acc m_new = acc_max(m[r], tile_max);
+        const Acc alpha = (m[r] > NEG_INF) ? exp2_acc(m[r] - m_new) : Acc(0);
+        l[r] *= alpha;
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          s[u * ROWS + r] = exp2_acc(s[u * ROWS + r] - m_new);  // exp2(-inf) = 0: invisible keys
+          l[r] += s[u * ROWS + r];
+        }
+        m[r] = m_new;
+      } else {
+        // nothing visible for this row in this chunk: the row is left untouched
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[u * ROWS + r] = Acc(0);
+      }
+    }
+
+    // acc += P V over the chunk's keys (this lane's columns).
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      Acc vx[COLS];
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        Acc part[VEC];
+        unpack(f.v[u][n], part, T{});
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) vx[n * VEC + e] = part[e];
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[r][c] += s[u * ROWS + r] * vx[c];
+    }
+  };
+
+  // Stream the warp's chunks with the next one in flight while the current one is computed.
+  long long b0 = blo + warp * WC;
+  if (b0 <= bhi) {
+    Frag fa, fb;
+    load(fa, b0);
+    for (;;) {
+      const long long b1 = b0 + STRIDE;
+      if (b1 <= bhi) load(fb, b1);
+      step(fa, b0);
+      if (b1 > bhi) break;
+      const long long b2 = b1 + STRIDE;
+      if (b2 <= bhi) load(fa, b2);
+      step(fb, b1);
+      if (b2 > bhi) break;
+      b0 = b2;
+    }
+  }
+
+  // Merge the key slots of the warp (lanes that differ in the bits above LK).
+#pragma unroll
+  for (int off = LK; off < 32; off *= 2) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const Acc m_o = __shfl_xor_sync(FULL_WARP, m[r], off);
+      const Acc l_o = __shfl_xor_sync(FULL_WARP, l[r], off);
+      const Acc m_new = acc_max(m[r], m_o);
+      const Acc a = (m[r] > NEG_INF) ? exp2_acc(m[r] - m_new) : Acc(0);
+      const Acc b = (m_o > NEG_INF) ? exp2_acc(m_o - m_new) : Acc(0);
+      l[r] = l[r] * a + l_o * b;
+#pragma unroll
+      for (int c = 0; c < COLS; ++c)
+        acc[r][c] = acc[r][c] * a + __shfl_xor_sync(FULL_WARP, acc[r][c], off) * b;
+      m[r] = m_new;
+    }
+  }
+  if (slot == 0) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int n = 0; n < NV; ++n)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) red_acc[warp][r][(n * LK + t) * VEC + e] = acc[r][n * VEC + e];
+      if (t == 0) {
+        red_m[warp][r] = m[r];
+        red_l[warp][r] = l[r];
+      }
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps, normalize once; write the result (one item) or this item's partial.
+  for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
+    const int r = idx / Dv;
+    const int col = idx % Dv;
+    const long long bh = rows[r].bh;
+    if (bh < 0) continue;
+    Acc M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) M = acc_max(M, red_m[w][r]);
+    Acc l_sum = Acc(0), o = Acc(0);
+    if (M > NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < DECODE_WARPS; ++w) {
+        const Acc a = (red_m[w][r] > NEG_INF) ? exp2_acc(red_m[w][r] - M) : Acc(0);
+        l_sum += a * red_l[w][r];
+        o += a * red_acc[w][r][col];
+      }
+    }
+    const bool empty = !(l_sum > Acc(0));
+    const Acc val = empty ? Acc(0) : o / l_sum;
+    if (n_items == 1) {
+      store_acc(out + (bh * Nq + rows[r].i) * Dv + col, val);
+      if (col == 0) lse[bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(l_sum)) * ln2<Acc>();
+    } else {
+      const long long ws = item * ROWS + r;
+      if (!empty) ws_out[ws * Dv + col] = val;
+      if (col == 0) ws_lse[ws] = empty ? NEG_INF : M + log2_acc(l_sum);
+    }
+  }
+  if (n_items == 1 || !fused) return;
+
+  // Fused combine: the last block of the row tile to finish merges all of its partials.
+  __threadfence();  // this block's partial is visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned done = atomicAdd(counters + tile_id, 1u);
+    s_last = (done == static_cast<unsigned>(n_items - 1));
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // order the counter read before the partial reads
+  combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv, Nq, Dv);
+  if (threadIdx.x == 0) counters[tile_id] = 0u;  // ready for the next launch on this stream
+}
+
+// ---- the stand-alone combine (fused = 0): one block per row tile -------------------------------
+template <typename T, typename Acc, int ROWS>
+__global__ void __launch_bounds__(DECODE_THREADS)
+decode_combine(T* __restrict__ out, Acc* __restrict__ lse, const Acc* __restrict__ ws_out,
+               const Acc* __restrict__ ws_lse, const long long* __restrict__ lens,
+               const long long* __restrict__ groups, const long long* __restrict__ tiles, int Nq,
+               int Dv, int G, int left, int right, int bottom_right) {
+  __shared__ DecodeRow rows[ROWS];
+  __shared__ Acc sM[ROWS], sInv[ROWS];
+  const long long tile_id = blockIdx.x;
+  const int n_items = static_cast<int>(tiles[4 * tile_id + 3]);
+  if (n_items == 1) return;  // written by decode_split
+  const long long g = tiles[4 * tile_id];
+  const Window win = make_window(Nq, lens[groups[g * G]], left, right, bottom_right);
+  setup_rows<ROWS>(rows, groups, g, tiles[4 * tile_id + 1], G, Nq, win, 0, 0);
+  combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, tiles[4 * tile_id + 2], n_items, rows,
+                                 sM, sInv, Nq, Dv);
+}

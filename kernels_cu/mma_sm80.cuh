@@ -1,0 +1,139 @@
+// mma_sm80.cuh: tensor-core building blocks for the sm_80+ kernels (mma.sync m16n8k16, ldmatrix,
+// cp.async), float16 / bfloat16 in, float32 accumulate. No kernels.
+//
+// The first part (smem_u32 ... cp_tile) is a verbatim copy of namespace tc in fwd_sm80.cu, so that
+// fwd_sm80.cu can later include this header and drop its copy. The second part (shared loads and
+// stores, global reductions) is new, used by bwd_sm80.cu.
+//
+// Fragment layouts of mma.sync.m16n8k16.row.col (g = lane / 4, t = lane % 4):
+//   C (16x8 f32):   c0, c1 = (row g,     cols 2t, 2t+1);  c2, c3 = (row g + 8, cols 2t, 2t+1)
+//   A (16x16 b16):  a0 = (row g, k 2t..2t+1)   a1 = (row g + 8, k 2t..)
+//                   a2 = (row g, k 2t+8..)     a3 = (row g + 8, k 2t+8..)      (low half = lower k)
+//   B (16x8 b16):   b0 = (k 2t..2t+1, col g)   b1 = (k 2t+8.., col g)
+// ldmatrix.x4: lanes 8i..8i+7 give the row addresses of matrix i, register i receives it; without
+// .trans the thread holds (row g, cols 2t, 2t+1) of each 8x8 matrix, with .trans (rows 2t, 2t+1,
+// col g), i.e. the transposed matrix's (row g, cols 2t, 2t+1).
+#pragma once
+#include "common.cuh"
+
+namespace tc {
+
+typedef unsigned int u32;
+constexpr float LN2 = 0.6931471805599453f;
+
+// ---- PTX wrappers ------------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The 16-bit type's tensor-core product and its pair packing (lo goes to the low half).
+template <typename T> struct Mma;
+template <> struct Mma<half_t> {
+  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+template <> struct Mma<bf16_t> {
+  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+// Copy rows [row0, row0 + ROWS) of a (row stride rs, unit column stride) matrix into a padded
+// shared tile; rows >= limit become zeros (P = 0 times a stale NaN would not be 0). Thread t copies
+// chunk t % CPR of rows t / CPR + RPI * it: one base pointer per call, constant shared offsets.
+template <int ROWS, int HEAD_DIM, int THREADS, typename T>
+__device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long long rs, int row0,
+                                        int limit) {
+  constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  // rs through an opaque move: otherwise the compiler hoists every row's 64-bit address out of the
+  // key loop and keeps them all live (~24 registers).
+  long long rs_o;
+  asm volatile("mov.b64 %0, %1;" : "=l"(rs_o) : "l"(rs));
+  if constexpr (THREADS % CPR == 0) {
+    constexpr int RPI = THREADS / CPR;  // rows per iteration
+    const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
+    const T* base = src + static_cast<long long>(row0 + r_thr) * rs_o + c_thr * 8;
+    const u32 d = dst + r_thr * ROW_BYTES + c_thr * 16;
+#pragma unroll
+    for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
+      const int r = it * RPI + r_thr;
+      if (ROWS % RPI == 0 || r < ROWS) {
+        const bool ok = row0 + r < limit;
+        cp_async16(d + it * RPI * ROW_BYTES, ok ? base + it * RPI * rs_o : src, ok ? 16 : 0);
+      }
+    }
+  } else {  // head dims 96, 192: rows do not divide the block evenly
+    constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+      const int idx = it * THREADS + threadIdx.x;
+      if (TOTAL % THREADS == 0 || idx < TOTAL) {
+        const int r = idx / CPR, c = idx % CPR;
+        const bool ok = row0 + r < limit;
+        const T* gp = src + (ok ? static_cast<long long>(row0 + r) * rs_o : 0LL) + c * 8;
+        cp_async16(dst + r * ROW_BYTES + c * 16, gp, ok ? 16 : 0);
+      }
+    }
+  }
+}
+
+// ---- new for the backward ----------------------------------------------------------------------
+__device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(x) : "memory");
+}
+__device__ __forceinline__ void ld_shared_v2f(u32 addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
+}
+// *p += a, p[1] += b in global memory, no return value (red). One vector reduction on sm_90+.
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
+
+}  // namespace tc

@@ -1,0 +1,490 @@
+"""NumPy emulation of the fragment index math of kernels_cu/bwd_sm80.cu (no GPU needed).
+
+Warp primitives are modelled per lane from the PTX specification (mma_sm80.cuh's header comment):
+ldmatrix .x4 (with and without .trans), mma.sync m16n8k16 row.col, 32-bit shared stores and
+v2.f32 shared loads, with shared memory as one array indexed by byte address. The spec encoding is
+first checked on the forward kernel's own lane offsets (fwd_sm80.cu, proven on the GPU): S = Q K^T
+and O = P V. Then the backward kernels' loops are transliterated lane by lane (same offsets, same
+packing order, same tile walk, same predicate) and compared with dense float64 gradients on small
+awkward shapes (causal both alignments, window, kv_lens, padding rows). Precision is not modelled
+(values stay float64); only where each element goes.
+
+    python3 tools/tc_bwd_emulate.py
+"""
+import itertools
+import math
+import sys
+
+import numpy as np
+
+LOG2E = 1.4426950408889634
+
+
+# ---- warp primitives ---------------------------------------------------------------------------
+LANE = np.arange(32)
+G, T4 = LANE // 4, LANE % 4
+
+
+class Smem:
+    """Shared memory: element of any width at byte address a lives in self.m[a]."""
+
+    def __init__(self, nbytes):
+        self.m = np.full(nbytes + 64, np.nan)
+
+    def store_tile(self, dst, row_bytes, mat):
+        """Rows of a 16-bit matrix at dst + r * row_bytes + 2 c (as cp_tile / cp.async)."""
+        for r in range(mat.shape[0]):
+            self.m[dst + r * row_bytes + 2 * np.arange(mat.shape[1])] = mat[r]
+
+    def store_f32(self, dst, vec):
+        self.m[dst + 4 * np.arange(len(vec))] = vec
+
+    def ldsm_x4(self, addr, trans=False):
+        """addr: (32,) byte addresses; returns 4 registers, each (32, 2) = (lo, hi) per lane."""
+        regs = []
+        for i in range(4):
+            rows = addr[8 * i:8 * i + 8]
+            M = np.array([[self.m[rows[r] + 2 * c] for c in range(8)] for r in range(8)])
+            if trans:
+                M = M.T
+            regs.append(np.stack([M[G, 2 * T4], M[G, 2 * T4 + 1]], axis=1))
+        return regs
+
+    def st_b32(self, addr, reg):
+        self.m[addr] = reg[:, 0]
+        self.m[addr + 2] = reg[:, 1]
+
+    def ld_v2f(self, addr):
+        return self.m[addr], self.m[addr + 4]
+
+
+def mma(c, a, b0, b1):
+    """c (32, 4) += A B for the fragments of mma.m16n8k16.row.col."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    C = np.zeros((16, 8))
+    for ln in range(32):
+        g, t = ln // 4, ln % 4
+        A[g, 2 * t:2 * t + 2] = a[0][ln]
+        A[g + 8, 2 * t:2 * t + 2] = a[1][ln]
+        A[g, 2 * t + 8:2 * t + 10] = a[2][ln]
+        A[g + 8, 2 * t + 8:2 * t + 10] = a[3][ln]
+        B[2 * t:2 * t + 2, g] = b0[ln]
+        B[2 * t + 8:2 * t + 10, g] = b1[ln]
+        C[g, 2 * t:2 * t + 2] = c[ln, 0:2]
+        C[g + 8, 2 * t:2 * t + 2] = c[ln, 2:4]
+    C += A @ B
+    out = np.empty_like(c)
+    for ln in range(32):
+        g, t = ln // 4, ln % 4
+        out[ln, 0:2] = C[g, 2 * t:2 * t + 2]
+        out[ln, 2:4] = C[g + 8, 2 * t:2 * t + 2]
+    c[:] = out
+
+
+def pack(lo, hi):
+    return np.stack([lo, hi], axis=1)
+
+
+def zeros_acc(n):
+    return [np.zeros((32, 4)) for _ in range(n)]
+
+
+# ---- the visibility predicate (mask.cuh), scalar ------------------------------------------------
+class Win:
+    def __init__(self, Nq, L, left, right, br):
+        self.shift = L - Nq if br else 0
+        self.L, self.left, self.right = L, left, right
+        CL = 1 << 30
+        self.dlo = max(-CL, min(CL, self.shift - left))
+        self.dhi = max(-CL, min(CL, self.shift + right))
+        self.L_last = L - 1
+
+    def key_range(self, i):
+        p = i + self.shift
+        return max(p - self.left, 0), min(p + self.right, self.L - 1)
+
+    def tile_key_range(self, i0, i1):
+        return self.key_range(i0)[0], self.key_range(i1)[1]
+
+    def tile_query_range(self, j0, j1, Nq):
+        j1 = min(j1, self.L - 1)
+        if j0 > j1:
+            return 0, -1
+        return max(j0 - self.right - self.shift, 0), min(j1 + self.left - self.shift, Nq - 1)
+
+
+def dense_visible(Nq, Nk, L, left, right, br):
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    p = i + (L - Nq if br else 0)
+    return (j < L) & (j >= p - left) & (j <= p + right)
+
+
+# ---- the forward's proven offsets (spec check) -------------------------------------------------
+def check_forward_spec(rng):
+    D, BM, BN = 32, 16, 16
+    RB = (D + 8) * 2
+    sm = Smem(RB * (BM + 2 * BN))
+    sQ, sK, sV = 0, BM * RB, (BM + BN) * RB
+    Q, K, V = (rng.standard_normal((n, D)) for n in (BM, BN, BN))
+    sm.store_tile(sQ, RB, Q)
+    sm.store_tile(sK, RB, K)
+    sm.store_tile(sV, RB, V)
+    q_lane = sQ + (LANE % 16) * RB + (LANE // 16) * 16
+    k_lane = (LANE % 8 + 8 * (LANE // 16)) * RB + ((LANE // 8) % 2) * 16
+    v_lane = (LANE % 8 + 8 * ((LANE // 8) % 2)) * RB + (LANE // 16) * 16
+    s = zeros_acc(BN // 8)
+    for kk in range(D // 16):
+        qa = sm.ldsm_x4(q_lane + kk * 32)
+        for p in range(BN // 16):
+            kb = sm.ldsm_x4(sK + k_lane + p * 16 * RB + kk * 32)
+            mma(s[2 * p], qa, kb[0], kb[1])
+            mma(s[2 * p + 1], qa, kb[2], kb[3])
+    S = np.zeros((BM, BN))
+    for nf in range(BN // 8):
+        for e in range(4):
+            S[G + 8 * (e // 2), nf * 8 + 2 * T4 + e % 2] = s[nf][:, e]
+    assert np.allclose(S, Q @ K.T), "spec: S = Q K^T with the forward's offsets"
+    P = rng.standard_normal((BM, BN))
+    for nf in range(BN // 8):
+        for e in range(4):
+            s[nf][:, e] = P[G + 8 * (e // 2), nf * 8 + 2 * T4 + e % 2]
+    acc = zeros_acc(D // 8)
+    for kk in range(BN // 16):
+        pa = [pack(s[2 * kk][:, 0], s[2 * kk][:, 1]), pack(s[2 * kk][:, 2], s[2 * kk][:, 3]),
+              pack(s[2 * kk + 1][:, 0], s[2 * kk + 1][:, 1]),
+              pack(s[2 * kk + 1][:, 2], s[2 * kk + 1][:, 3])]
+        for p in range(D // 16):
+            vb = sm.ldsm_x4(sV + v_lane + kk * 16 * RB + p * 32, trans=True)
+            mma(acc[2 * p], pa, vb[0], vb[1])
+            mma(acc[2 * p + 1], pa, vb[2], vb[3])
+    O = np.zeros((BM, D))
+    for df in range(D // 8):
+        for e in range(4):
+            O[G + 8 * (e // 2), df * 8 + 2 * T4 + e % 2] = acc[df][:, e]
+    assert np.allclose(O, P @ V), "spec: O = P V with the forward's offsets"
+
+
+# ---- bwd_sm80_dkdv, transliterated --------------------------------------------------------------
+def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NWARPS,
+                 dq_out, dk_out, dv_out):
+    Nq, Nk = Q.shape[0], K.shape[0]
+    BN = 16 * NWARPS
+    NQF, DF, KD, KM = BM // 8, D // 8, D // 16, BM // 16
+    RB = (D + 8) * 2
+    DS_ROW = (BM + 8) * 2
+    QT = BM * RB
+    WM = BM // 16
+    WD = NWARPS // WM
+    DQ_COLS = D // WD
+    CH = DQ_COLS if DQ_COLS <= 64 else DQ_COLS // 2
+    sK = 0
+    sV = sK + BN * RB
+    sQ = sV + BN * RB
+    sdO = sQ + 2 * QT
+    sdS = sdO + 2 * QT
+    sL = sdS + BN * DS_ROW
+    sD = sL + 2 * BM * 4
+    n_nt = -(-Nk // BN)
+    sl2 = scale * LOG2E
+    for jt in range(n_nt):
+        j0 = jt * BN
+        sm = Smem(sD + 2 * BM * 4)
+        qlo, qhi = win.tile_query_range(j0, j0 + BN - 1, Nq)
+        m_first = qlo // BM if qlo <= qhi else 0
+        n_mt = qhi // BM - m_first + 1 if qlo <= qhi else 0
+
+        def rows(M, r0, n, limit):
+            out = np.zeros((n, M.shape[1]))
+            for r in range(n):
+                if r0 + r < limit:
+                    out[r] = M[r0 + r]
+            return out
+
+        def load_query_tile(slot, i0):
+            sm.store_tile(sQ + slot * QT, RB, rows(Q, i0, BM, Nq))
+            sm.store_tile(sdO + slot * QT, RB, rows(dO, i0, BM, Nq))
+            sm.store_f32(sL + slot * BM * 4, lse2_pad[i0:i0 + BM])
+            sm.store_f32(sD + slot * BM * 4, delta_pad[i0:i0 + BM])
+
+        if n_mt > 0:
+            sm.store_tile(sK, RB, rows(K, j0, BN, win.L))
+            sm.store_tile(sV, RB, rows(V, j0, BN, win.L))
+        dk = [zeros_acc(DF) for _ in range(NWARPS)]
+        dv = [zeros_acc(DF) for _ in range(NWARPS)]
+        bn_lane = (LANE % 8 + 8 * (LANE // 16)) * RB + ((LANE // 8) % 2) * 16
+        bt_lane = (LANE % 8 + 8 * ((LANE // 8) % 2)) * RB + (LANE // 16) * 16
+        ds_lane = (LANE % 8 + 8 * (LANE // 16)) * DS_ROW + ((LANE // 8) % 2) * 16
+        for it in range(n_mt):
+            i0 = (m_first + it) * BM
+            slot = it & 1
+            load_query_tile(slot, i0)  # (the kernel prefetched it one step earlier)
+            qs, dos = sQ + slot * QT, sdO + slot * QT
+            ls, des = sL + slot * BM * 4, sD + slot * BM * 4
+            i_last = min(i0 + BM, Nq) - 1
+            full = (max(i_last + win.dlo, 0) <= j0 and j0 + BN - 1 <= min(i0 + win.dhi, win.L_last))
+            for warp in range(NWARPS):
+                a_lane = (warp * 16 + LANE % 16) * RB + (LANE // 16) * 16
+                jw = j0 + warp * 16 + G
+                s = zeros_acc(NQF)
+                for kk in range(KD):
+                    a = sm.ldsm_x4(sK + a_lane + kk * 32)
+                    for p in range(NQF // 2):
+                        b = sm.ldsm_x4(qs + bn_lane + p * 16 * RB + kk * 32)
+                        mma(s[2 * p], a, b[0], b[1])
+                        mma(s[2 * p + 1], a, b[2], b[3])
+                if not full:
+                    for h in range(2):
+                        j = jw + 8 * h
+                        for nf in range(NQF):
+                            for e in range(2):
+                                i = i0 + nf * 8 + 2 * T4 + e
+                                bad = (j > win.L_last) | (j < i + win.dlo) | (j > i + win.dhi)
+                                s[nf][:, 2 * h + e] = np.where(bad, -np.inf, s[nf][:, 2 * h + e])
+                for nf in range(NQF):
+                    l0, l1 = sm.ld_v2f(ls + (nf * 8 + 2 * T4) * 4)
+                    for h in range(2):
+                        s[nf][:, 2 * h] = np.exp2(s[nf][:, 2 * h] * sl2 - l0)
+                        s[nf][:, 2 * h + 1] = np.exp2(s[nf][:, 2 * h + 1] * sl2 - l1)
+                for kk in range(KM):
+                    pa = [pack(s[2 * kk][:, 0], s[2 * kk][:, 1]),
+                          pack(s[2 * kk][:, 2], s[2 * kk][:, 3]),
+                          pack(s[2 * kk + 1][:, 0], s[2 * kk + 1][:, 1]),
+                          pack(s[2 * kk + 1][:, 2], s[2 * kk + 1][:, 3])]
+                    for p in range(DF // 2):
+                        b = sm.ldsm_x4(dos + bt_lane + kk * 16 * RB + p * 32, trans=True)
+                        mma(dv[warp][2 * p], pa, b[0], b[1])
+                        mma(dv[warp][2 * p + 1], pa, b[2], b[3])
+                dp = zeros_acc(NQF)
+                for kk in range(KD):
+                    a = sm.ldsm_x4(sV + a_lane + kk * 32)
+                    for p in range(NQF // 2):
+                        b = sm.ldsm_x4(dos + bn_lane + p * 16 * RB + kk * 32)
+                        mma(dp[2 * p], a, b[0], b[1])
+                        mma(dp[2 * p + 1], a, b[2], b[3])
+                for nf in range(NQF):
+                    d0, d1 = sm.ld_v2f(des + (nf * 8 + 2 * T4) * 4)
+                    for h in range(2):
+                        dp[nf][:, 2 * h] = scale * s[nf][:, 2 * h] * (dp[nf][:, 2 * h] - d0)
+                        dp[nf][:, 2 * h + 1] = scale * s[nf][:, 2 * h + 1] * (dp[nf][:, 2 * h + 1] - d1)
+                for kk in range(KM):
+                    da = [pack(dp[2 * kk][:, 0], dp[2 * kk][:, 1]),
+                          pack(dp[2 * kk][:, 2], dp[2 * kk][:, 3]),
+                          pack(dp[2 * kk + 1][:, 0], dp[2 * kk + 1][:, 1]),
+                          pack(dp[2 * kk + 1][:, 2], dp[2 * kk + 1][:, 3])]
+                    row = sdS + (warp * 16 + G) * DS_ROW + (kk * 16 + 2 * T4) * 2
+                    sm.st_b32(row, da[0])
+                    sm.st_b32(row + 8 * DS_ROW, da[1])
+                    sm.st_b32(row + 16, da[2])
+                    sm.st_b32(row + 8 * DS_ROW + 16, da[3])
+                    for p in range(DF // 2):
+                        b = sm.ldsm_x4(qs + bt_lane + kk * 16 * RB + p * 32, trans=True)
+                        mma(dk[warp][2 * p], da, b[0], b[1])
+                        mma(dk[warp][2 * p + 1], da, b[2], b[3])
+            # __syncthreads(); dQ
+            for warp in range(NWARPS):
+                wm, wd = warp % WM, warp // WM
+                col0 = wd * DQ_COLS
+                for c0 in range(0, DQ_COLS, CH):
+                    acc = zeros_acc(CH // 8)
+                    for kk in range(BN // 16):
+                        a = sm.ldsm_x4(sdS + ds_lane + kk * 16 * DS_ROW + wm * 32, trans=True)
+                        for p in range(CH // 16):
+                            b = sm.ldsm_x4(sK + bt_lane + kk * 16 * RB + (col0 + c0) * 2 + p * 32,
+                                           trans=True)
+                            mma(acc[2 * p], a, b[0], b[1])
+                            mma(acc[2 * p + 1], a, b[2], b[3])
+                    for h in range(2):
+                        i = i0 + wm * 16 + G + 8 * h
+                        for nf in range(CH // 8):
+                            for ln in range(32):
+                                if i[ln] < Nq:
+                                    c = col0 + c0 + nf * 8 + 2 * T4[ln]
+                                    dq_out[i[ln], c] += acc[nf][ln, 2 * h]
+                                    dq_out[i[ln], c + 1] += acc[nf][ln, 2 * h + 1]
+        for warp in range(NWARPS):
+            for h in range(2):
+                j = j0 + warp * 16 + G + 8 * h
+                for df in range(DF):
+                    for ln in range(32):
+                        if j[ln] < Nk:
+                            c = df * 8 + 2 * T4[ln]
+                            dk_out[j[ln], c:c + 2] = dk[warp][df][ln, 2 * h:2 * h + 2]
+                            dv_out[j[ln], c:c + 2] = dv[warp][df][ln, 2 * h:2 * h + 2]
+
+
+# ---- bwd_sm80_dq, transliterated ----------------------------------------------------------------
+def emulate_dq(Q, K, V, dO, lse2_pad, delta_pad, scale, win, D, BN, NWARPS, STAGES, dq_out):
+    Nq, Nk = Q.shape[0], K.shape[0]
+    BM = 16 * NWARPS
+    NF, DF, KD, KN = BN // 8, D // 8, D // 16, BN // 16
+    RB = (D + 8) * 2
+    TB = BN * RB
+    sl2 = scale * LOG2E
+    n_mt = -(-Nq // BM)
+    for mt in range(n_mt):
+        i0 = mt * BM
+        i_last = min(i0 + BM, Nq) - 1
+        lo, hi = win.tile_key_range(i0, i_last)
+        n_tiles = (hi - lo) // BN + 1 if hi >= lo else 0
+        j_limit = hi + 1
+        sQ, sdO = 0, BM * RB
+        sK = 2 * BM * RB
+        sV = sK + STAGES * TB
+        sm = Smem(sV + STAGES * TB)
+
+        def rows(M, r0, n, limit):
+            out = np.zeros((n, M.shape[1]))
+            for r in range(n):
+                if r0 + r < limit:
+                    out[r] = M[r0 + r]
+            return out
+
+        sm.store_tile(sQ, RB, rows(Q, i0, BM, Nq))
+        sm.store_tile(sdO, RB, rows(dO, i0, BM, Nq))
+        full_lo = min(win.key_range(i_last)[0], win.L)
+        full_hi = max(win.key_range(i0)[1], -1)
+        bn_lane = (LANE % 8 + 8 * (LANE // 16)) * RB + ((LANE // 8) % 2) * 16
+        bt_lane = (LANE % 8 + 8 * ((LANE // 8) % 2)) * RB + (LANE // 16) * 16
+        dq = [zeros_acc(DF) for _ in range(NWARPS)]
+        for n in range(n_tiles):
+            j0 = lo + n * BN
+            kbuf = sK + (n % STAGES) * TB
+            vbuf = sV + (n % STAGES) * TB
+            sm.store_tile(kbuf, RB, rows(K, j0, BN, j_limit))
+            sm.store_tile(vbuf, RB, rows(V, j0, BN, j_limit))
+            for warp in range(NWARPS):
+                a_lane = (warp * 16 + LANE % 16) * RB + (LANE // 16) * 16
+                ir = i0 + warp * 16 + G
+                l2r = [lse2_pad[ir], lse2_pad[ir + 8]]
+                der = [delta_pad[ir], delta_pad[ir + 8]]
+                s, dp = zeros_acc(NF), zeros_acc(NF)
+                for kk in range(KD):
+                    a = sm.ldsm_x4(sQ + a_lane + kk * 32)
+                    for p in range(NF // 2):
+                        b = sm.ldsm_x4(kbuf + bn_lane + p * 16 * RB + kk * 32)
+                        mma(s[2 * p], a, b[0], b[1])
+                        mma(s[2 * p + 1], a, b[2], b[3])
+                for kk in range(KD):
+                    a = sm.ldsm_x4(sdO + a_lane + kk * 32)
+                    for p in range(NF // 2):
+                        b = sm.ldsm_x4(vbuf + bn_lane + p * 16 * RB + kk * 32)
+                        mma(dp[2 * p], a, b[0], b[1])
+                        mma(dp[2 * p + 1], a, b[2], b[3])
+                if j0 < full_lo or j0 + BN - 1 > full_hi:
+                    for h in range(2):
+                        i = ir + 8 * h
+                        c_lo = np.maximum(i + win.dlo, 0) - j0
+                        c_hi = np.where(i < Nq, np.minimum(i + win.dhi, win.L_last) - j0, -1)
+                        for nf in range(NF):
+                            for e in range(2):
+                                c = nf * 8 + 2 * T4 + e
+                                bad = (c < c_lo) | (c > c_hi)
+                                s[nf][:, 2 * h + e] = np.where(bad, -np.inf, s[nf][:, 2 * h + e])
+                for nf in range(NF):
+                    for e in range(4):
+                        p_ = np.exp2(s[nf][:, e] * sl2 - l2r[e // 2])
+                        s[nf][:, e] = scale * p_ * (dp[nf][:, e] - der[e // 2])
+                for kk in range(KN):
+                    da = [pack(s[2 * kk][:, 0], s[2 * kk][:, 1]),
+                          pack(s[2 * kk][:, 2], s[2 * kk][:, 3]),
+                          pack(s[2 * kk + 1][:, 0], s[2 * kk + 1][:, 1]),
+                          pack(s[2 * kk + 1][:, 2], s[2 * kk + 1][:, 3])]
+                    for p in range(DF // 2):
+                        b = sm.ldsm_x4(kbuf + bt_lane + kk * 16 * RB + p * 32, trans=True)
+                        mma(dq[warp][2 * p], da, b[0], b[1])
+                        mma(dq[warp][2 * p + 1], da, b[2], b[3])
+        for warp in range(NWARPS):
+            for h in range(2):
+                i = i0 + warp * 16 + G + 8 * h
+                for df in range(DF):
+                    for ln in range(32):
+                        if i[ln] < Nq:
+                            c = df * 8 + 2 * T4[ln]
+                            dq_out[i[ln], c:c + 2] = dq[warp][df][ln, 2 * h:2 * h + 2]
+
+
+# ---- dense reference and driver ----------------------------------------------------------------
+def dense(Q, K, V, dO, scale, vis):
+    s = np.where(vis, scale * Q @ K.T, -np.inf)
+    m = s.max(1, keepdims=True, initial=-np.inf)
+    ok = m > -np.inf
+    e = np.exp(s - np.where(ok, m, 0))
+    l = e.sum(1, keepdims=True)
+    P = np.where(ok, e / np.where(ok, l, 1), 0)
+    O = P @ V
+    lse = np.where(ok[:, 0], (np.where(ok, m, 0) + np.log(np.where(ok, l, 1)))[:, 0], -np.inf)
+    delta = (dO * O).sum(1)
+    dV = P.T @ dO
+    dS = P * (dO @ V.T - delta[:, None])
+    return lse, delta, scale * dS @ K, scale * dS.T @ Q, dV
+
+
+def run_case(rng, Nq, Nk, D, L, left, right, br, BM, NWARPS, BN_dq, NW_dq):
+    Q, K, V, dO = (rng.standard_normal((n, D)) for n in (Nq, Nk, Nk, Nq))
+    scale = 1 / math.sqrt(D)
+    vis = dense_visible(Nq, Nk, L, left, right, br)
+    lse, delta, dQ, dK, dV = dense(Q, K, V, dO, scale, vis)
+    PAD = 128
+    Nq_pad = -(-Nq // PAD) * PAD
+    lse2 = np.full(Nq_pad, np.inf)
+    lse2[:Nq] = np.where(np.isneginf(lse), np.inf, lse * LOG2E)
+    dpad = np.zeros(Nq_pad)
+    dpad[:Nq] = delta
+    win = Win(Nq, L, left, right, br)
+    dq = np.zeros((Nq, D))
+    dk = np.full((Nk, D), np.nan)
+    dv = np.full((Nk, D), np.nan)
+    emulate_dkdv(Q, K, V, dO, lse2, dpad, Nq_pad, scale, win, D, BM, NWARPS, dq, dk, dv)
+    dq2 = np.full((Nq, D), np.nan)
+    emulate_dq(Q, K, V, dO, lse2, dpad, scale, win, D, BN_dq, NW_dq, 2, dq2)
+    errs = [float(np.nanmax(np.abs(a - b), initial=0)) if a.size else 0.0
+            for a, b in ((dq, dQ), (dk, dK), (dv, dV), (dq2, dQ))]
+    nan = any(np.isnan(x).any() for x in (dq, dk, dv, dq2))
+    return errs, nan
+
+
+def main():
+    rng = np.random.default_rng(0)
+    check_forward_spec(rng)
+    print("spec check on the forward's offsets: ok")
+    fails = 0
+    big = 10 ** 6
+    cases = [
+        # (Nq, Nk, D, L, left, right, br)
+        (37, 45, 32, 45, big, big, True),      # plain
+        (45, 37, 32, 37, big, 0, True),        # causal bottom-right, Nq > Nk (empty rows)
+        (45, 37, 32, 37, big, 0, False),       # causal top-left
+        (20, 70, 32, 70, 9, 3, True),          # window
+        (33, 50, 32, 21, big, 0, True),        # kv_lens < Nk, causal
+        (33, 50, 32, 0, big, big, True),       # kv_lens = 0
+        (1, 40, 32, 40, big, 0, True),         # one query
+        (50, 1, 32, 1, big, big, False),       # one key
+    ]
+    configs = [  # (dkdv BLOCK_M, NWARPS, dq BLOCK_N, dq NWARPS)
+        (32, 2, 16, 2),   # WM = 2, WD = 1 (DQ_COLS = 32)
+        (16, 2, 32, 1),   # WM = 1, WD = 2 (DQ_COLS = 16)
+    ]
+    for case, cfg in itertools.product(cases, configs):
+        errs, nan = run_case(rng, *case, *cfg)
+        ok = max(errs) < 1e-9 and not nan
+        fails += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} Nq={case[0]:3d} Nk={case[1]:3d} D={case[2]} L={case[3]:3d} "
+              f"window=({case[4] if case[4] < big else None},{case[5] if case[5] < big else None}) "
+              f"br={case[6]} cfg={cfg}  err dq={errs[0]:.1e} dk={errs[1]:.1e} dv={errs[2]:.1e} "
+              f"dq(det)={errs[3]:.1e} nan={nan}")
+    # D = 64 with the chunked dQ (DQ_COLS = 64 -> one chunk; D = 128 WD = 1 -> two chunks)
+    for case, cfg in (((40, 70, 64, 70, big, 0, True), (16, 4, 32, 2)),
+                      ((30, 33, 128, 33, 10, 2, False), (16, 1, 16, 1))):
+        errs, nan = run_case(rng, *case, *cfg)
+        ok = max(errs) < 1e-9 and not nan
+        fails += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} Nq={case[0]} Nk={case[1]} D={case[2]} cfg={cfg} "
+              f"errs={['%.1e' % e for e in errs]} nan={nan}")
+    print("emulation:", "all ok" if not fails else f"{fails} FAILED")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
