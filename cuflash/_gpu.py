@@ -4,6 +4,8 @@ Everything here runs on the current CuPy stream and never synchronizes. Per (bat
 the kernels read from an offset table (DESIGN.md), so broadcasting, GQA and arbitrary strides
 cost no copies.
 """
+import functools
+
 import cupy
 import numpy as np
 
@@ -30,11 +32,11 @@ def _sm80_fits(p):
         return False
     if not p.scale > 0 or max(p.Nq, p.Nk) > _MAX_SM80_LEN:
         return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
-    device = cupy.cuda.Device()
-    if int(device.compute_capability) < 80:
+    capability, smem_optin = _device_limits(cupy.cuda.Device().id)
+    if capability < 80:
         return False
     has_mb = p.mask is not None or p.bias is not None
-    if _config.sm80_smem_bytes(p.Dk, has_mb) > device.attributes["MaxSharedMemoryPerBlockOptin"]:
+    if _config.sm80_smem_bytes(p.Dk, has_mb) > smem_optin:
         return False
     for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
         strides = element_strides(x)
@@ -42,6 +44,13 @@ def _sm80_fits(p):
         if strides[-1] != 1 or strides[-2] % 8 or x.data.ptr % 16 or np.any(offsets % 8):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(device_id):
+    """(compute capability as an int, e.g. 90; opt-in shared memory per block in bytes)."""
+    device = cupy.cuda.Device(device_id)
+    return int(device.compute_capability), device.attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 def forward_path(p):
@@ -61,6 +70,28 @@ def _empty(shape, dtype):
     return buf
 
 
+_TABLE_CACHE_SIZE = 256
+_TABLE_CACHE_MAX_BYTES = 1 << 20
+_tables = {}
+
+
+def _on_device(host):
+    """A device copy of a small host table, cached by content.
+
+    A copy from pageable host memory waits for the stream to drain first, which would stall the
+    host on every call; repeated calls with the same layout (the common case) reuse the copy.
+    """
+    if host.nbytes > _TABLE_CACHE_MAX_BYTES:
+        return cupy.asarray(host)
+    key = (cupy.cuda.Device().id, host.dtype.str, host.shape, host.tobytes())
+    table = _tables.get(key)
+    if table is None:
+        if len(_tables) >= _TABLE_CACHE_SIZE:
+            _tables.pop(next(iter(_tables)))  # oldest first
+        table = _tables[key] = cupy.asarray(host)
+    return table
+
+
 class _Args:
     """The kernel arguments shared by the forward and backward launches of one Problem."""
 
@@ -77,8 +108,8 @@ class _Args:
             st = element_strides(p.bias)
             table[_BIAS] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
             self.bias_rs, self.bias_cs = st[-2:]
-        self.offsets = cupy.asarray(table)
-        self.kv_lens = None if p.kv_lens is None else cupy.asarray(p.kv_lens.reshape(BH))
+        self.offsets = _on_device(table)
+        self.kv_lens = None if p.kv_lens is None else _on_device(p.kv_lens.reshape(BH))
         self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
 
     def common(self, p):
