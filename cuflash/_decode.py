@@ -147,11 +147,16 @@ def _blocks_per_sm(func):
     return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
 
 
+_sm_counts = {}
+
+
 def _sm_count():
     import cupy
 
-    dev = cupy.cuda.Device()
-    return int(cupy.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
+    dev = cupy.cuda.Device().id
+    if dev not in _sm_counts:
+        _sm_counts[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
+    return _sm_counts[dev]
 
 
 def _counter_buffer(n):
@@ -212,7 +217,7 @@ def tile_extents(group_lens, G, Nq, rows, left, right, bottom_right):
     n_tiles = -(-(G * Nq) // rows)
     t = np.arange(n_tiles, dtype=np.int64)
     i_first = (t * rows) // G
-    i_last = np.minimum((t + 1) * rows, G * Nq) // G - ((np.minimum((t + 1) * rows, G * Nq) % G) == 0)
+    i_last = (np.minimum((t + 1) * rows, G * Nq) - 1) // G
     L = group_lens[:, None]
     shift = (L - Nq) if bottom_right else np.zeros_like(L)
     lo = np.maximum(i_first[None, :] + shift - left, 0)
@@ -245,10 +250,11 @@ def split_size(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS):
 
 
 def make_items(lo, hi, S):
-    """(tiles (n_tiles, 4) = group-tile first item / count columns filled later, items (n, 3)).
+    """Cut each row tile's extent [lo, hi] into items of S keys.
 
-    Returns (first, count, items): items = (tile id, k0, k1) with k1 exclusive; every tile has at
-    least one item (an empty tile gets one item with k0 = k1)."""
+    Returns (first, count, items): per tile its first item and item count; items (n, 3) =
+    (tile id, k0, k1) with k1 exclusive, ordered by tile. Every tile has at least one item (an
+    empty extent gets one item with k0 = k1 = 0, which writes out = 0 and lse = -inf)."""
     lo = np.asarray(lo, dtype=np.int64)
     hi = np.asarray(hi, dtype=np.int64)
     ext = np.maximum(hi - lo + 1, 0)
@@ -303,48 +309,66 @@ def _aligned(p):
     return True
 
 
+class Schedule:
+    """The host-side decomposition of one Problem (pure NumPy; no device needed).
+
+    groups (n_groups, G), rows (ROWS), tiles (n_tiles, 4) = (group, tile index, first item,
+    item count), items (n_items, 3) = (tile id, k0, k1 exclusive), split (keys per item), lens (BH).
+    """
+
+    def __init__(self, p, capacity, split=None):
+        BH = p.BH
+        self.lens = _lens(p)
+        self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
+        self.v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
+        self.groups, self.G = group_heads(self.k_map, self.v_map, self.lens)
+        self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
+        self.rows = rows_per_block(p.dtype, self.bucket, self.G * p.Nq)
+        sc = shape_constants(p.dtype, self.bucket, self.rows)
+        g, t, lo, hi = tile_extents(self.lens[self.groups[:, 0]], self.G, p.Nq, self.rows,
+                                    p.left, p.right, p.bottom_right)
+        self.split = int(split) if split else split_size(np.maximum(hi - lo + 1, 0), capacity,
+                                                          sc["BLOCK_KEYS"])
+        first, count, self.items = make_items(lo, hi, self.split)
+        self.tiles = np.stack([g, t, first, count], axis=1)
+        self.split_any = bool(np.any(count > 1))
+
+
 class Plan:
     """Everything of one call but the launches: compiled kernels, the device table, buffers.
 
     `run()` launches on the current stream and returns (out, lse); tools/decode_check.py times
-    `run()` alone, with the host preparation outside the timed region.
+    `run()` alone, with the host preparation outside the timed region. `split` forces the split
+    size (tests); `waves` scales the capacity of the split rule.
     """
 
-    def __init__(self, p, fused=True, waves=WAVES, poison=False):
+    def __init__(self, p, fused=True, waves=WAVES, poison=False, split=None):
         import cupy
 
         self.p = p
         self.fused = bool(fused)
         BH = p.BH
-        lens = _lens(p)
-        k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
-        v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
-        groups, G = group_heads(k_map, v_map, lens)
-        self.G = G
-        bucket = _config.head_dim_bucket(p.Dk, p.Dv)
-        rows = rows_per_block(p.dtype, bucket, G * p.Nq)
-        self.rows = rows
         has_mb = p.mask is not None or p.bias is not None
         aligned = _aligned(p)
-        self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
+        bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         with p.q.device:
+            # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
+            lens = _lens(p)
+            _, G = group_heads(p.k_map, p.v_map, lens)
+            rows = rows_per_block(p.dtype, bucket, G * p.Nq)
+            self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
             self.kernel, per_sm = _kernel(self.expr)
             self.combine = None if self.fused else _kernel(combine_expression(p.dtype, rows))[0]
-            capacity = max(1, int(waves * per_sm * _sm_count()))
-        sc = shape_constants(p.dtype, bucket, rows)
-
-        g, t, lo, hi = tile_extents(lens[groups[:, 0]], G, p.Nq, rows, p.left, p.right,
-                                    p.bottom_right)
-        self.split = split_size(np.maximum(hi - lo + 1, 0), capacity, sc["BLOCK_KEYS"])
-        first, count, items = make_items(lo, hi, self.split)
-        tiles = np.stack([g, t, first, count], axis=1)
-        self.n_items = items.shape[0]
-        self.n_tiles = tiles.shape[0]
-        self.capacity = capacity
+            self.capacity = max(1, int(waves * per_sm * _sm_count()))
+        sched = Schedule(p, self.capacity, split)
+        assert sched.rows == rows
+        self.sched = sched
+        self.G, self.rows, self.split = sched.G, sched.rows, sched.split
+        self.n_items, self.n_tiles = sched.items.shape[0], sched.tiles.shape[0]
 
         offsets = np.zeros((5, BH), dtype=np.int64)
         offsets[0] = np.asarray(p.q_map, dtype=np.int64).reshape(BH)
-        offsets[1], offsets[2] = k_map, v_map
+        offsets[1], offsets[2] = sched.k_map, sched.v_map
         self.mask_rs = self.mask_cs = self.bias_rs = self.bias_cs = 0
         if p.mask is not None:
             st = element_strides(p.mask)
@@ -354,21 +378,21 @@ class Plan:
             st = element_strides(p.bias)
             offsets[4] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
             self.bias_rs, self.bias_cs = st[-2:]
-        parts = [offsets.reshape(-1), lens, groups.reshape(-1), tiles.reshape(-1),
-                 items.reshape(-1)]
+        parts = [offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
+                 sched.tiles.reshape(-1), sched.items.reshape(-1)]
         bounds = np.cumsum([0] + [x.size for x in parts])
         with p.q.device:
             table = cupy.asarray(np.concatenate(parts))  # the one host-to-device copy
             (self.offsets, self.lens, self.groups, self.tiles,
              self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
             self.table = table
-            split_any = bool(np.any(count > 1))
+            self.split_any = sched.split_any
             acc = p.acc_dtype
-            self.ws_out = cupy.empty((self.n_items, rows, p.Dv) if split_any else (1,), dtype=acc)
-            self.ws_lse = cupy.empty((self.n_items, rows) if split_any else (1,), dtype=acc)
-            self.counters = _counter_buffer(self.n_tiles) if (split_any and self.fused) \
+            self.ws_out = cupy.empty((self.n_items, rows, p.Dv) if self.split_any else (1,),
+                                     dtype=acc)
+            self.ws_lse = cupy.empty((self.n_items, rows) if self.split_any else (1,), dtype=acc)
+            self.counters = _counter_buffer(self.n_tiles) if (self.split_any and self.fused) \
                 else cupy.zeros(1, dtype=np.uint32)
-            self.split_any = split_any
         self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
         self.poison = poison
 
@@ -411,8 +435,8 @@ class Plan:
         return out, lse
 
 
-def plan(p, fused=True, waves=WAVES, poison=False):
-    return Plan(p, fused=fused, waves=waves, poison=poison)
+def plan(p, fused=True, waves=WAVES, poison=False, split=None):
+    return Plan(p, fused=fused, waves=waves, poison=poison, split=split)
 
 
 def forward(p):
