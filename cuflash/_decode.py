@@ -4,7 +4,8 @@ The kernel reads each kv head's keys once for all the query rows that share it (
 splits the key axis across blocks; see the header of kernels_cu/decode.cu for the block layout
 and the workspace format (normalized partial out, base-2 partial lse).
 
-Host side, per call (all NumPy, then ONE host-to-device copy of one int64 table):
+Host side, per call (all NumPy, then ONE int64 table on the device, cached by content through
+cuflash._gpu._on_device):
 
 1. Grouping (`group_heads`): the output (batch, head) matrices bh that read the same k matrix, the
    same v matrix and have the same valid length form a group (k_map, v_map, kv_lens equal). For
@@ -26,7 +27,6 @@ Host side, per call (all NumPy, then ONE host-to-device copy of one int64 table)
 returns (out (BH, Nq, Dv) of T, lse (BH, Nq) of the accumulator dtype) like cuflash._gpu.forward,
 launched on the current stream without synchronizing.
 """
-import math
 import os
 import sys
 import threading
@@ -53,7 +53,7 @@ SPLIT_MIN_KEYS = 256      # a split never has fewer keys than this (tiny caches 
 WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see split_size)
 # Instantiations: 4 dtypes x 4 buckets x 4 ROWS x (mask/bias or not) x (aligned or not), compiled
 # on first use; the hot ones (aligned, no mask/bias, ROWS <= 8, 16-bit, D <= 128) are held to zero
-# spills by tools/decode_check.py --build.
+# spills by `tools/decode_check.py build` (sm_80 and sm_90a, NVRTC ptxas report).
 
 
 def _storage_size(dtype):
@@ -73,11 +73,14 @@ def shape_constants(dtype, bucket, rows):
 
 
 def max_rows(dtype, bucket):
-    """Largest ROWS whose q + acc registers (ROWS x COLS each, in 32-bit words) stay <= 64 + 64."""
+    """Largest ROWS whose q (and acc) registers, ROWS x COLS 32-bit words each, fit the budget:
+    64 words for 16-bit storage (COLS = 8: ROWS = 8, 244-250 registers), 32 otherwise (float32
+    D = 256 at ROWS = 8 and double D = 128 at ROWS = 8 reach 255 registers and spill on sm_80)."""
     c = shape_constants(dtype, bucket, 1)
     words = 2 if _config.c_types(dtype)[1] == "double" else 1
+    budget = 64 if _storage_size(dtype) == 2 else 32
     r = MAX_ROWS
-    while r > 1 and r * c["COLS"] * words > 64:
+    while r > 1 and r * c["COLS"] * words > budget:
         r //= 2
     return r
 
@@ -286,13 +289,16 @@ def _max_extent(p):
     return hi - lo + 1
 
 
-def supports(p):
-    """True when the split-KV path should run this Problem (SUPPORT RULE above)."""
+def fits(p):
+    """True when the split-KV kernels can run this Problem at all (tests force them this way)."""
     if p.xp is np or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
         return False
-    if p.Nq > MAX_NQ or max(p.Dk, p.Dv) > _config.MAX_HEAD_DIM:
-        return False
-    return _max_extent(p) >= MIN_KEYS
+    return p.Nq <= MAX_NQ and max(p.Dk, p.Dv) <= _config.MAX_HEAD_DIM
+
+
+def supports(p):
+    """True when the split-KV path should run this Problem (SUPPORT RULE above)."""
+    return fits(p) and _max_extent(p) >= MIN_KEYS
 
 
 def _aligned(p):
@@ -382,7 +388,12 @@ class Plan:
                  sched.tiles.reshape(-1), sched.items.reshape(-1)]
         bounds = np.cumsum([0] + [x.size for x in parts])
         with p.q.device:
-            table = cupy.asarray(np.concatenate(parts))  # the one host-to-device copy
+            host = np.concatenate(parts)
+            try:  # cached by content: a pageable copy would wait for the stream to drain
+                from ._gpu import _on_device
+                table = _on_device(host)
+            except ImportError:
+                table = cupy.asarray(host)  # the one host-to-device copy
             (self.offsets, self.lens, self.groups, self.tiles,
              self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
             self.table = table
@@ -391,8 +402,7 @@ class Plan:
             self.ws_out = cupy.empty((self.n_items, rows, p.Dv) if self.split_any else (1,),
                                      dtype=acc)
             self.ws_lse = cupy.empty((self.n_items, rows) if self.split_any else (1,), dtype=acc)
-            self.counters = _counter_buffer(self.n_tiles) if (self.split_any and self.fused) \
-                else cupy.zeros(1, dtype=np.uint32)
+            self.counters = _counter_buffer(self.n_tiles if self.split_any else 1)
         self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
         self.poison = poison
 
@@ -439,8 +449,10 @@ def plan(p, fused=True, waves=WAVES, poison=False, split=None):
     return Plan(p, fused=fused, waves=waves, poison=poison, split=split)
 
 
-def forward(p):
-    """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream."""
+def forward(p, split=None):
+    """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream.
+
+    ``split`` forces the keys per split (tests use a small one to exercise the merge)."""
     from . import _gpu
 
-    return Plan(p, poison=_gpu.POISON).run()
+    return Plan(p, poison=_gpu.POISON, split=split).run()

@@ -9,7 +9,7 @@ import functools
 import cupy
 import numpy as np
 
-from . import _broadcast, _config, _launch
+from . import _broadcast, _config, _decode, _launch
 from ._validate import element_strides
 
 _Q, _K, _V, _MASK, _BIAS = range(5)
@@ -54,10 +54,19 @@ def _device_limits(device_id):
 
 
 def forward_path(p):
-    """'sm80' (tensor cores) when the Problem fits it, else 'generic'."""
+    """'split' (split-KV decode) for few queries against many keys, else 'sm80' (tensor cores)
+    when the Problem fits it, else 'generic'. FORCE_PATH='split' takes the split path wherever
+    it can run, with small splits."""
     if FORCE_PATH == "generic":
         return "generic"
+    if FORCE_PATH == "split":
+        return "split" if _decode.fits(p) else "generic"
+    if _decode.supports(p):
+        return "split"
     return "sm80" if _sm80_fits(p) else "generic"
+
+
+_FORCED_SPLIT_KEYS = 64
 
 
 def _empty(shape, dtype):
@@ -123,11 +132,15 @@ class _Args:
 
 
 def forward(p):
+    path = forward_path(p)
+    if path == "split":
+        with p.q.device:
+            return _decode.forward(p, split=_FORCED_SPLIT_KEYS if FORCE_PATH == "split" else None)
     with p.q.device:
         args = _Args(p)
         out = _empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
         lse = _empty((p.BH, p.Nq), dtype=p.acc_dtype)
-        launch = _launch.launch_fwd_sm80 if forward_path(p) == "sm80" else _launch.launch_fwd
+        launch = _launch.launch_fwd_sm80 if path == "sm80" else _launch.launch_fwd
         launch(p.q, p.k, p.v, out, lse, **args.common(p))
         return out, lse
 

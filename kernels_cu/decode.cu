@@ -270,7 +270,7 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
 // lens (BH) valid keys per (batch, head); groups (n_groups, G); tiles (n_tiles, 4) =
 // (group, tile index, first item, item count); items (n_items, 3) = (row tile, k0, k1).
 template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED>
-__global__ void __launch_bounds__(DECODE_THREADS)
+__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
 decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,
              Acc* __restrict__ ws_lse, unsigned* __restrict__ counters,

@@ -20,6 +20,7 @@ namespace tc {
 
 typedef unsigned int u32;
 constexpr float LN2 = 0.6931471805599453f;
+constexpr float RESCALE_SLACK = 8.f;  // RESCALE 2: a row's reference max may lag by 2^8
 
 // ---- PTX wrappers ------------------------------------------------------------------------------
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -43,6 +44,12 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
 __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32 (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// An opaque copy: the compiler cannot hoist what is computed from it out of the loop it sits in.
+__device__ __forceinline__ int opaque(int x) {
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
 }
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -123,8 +130,16 @@ __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long
 
 // Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile): no 65535 limit on BH, and the
 // blocks of one (batch, head) run together so its K/V stay in L2.
+//
+// KSPLIT: the key tile is processed as KSPLIT sub-tiles of BLOCK_N / KSPLIT keys, each with its
+// own S = Q K^T, softmax step and P V (registers at the sub-tile's level, one barrier and one
+// cp.async group per BLOCK_N keys). RESCALE: 0 multiplies acc by alpha at every step; 1 skips
+// the multiply when no row of the warp raised its max (alpha == 1 exactly: same results);
+// 2 also keeps a row's max unless it grows by more than RESCALE_SLACK (log2 units), so
+// P <= 2^RESCALE_SLACK and rescales become rare (exact math; rounding differs from 0 and 1).
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
-          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS>
+          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, int KSPLIT = 1, int RESCALE = 0,
+          int QSPLIT = 1>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
@@ -135,14 +150,18 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   using namespace tc;
   constexpr int THREADS = NWARPS * 32;
   constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp
-  constexpr int NF = BLOCK_N / 8;              // score n-fragments (keys)
+  constexpr int SN = BLOCK_N / KSPLIT;         // keys per softmax step
+  constexpr int NF = SN / 8;                   // score n-fragments (keys)
   constexpr int DF = HEAD_DIM / 8;             // output n-fragments (head dim)
   constexpr int KD = HEAD_DIM / 16;            // k-steps of Q K^T
-  constexpr int KN = BLOCK_N / 16;             // k-steps of P V
+  constexpr int KN = SN / 16;                  // k-steps of P V
   constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
   constexpr int TILE_BYTES = BLOCK_N * ROW_BYTES;
   static_assert(MF >= 1 && MF * 16 * NWARPS == BLOCK_M, "BLOCK_M must be 16 * MF * NWARPS");
   static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+  static_assert(KSPLIT >= 1 && SN * KSPLIT == BLOCK_N && SN % 16 == 0, "key sub-tiles");
+  static_assert(RESCALE >= 0 && RESCALE <= 2, "rescale mode");
+  static_assert(QSPLIT >= 1 && (NF / 2) % QSPLIT == 0, "score chunks");
   static_assert(STAGES >= 2, "cp.async ring depth");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
@@ -184,11 +203,9 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   // Per-lane ldmatrix offsets (see the m16n8k16 fragment layouts):
   //  Q (A, x4): lane -> row lane % 16, column 8 * (lane / 16)
-  //  K (B, x4 over two key fragments): row (lane % 8) + 8 * (lane / 16), column 8 * ((lane / 8) % 2)
-  //  V (B, x4.trans over two dim fragments): row (lane % 8) + 8 * ((lane / 8) % 2), col 8 * (lane / 16)
+  //  K (B, x4 over two key fragments, in the loop): row (lane % 8) + 8 * (lane / 16), column 8 * ((lane / 8) % 2)
+  //  V (B, x4.trans over two dim fragments, in the loop): row (lane % 8) + 8 * ((lane / 8) % 2), col 8 * (lane / 16)
   const u32 q_lane = sQ + (warp_row0 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
-  const u32 k_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
-  const u32 v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
 
   // Prologue: Q with the first key tile, then STAGES - 2 more tiles, one commit group each.
   cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
@@ -229,7 +246,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
   for (int n = 0; n < n_tiles; ++n) {
-    const int j0 = j_first + n * BLOCK_N;
+    const int j_tile = j_first + n * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile n landed for everyone; everyone finished tile n - 1's buffers
     {
@@ -242,9 +259,6 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       }
       cp_async_commit();
     }
-    const u32 kbuf = sK + (n % STAGES) * TILE_BYTES + k_lane;
-    const u32 vbuf = sV + (n % STAGES) * TILE_BYTES + v_lane;
-
     if (Q_IN_REGS && n == 0) {
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
@@ -252,6 +266,19 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         for (int kk = 0; kk < KD; ++kk)
           ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0]);
     }
+
+    // A real loop over the sub-tiles: unrolled, ptxas overlaps one sub-tile's Q K^T with the
+    // previous one's P V, holding both score sets, and spills.
+#pragma unroll 1
+    for (int sub = 0; sub < KSPLIT; ++sub) {
+    const int j0 = j_tile + sub * SN;  // first key of this softmax step
+    // The lane offsets are recomputed per step from an opaque lane index (a few integer ops):
+    // kept live through the loop they cost the 128 x 64 tile a spilled register.
+    const int ln = opaque(lane);
+    const u32 kbuf = sK + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
+                     (ln % 8 + 8 * (ln / 16)) * ROW_BYTES + ((ln / 8) % 2) * 16;
+    const u32 vbuf = sV + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
+                     (ln % 8 + 8 * ((ln / 8) % 2)) * ROW_BYTES + (ln / 16) * 16;
 
     // S = Q K^T (raw dot products, fp32).
     float s[MF][NF][4];
@@ -261,6 +288,13 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
+    // QSPLIT > 1: the keys in QSPLIT chunks, each a full pass over the head dim (Q fragments
+    // re-read per chunk); a chunk's K addresses depend on the previous chunk's last score through
+    // a runtime zero (Nq < 2^30), so ptxas cannot interleave the chunks and double their fragments.
+#pragma unroll
+    for (int qc = 0; qc < QSPLIT; ++qc) {
+    const u32 kbuf_c = qc == 0 ? kbuf
+        : kbuf + (__float_as_uint(s[MF - 1][qc * (NF / QSPLIT) - 1][3]) & (static_cast<u32>(Nq) >> 30));
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
       u32 qa[MF][4];
@@ -274,9 +308,9 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         }
       }
 #pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
+      for (int p = qc * (NF / 2 / QSPLIT); p < (qc + 1) * (NF / 2 / QSPLIT); ++p) {
         u32 kb[4];
-        ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
+        ldsm_x4(kbuf_c + p * 16 * ROW_BYTES + kk * 32, kb);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
           Mma<T>::run(s[mf][2 * p], qa[mf], kb[0], kb[1]);
@@ -284,14 +318,18 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         }
       }
     }
+    }  // qc
 
-    // Mask by global position, only in tiles not entirely visible to the block.
-    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+    // Mask by global position, only in steps not entirely visible to the block.
+    if (HAS_MB || j0 < full_lo || j0 + SN - 1 > full_hi) {
+      // The row bounds are recomputed here from an opaque row index: hoisted out of the key loop,
+      // 2 * MF * 2 loop invariants would stay live through every tile and spill at 128 x 64.
+      const int i_thr = opaque(i0 + warp_row0 + g);
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int i = i0 + warp_row0 + mf * 16 + g + 8 * h;
+          const int i = i_thr + mf * 16 + 8 * h;
           // Visible key columns of this row, relative to j0 (padding rows i >= Nq see nothing).
           const int c_lo = max(i + dlo, 0) - j0;
           const int c_hi = i < Nq ? min(i + dhi, L_last) - j0 : -1;
@@ -318,7 +356,8 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     }
 
     float alphas[MF][2];
-    // Online softmax: new max, rescale BOTH l and acc, add this tile's mass. A row with nothing
+    bool raised = false;  // some row of this thread changed its max (RESCALE >= 1)
+    // Online softmax: new max, rescale BOTH l and acc, add this step's mass. A row with nothing
     // visible so far keeps m = -inf and uses 0 as its reference, so no exp(-inf - (-inf)).
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
@@ -330,9 +369,14 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[mf][h], mx * sl2);
+        const float m_old = m[mf][h];
+        float m_new = fmaxf(m_old, mx * sl2);
+        // RESCALE 2: keep the old reference while the max stays within the slack (-inf + slack
+        // is -inf, so the first visible key always sets it); then p <= 2^RESCALE_SLACK.
+        if (RESCALE == 2 && !(m_new > m_old + RESCALE_SLACK)) m_new = m_old;
+        raised |= m_new != m_old;
         const float m_ref = (m_new == NEG) ? 0.f : m_new;
-        const float alpha = ex2(m[mf][h] - m_ref);
+        const float alpha = ex2(m_old - m_ref);
         m[mf][h] = m_new;
         const float neg_ref = -m_ref;
         float mass = 0.f;
@@ -347,11 +391,22 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         l[mf][h] = l[mf][h] * alpha + mass;
         alphas[mf][h] = alpha;
       }
+    // RESCALE >= 1: alpha == 1 exactly for a row whose max stayed, so the warp skips the
+    // multiply when none of its rows moved (a warp-uniform branch).
+    if (RESCALE >= 1 && __any_sync(0xffffffffu, raised)) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int df = 0; df < DF; ++df)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mf][df][e] *= alphas[mf][e / 2];
+    }
 
     // O += P V with P packed straight from the score accumulators into A fragments; acc's rescale
-    // sits next to the first product that consumes it. The V addresses take a data dependency on
-    // the softmax (l >= 0, so the sign bit is 0; a NaN input shifts by one aligned 16-byte chunk):
-    // without it ptxas hoists every V ldmatrix above the softmax and the MF = 2 tiles spill.
+    // (RESCALE 0) sits next to the first product that consumes it. The V addresses take a data
+    // dependency on the softmax (l >= 0, so the sign bit is 0; a NaN input shifts by one aligned
+    // 16-byte chunk): without it ptxas hoists every V ldmatrix above the softmax and the MF = 2
+    // tiles spill.
     const u32 vdep = (__float_as_uint(l[MF - 1][1]) >> 31) << 4;
     const u32 vbuf_dep = vbuf + vdep;
 #pragma unroll
@@ -370,7 +425,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         ldsm_x4_t(vbuf_dep + kk * 16 * ROW_BYTES + p * 32, vb);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          if (kk == 0) {
+          if (RESCALE == 0 && kk == 0) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               acc[mf][2 * p][e] *= alphas[mf][e / 2];
@@ -382,6 +437,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         }
       }
     }
+    }  // sub
   }
 
   // Every copy (Q included, when no tile was visited) has landed before Q's rows are reused.

@@ -104,6 +104,47 @@ def test_sweep(case, dtype, rng, path):
     check(q, k, v, rng, **options)
 
 
+# Few queries against many keys: the split-KV path's territory. (name, q lead, kv lead, Nq, Nk,
+# Dk, Dv, options); run with forced small splits (64 keys: many splits, some empty for some rows)
+# and with the automatic choice.
+DECODE_CASES = [
+    ("gqa-1", (2, 8), (2, 2), 1, 1500, 128, 128, {}),
+    ("gqa-3-causal-br", (2, 8), (2, 2), 3, 700, 64, 64, dict(causal=True)),
+    ("gqa-16-causal-tl", (1, 4), (1, 1), 16, 600, 64, 64, dict(causal=True, align="top-left")),
+    ("mqa-window", (3,), (1,), 2, 900, 80, 80, dict(window=(100, 0))),
+    ("kv_lens-uneven", (4, 4), (4, 2), 1, 1100, 128, 96,
+     dict(kv_lens=[[0], [1], [513], [1100]], causal=True)),
+    ("head-dim-256", (2,), (2,), 1, 530, 256, 256, {}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("force", ["split", "auto"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_sweep(case, force, dtype, rng, monkeypatch):
+    from cuflash import _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    _, lq, lkv, Nq, Nk, Dk, Dv, options = case
+    q = randn(rng, lq + (Nq, Dk), dtype)
+    k = randn(rng, lkv + (Nk, Dk), dtype)
+    v = randn(rng, lkv + (Nk, Dv), dtype)
+    if force == "split":
+        assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == "split"
+    check(q, k, v, rng, **options)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if BFLOAT16 is not None else ["float32"])
+def test_decode_with_mask_and_bias(dtype, rng, monkeypatch):
+    import cupy
+    from cuflash import _gpu
+    monkeypatch.setattr(_gpu, "FORCE_PATH", "split")
+    q, k, v = (randn(rng, (2, 4, n, 64), dtype) for n in (2, 800, 800))
+    mask = rng.random((4, 2, 800)) < 0.5
+    mask[1, 0] = False  # an empty row
+    bias = rng.standard_normal((2, 800))
+    check(q, k, v, rng, mask=cupy.asarray(mask), bias=cupy.asarray(bias, np.float32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mask_and_bias_with_empty_rows(dtype, rng, path):
     """A broadcast mask with fully masked rows and columns, plus a broadcast bias."""

@@ -1,0 +1,269 @@
+"""Tensor-core backward (kernels_cu/bwd_sm80.cu): tile tables, support test, launchers, backward().
+
+float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128). Three kernels per call:
+  bwd_sm80_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
+                  padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head);
+  bwd_sm80_dkdv   one block per key tile: dK, dV in registers (float32 out), and by default dQ added
+                  to a zeroed float32 buffer with red.global.add (order of additions varies run to run);
+  bwd_sm80_dq     only with deterministic=True: dQ recomputed per query tile with plain stores, and
+                  the dkdv kernel instantiated without its dQ part: bitwise reproducible, at the cost
+                  of recomputing S and dP (7 instead of 5 GEMMs per tile pair).
+`backward(problem, dout, out, lse)` returns dq, dk, dv per output (batch, head) in float32, like
+cuflash/_gpu.py's backward; the caller sums GQA / broadcast groups and casts.
+
+Tile table (ptxas of NVRTC 13.0 and 13.5, sm_90a and sm_80: registers / spill bytes; no H200
+measurement yet: tools/tc_bwd_check.py --variants times the alternatives beside the choice).
+  dkdv: BLOCK_N = 16 * WARPS keys (warp w owns 16 keys), BLOCK_M queries per step, K and V
+  A-fragments re-read from shared memory by ldmatrix or held in registers (KV_IN_REGS).
+    D=128 64q x 128k 8 warps K/V smem        255 / 0   (FA2's 64 x 128 tile)  <- chosen
+    D=128 64q x 128k 8 warps K/V regs        255 / 24  -> rejected
+    D=128 mask/bias 64q x 128k 8 warps       255 / 88  -> rejected
+    D=128 mask/bias 32q x 128k 8 warps       255 / 12 with NVRTC 13.0 (0 with 13.5) -> rejected
+    D=128 mask/bias 64q x 64k 4 warps        255 / 20 on sm_80 -> rejected
+    D=128 mask/bias 16q x 128k 8 warps       246 / 0   <- mask/bias
+    D=64  64q x 128k 8 warps K/V regs        247 / 0   (mask/bias 248 / 0)  <- chosen
+    D=64  128q x 128k 8 warps (FA2's tile)   255 / 8   -> rejected
+    D=96  64q x 128k 8 warps K/V smem        249 / 0;  D=32 64q x 128k K/V regs: no spills
+  Register counts sit near 255 because ptxas hoists the B-fragment ldmatrix loads of the dV / dK
+  products (a data dependency, as fwd_sm80.cu does for V, is the next thing to try); the live
+  values are dK + dV (HEAD_DIM floats per thread) + S^T and dP^T (BLOCK_M / 2 each). One 8-warp
+  block per SM (255 registers x 256 threads fill the register file).
+  dq (deterministic mode): 64 query rows (4 warps) x 64 keys, 2-stage K/V ring, 2 blocks per SM,
+  188-254 registers, no spills.
+"""
+import math
+import os
+from collections import namedtuple
+
+import numpy as np
+
+from ._tc import _CTYPE, _MAX_LEN, _inline, _KERNEL_DIR
+
+# Mirrors kernels_cu/bwd_sm80.cu LSE_PAD: lse2/delta rows per (batch, head) are padded to a multiple.
+LSE_PAD = 128
+
+DkdvTile = namedtuple("DkdvTile", "block_m warps kv_in_regs min_blocks")
+DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
+
+# head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
+# plus 2 x 4 x 2 dq and 2 x 4 prep.
+DKDV_TILES = {
+    32: DkdvTile(64, 8, True, 1),
+    64: DkdvTile(64, 8, True, 1),
+    96: DkdvTile(64, 8, False, 1),
+    128: DkdvTile(64, 8, False, 1),
+}
+DKDV_TILES_MB = {
+    32: DkdvTile(64, 8, True, 1),
+    64: DkdvTile(64, 8, True, 1),
+    96: DkdvTile(64, 8, False, 1),
+    128: DkdvTile(16, 8, False, 1),
+}
+DQ_TILES = {d: DqTile(64, 4, 2, 2) for d in (32, 64, 96, 128)}
+DQ_TILES_MB = dict(DQ_TILES)
+HEAD_DIMS = tuple(sorted(DKDV_TILES))
+
+
+def source():
+    return _inline(os.path.join(_KERNEL_DIR, "bwd_sm80.cu"), set())
+
+
+def _b(x):
+    return "true" if x else "false"
+
+
+def prep_expr(dtype_name, head_dim):
+    return f"bwd_sm80_prep<{_CTYPE[dtype_name]}, {head_dim}>"
+
+
+def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
+    return (f"bwd_sm80_dkdv<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
+            f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}>")
+
+
+def dq_expr(dtype_name, head_dim, tile, has_mb):
+    return (f"bwd_sm80_dq<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_n}, {tile.warps}, "
+            f"{tile.stages}, {_b(has_mb)}, {tile.min_blocks}>")
+
+
+def dkdv_smem_bytes(head_dim, tile):
+    """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows padded by 8 elements; dS^T
+    (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32)."""
+    block_n = 16 * tile.warps
+    row = (head_dim + 8) * 2
+    return (2 * block_n + 4 * tile.block_m) * row + block_n * (tile.block_m + 8) * 2 \
+        + 4 * tile.block_m * 4
+
+
+def dq_smem_bytes(head_dim, tile):
+    """Q, dO (16 * WARPS rows) + STAGES K and V tiles, rows padded by 8 elements."""
+    return (2 * 16 * tile.warps + 2 * tile.stages * tile.block_n) * (head_dim + 8) * 2
+
+
+def all_instantiations(dtypes=("float16", "bfloat16")):
+    """Every name expression the host can request (for build checks without a GPU)."""
+    out = []
+    for dt in dtypes:
+        for d in HEAD_DIMS:
+            out.append(prep_expr(dt, d))
+            for mb in (False, True):
+                tile = (DKDV_TILES_MB if mb else DKDV_TILES)[d]
+                out.append(dkdv_expr(dt, d, tile, True, mb))
+                out.append(dkdv_expr(dt, d, tile, False, mb))
+                out.append(dq_expr(dt, d, (DQ_TILES_MB if mb else DQ_TILES)[d], mb))
+    return out
+
+
+_cache = {}
+
+
+def _function(expr, smem):
+    """The RawKernel of one name expression on the current device, compiled once."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, expr)
+    hit = _cache.get(key)
+    if hit is None:
+        mod = cupy.RawModule(code=source(), options=("-std=c++17",), name_expressions=[expr])
+        fn = mod.get_function(expr)
+        if os.environ.get("CUFLASH_DEBUG") == "1":
+            print(f"[cuflash] {expr}: {fn.num_regs} registers, {fn.local_size_bytes} local bytes, "
+                  f"{smem} shared bytes")
+        hit = _cache[key] = [mod, fn, 0]
+    if smem > 48 * 1024 and hit[2] < smem:
+        hit[1].max_dynamic_shared_size_bytes = smem
+        hit[2] = smem
+    return hit[1]
+
+
+def supports(p, device=None):
+    """True when the Problem fits this path; otherwise the host takes the generic backward."""
+    import cupy
+
+    if p.xp is not cupy or p.dtype.name not in _CTYPE:
+        return False
+    if p.Dk != p.Dv or p.Dk not in DKDV_TILES:
+        return False
+    if not (p.scale > 0 and math.isfinite(p.scale)):
+        return False
+    if max(p.Nq, p.Nk) > _MAX_LEN or p.Nq == 0 or p.Nk == 0 or p.BH == 0:
+        return False
+    if p.bias is not None and p.bias.dtype != np.float32:
+        return False
+    major = cupy.cuda.Device(device).compute_capability
+    if int(major) < 80:
+        return False
+    from ._validate import element_strides
+    for x, m in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
+        st = element_strides(x)
+        if st[-1] != 1 or st[-2] % 8 != 0 or x.data.ptr % 16 != 0:
+            return False
+        if np.any(np.asarray(m) % 8 != 0):
+            return False
+    # grid limits of the 1-D launches
+    tile = DKDV_TILES[p.Dk]
+    if p.BH * -(-p.Nk // (16 * tile.warps)) >= 2**31 or p.BH * -(-p.Nq // 16) >= 2**31:
+        return False
+    return True
+
+
+# ---- launchers (current stream; scalars typed as the C parameters) -----------------------------
+_NULL = np.uint64(0)
+
+
+def _main_args(offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs,
+               bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad):
+    i64, i32 = np.int64, np.int32
+    return (offsets, _NULL if mask is None else mask, _NULL if bias is None else bias,
+            _NULL if kv_lens is None else kv_lens,
+            i64(q_rs), i64(k_rs), i64(v_rs), i64(mask_rs), i64(mask_cs), i64(bias_rs),
+            i64(bias_cs), i32(BH), i32(Nq), i32(Nk), i32(Dk), i32(Dv), np.float32(scale),
+            i32(left), i32(right), i32(bool(bottom_right)), i32(Nq_pad))
+
+
+def launch_prep(dout, out, lse, lse2, delta, BH, Nq, Nq_pad, D):
+    """lse2, delta (BH, Nq_pad) float32 from dout, out (BH, Nq, D) and lse (BH, Nq) float32."""
+    fn = _function(prep_expr(np.dtype(dout.dtype).name, D), 0)
+    threads = BH * Nq_pad * 8
+    fn((-(-threads // 256),), (256,),
+       (dout, out, lse, lse2, delta, np.int32(BH), np.int32(Nq), np.int32(Nq_pad)))
+
+
+def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic, tile=None,
+                **common):
+    """dk_acc, dv_acc (BH, Nk, D) float32, every element; with dq_atomic, dq_acc (BH, Nq, D) float32
+    (zeroed by the caller) += this kernel's dQ."""
+    has_mb = common["mask"] is not None or common["bias"] is not None
+    D = common["Dk"]
+    tile = tile or (DKDV_TILES_MB if has_mb else DKDV_TILES)[D]
+    smem = dkdv_smem_bytes(D, tile)
+    fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem)
+    n_ntiles = -(-common["Nk"] // (16 * tile.warps))
+    fn((n_ntiles * common["BH"],), (tile.warps * 32,),
+       (q, k, v, dout, lse2, delta, dq_acc if dq_atomic else _NULL, dk_acc, dv_acc)
+       + _main_args(**common), shared_mem=smem)
+
+
+def launch_dq(q, k, v, dout, lse2, delta, dq_acc, *, tile=None, **common):
+    """dq_acc (BH, Nq, D) float32, every element, without atomics."""
+    has_mb = common["mask"] is not None or common["bias"] is not None
+    D = common["Dk"]
+    tile = tile or (DQ_TILES_MB if has_mb else DQ_TILES)[D]
+    smem = dq_smem_bytes(D, tile)
+    fn = _function(dq_expr(np.dtype(q.dtype).name, D, tile, has_mb), smem)
+    n_mtiles = -(-common["Nq"] // (16 * tile.warps))
+    fn((n_mtiles * common["BH"],), (tile.warps * 32,),
+       (q, k, v, dout, lse2, delta, dq_acc) + _main_args(**common), shared_mem=smem)
+
+
+def _contiguous16(x, shape):
+    """x as a C-contiguous array of `shape` whose base is 16-byte aligned (copied only if needed)."""
+    import cupy
+
+    x = cupy.ascontiguousarray(x).reshape(shape)
+    if x.data.ptr % 16:
+        x = x.copy()
+    return x
+
+
+def make_backward(p, deterministic=False, dkdv_tile=None, dq_tile=None):
+    """All host preparation (offset tables) done once; returns run(dout, out, lse) -> (dq, dk, dv).
+    Everything run() does is device work on the current stream (for timing)."""
+    import cupy
+
+    from . import _gpu
+
+    args = _gpu._Args(p)
+    common = args.common(p)
+    BH, Nq, Nk, D = p.BH, p.Nq, p.Nk, p.Dk
+    Nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
+    common["Nq_pad"] = Nq_pad
+
+    def run(dout, out, lse):
+        with p.q.device:
+            dout = _contiguous16(dout, (BH, Nq, D))
+            out = _contiguous16(out, (BH, Nq, D))
+            lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)
+            lse2 = _gpu._empty((BH, Nq_pad), dtype=np.float32)  # every row written by prep
+            delta = _gpu._empty((BH, Nq_pad), dtype=np.float32)
+            launch_prep(dout, out, lse, lse2, delta, BH, Nq, Nq_pad, D)
+            if deterministic:
+                dq = _gpu._empty((BH, Nq, D), dtype=np.float32)
+            else:
+                dq = cupy.zeros((BH, Nq, D), dtype=np.float32)
+            dk = _gpu._empty((BH, Nk, D), dtype=np.float32)
+            dv = _gpu._empty((BH, Nk, D), dtype=np.float32)
+            launch_dkdv(p.q, p.k, p.v, dout, lse2, delta, dq, dk, dv,
+                        dq_atomic=not deterministic, tile=dkdv_tile, **common)
+            if deterministic:
+                launch_dq(p.q, p.k, p.v, dout, lse2, delta, dq, tile=dq_tile, **common)
+            return dq, dk, dv
+
+    return run
+
+
+def backward(p, dout, out, lse, deterministic=False):
+    """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
+    dv (BH, Nk, Dv), float32, per output (batch, head); the caller reduces and casts."""
+    with p.q.device:
+        return make_backward(p, deterministic)(dout, out, lse)

@@ -1,0 +1,489 @@
+"""Standalone check of the split-KV decode path (kernels_cu/decode.cu via cuflash/_decode.py).
+
+Stages (each in try/except; a failure prints FAIL and its traceback and the next stage runs):
+
+  build    NVRTC compile for sm_80 and sm_90a with the ptxas report: registers / stack / spills
+           of the hot instantiations (no GPU needed).
+  host     NumPy emulation of the schedule (grouping, row tiles, extents, split items) plus the
+           per-item online softmax and the merge rule, against cuflash.reference (no GPU needed).
+  correct  GPU: the kernels (fused and separate combine) on poisoned outputs against
+           cuflash.reference (float64), all four dtypes, GQA / MQA / MHA, Nq in {1, 3, 16}, causal
+           with both alignments, window, kv_lens (0 and uneven), mask, bias, strided K/V,
+           D in {64, 128, 256, 80, 33}, Dk != Dv, forced small splits so that some splits are
+           empty for some rows. Tolerance: error <= 2 x the error of rounding the exact result to
+           the dtype + a floor per dtype (lse: absolute, per accumulator dtype).
+  timing   GPU: Hq = 32, Hkv = 8, D = 128, bf16, Nq = 1, (B, L) in the issue's four shapes plus an
+           uneven kv_lens batch; CUDA events, median of REPS after warm-up, two input sets rotated
+           (512 MiB of K/V each, far above the 60 MiB L2), host preparation (the Plan) outside
+           the timed region. KV bytes = 2 * B * Hkv * L * D * 2 (uneven: sum of the lengths).
+           Peers on the same data: torch SDPA flash and cuDNN (enable_gqa), and the device copy
+           bandwidth (cudaMemcpyAsync D2D, read + write bytes) measured in the same run.
+
+    PYTHONPATH=. python3 tools/decode_check.py                 # host, correct, timing (< 3 min)
+    PYTHONPATH=. python3 tools/decode_check.py build host      # no GPU needed (build: ~2 min)
+"""
+import sys
+import time
+import traceback
+
+import numpy as np
+
+STAGES = ("build", "host", "correct", "timing")
+FAILS = []
+
+
+def stage(name):
+    def wrap(fn):
+        def run(*a, **kw):
+            t0 = time.time()
+            print(f"== {name}", flush=True)
+            try:
+                result = fn(*a, **kw)
+                print(f"== {name} done in {time.time() - t0:.1f} s", flush=True)
+                return result
+            except Exception:
+                FAILS.append(name)
+                print(f"FAIL stage {name}:", flush=True)
+                traceback.print_exc()
+                sys.stdout.flush()
+        return run
+    return wrap
+
+
+# ---- build -------------------------------------------------------------------------------------
+
+def build_exprs():
+    from cuflash import _config, _decode
+
+    exprs = []
+    for dt in _config.supported_dtype_names():
+        for b in _config.HEAD_DIM_BUCKETS:
+            r = 1
+            while r <= _decode.max_rows(dt, b):
+                exprs.append(_decode.name_expression(dt, b, r, False, True))
+                r *= 2
+        exprs.append(_decode.name_expression(dt, 128, 4, True, True))
+        exprs.append(_decode.name_expression(dt, 128, 4, False, False))
+        exprs.append(_decode.combine_expression(dt, 4))
+    return exprs
+
+
+@stage("build")
+def check_build(archs=("sm_80", "sm_90a")):
+    from cuflash import _kernels
+
+    exprs = build_exprs()
+    bad = []
+    for arch in archs:
+        log, mapping = _kernels._compile("decode.cu", exprs, arch)
+        info = _kernels.parse_ptxas_log(log)
+        for e in exprs:
+            r = info.get(mapping[e], {})
+            spill = r.get("spill_stores", -1) + r.get("spill_loads", -1)
+            flag = "" if spill == 0 and r.get("stack", 0) == 0 else "   <-- stack/spill"
+            print(f"  {arch:7s} {e:58s} regs {r.get('registers')} stack {r.get('stack')} "
+                  f"spill {r.get('spill_stores')}/{r.get('spill_loads')}{flag}")
+            if spill != 0:
+                bad.append((arch, e))
+    if bad:
+        raise AssertionError(f"register spills in {bad}")
+
+
+# ---- host emulation ----------------------------------------------------------------------------
+
+def emulate(p, capacity=64, split=None):
+    """The decode path's algorithm in float64 NumPy, from the Schedule tables alone."""
+    from cuflash import _decode
+    from cuflash._validate import element_strides
+
+    s = _decode.Schedule(p, capacity, split)
+    BH, Nq, Dv = p.BH, p.Nq, p.Dv
+    flat = {}
+    for name, x, mp in (("q", p.q, p.q_map), ("k", p.k, s.k_map), ("v", p.v, s.v_map)):
+        st = element_strides(x)
+        extent = 1 + sum((n - 1) * abs(t) for n, t in zip(x.shape, st))
+        base = np.lib.stride_tricks.as_strided(x, shape=(extent,), strides=(x.itemsize,))
+        flat[name] = (base.astype(np.float64), np.asarray(mp).reshape(BH), st[-2])
+
+    def mat(name, bh, n, d):
+        base, mp, rs = flat[name]
+        idx = mp[bh] + np.arange(n)[:, None] * rs + np.arange(d)[None, :]
+        return base[idx]
+
+    mask = None if p.mask is None else np.asarray(p.mask).reshape(BH, Nq, p.Nk)
+    bias = None if p.bias is None else np.asarray(p.bias, dtype=np.float64).reshape(BH, Nq, p.Nk)
+    n_items = s.items.shape[0]
+    part_o = np.full((n_items, s.rows, Dv), np.nan)
+    part_lse = np.full((n_items, s.rows), np.nan)
+    for it, (tid, k0, k1) in enumerate(s.items):
+        g, tile, first, count = s.tiles[tid]
+        L = int(s.lens[s.groups[g, 0]])
+        K = mat("k", s.groups[g, 0], p.Nk, p.Dk)
+        V = mat("v", s.groups[g, 0], p.Nk, p.Dv)
+        shift = L - Nq if p.bottom_right else 0
+        for r in range(s.rows):
+            rho = tile * s.rows + r
+            if rho >= s.G * Nq or s.groups[g, rho % s.G] < 0:
+                continue
+            i, bh = rho // s.G, s.groups[g, rho % s.G]
+            lo = max(i + shift - p.left, 0, k0)
+            hi = min(i + shift + p.right, L - 1, k1 - 1)
+            j = np.arange(lo, hi + 1)
+            qrow = mat("q", bh, Nq, p.Dk)[i]
+            sc = (K[j] @ qrow) * p.scale
+            vis = np.ones(j.size, dtype=bool)
+            if mask is not None:
+                vis &= mask[bh, i, j]
+            if bias is not None:
+                sc = sc + bias[bh, i, j]
+                vis &= bias[bh, i, j] > -np.inf
+            sc = np.where(vis, sc, -np.inf)
+            m = sc.max(initial=-np.inf)
+            if m == -np.inf:
+                part_lse[it, r] = -np.inf
+                continue
+            e = np.exp(sc - m)
+            part_o[it, r] = e @ V[j] / e.sum()
+            part_lse[it, r] = m + np.log(e.sum())
+    out = np.full((BH, Nq, Dv), np.nan)
+    lse = np.full((BH, Nq), np.nan)
+    for tid, (g, tile, first, count) in enumerate(s.tiles):
+        for r in range(s.rows):
+            rho = tile * s.rows + r
+            if rho >= s.G * Nq or s.groups[g, rho % s.G] < 0:
+                continue
+            i, bh = rho // s.G, s.groups[g, rho % s.G]
+            ls = part_lse[first:first + count, r]
+            assert not np.any(np.isnan(ls)), "a partial was never written"
+            M = ls.max()
+            if M == -np.inf:
+                out[bh, i], lse[bh, i] = 0.0, -np.inf
+                continue
+            w = np.exp(ls - M)
+            o = sum(w[k] * part_o[first + k, r] for k in range(count) if w[k] > 0)
+            out[bh, i] = o / w.sum()
+            lse[bh, i] = M + np.log(w.sum())
+    return out.reshape(p.out_shape), lse.reshape(p.lse_shape), s
+
+
+def rand(rng, shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def case_inputs(xp, rng, c):
+    """Arrays for one case dict; xp = numpy or cupy."""
+    B, H, Hkv, Nq, Nk, Dk, Dv = (c[x] for x in ("B", "H", "Hkv", "Nq", "Nk", "Dk", "Dv"))
+    dt = c.get("dtype", "float32")
+    if dt == "bfloat16":
+        import ml_dtypes
+        dt = ml_dtypes.bfloat16
+    q = rand(rng, (B, H, Nq, Dk))
+    if c.get("strided"):  # (B, Nk, Hkv, D) storage viewed as (B, Hkv, Nk, D)
+        k = rand(rng, (B, Nk, Hkv, Dk)).transpose(0, 2, 1, 3)
+        v = rand(rng, (B, Nk, Hkv, Dv)).transpose(0, 2, 1, 3)
+    else:
+        k = rand(rng, (B, Hkv, Nk, Dk))
+        v = rand(rng, (B, Hkv, Nk, Dv))
+    opts = dict(causal=c.get("causal", False), align=c.get("align", "bottom-right"),
+                window=c.get("window"))
+    if c.get("kv_lens") is not None:
+        opts["kv_lens"] = np.asarray(c["kv_lens"]).reshape(B, 1)
+    if c.get("mask"):
+        m = rng.random((B, H, Nq, Nk)) < 0.7
+        m[0, 0, 0, :] = False  # one fully masked row
+        opts["mask"] = m
+    if c.get("bias"):
+        b = rand(rng, (1, H, Nq, Nk)) * 0.5
+        b[..., ::7] = -np.inf
+        opts["bias"] = b
+
+    def conv(x):
+        if x is None or not hasattr(x, "dtype"):
+            return x
+        if x.dtype == np.float32:
+            x = x.astype(dt)
+        return xp.asarray(x) if xp is not np else x
+
+    if c.get("strided"):  # convert the (B, Nk, Hkv, D) storage, then take the strided view
+        k, v = (conv(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+                for x in (k, v))
+        q = conv(q)
+    else:
+        q, k, v = (conv(x) for x in (q, k, v))
+    for key in ("mask", "bias"):
+        if key in opts:
+            opts[key] = xp.asarray(opts[key]) if xp is not np else opts[key]
+    if "bias" in opts and xp is not np:
+        opts["bias"] = opts["bias"].astype(np.float32)
+    return q, k, v, opts
+
+
+CASES = [
+    # name, case dict
+    ("gqa-nq1", dict(B=2, H=8, Hkv=2, Nq=1, Nk=1500, Dk=128, Dv=128)),
+    ("gqa-nq1-causal-kvlens", dict(B=3, H=8, Hkv=2, Nq=1, Nk=2000, Dk=128, Dv=128, causal=True,
+                                   kv_lens=[0, 1999, 700])),
+    ("gqa-nq3-causal-br", dict(B=2, H=8, Hkv=2, Nq=3, Nk=1100, Dk=64, Dv=64, causal=True)),
+    ("gqa-nq3-causal-tl", dict(B=2, H=8, Hkv=2, Nq=3, Nk=1100, Dk=64, Dv=64, causal=True,
+                               align="top-left")),
+    ("gqa-nq16-causal-br", dict(B=1, H=8, Hkv=2, Nq=16, Nk=900, Dk=128, Dv=128, causal=True)),
+    ("gqa-nq16-window", dict(B=2, H=8, Hkv=2, Nq=16, Nk=1200, Dk=128, Dv=128, window=(300, 5),
+                             kv_lens=[1200, 611])),
+    ("mqa-nq3-window-tl", dict(B=1, H=6, Hkv=1, Nq=3, Nk=1000, Dk=256, Dv=256, causal=True,
+                               align="top-left", window=(200, None))),
+    ("mha-d80-uneven", dict(B=4, H=2, Hkv=2, Nq=1, Nk=1300, Dk=80, Dv=80,
+                            kv_lens=[1, 1300, 513, 0])),
+    ("gqa-dk96-dv64-strided", dict(B=2, H=4, Hkv=2, Nq=2, Nk=700, Dk=96, Dv=64, strided=True,
+                                   causal=True)),
+    ("gqa-d33-unaligned", dict(B=1, H=4, Hkv=2, Nq=1, Nk=800, Dk=33, Dv=33)),
+    ("gqa-mask-bias", dict(B=2, H=4, Hkv=2, Nq=3, Nk=900, Dk=64, Dv=64, mask=True, bias=True,
+                           causal=True)),
+]
+
+
+@stage("host")
+def check_host():
+    from cuflash import _decode, reference
+    from cuflash._validate import make_problem
+
+    rng = np.random.default_rng(1)
+    # split rule and grouping units
+    assert _decode.split_size([131072] * 8, 264, 32) * 33 >= 131072
+    assert sum(-(-131072 // _decode.split_size([131072] * 8, 264, 32)) for _ in range(8)) <= 264
+    g, G = _decode.group_heads(np.repeat(np.arange(4), 8), np.repeat(np.arange(4), 8),
+                               np.full(32, 9))
+    assert G == 8 and (g == np.arange(32).reshape(4, 8)).all()
+    g, G = _decode.group_heads(np.zeros(4, int), np.zeros(4, int), np.array([3, 5, 3, 5]))
+    assert G == 2 and sorted(map(tuple, g.tolist())) == [(0, 2), (1, 3)]
+    for name, c in CASES:
+        for split in (None, 64, 40):
+            q, k, v, opts = case_inputs(np, rng, dict(c, dtype="float64"))
+            p = make_problem(q, k, v, **opts)
+            out, lse, s = emulate(p, split=split)
+            ro, rl = reference.attention(q, k, v, return_lse=True, **opts)
+            err = float(np.max(np.abs(out - ro))) if out.size else 0.0
+            with np.errstate(invalid="ignore"):
+                lerr = float(np.max(np.abs(np.where(np.isinf(rl), 0, lse - rl)))) if lse.size else 0.0
+            same_inf = bool(np.all(np.isinf(lse) == np.isinf(rl)))
+            ok = err < 1e-10 and lerr < 1e-10 and same_inf
+            print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} split={str(split):4s} "
+                  f"S={s.split:5d} items={s.items.shape[0]:4d} G={s.G} rows={s.rows} "
+                  f"err={err:.1e} lse={lerr:.1e}")
+            if not ok:
+                FAILS.append(f"host {name} split={split}")
+
+
+# ---- GPU correctness ---------------------------------------------------------------------------
+
+def _err(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+@stage("correct")
+def check_correct():
+    import cupy as cp
+
+    from cuflash import _decode, reference
+    from cuflash._validate import make_problem
+
+    rng = np.random.default_rng(2)
+    all_dtypes = ("float16", "bfloat16", "float32", "float64")
+    floors = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-5, "float64": 1e-12}
+    lse_tol = {"float16": 1e-4, "bfloat16": 1e-4, "float32": 1e-4, "float64": 1e-10}
+    n_ok = n_all = 0
+    for idx, (name, c) in enumerate(CASES):
+        # every dtype on the first cases and the unaligned one; two dtypes elsewhere (compile time)
+        dtypes = all_dtypes if idx < 4 or "unaligned" in name else \
+            (("bfloat16", "float64") if idx % 2 else ("float16", "float32"))
+        for dt in dtypes:
+            try:
+                q, k, v, opts = case_inputs(cp, rng, dict(c, dtype=dt))
+                p = make_problem(q, k, v, **opts)
+                ref_o, ref_l = reference.attention(q, k, v, return_lse=True, **opts)
+                # baseline: the error of merely rounding the exact result to the dtype
+                g_err = _err(ref_o.astype(q.dtype).astype(np.float64), ref_o)
+                for fused in (True, False):
+                    for split in (None, 64):
+                        n_all += 1
+                        plan = _decode.plan(p, fused=fused, poison=True, split=split)
+                        o, l = plan.run()
+                        o = cp.asnumpy(o.astype(cp.float64)).reshape(ref_o.shape)
+                        l = cp.asnumpy(l).reshape(ref_l.shape)
+                        nan = bool(np.isnan(o).any() or np.isnan(l).any())
+                        err = _err(o, ref_o)
+                        inf_ok = bool(np.all(np.isinf(l) == np.isinf(ref_l)))
+                        lerr = _err(np.where(np.isinf(l), 0, l), np.where(np.isinf(ref_l), 0, ref_l))
+                        tol = 2 * g_err + floors[dt]  # g_err: rounding baseline
+                        ok = (not nan) and err <= tol and inf_ok and lerr <= lse_tol[dt]
+                        n_ok += ok
+                        if not ok or split is None and fused:
+                            print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} {dt:8s} "
+                                  f"fused={int(fused)} S={plan.split:5d} items={plan.n_items:4d} "
+                                  f"rows={plan.rows} err={err:.2e} (rounding {g_err:.2e}, tol "
+                                  f"{tol:.1e}) lse={lerr:.1e} nan={nan} {plan.expr}")
+                        if not ok:
+                            FAILS.append(f"correct {name} {dt} fused={fused} split={split}")
+            except Exception:
+                n_all += 1
+                FAILS.append(f"correct {name} {dt}")
+                print(f"  FAIL {name} {dt}:")
+                traceback.print_exc()
+    # the public path, for the record (dispatch is the lead's; supports() is reported only)
+    q, k, v, opts = case_inputs(cp, rng, dict(CASES[0][1], dtype="bfloat16"))
+    print(f"  supports(gqa-nq1) = {_decode.supports(make_problem(q, k, v, **opts))}")
+    print(f"  correctness: {n_ok}/{n_all} ok")
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+SHAPES = ((1, 131072), (8, 32768), (32, 8192), (64, 4096))
+HQ, HKV, D = 32, 8, 128
+REPS, WARM = 20, 5
+
+
+def _time(fn, sets, reps=REPS, warm=WARM):
+    """Median ms of fn(inputs) over reps, rotating input sets; warm-up first."""
+    import cupy as cp
+
+    for i in range(warm):
+        fn(sets[i % len(sets)])
+    cp.cuda.get_current_stream().synchronize()
+    times = []
+    for i in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        x = sets[i % len(sets)]
+        a.record()
+        fn(x)
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def _copy_bw():
+    import cupy as cp
+
+    n = 1 << 30
+    src = cp.empty(n, dtype=cp.uint8)
+    src.fill(1)
+    dst = cp.empty_like(src)
+    ms = _time(lambda _: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n, 3,
+                                                     cp.cuda.get_current_stream().ptr), [None])
+    return 2 * n / (ms * 1e-3)
+
+
+@stage("timing")
+def check_timing():
+    import cupy as cp
+    import ml_dtypes
+
+    from cuflash import _decode
+    from cuflash._validate import make_problem
+
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        torch = None
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    copy = _copy_bw()
+    print(f"  copy bandwidth {copy / 1e12:.3f} TB/s (cudaMemcpyAsync D2D, 1 GiB, read + write)")
+    rows = []
+
+    def mk(B, L):
+        q = cp.asarray(rng.standard_normal((B, HQ, 1, D), dtype=np.float32)).astype(bf16)
+        k = cp.random.standard_normal((B, HKV, L, D), dtype=cp.float32).astype(bf16)
+        v = cp.random.standard_normal((B, HKV, L, D), dtype=cp.float32).astype(bf16)
+        return q, k, v
+
+    def torch_fn(backend, q, k, v):
+        def view(x):
+            return torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16)
+        tq, tk, tv = view(q), view(k), view(v)
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+        run()  # fails here if the backend refuses
+        return run
+
+    variants = (("fused w1", True, 1), ("fused w2", True, 2), ("sep w1", False, 1))
+    for B, L in SHAPES + (("uneven", 8192),):
+        uneven = B == "uneven"
+        Bn = 32 if uneven else B
+        try:
+            sets = [mk(Bn, L) for _ in range(2)]
+            lens = rng.integers(1, L + 1, size=Bn) if uneven else None
+            kv_bytes = 2 * HKV * (int(lens.sum()) if uneven else Bn * L) * D * 2
+            res = {}
+            for label, fused, waves in variants:
+                try:
+                    plans = [_decode.plan(make_problem(q, k, v, kv_lens=None if lens is None
+                                                       else lens.reshape(Bn, 1)),
+                                          fused=fused, waves=waves) for q, k, v in sets]
+                    outs = [pl._outputs() for pl in plans]
+                    ms = _time(lambda pl: pl.run(*outs[plans.index(pl)]), plans)
+                    res[label] = (ms, f"S={plans[0].split} items={plans[0].n_items} "
+                                      f"cap={plans[0].capacity}")
+                except Exception:
+                    print(f"  FAIL timing {B},{L} {label}:")
+                    traceback.print_exc()
+                    FAILS.append(f"timing {B} {L} {label}")
+            for label, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+                if torch is None or uneven:
+                    continue
+                try:
+                    fns = [torch_fn(getattr(SDPBackend, backend), *s) for s in sets]
+                    res[label] = (_time(lambda f: f(), fns), "")
+                except Exception as exc:
+                    res[label] = (float("nan"), f"n/a: {type(exc).__name__}: {str(exc)[:80]}")
+            rows.append((f"{B}x{L}" if not uneven else f"uneven32x{L}", kv_bytes, res))
+            for label, (ms, note) in res.items():
+                print(f"  {rows[-1][0]:14s} {label:9s} {ms * 1e3:8.1f} us "
+                      f"{kv_bytes / (ms * 1e-3) / 1e12:6.3f} TB/s  {note}")
+            del sets
+            cp.get_default_memory_pool().free_all_blocks()
+        except Exception:
+            print(f"  FAIL timing {B},{L}:")
+            traceback.print_exc()
+            FAILS.append(f"timing {B} {L}")
+    # compact table last
+    labels = [v[0] for v in variants] + ["flash", "cudnn"]
+    print(f"\nDecode, Hq={HQ} Hkv={HKV} D={D} bf16 Nq=1; KV TB/s (time us); copy {copy / 1e12:.3f} TB/s")
+    print(f"{'shape':15s}" + "".join(f"{x:>20s}" for x in labels) + f"{'best/copy':>11s}{'best/cudnn':>11s}")
+    for name, kvb, res in rows:
+        cells, ours = [], []
+        for x in labels:
+            ms = res.get(x, (float("nan"),))[0]
+            bw = kvb / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+            cells.append(f"{bw:8.3f} ({ms * 1e3:7.1f})")
+            if x in dict((v[0], 1) for v in variants) and bw == bw:
+                ours.append(bw)
+        best = max(ours) if ours else float("nan")
+        cud = res.get("cudnn", (float("nan"),))[0]
+        cud_bw = kvb / (cud * 1e-3) / 1e12 if cud == cud else float("nan")
+        print(f"{name:15s}" + "".join(f"{c:>20s}" for c in cells)
+              + f"{best / (copy / 1e12):11.3f}{best / cud_bw:11.3f}")
+
+
+def main(argv):
+    stages = [a for a in argv if a in STAGES] or ["host", "correct", "timing"]
+    t0 = time.time()
+    if "build" in stages:
+        check_build()
+    if "host" in stages:
+        check_host()
+    if "correct" in stages:
+        check_correct()
+    if "timing" in stages:
+        check_timing()
+    print(f"\n{len(FAILS)} failure(s) in {time.time() - t0:.0f} s" + (": " + "; ".join(FAILS[:20])
+                                                                  if FAILS else ""))
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
