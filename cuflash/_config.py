@@ -97,7 +97,11 @@ del _bucket, _f, _d
 # A boolean mask or a bias (HAS_MB) adds ~25 registers: those use 64-row tiles (D=256: 64x32,
 # 64x64 spills). D=32/96/192/256 were chosen from register and shared-memory counts, not timed yet.
 # Instantiations: 2 dtypes x 6 head dims x (with, without mask/bias) = 24.
-Sm80Tile = namedtuple("Sm80Tile", "block_m block_n warps stages q_in_regs min_blocks")
+# ksplit: the key tile runs as ksplit softmax steps of block_n / ksplit keys (registers at the
+# step's level, one barrier per tile); rescale: 0 always rescales acc, 1 skips it when no row of
+# the warp raised its max (same results), 2 lets a row's max lag by up to 2^8 (fwd_sm80.cu).
+Sm80Tile = namedtuple("Sm80Tile", "block_m block_n warps stages q_in_regs min_blocks ksplit rescale",
+                      defaults=(1, 0))
 SM80_DTYPES = ("float16", "bfloat16")
 SM80_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 SM80_TILES = {
@@ -117,19 +121,24 @@ SM80_TILES = {
 }
 SOURCES["fwd_sm80"] = "fwd_sm80.cu"
 _KERNEL_NAMES["fwd_sm80"] = "fwd_sm80"
+# The split-KV decode kernels; their tables (rows per block, split rule) are in cuflash/_decode.py.
+SOURCES["decode_split"] = SOURCES["decode_combine"] = "decode.cu"
+_KERNEL_NAMES["decode_split"] = "decode_split"
+_KERNEL_NAMES["decode_combine"] = "decode_combine"
 
 
-def sm80_smem_bytes(head_dim, has_mb):
-    """Q tile plus STAGES K and V tiles of 16-bit elements, rows padded by 8 elements."""
-    t = SM80_TILES[(head_dim, has_mb)]
+def sm80_smem_bytes(head_dim, has_mb, tile=None):
+    """Q tile plus STAGES K and V tiles of 16-bit elements, rows padded by 8 elements.
+    `tile` (an Sm80Tile) overrides the table's choice (tools/tc_fwd_check.py times candidates)."""
+    t = SM80_TILES[(head_dim, has_mb)] if tile is None else tile
     return (t.block_m + 2 * t.stages * t.block_n) * (head_dim + 8) * 2
 
 
-def sm80_name_expression(dtype, head_dim, has_mb):
-    t = SM80_TILES[(head_dim, has_mb)]
+def sm80_name_expression(dtype, head_dim, has_mb, tile=None):
+    t = SM80_TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
     return (f"fwd_sm80<{c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
-            f"{t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}>")
+            f"{t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, {t.ksplit}, {t.rescale}>")
 
 
 def _bfloat16():
@@ -230,4 +239,5 @@ def all_instantiations():
         for (head_dim, has_mb) in SM80_TILES:
             out.append(("fwd_sm80", dt, head_dim, SOURCES["fwd_sm80"],
                         sm80_name_expression(dt, head_dim, has_mb)))
-    return out
+    from . import _decode  # its row-tile rule lives with its scheduler
+    return out + _decode.instantiations()

@@ -51,8 +51,8 @@ MAX_ROWS = 8              # rows per block (template ROWS in {1, 2, 4, 8})
 MAX_GROUP = 64            # query heads packed on one kv head at most
 SPLIT_MIN_KEYS = 256      # a split never has fewer keys than this (tiny caches do not split)
 WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see split_size)
-# Instantiations: 4 dtypes x 4 buckets x 4 ROWS x (mask/bias or not) x (aligned or not), compiled
-# on first use; the hot ones (aligned, no mask/bias, ROWS <= 8, 16-bit, D <= 128) are held to zero
+# Instantiations: 4 dtypes x 4 buckets x up to 4 ROWS x (mask/bias or not), aligned rows only
+# (`fits`), compiled on first use (`instantiations` lists them for tests/test_build.py); the hot ones (aligned, no mask/bias, ROWS <= 8, 16-bit, D <= 128) are held to zero
 # spills by `tools/decode_check.py build` (sm_80 and sm_90a, NVRTC ptxas report).
 
 
@@ -72,7 +72,7 @@ def shape_constants(dtype, bucket, rows):
                 BLOCK_KEYS=kpl * u * WARPS)
 
 
-def max_rows(dtype, bucket):
+def max_rows(dtype, bucket, has_mb=False):
     """Largest ROWS whose q (and acc) registers, ROWS x COLS 32-bit words each, fit the budget:
     64 words for 16-bit storage (COLS = 8: ROWS = 8, 244-250 registers), 32 otherwise (float32
     D = 256 at ROWS = 8 and double D = 128 at ROWS = 8 reach 255 registers and spill on sm_80)."""
@@ -82,12 +82,14 @@ def max_rows(dtype, bucket):
     r = MAX_ROWS
     while r > 1 and r * c["COLS"] * words > budget:
         r //= 2
-    return r
+    # the mask/bias reads keep more addresses live: half the rows, a quarter for double (NVRTC
+    # 13.0 spilled otherwise)
+    return max(1, r // (2 * words)) if has_mb else r
 
 
-def rows_per_block(dtype, bucket, group_rows):
+def rows_per_block(dtype, bucket, group_rows, has_mb=False):
     """ROWS template value: the smallest power of two >= the group's rows, capped."""
-    cap = max_rows(dtype, bucket)
+    cap = max_rows(dtype, bucket, has_mb)
     r = 1
     while r < group_rows and r < cap:
         r *= 2
@@ -293,7 +295,9 @@ def fits(p):
     """True when the split-KV kernels can run this Problem at all (tests force them this way)."""
     if p.xp is np or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
         return False
-    return p.Nq <= MAX_NQ and max(p.Dk, p.Dv) <= _config.MAX_HEAD_DIM
+    # unaligned rows (odd head dims, odd strides) stay on the generic path: it keeps the number
+    # of instantiations (and CI's build check) down
+    return p.Nq <= MAX_NQ and max(p.Dk, p.Dv) <= _config.MAX_HEAD_DIM and _aligned(p)
 
 
 def supports(p):
@@ -329,7 +333,8 @@ class Schedule:
         self.v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
         self.groups, self.G = group_heads(self.k_map, self.v_map, self.lens)
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
-        self.rows = rows_per_block(p.dtype, self.bucket, self.G * p.Nq)
+        has_mb = p.mask is not None or p.bias is not None
+        self.rows = rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb)
         sc = shape_constants(p.dtype, self.bucket, self.rows)
         g, t, lo, hi = tile_extents(self.lens[self.groups[:, 0]], self.G, p.Nq, self.rows,
                                     p.left, p.right, p.bottom_right)
@@ -361,7 +366,7 @@ class Plan:
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
             lens = _lens(p)
             _, G = group_heads(p.k_map, p.v_map, lens)
-            rows = rows_per_block(p.dtype, bucket, G * p.Nq)
+            rows = rows_per_block(p.dtype, bucket, G * p.Nq, has_mb)
             self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
             self.kernel, per_sm = _kernel(self.expr)
             self.combine = None if self.fused else _kernel(combine_expression(p.dtype, rows))[0]
@@ -456,3 +461,21 @@ def forward(p, split=None):
     from . import _gpu
 
     return Plan(p, poison=_gpu.POISON, split=split).run()
+
+
+def instantiations():
+    """Every (kernel, dtype name, bucket, source file, name expression) this path can request."""
+    out = []
+    for dt in _config.supported_dtype_names():
+        rows_options = set()
+        for b in _config.HEAD_DIM_BUCKETS:
+            for has_mb in (False, True):
+                r = 1
+                while r <= max_rows(dt, b, has_mb):
+                    rows_options.add(r)
+                    out.append(("decode_split", dt, b, SOURCE,
+                                name_expression(dt, b, r, has_mb, True)))
+                    r *= 2
+        for r in sorted(rows_options):
+            out.append(("decode_combine", dt, None, SOURCE, combine_expression(dt, r)))
+    return out

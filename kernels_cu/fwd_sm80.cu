@@ -138,8 +138,7 @@ __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long
 // 2 also keeps a row's max unless it grows by more than RESCALE_SLACK (log2 units), so
 // P <= 2^RESCALE_SLACK and rescales become rare (exact math; rounding differs from 0 and 1).
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
-          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, int KSPLIT = 1, int RESCALE = 0,
-          int QSPLIT = 1>
+          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, int KSPLIT = 1, int RESCALE = 0>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
@@ -161,7 +160,6 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
   static_assert(KSPLIT >= 1 && SN * KSPLIT == BLOCK_N && SN % 16 == 0, "key sub-tiles");
   static_assert(RESCALE >= 0 && RESCALE <= 2, "rescale mode");
-  static_assert(QSPLIT >= 1 && (NF / 2) % QSPLIT == 0, "score chunks");
   static_assert(STAGES >= 2, "cp.async ring depth");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
@@ -203,8 +201,9 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   // Per-lane ldmatrix offsets (see the m16n8k16 fragment layouts):
   //  Q (A, x4): lane -> row lane % 16, column 8 * (lane / 16)
-  //  K (B, x4 over two key fragments, in the loop): row (lane % 8) + 8 * (lane / 16), column 8 * ((lane / 8) % 2)
-  //  V (B, x4.trans over two dim fragments, in the loop): row (lane % 8) + 8 * ((lane / 8) % 2), col 8 * (lane / 16)
+  //  K (B, x4 over two key fragments): row (lane % 8) + 8 * (lane / 16), column 8 * ((lane / 8) % 2)
+  //  V (B, x4.trans over two dim fragments): row (lane % 8) + 8 * ((lane / 8) % 2), col 8 * (lane / 16)
+  // (K and V offsets are formed inside the key loop, see there.)
   const u32 q_lane = sQ + (warp_row0 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
 
   // Prologue: Q with the first key tile, then STAGES - 2 more tiles, one commit group each.
@@ -271,172 +270,164 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     // previous one's P V, holding both score sets, and spills.
 #pragma unroll 1
     for (int sub = 0; sub < KSPLIT; ++sub) {
-    const int j0 = j_tile + sub * SN;  // first key of this softmax step
-    // The lane offsets are recomputed per step from an opaque lane index (a few integer ops):
-    // kept live through the loop they cost the 128 x 64 tile a spilled register.
-    const int ln = opaque(lane);
-    const u32 kbuf = sK + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
-                     (ln % 8 + 8 * (ln / 16)) * ROW_BYTES + ((ln / 8) % 2) * 16;
-    const u32 vbuf = sV + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
-                     (ln % 8 + 8 * ((ln / 8) % 2)) * ROW_BYTES + (ln / 16) * 16;
+      const int j0 = j_tile + sub * SN;  // first key of this softmax step
+      // The lane offsets are recomputed per step from an opaque lane index (a few integer ops):
+      // kept live through the loop they cost the 128 x 64 tile a spilled register.
+      const int ln = opaque(lane);
+      const u32 kbuf = sK + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
+                       (ln % 8 + 8 * (ln / 16)) * ROW_BYTES + ((ln / 8) % 2) * 16;
+      const u32 vbuf = sV + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
+                       (ln % 8 + 8 * ((ln / 8) % 2)) * ROW_BYTES + (ln / 16) * 16;
 
-    // S = Q K^T (raw dot products, fp32).
-    float s[MF][NF][4];
+      // S = Q K^T (raw dot products, fp32).
+      float s[MF][NF][4];
 #pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
+      for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
+        for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
-    // QSPLIT > 1: the keys in QSPLIT chunks, each a full pass over the head dim (Q fragments
-    // re-read per chunk); a chunk's K addresses depend on the previous chunk's last score through
-    // a runtime zero (Nq < 2^30), so ptxas cannot interleave the chunks and double their fragments.
+          for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
 #pragma unroll
-    for (int qc = 0; qc < QSPLIT; ++qc) {
-    const u32 kbuf_c = qc == 0 ? kbuf
-        : kbuf + (__float_as_uint(s[MF - 1][qc * (NF / QSPLIT) - 1][3]) & (static_cast<u32>(Nq) >> 30));
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 qa[MF][4];
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        if (Q_IN_REGS) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) qa[mf][e] = qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0][e];
-        } else {
-          ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qa[mf]);
-        }
-      }
-#pragma unroll
-      for (int p = qc * (NF / 2 / QSPLIT); p < (qc + 1) * (NF / 2 / QSPLIT); ++p) {
-        u32 kb[4];
-        ldsm_x4(kbuf_c + p * 16 * ROW_BYTES + kk * 32, kb);
+      for (int kk = 0; kk < KD; ++kk) {
+        u32 qa[MF][4];
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          Mma<T>::run(s[mf][2 * p], qa[mf], kb[0], kb[1]);
-          Mma<T>::run(s[mf][2 * p + 1], qa[mf], kb[2], kb[3]);
+          if (Q_IN_REGS) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qa[mf][e] = qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0][e];
+          } else {
+            ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qa[mf]);
+          }
+        }
+#pragma unroll
+        for (int p = 0; p < NF / 2; ++p) {
+          u32 kb[4];
+          ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            Mma<T>::run(s[mf][2 * p], qa[mf], kb[0], kb[1]);
+            Mma<T>::run(s[mf][2 * p + 1], qa[mf], kb[2], kb[3]);
+          }
         }
       }
-    }
-    }  // qc
 
-    // Mask by global position, only in steps not entirely visible to the block.
-    if (HAS_MB || j0 < full_lo || j0 + SN - 1 > full_hi) {
-      // The row bounds are recomputed here from an opaque row index: hoisted out of the key loop,
-      // 2 * MF * 2 loop invariants would stay live through every tile and spill at 128 x 64.
-      const int i_thr = opaque(i0 + warp_row0 + g);
+      // Mask by global position, only in steps not entirely visible to the block.
+      if (HAS_MB || j0 < full_lo || j0 + SN - 1 > full_hi) {
+        // The row bounds are recomputed here from an opaque row index: hoisted out of the key loop,
+        // 2 * MF * 2 loop invariants would stay live through every tile and spill at 128 x 64.
+        const int i_thr = opaque(i0 + warp_row0 + g);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = i_thr + mf * 16 + 8 * h;
+            // Visible key columns of this row, relative to j0 (padding rows i >= Nq see nothing).
+            const int c_lo = max(i + dlo, 0) - j0;
+            const int c_hi = i < Nq ? min(i + dhi, L_last) - j0 : -1;
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int c = nf * 8 + 2 * t + e;
+                float x = s[mf][nf][2 * h + e];
+                if (c < c_lo || c > c_hi) {
+                  x = NEG;
+                } else if (HAS_MB) {
+                  const long long j = static_cast<long long>(j0) + c;
+                  if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
+                    x = NEG;
+                  } else {
+                    x *= scale_log2;
+                    if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
+                  }
+                }
+                s[mf][nf][2 * h + e] = x;
+              }
+          }
+      }
+
+      float alphas[MF][2];
+      bool raised = false;  // some row of this thread changed its max (RESCALE >= 1)
+      // Online softmax: new max, rescale BOTH l and acc, add this step's mass. A row with nothing
+      // visible so far keeps m = -inf and uses 0 as its reference, so no exp(-inf - (-inf)).
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int i = i_thr + mf * 16 + 8 * h;
-          // Visible key columns of this row, relative to j0 (padding rows i >= Nq see nothing).
-          const int c_lo = max(i + dlo, 0) - j0;
-          const int c_hi = i < Nq ? min(i + dhi, L_last) - j0 : -1;
+          float mx = NEG;
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf)
+            mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_old = m[mf][h];
+          float m_new = fmaxf(m_old, mx * sl2);
+          // RESCALE 2: keep the old reference while the max stays within the slack (-inf + slack
+          // is -inf, so the first visible key always sets it); then p <= 2^RESCALE_SLACK.
+          if (RESCALE == 2 && !(m_new > m_old + RESCALE_SLACK)) m_new = m_old;
+          raised |= m_new != m_old;
+          const float m_ref = (m_new == NEG) ? 0.f : m_new;
+          const float alpha = ex2(m_old - m_ref);
+          m[mf][h] = m_new;
+          const float neg_ref = -m_ref;
+          float mass = 0.f;
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int c = nf * 8 + 2 * t + e;
-              float x = s[mf][nf][2 * h + e];
-              if (c < c_lo || c > c_hi) {
-                x = NEG;
-              } else if (HAS_MB) {
-                const long long j = static_cast<long long>(j0) + c;
-                if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
-                  x = NEG;
-                } else {
-                  x *= scale_log2;
-                  if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
-                }
-              }
-              s[mf][nf][2 * h + e] = x;
+              const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
+              s[mf][nf][2 * h + e] = p;
+              mass += p;
             }
+          l[mf][h] = l[mf][h] * alpha + mass;
+          alphas[mf][h] = alpha;
         }
-    }
-
-    float alphas[MF][2];
-    bool raised = false;  // some row of this thread changed its max (RESCALE >= 1)
-    // Online softmax: new max, rescale BOTH l and acc, add this step's mass. A row with nothing
-    // visible so far keeps m = -inf and uses 0 as its reference, so no exp(-inf - (-inf)).
+      // RESCALE >= 1: alpha == 1 exactly for a row whose max stayed, so the warp skips the
+      // multiply when none of its rows moved (a warp-uniform branch).
+      if (RESCALE >= 1 && __any_sync(0xffffffffu, raised)) {
 #pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
+        for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = NEG;
+          for (int df = 0; df < DF; ++df)
 #pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
-          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_old = m[mf][h];
-        float m_new = fmaxf(m_old, mx * sl2);
-        // RESCALE 2: keep the old reference while the max stays within the slack (-inf + slack
-        // is -inf, so the first visible key always sets it); then p <= 2^RESCALE_SLACK.
-        if (RESCALE == 2 && !(m_new > m_old + RESCALE_SLACK)) m_new = m_old;
-        raised |= m_new != m_old;
-        const float m_ref = (m_new == NEG) ? 0.f : m_new;
-        const float alpha = ex2(m_old - m_ref);
-        m[mf][h] = m_new;
-        const float neg_ref = -m_ref;
-        float mass = 0.f;
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
-            s[mf][nf][2 * h + e] = p;
-            mass += p;
-          }
-        l[mf][h] = l[mf][h] * alpha + mass;
-        alphas[mf][h] = alpha;
+            for (int e = 0; e < 4; ++e) acc[mf][df][e] *= alphas[mf][e / 2];
       }
-    // RESCALE >= 1: alpha == 1 exactly for a row whose max stayed, so the warp skips the
-    // multiply when none of its rows moved (a warp-uniform branch).
-    if (RESCALE >= 1 && __any_sync(0xffffffffu, raised)) {
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-        for (int df = 0; df < DF; ++df)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mf][df][e] *= alphas[mf][e / 2];
-    }
 
-    // O += P V with P packed straight from the score accumulators into A fragments; acc's rescale
-    // (RESCALE 0) sits next to the first product that consumes it. The V addresses take a data
-    // dependency on the softmax (l >= 0, so the sign bit is 0; a NaN input shifts by one aligned
-    // 16-byte chunk): without it ptxas hoists every V ldmatrix above the softmax and the MF = 2
-    // tiles spill.
-    const u32 vdep = (__float_as_uint(l[MF - 1][1]) >> 31) << 4;
-    const u32 vbuf_dep = vbuf + vdep;
+      // O += P V with P packed straight from the score accumulators into A fragments; acc's rescale
+      // (RESCALE 0) sits next to the first product that consumes it. The V addresses take a data
+      // dependency on the softmax (l >= 0, so the sign bit is 0; a NaN input shifts by one aligned
+      // 16-byte chunk): without it ptxas hoists every V ldmatrix above the softmax and the MF = 2
+      // tiles spill.
+      const u32 vdep = (__float_as_uint(l[MF - 1][1]) >> 31) << 4;
+      const u32 vbuf_dep = vbuf + vdep;
 #pragma unroll
-    for (int kk = 0; kk < KN; ++kk) {
-      u32 pa[MF][4];
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        pa[mf][0] = Mma<T>::pack(s[mf][2 * kk][0], s[mf][2 * kk][1]);
-        pa[mf][1] = Mma<T>::pack(s[mf][2 * kk][2], s[mf][2 * kk][3]);
-        pa[mf][2] = Mma<T>::pack(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
-        pa[mf][3] = Mma<T>::pack(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int p = 0; p < DF / 2; ++p) {
-        u32 vb[4];
-        ldsm_x4_t(vbuf_dep + kk * 16 * ROW_BYTES + p * 32, vb);
+      for (int kk = 0; kk < KN; ++kk) {
+        u32 pa[MF][4];
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          if (RESCALE == 0 && kk == 0) {
+          pa[mf][0] = Mma<T>::pack(s[mf][2 * kk][0], s[mf][2 * kk][1]);
+          pa[mf][1] = Mma<T>::pack(s[mf][2 * kk][2], s[mf][2 * kk][3]);
+          pa[mf][2] = Mma<T>::pack(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
+          pa[mf][3] = Mma<T>::pack(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
+        }
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              acc[mf][2 * p][e] *= alphas[mf][e / 2];
-              acc[mf][2 * p + 1][e] *= alphas[mf][e / 2];
+        for (int p = 0; p < DF / 2; ++p) {
+          u32 vb[4];
+          ldsm_x4_t(vbuf_dep + kk * 16 * ROW_BYTES + p * 32, vb);
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            if (RESCALE == 0 && kk == 0) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                acc[mf][2 * p][e] *= alphas[mf][e / 2];
+                acc[mf][2 * p + 1][e] *= alphas[mf][e / 2];
+              }
             }
+            Mma<T>::run(acc[mf][2 * p], pa[mf], vb[0], vb[1]);
+            Mma<T>::run(acc[mf][2 * p + 1], pa[mf], vb[2], vb[3]);
           }
-          Mma<T>::run(acc[mf][2 * p], pa[mf], vb[0], vb[1]);
-          Mma<T>::run(acc[mf][2 * p + 1], pa[mf], vb[2], vb[3]);
         }
       }
-    }
     }  // sub
   }
 
