@@ -84,12 +84,20 @@ del _bucket, _f, _d
 # tile, a STAGES-deep cp.async ring for K and V, and the __launch_bounds__ minimum blocks per SM.
 # Chosen by ptxas reports and H200 measurements (bf16, tools/tc_fwd_check.py --variants; TFLOP/s
 # at N=16k non-causal / causal; torch SDPA flash 352 / 320 at D=128, 301 / 292 at D=64):
-#   D=128 128x32  4 warps Q smem 2 stages  255 regs / 0 spill  325 / 300   <- chosen (2 blocks/SM)
+#   D=128 128x32  4 warps Q smem 2 stages  255 regs / 0 spill  325 / 300   (first choice)
 #   D=128 128x32  4 warps Q smem 3 stages  255 / 0             318 / 297
-#   D=128 128x64  4 warps Q smem           255 / 48 spill (FA2's tile)     rejected
+#   D=128 128x64  4 warps Q smem           255 / 48 spill (FA2's tile)     rejected at first;
+#     spill-free (NVRTC 13.0, 255 regs) once the masking branch recomputes its row bounds:
+#     tools/tc_fwd_check.py --variants, H200 2026-11-29, TFLOP/s (ratio to SDPA flash, same run):
+#     N=1k 312 (0.95) / 242 (0.99), 4k 336 (0.97) / 293 (0.98), 16k 345 (0.99) / 317 (1.01)
+#     vs 128x32: 286 (0.87) / 224 (0.91), 303 (0.88) / 272 (0.90), 316 (0.91) / 290 (0.93)
+#                                                                          <- chosen
+#   D=128 128x64 as 2x32-key steps, skip-rescale / lagged max: 0.83-0.94 (slower than 128x64)
 #   D=128 128x64  8 warps Q regs 2-3 stg.  209 / 0             251-273 / 257-277 (1 block/SM)
 #   D=128  64x64  4 warps Q regs           209 / 0             267 / 278
 #   D=64  128x64  4 warps Q smem 2 stages  233 / 0             311 / 296   <- chosen
+#     (re-measured 2026-11-29: 0.99-1.04 of flash at N=1k-16k; skip-rescale and 128x128 as
+#     2x64-key steps were 0.88-0.97)
 #   D=64  128x64  4 warps Q smem 3 stages  230 / 0             309 / 297
 #   D=64  128x32  4 warps Q smem           182 / 0             264 / 257
 #   D=64   64x128 4 warps Q regs           212 / 0             246 / 247
@@ -109,7 +117,7 @@ SM80_TILES = {
     (32, False): Sm80Tile(128, 128, 4, 2, True, 2),
     (64, False): Sm80Tile(128, 64, 4, 2, False, 2),
     (96, False): Sm80Tile(128, 64, 8, 2, True, 1),
-    (128, False): Sm80Tile(128, 32, 4, 2, False, 2),
+    (128, False): Sm80Tile(128, 64, 4, 2, False, 2),
     (192, False): Sm80Tile(64, 64, 4, 2, False, 1),
     (256, False): Sm80Tile(64, 64, 4, 2, False, 1),
     (32, True): Sm80Tile(64, 64, 4, 2, True, 2),
@@ -121,6 +129,11 @@ SM80_TILES = {
 }
 SOURCES["fwd_sm80"] = "fwd_sm80.cu"
 _KERNEL_NAMES["fwd_sm80"] = "fwd_sm80"
+# The tensor-core backward kernels; their tiles are in cuflash/_tc_bwd.py.
+for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dq"):
+    SOURCES[_k] = "bwd_sm80.cu"
+    _KERNEL_NAMES[_k] = _k
+del _k
 # The split-KV decode kernels; their tables (rows per block, split rule) are in cuflash/_decode.py.
 SOURCES["decode_split"] = SOURCES["decode_combine"] = "decode.cu"
 _KERNEL_NAMES["decode_split"] = "decode_split"
@@ -239,5 +252,14 @@ def all_instantiations():
         for (head_dim, has_mb) in SM80_TILES:
             out.append(("fwd_sm80", dt, head_dim, SOURCES["fwd_sm80"],
                         sm80_name_expression(dt, head_dim, has_mb)))
-    from . import _decode  # its row-tile rule lives with its scheduler
+    from . import _decode, _tc_bwd  # their tile rules live with their schedulers
+    for expr in _tc_bwd.all_instantiations():
+        kernel = expr.split("<", 1)[0]
+        head_dim = int(expr.split(",")[1].strip(" >"))
+        out.append((kernel, _dtype_of_ctype(expr), head_dim, SOURCES[kernel], expr))
     return out + _decode.instantiations()
+
+
+def _dtype_of_ctype(expr):
+    ctype = expr.split("<", 1)[1].split(",")[0].strip()
+    return {c: name for name, (c, _) in _C_TYPES.items()}[ctype]

@@ -9,7 +9,7 @@ import functools
 import cupy
 import numpy as np
 
-from . import _broadcast, _config, _decode, _launch
+from . import _broadcast, _config, _decode, _launch, _tc_bwd
 from ._validate import element_strides
 
 _Q, _K, _V, _MASK, _BIAS = range(5)
@@ -145,8 +145,20 @@ def forward(p):
         return out, lse
 
 
-def backward(p, dout, out, lse):
-    """Returns dq, dk, dv per output (batch, head), in the accumulator dtype."""
+def backward_path(p):
+    """'sm80' (tensor-core backward) when the Problem fits it, else 'generic'."""
+    if FORCE_PATH == "generic":
+        return "generic"
+    return "sm80" if _tc_bwd.supports(p) else "generic"
+
+
+def backward(p, dout, out, lse, deterministic=False):
+    """Returns dq, dk, dv per output (batch, head), in the accumulator dtype.
+
+    The generic kernels are deterministic by construction (no atomics); the tensor-core path adds
+    dq with atomics unless ``deterministic``, which then takes its fixed-order dq kernel."""
+    if backward_path(p) == "sm80":
+        return _tc_bwd.backward(p, dout, out, lse, deterministic=deterministic)
     with p.q.device:
         args = _Args(p)
         BH = p.BH

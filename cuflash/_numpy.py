@@ -121,7 +121,7 @@ def _rows(x, problem, width, dtype):
     return np.asarray(x).reshape(problem.BH, problem.Nq, width).astype(dtype)
 
 
-def backward(problem, dout, out, lse):
+def backward(problem, dout, out, lse, deterministic=False):
     """Gradients per output (batch, head) in acc dtype: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
     dv (BH, Nk, Dv). P is recomputed per key tile from q, k and lse; D = rowsum(dout * out)."""
     p = problem

@@ -32,12 +32,15 @@ measurement yet: tools/tc_bwd_check.py --variants times the alternatives beside 
   188-254 registers, no spills.
 """
 import math
-import os
 from collections import namedtuple
 
 import numpy as np
 
-from ._tc import _CTYPE, _MAX_LEN, _inline, _KERNEL_DIR
+from . import _config, _kernels
+
+SOURCE = "bwd_sm80.cu"
+_CTYPE = {name: _config.c_types(name)[0] for name in _config.SM80_DTYPES}
+_MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
 
 # Mirrors kernels_cu/bwd_sm80.cu LSE_PAD: lse2/delta rows per (batch, head) are padded to a multiple.
 LSE_PAD = 128
@@ -62,10 +65,6 @@ DKDV_TILES_MB = {
 DQ_TILES = {d: DqTile(64, 4, 2, 2) for d in (32, 64, 96, 128)}
 DQ_TILES_MB = dict(DQ_TILES)
 HEAD_DIMS = tuple(sorted(DKDV_TILES))
-
-
-def source():
-    return _inline(os.path.join(_KERNEL_DIR, "bwd_sm80.cu"), set())
 
 
 def _b(x):
@@ -114,26 +113,16 @@ def all_instantiations(dtypes=("float16", "bfloat16")):
     return out
 
 
-_cache = {}
+_smem_set = {}
 
 
 def _function(expr, smem):
-    """The RawKernel of one name expression on the current device, compiled once."""
-    import cupy
-
-    key = (cupy.cuda.Device().id, expr)
-    hit = _cache.get(key)
-    if hit is None:
-        mod = cupy.RawModule(code=source(), options=("-std=c++17",), name_expressions=[expr])
-        fn = mod.get_function(expr)
-        if os.environ.get("CUFLASH_DEBUG") == "1":
-            print(f"[cuflash] {expr}: {fn.num_regs} registers, {fn.local_size_bytes} local bytes, "
-                  f"{smem} shared bytes")
-        hit = _cache[key] = [mod, fn, 0]
-    if smem > 48 * 1024 and hit[2] < smem:
-        hit[1].max_dynamic_shared_size_bytes = smem
-        hit[2] = smem
-    return hit[1]
+    """The RawKernel of one name expression on the current device (compiled once, by _kernels)."""
+    fn = _kernels.get_function(SOURCE, expr)
+    if smem > 48 * 1024 and _smem_set.get(id(fn), 0) < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+        _smem_set[id(fn)] = smem
+    return fn
 
 
 def supports(p, device=None):

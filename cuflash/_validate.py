@@ -120,6 +120,11 @@ def _check_scale(scale, Dk):
     return scale
 
 
+def check_flag(name, value):
+    """A keyword flag must be a real bool (1/0 or None are more likely mistakes than intent)."""
+    return _check_bool(name, value)
+
+
 def _check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")

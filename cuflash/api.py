@@ -2,7 +2,7 @@
 import numpy as np
 
 from . import _broadcast
-from ._validate import check_backward_inputs, check_merge_inputs, make_problem
+from ._validate import check_backward_inputs, check_flag, check_merge_inputs, make_problem
 
 _VISIBILITY_DOC = """
     Visibility. Query row ``i`` sits at the aligned position ``p``: ``p = i + L - Nq`` with
@@ -63,11 +63,11 @@ def _forward(problem):
     return out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
 
 
-def _backward(problem, dout, out, lse):
+def _backward(problem, dout, out, lse, deterministic=False):
     xp = problem.xp
     if problem.BH == 0 or problem.Nq == 0 or problem.Nk == 0:
         return tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (problem.q, problem.k, problem.v))
-    dq, dk, dv = _dispatch(problem).backward(problem, dout, out, lse)
+    dq, dk, dv = _dispatch(problem).backward(problem, dout, out, lse, deterministic=deterministic)
     # gradients were computed per output (batch, head): sum them back over broadcast/GQA axes
     grads = []
     for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
@@ -107,7 +107,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
-                       window=None, mask=None, bias=None, kv_lens=None):
+                       window=None, mask=None, bias=None, kv_lens=None, deterministic=False):
     """Gradients of :func:`attention` with respect to q, k and v.
 
     ``out`` and ``lse`` are the forward's results for the same inputs and options. Score tiles are
@@ -116,6 +116,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     dq = scale·dS·k, dk = scale·dSᵀ·q. Empty rows contribute nothing. Gradients of broadcast or
     grouped k/v are summed into their own shapes.
 
+    ``deterministic=True`` makes the gradients bitwise identical run to run on every path (the
+    tensor-core path otherwise adds dq with atomics, in no fixed order; the NumPy and generic CUDA
+    paths are deterministic either way).
+
     Returns
     -------
     dq, dk, dv : arrays shaped and typed like q, k, v.
@@ -123,23 +127,25 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                            mask=mask, bias=bias, kv_lens=kv_lens)
     check_backward_inputs(problem, dout, out, lse)
-    return _backward(problem, dout, out, lse)
+    return _backward(problem, dout, out, lse, check_flag("deterministic", deterministic))
 
 
-def attention_vjp(q, k, v, **options):
+def attention_vjp(q, k, v, *, deterministic=False, **options):
     """Forward pass plus a function for its vector-Jacobian product.
 
     Returns ``(out, vjp)`` where ``vjp(dout)`` returns ``(dq, dk, dv)``; for training without a
-    framework. Takes the options of :func:`attention` (except ``return_lse``).
+    framework. Takes the options of :func:`attention` (except ``return_lse``) and
+    ``deterministic`` of :func:`attention_backward`.
     """
     if "return_lse" in options:
         raise TypeError("attention_vjp takes no return_lse option (it keeps lse itself)")
+    deterministic = check_flag("deterministic", deterministic)
     problem = make_problem(q, k, v, **options)
     out, lse = _forward(problem)
 
     def vjp(dout):
         check_backward_inputs(problem, dout, out, lse)
-        return _backward(problem, dout, out, lse)
+        return _backward(problem, dout, out, lse, deterministic)
 
     return out, vjp
 

@@ -38,7 +38,7 @@ def _usage(filename, arch):
 def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
     assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_sm80", "decode_split",
-                       "decode_combine"}
+                       "decode_combine", "bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dq"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
 
 

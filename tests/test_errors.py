@@ -105,6 +105,10 @@ def test_backward_arguments():
         vjp(out[:1])
     with pytest.raises(TypeError, match="return_lse"):
         cuflash.attention_vjp(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cuflash.attention_backward(out, q, k, v, out, lse, deterministic=1)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cuflash.attention_vjp(q, k, v, deterministic="yes")
 
 
 def test_merge_arguments():

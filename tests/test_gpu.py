@@ -251,3 +251,19 @@ def test_kv_lens_as_device_array(rng):
     a = cuflash.attention(q, k, v, kv_lens=cupy.asarray(lens), causal=True)
     b = cuflash.attention(q, k, v, kv_lens=lens, causal=True)
     assert np.array_equal(to_host(a), to_host(b))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"] if BFLOAT16 is not None else ["float16"])
+def test_deterministic_backward_is_bitwise_reproducible(dtype, rng):
+    """deterministic=True: two runs give identical bits (the tensor-core dq otherwise uses atomics)."""
+    from cuflash import _gpu, _validate
+    q = randn(rng, (2, 8, 300, 128), dtype)
+    k, v = (randn(rng, (2, 2, 300, 128), dtype) for _ in range(2))
+    assert _gpu.backward_path(_validate.make_problem(q, k, v, causal=True)) == "sm80"
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = randn(rng, out.shape, dtype)
+    first = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    second = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    for a, b in zip(first, second):
+        assert np.array_equal(to_host(a).view(np.uint16), to_host(b).view(np.uint16))
+    check(q, k, v, rng, causal=True)

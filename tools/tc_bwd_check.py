@@ -29,7 +29,7 @@ import cupy as cp
 import numpy as np
 
 import cuflash
-from cuflash import _broadcast, _gpu, _tc, _tc_bwd, reference
+from cuflash import _broadcast, _gpu, _tc_bwd, reference
 from cuflash._validate import make_problem
 
 try:
@@ -278,8 +278,7 @@ def timing(dims, seqs, variants, rows):
                                  .astype(bf16) for _ in range(4))
                 scale = 1.0 / math.sqrt(D)
                 p = make_problem(q, k, v, scale=scale, causal=causal)
-                out, lse = (_tc.forward(p) if _tc.supports(p)
-                            else cuflash.attention(q, k, v, causal=causal, return_lse=True))
+                out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                 out = out.reshape(B, H, N, D)
                 flops = 2.5 * 4.0 * B * H * N * N * D / (2 if causal else 1)
                 tf = lambda ms: flops / ms / 1e9
