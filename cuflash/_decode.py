@@ -403,11 +403,6 @@ class Plan:
              self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
             self.table = table
             self.split_any = sched.split_any
-            acc = p.acc_dtype
-            self.ws_out = cupy.empty((self.n_items, rows, p.Dv) if self.split_any else (1,),
-                                     dtype=acc)
-            self.ws_lse = cupy.empty((self.n_items, rows) if self.split_any else (1,), dtype=acc)
-            self.counters = _counter_buffer(self.n_tiles if self.split_any else 1)
         self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
         self.poison = poison
 
@@ -425,8 +420,15 @@ class Plan:
             lse.fill(np.nan)
         return out, lse
 
-    def run(self, out=None, lse=None):
-        """Launch (split kernel, and the combine kernel when not fused); returns (out, lse)."""
+    def run(self, out=None, lse=None, p=None):
+        """Launch (split kernel, and the combine kernel when not fused); returns (out, lse).
+
+        ``p`` is a Problem with the same layout as the one planned (see ``forward``'s cache);
+        by default the planned one."""
+        import cupy
+
+        if p is not None:
+            self.p = p
         p = self.p
         if out is None:
             out, lse = self._outputs()
@@ -434,7 +436,12 @@ class Plan:
         sc = np.float64 if p.acc_dtype == np.float64 else np.float32
         null = np.uint64(0)
         with p.q.device:
-            args = (p.q, p.k, p.v, out, lse, self.ws_out, self.ws_lse, self.counters,
+            # per-call workspace (from CuPy's pool): concurrent calls on other streams never share
+            shape = (self.n_items, self.rows) if self.split_any else (1, 1)
+            ws_out = cupy.empty(shape + (p.Dv,), dtype=p.acc_dtype)
+            ws_lse = cupy.empty(shape, dtype=p.acc_dtype)
+            counters = _counter_buffer(self.n_tiles if self.split_any else 1)
+            args = (p.q, p.k, p.v, out, lse, ws_out, ws_lse, counters,
                     self.offsets, self.lens, self.groups, self.tiles, self.items,
                     null if p.mask is None else p.mask, null if p.bias is None else p.bias,
                     i64(self.q_rs), i64(self.k_rs), i64(self.v_rs), i64(self.mask_rs),
@@ -444,7 +451,7 @@ class Plan:
             self.kernel((self.n_items,), (THREADS,), args)
             if self.split_any and not self.fused:
                 self.combine((self.n_tiles,), (THREADS,),
-                             (out, lse, self.ws_out, self.ws_lse, self.lens, self.groups,
+                             (out, lse, ws_out, ws_lse, self.lens, self.groups,
                               self.tiles, i32(p.Nq), i32(p.Dv), i32(self.G), i32(p.left),
                               i32(p.right), i32(bool(p.bottom_right))))
         return out, lse
@@ -460,7 +467,35 @@ def forward(p, split=None):
     ``split`` forces the keys per split (tests use a small one to exercise the merge)."""
     from . import _gpu
 
-    return Plan(p, poison=_gpu.POISON, split=split).run()
+    key = _layout_key(p, split, _gpu.POISON)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _PLAN_CACHE_SIZE:
+            _plans.pop(next(iter(_plans)))  # oldest first
+        plan = _plans[key] = Plan(p, poison=_gpu.POISON, split=split)
+    out, lse = plan.run(p=p)
+    plan.p = None  # the cache keeps the layout, not the caller's arrays
+    return out, lse
+
+
+# Plans by layout: the schedule and its device table depend only on shapes, strides, options and
+# kv_lens, so repeated calls (decoding token after token) skip the host work (about 1 ms).
+_PLAN_CACHE_SIZE = 64
+_plans = {}
+
+
+def _layout_key(p, split, poison):
+    """Everything a Plan is derived from, except the arrays' contents."""
+    import cupy
+
+    def strides(x):
+        return None if x is None else element_strides(x)
+
+    return (cupy.cuda.Device().id, split, poison, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
+            p.scale, p.left, p.right, p.bottom_right, _aligned(p),
+            strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
+            None if p.kv_lens is None else p.kv_lens.tobytes(),
+            p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())
 
 
 def instantiations():

@@ -1,9 +1,8 @@
 // mma_sm80.cuh: tensor-core building blocks for the sm_80+ kernels (mma.sync m16n8k16, ldmatrix,
 // cp.async), float16 / bfloat16 in, float32 accumulate. No kernels.
 //
-// The first part (smem_u32 ... cp_tile) is a verbatim copy of namespace tc in fwd_sm80.cu, so that
-// fwd_sm80.cu can later include this header and drop its copy. The second part (shared loads and
-// stores, global reductions) is new, used by bwd_sm80.cu.
+// Shared by fwd_sm80.cu and bwd_sm80.cu: PTX wrappers, the mma/pack of each 16-bit type, cp_tile;
+// then shared loads and stores and global reductions (used by the backward).
 //
 // Fragment layouts of mma.sync.m16n8k16.row.col (g = lane / 4, t = lane % 4):
 //   C (16x8 f32):   c0, c1 = (row g,     cols 2t, 2t+1);  c2, c3 = (row g + 8, cols 2t, 2t+1)
@@ -48,6 +47,12 @@ __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+// An opaque copy: the compiler cannot hoist what is computed from it out of the loop it sits in.
+__device__ __forceinline__ int opaque(int x) {
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
 }
 
 // The 16-bit type's tensor-core product and its pair packing (lo goes to the low half).
