@@ -10,6 +10,8 @@ attention; Hx == 1 is ordinary broadcasting). Two helpers follow from that rule:
 * ``reduce_to_lead`` sums a gradient computed per output matrix back to an input's own leading
   shape (broadcast axes and GQA groups), which is what the chain rule asks for.
 """
+import functools
+
 import numpy as np
 
 
@@ -42,11 +44,13 @@ def broadcast_lead(shapes, head_axis_gqa=True):
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
 def lead_offsets(lead, x_lead_shape, x_lead_strides):
     """Element offset, for each output (batch, head), of the matrix an input reads: int64, shape lead.
 
     ``x_lead_strides`` are in elements. Axes of size 1 are read with stride 0; on the head axis an
-    input with fewer heads is read through h -> h // (H // Hx).
+    input with fewer heads is read through h -> h // (H // Hx). Arguments are tuples; the result is
+    memoized and read-only (the host work of a call repeats with its layout, not its data).
     """
     ndim = len(lead)
     shape = _padded(x_lead_shape, ndim)
@@ -62,6 +66,7 @@ def lead_offsets(lead, x_lead_shape, x_lead_strides):
         view = [1] * ndim
         view[axis] = size
         offsets = offsets + (index * strides[axis]).reshape(view)
+    offsets.flags.writeable = False  # memoized: shared by every call with this layout
     return offsets
 
 
