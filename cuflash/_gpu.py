@@ -26,24 +26,29 @@ FORCE_PATH = None
 _MAX_SM80_LEN = 1 << 29  # fwd_sm80's 32-bit visibility arithmetic is exact below this
 
 
-def _sm80_fits(p):
-    """Whether the tensor-core forward takes this Problem (kernels_cu/fwd_sm80.cu, Requirements)."""
-    if p.dtype.name not in _config.SM80_DTYPES or p.Dk != p.Dv or p.Dk not in _config.SM80_HEAD_DIMS:
+def tensor_core_layout(p):
+    """What every tensor-core kernel needs (fwd_sm80.cu and bwd_sm80.cu, "Requirements"): 16-bit
+    inputs, Dk == Dv, scale > 0, lengths within their 32-bit arithmetic, sm_80+, and 16-byte rows:
+    unit innermost stride, rows and matrices 8 elements apart, aligned bases."""
+    if p.dtype.name not in _config.SM80_DTYPES or p.Dk != p.Dv:
         return False
     if not p.scale > 0 or max(p.Nq, p.Nk) > _MAX_SM80_LEN:
-        return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
-    capability, smem_optin = _device_limits(cupy.cuda.Device().id)
-    if capability < 80:
-        return False
-    has_mb = p.mask is not None or p.bias is not None
-    if _config.sm80_smem_bytes(p.Dk, has_mb) > smem_optin:
+        return False  # the kernels fold the scale into exp2 and take maxima of unscaled scores
+    if _device_limits(cupy.cuda.Device().id)[0] < 80:
         return False
     for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
         strides = element_strides(x)
-        # 16-byte cp.async: unit innermost stride, rows and matrices 8 elements apart, aligned base
         if strides[-1] != 1 or strides[-2] % 8 or x.data.ptr % 16 or np.any(offsets % 8):
             return False
     return True
+
+
+def _sm80_fits(p):
+    """Whether the tensor-core forward takes this Problem."""
+    if p.Dk not in _config.SM80_HEAD_DIMS or not tensor_core_layout(p):
+        return False
+    has_mb = p.mask is not None or p.bias is not None
+    return _config.sm80_smem_bytes(p.Dk, has_mb) <= _device_limits(cupy.cuda.Device().id)[1]
 
 
 @functools.lru_cache(maxsize=None)

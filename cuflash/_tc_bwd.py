@@ -31,7 +31,6 @@ measurement yet: tools/tc_bwd_check.py --variants times the alternatives beside 
   dq (deterministic mode): 64 query rows (4 warps) x 64 keys, 2-stage K/V ring, 2 blocks per SM,
   188-254 registers, no spills.
 """
-import math
 from collections import namedtuple
 
 import numpy as np
@@ -40,7 +39,6 @@ from . import _config, _kernels
 
 SOURCE = "bwd_sm80.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.SM80_DTYPES}
-_MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
 
 # Mirrors kernels_cu/bwd_sm80.cu LSE_PAD: lse2/delta rows per (batch, head) are padded to a multiple.
 LSE_PAD = 128
@@ -125,35 +123,19 @@ def _function(expr, smem):
     return fn
 
 
-def supports(p, device=None):
+def supports(p):
     """True when the Problem fits this path; otherwise the host takes the generic backward."""
-    import cupy
+    from . import _gpu
 
-    if p.xp is not cupy or p.dtype.name not in _CTYPE:
-        return False
-    if p.Dk != p.Dv or p.Dk not in DKDV_TILES:
-        return False
-    if not (p.scale > 0 and math.isfinite(p.scale)):
-        return False
-    if max(p.Nq, p.Nk) > _MAX_LEN or p.Nq == 0 or p.Nk == 0 or p.BH == 0:
+    if p.Dk not in DKDV_TILES or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
         return False
     if p.bias is not None and p.bias.dtype != np.float32:
         return False
-    major = cupy.cuda.Device(device).compute_capability
-    if int(major) < 80:
+    if not _gpu.tensor_core_layout(p):
         return False
-    from ._validate import element_strides
-    for x, m in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
-        st = element_strides(x)
-        if st[-1] != 1 or st[-2] % 8 != 0 or x.data.ptr % 16 != 0:
-            return False
-        if np.any(np.asarray(m) % 8 != 0):
-            return False
     # grid limits of the 1-D launches
     tile = DKDV_TILES[p.Dk]
-    if p.BH * -(-p.Nk // (16 * tile.warps)) >= 2**31 or p.BH * -(-p.Nq // 16) >= 2**31:
-        return False
-    return True
+    return p.BH * -(-p.Nk // (16 * tile.warps)) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
 # ---- launchers (current stream; scalars typed as the C parameters) -----------------------------
