@@ -54,6 +54,57 @@ WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see
 # Instantiations: 4 dtypes x 4 buckets x up to 4 ROWS x (mask/bias or not), aligned rows only
 # (`fits`), compiled on first use (`instantiations` lists them for tests/test_build.py); the hot ones (aligned, no mask/bias, ROWS <= 8, 16-bit, D <= 128) are held to zero
 # spills by `tools/decode_check.py build` (sm_80 and sm_90a, NVRTC ptxas report).
+#
+# CANDIDATES (not used unless asked for: Plan(variant=..., split_rule=...); timed by
+# tools/decode_check.py timing, built with zero spills / zero stack by its build stage).
+# Today's hot kernel decode_split<bf16_t, float, 128, 4, false, true> (GQA 4, Nq = 1): U = 4 keys
+# per lane per chunk, K and V of the next chunk in registers (64 of its 217 registers on sm_90a,
+# 215 on sm_80; NVRTC 13.0) -> 2 blocks = 8 warps per SM and at most 2 x 4 warps x 4 KB = 32 KB
+# of K/V loads in flight per SM, and only while the previous chunk is computed. Little's law at
+# 4.25 TB/s over 132 SMs and ~0.7-1 us of latency asks for ~25-35 KB per SM at least: no margin.
+# Host-side fit of the 2026-11-29 times: t = 45 us + bytes / 4.04 TB/s (B = 1 and B = 8 rows),
+# i.e. a large fixed cost per launch beside the bandwidth gap.
+# VARIANTS name -> (UK, STAGES, MINB) of decode_split_x (kernels_cu/decode.cu): UK keys per lane
+# per chunk (0: the default U), STAGES = 0 the register double buffer, >= 2 a cp.async ring of
+# STAGES chunks per warp in dynamic shared memory (STAGES - 1 chunks in flight during compute, no
+# registers held by loads in flight), MINB the __launch_bounds__ minimum blocks per SM. Numbers
+# for bf16 D = 128 ROWS = 4 (fp16 the same), registers sm_90a / sm_80 with the 4-column items
+# table, all with 0 spills and 0 stack (NVRTC 13.0.88, tools/decode_check.py build):
+#   name    UK STAGES MINB  regs     ring/block  blocks/SM (regs, smem) K/V in flight per SM
+#   base     0   0     1   215/217    0          2                      2 x 4 x 4 KB  =  32 KB
+#   u2r      2   0     3   158/158    0          3                      3 x 4 x 2 KB  =  24 KB
+#   cp3      4   3     3   168/160   48 KB       3 (<= 168 regs)        3 x 4 x 8 KB  =  96 KB
+#   cp4      4   4     3   166/160   64 KB       3 (3 x 73.5 KB smem)   3 x 4 x 12 KB = 144 KB
+#   cp4u2    2   4     4   128/128   32 KB       4 (<= 128 regs)        4 x 4 x 6 KB  =  96 KB
+#   cp6u2    2   6     3   146/142   48 KB       3                      3 x 4 x 10 KB = 120 KB
+# (u2r with MINB = 4 needs 128 registers and spills 8 bytes: not a candidate.) Prediction: the
+# cp.async candidates reach the copy rate (>= 4.0 TB/s) on the three large shapes if the bytes in
+# flight were the limit; u2r is the control (fewer registers, but fewer bytes in flight: slower).
+# "base" is today's kernel under decode_split_x: the same code plus a launch-order column.
+# Split rules (SPLIT_RULES, Plan(split_rule=...)): "waves" (default, WAVES x capacity, below),
+# "balanced" (split_size_balanced: the S, among the 1..8-wave splits and block-pass x 2^i, whose
+# greedy list schedule of blocks of S + SPLIT_OVERHEAD_KEYS key-costs on `capacity` slots, longest
+# block first, ends first; tiles renumbered longest first; with a decode_split_x variant the items
+# are also launched longest first) and "balanced-o64" (64 keys per block, up to 16 waves).
+# UNEVEN BATCH (bench.py's: B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0, 52.7 % of
+# the keys valid; Schedule on the host, 132 SMs x 2 blocks = 264 slots): the full batch is 256
+# tiles -> 256 blocks of 8192 keys, one wave; the uneven batch gets S = 7680 -> 264 blocks (the 8
+# longest tiles split in 2), mean 4187 keys but max 7680 = 0.94 of 8192. All blocks run at once
+# and the launch ends with its longest block, so the time follows max(kv_lens), not their sum
+# (measured 0.89). List-schedule model (end in keys incl. 256 per block, uneven / full): waves
+# 0.94; "balanced" with decode_split_x ("base bal") S = 4096, 424 blocks, 0.60; same S in tile
+# order (decode_split) 0.77; at 3 blocks/SM (cp3, cp4) even "waves" gives S = 4544, 392 blocks,
+# 0.57; "balanced" there 0.64 (its full batch is cut to S = 2752: the model favours 2 waves).
+# Target <= 1.1 x 0.527 = 0.58. `tools/decode_check.py host` prints the table.
+VARIANTS = {
+    "base": (0, 0, 1),   # today's kernel as decode_split_x: only the launch order may differ
+    "u2r": (2, 0, 3),
+    "cp3": (4, 3, 3),
+    "cp4": (4, 4, 3),
+    "cp4u2": (2, 4, 4),
+    "cp6u2": (2, 6, 3),
+}
+SPLIT_OVERHEAD_KEYS = 256  # the "balanced" rule's fixed cost of one block, in keys
 
 
 def _storage_size(dtype):
@@ -102,6 +153,28 @@ def name_expression(dtype, bucket, rows, has_mb, aligned):
     return f"decode_split<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}>"
 
 
+def variant_expression(dtype, bucket, rows, has_mb, aligned, variant):
+    """Name expression of a VARIANTS candidate (decode_split_x)."""
+    uk, stages, minb = VARIANTS[variant]
+    t, acc = _config.c_types(dtype)
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return (f"decode_split_x<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}, {uk}, "
+            f"{stages}, {minb}>")
+
+
+def pipe_bytes(dtype, bucket, rows, variant):
+    """Dynamic shared memory of a candidate: the cp.async ring (0 for STAGES = 0)."""
+    uk, stages, _ = VARIANTS[variant]
+    c = shape_constants(dtype, bucket, rows)
+    u = uk or c["U"]
+    return WARPS * stages * u * c["NV"] * 2 * 32 * 16
+
+
+def variant_instantiations(dtype="bfloat16", bucket=128, rows=4):
+    """The candidates' name expressions for one shape (tools/decode_check.py build)."""
+    return [variant_expression(dtype, bucket, rows, False, True, v) for v in VARIANTS]
+
+
 def combine_expression(dtype, rows):
     t, acc = _config.c_types(dtype)
     return f"decode_combine<{t}, {acc}, {rows}>"
@@ -113,7 +186,7 @@ _functions = {}   # (device, expr) -> (module, kernel, blocks per SM)
 _counters = {}    # (device, stream ptr) -> cupy uint32 array, all zeros between launches
 
 
-def _kernel(expr):
+def _kernel(expr, dyn_smem=0):
     import cupy
 
     dev = cupy.cuda.Device().id
@@ -125,7 +198,9 @@ def _kernel(expr):
     module = cupy.RawModule(code=_kernels.source(SOURCE), options=_kernels.OPTIONS,
                             name_expressions=[expr])
     func = module.get_function(expr)
-    per_sm = _blocks_per_sm(func)
+    if dyn_smem:  # candidates only (VARIANTS with STAGES > 0): opt in above 48 KB
+        func.max_dynamic_shared_size_bytes = int(dyn_smem)
+    per_sm = _blocks_per_sm(func, dyn_smem)
     if os.environ.get("CUFLASH_DEBUG", "") not in ("", "0"):
         a = func.attributes
         print(f"cuflash: {expr} on device {dev}: {a['num_regs']} registers, "
@@ -136,11 +211,11 @@ def _kernel(expr):
         return _functions[key][1], _functions[key][2]
 
 
-def _blocks_per_sm(func):
+def _blocks_per_sm(func, dyn_smem=0):
     """Resident blocks per SM of THREADS-thread blocks (occupancy API; estimate as fallback)."""
     try:
         from cupy_backends.cuda.api import driver
-        n = driver.occupancyMaxActiveBlocksPerMultiprocessor(func.kernel.ptr, THREADS, 0)
+        n = driver.occupancyMaxActiveBlocksPerMultiprocessor(func.kernel.ptr, THREADS, dyn_smem)
         if n > 0:
             return int(n)
     except Exception:
@@ -148,7 +223,7 @@ def _blocks_per_sm(func):
     a = func.attributes
     regs = max(int(a["num_regs"]), 1)
     by_regs = 65536 // (((regs * 32 + 255) // 256) * 256 * WARPS)
-    by_smem = (227 * 1024) // max(int(a["shared_size_bytes"]) + 1024, 1)
+    by_smem = (227 * 1024) // max(int(a["shared_size_bytes"]) + dyn_smem + 1024, 1)
     return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
 
 
@@ -254,6 +329,73 @@ def split_size(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS):
     return lo * unit
 
 
+def list_schedule_end(costs, capacity):
+    """End time of greedy list scheduling of `costs` (in launch order) on `capacity` slots: each
+    block starts on the first slot to free up (the hardware's block dispatch, idealized)."""
+    import heapq
+
+    costs = np.asarray(costs, dtype=np.int64)
+    if costs.size <= capacity:
+        return int(costs.max(initial=0))
+    slots = [int(c) for c in costs[:capacity]]
+    heapq.heapify(slots)
+    for c in costs[capacity:].tolist():
+        heapq.heapreplace(slots, slots[0] + c)
+    return max(slots)
+
+
+def launch_order(items):
+    """Item-level longest-first launch order (rows of `items`, stable): decode_split_x only,
+    which reads the workspace slot from the table's 4th column."""
+    items = np.asarray(items, dtype=np.int64)
+    return np.argsort(-(items[:, 2] - items[:, 1]), kind="stable")
+
+
+def lpt_order(extents):
+    """Tile launch order of the "balanced" rules: longest extent first (stable), so that the
+    blocks of the short tiles fill the end of the schedule (longest-processing-time first)."""
+    return np.argsort(-np.asarray(extents, dtype=np.int64), kind="stable")
+
+
+def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
+                        overhead_keys=SPLIT_OVERHEAD_KEYS, waves=(1, 2, 3, 4, 6, 8)):
+    """Candidate split rule "balanced": among the waves rule's S for each w in `waves`, the one
+    whose list schedule (blocks of ceil-split keys + overhead_keys each, longest first as
+    launch_order launches them, on `capacity` slots) ends first; ties go to the larger S (fewer partials). Equal extents that fit
+    one wave keep the one-wave S; uneven extents get smaller splits, so that short and long
+    sequences share the SMs instead of the longest block setting the time."""
+    ext = np.asarray(extents, dtype=np.int64)
+    best = None
+    cands = {split_size(ext, int(w * capacity), block_keys, min_keys) for w in waves}
+    top = int(ext.max(initial=0))
+    S = max(min_keys, block_keys)
+    while S < top:  # and powers of two times the block pass
+        cands.add(S)
+        S *= 2
+    for S in sorted(cands):
+        e = ext[ext > 0]
+        n = -(-e // S)
+        # per tile: n - 1 blocks of S keys and one of the remainder
+        costs = np.repeat(np.full(e.size, S, dtype=np.int64), n)
+        last = np.cumsum(n) - 1
+        costs[last] = e - (n - 1) * S
+        costs = np.sort(costs)[::-1]  # launch_order
+        end = list_schedule_end(costs + overhead_keys, capacity) if costs.size else 0
+        if best is None or end < best[0] or (end == best[0] and S > best[1]):
+            best = (end, S)
+    return best[1]
+
+
+# name -> split function (extents, capacity, block_keys) -> S; every rule but "waves" also numbers
+# the tiles in lpt_order and, with a decode_split_x variant, launches the items in launch_order
+SPLIT_RULES = {
+    "waves": split_size,               # today's rule
+    "balanced": split_size_balanced,   # SPLIT_OVERHEAD_KEYS per block
+    "balanced-o64": lambda e, c, b: split_size_balanced(e, c, b, overhead_keys=64,
+                                                        waves=(1, 2, 3, 4, 6, 8, 12, 16)),
+}
+
+
 def make_items(lo, hi, S):
     """Cut each row tile's extent [lo, hi] into items of S keys.
 
@@ -326,7 +468,7 @@ class Schedule:
     item count), items (n_items, 3) = (tile id, k0, k1 exclusive), split (keys per item), lens (BH).
     """
 
-    def __init__(self, p, capacity, split=None):
+    def __init__(self, p, capacity, split=None, rule=None):
         BH = p.BH
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
@@ -338,11 +480,27 @@ class Schedule:
         sc = shape_constants(p.dtype, self.bucket, self.rows)
         g, t, lo, hi = tile_extents(self.lens[self.groups[:, 0]], self.G, p.Nq, self.rows,
                                     p.left, p.right, p.bottom_right)
-        self.split = int(split) if split else split_size(np.maximum(hi - lo + 1, 0), capacity,
-                                                          sc["BLOCK_KEYS"])
+        if split:
+            self.split = int(split)
+        elif rule is None or rule == "waves":
+            self.split = split_size(np.maximum(hi - lo + 1, 0), capacity, sc["BLOCK_KEYS"])
+        else:  # a candidate rule (SPLIT_RULES); block_keys of the default U is a multiple of any
+            # candidate's block pass (UK <= U), so every split stays aligned to the block pass
+            self.split = SPLIT_RULES[rule](np.maximum(hi - lo + 1, 0), capacity,
+                                           sc["BLOCK_KEYS"])
+            order = lpt_order(np.maximum(hi - lo + 1, 0))  # tile ids follow the launch order
+            g, t, lo, hi = g[order], t[order], lo[order], hi[order]
         first, count, self.items = make_items(lo, hi, self.split)
         self.tiles = np.stack([g, t, first, count], axis=1)
         self.split_any = bool(np.any(count > 1))
+        # launch order of the items for decode_split_x (row r of its table = item launch[r])
+        self.launch = (np.arange(self.items.shape[0], dtype=np.int64)
+                       if rule is None or rule == "waves" or split else launch_order(self.items))
+
+    def items_x(self):
+        """decode_split_x's items table (n_items, 4): (tile, k0, k1, workspace slot), in launch
+        order."""
+        return np.concatenate([self.items[self.launch], self.launch[:, None]], axis=1)
 
 
 class Plan:
@@ -350,10 +508,13 @@ class Plan:
 
     `run()` launches on the current stream and returns (out, lse); tools/decode_check.py times
     `run()` alone, with the host preparation outside the timed region. `split` forces the split
-    size (tests); `waves` scales the capacity of the split rule.
+    size (tests); `waves` scales the capacity of the split rule. Candidates (see VARIANTS):
+    `variant` picks a decode_split_x kernel instead of decode_split, `split_rule` a rule of
+    SPLIT_RULES; both default to today's behaviour.
     """
 
-    def __init__(self, p, fused=True, waves=WAVES, poison=False, split=None):
+    def __init__(self, p, fused=True, waves=WAVES, poison=False, split=None, variant=None,
+                 split_rule=None):
         import cupy
 
         self.p = p
@@ -367,11 +528,18 @@ class Plan:
             lens = _lens(p)
             _, G = group_heads(p.k_map, p.v_map, lens)
             rows = rows_per_block(p.dtype, bucket, G * p.Nq, has_mb)
-            self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
-            self.kernel, per_sm = _kernel(self.expr)
+            self.variant, self.dyn_smem = variant, 0
+            if variant is None:
+                self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
+                self.kernel, per_sm = _kernel(self.expr)
+            else:
+                self.expr = variant_expression(p.dtype, bucket, rows, has_mb, aligned, variant)
+                self.dyn_smem = pipe_bytes(p.dtype, bucket, rows, variant)
+                self.kernel, per_sm = _kernel(self.expr, self.dyn_smem)
+            self.per_sm = per_sm
             self.combine = None if self.fused else _kernel(combine_expression(p.dtype, rows))[0]
             self.capacity = max(1, int(waves * per_sm * _sm_count()))
-        sched = Schedule(p, self.capacity, split)
+        sched = Schedule(p, self.capacity, split, split_rule)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
@@ -389,8 +557,9 @@ class Plan:
             st = element_strides(p.bias)
             offsets[4] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
             self.bias_rs, self.bias_cs = st[-2:]
+        items = sched.items if variant is None else sched.items_x()
         parts = [offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
-                 sched.tiles.reshape(-1), sched.items.reshape(-1)]
+                 sched.tiles.reshape(-1), items.reshape(-1)]
         bounds = np.cumsum([0] + [x.size for x in parts])
         with p.q.device:
             host = np.concatenate(parts)
@@ -448,7 +617,10 @@ class Plan:
                     i64(self.mask_cs), i64(self.bias_rs), i64(self.bias_cs), i32(p.BH),
                     i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G), sc(p.scale), i32(p.left),
                     i32(p.right), i32(bool(p.bottom_right)), i32(self.fused))
-            self.kernel((self.n_items,), (THREADS,), args)
+            if self.dyn_smem:
+                self.kernel((self.n_items,), (THREADS,), args, shared_mem=self.dyn_smem)
+            else:
+                self.kernel((self.n_items,), (THREADS,), args)
             if self.split_any and not self.fused:
                 self.combine((self.n_tiles,), (THREADS,),
                              (out, lse, ws_out, ws_lse, self.lens, self.groups,
@@ -457,8 +629,9 @@ class Plan:
         return out, lse
 
 
-def plan(p, fused=True, waves=WAVES, poison=False, split=None):
-    return Plan(p, fused=fused, waves=waves, poison=poison, split=split)
+def plan(p, fused=True, waves=WAVES, poison=False, split=None, variant=None, split_rule=None):
+    return Plan(p, fused=fused, waves=waves, poison=poison, split=split, variant=variant,
+                split_rule=split_rule)
 
 
 def forward(p, split=None):

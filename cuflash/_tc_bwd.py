@@ -30,6 +30,39 @@ measurement yet: tools/tc_bwd_check.py --variants times the alternatives beside 
   block per SM (255 registers x 256 threads fill the register file).
   dq (deterministic mode): 64 query rows (4 warps) x 64 keys, 2-stage K/V ring, 2 blocks per SM,
   188-254 registers, no spills.
+
+Candidates not yet timed (DkdvTile.opt != 0 selects bwd_sm80_dkdv_x<..., MIN_BLOCKS, OPT>, the same
+body as bwd_sm80_dkdv, whose PTX is unchanged; bits OPT_*, described at tcb::DkdvOpt in
+bwd_sm80.cu). All in tools/tc_bwd_check.py VARIANTS; registers / spill bytes with NVRTC 13.0,
+sm_90a / sm_80, bf16 and fp16 alike, dq_atomic:
+    BDEP   fake data dependency of the dV / dK B-fragment addresses on P / dS (fwd_sm80.cu's trick)
+      D=128 64q x 128k 8w smem   255/0 | 253/0   D=64 64q x 128k 8w regs  248/0 | 247/0
+      Result: no register relief. ptxas fills the 255 cap whatever the B loads do: the live state
+      itself is ~200 registers at D=128 (dK + dV 128, S^T + dP^T 64); under a lower cap BDEP did
+      not help either (D=64 64q x 64k 4w at MIN_BLOCKS 3: 12 B spill without, 8 B with;
+      + BCHAIN, one k-step of B loads in flight: 20 B; + LANE_OPQ, opaque lane offsets: 28 B
+      at D=128 64q x 128k, 16 B at D=64 32q x 128k MIN_BLOCKS 2).
+      Prediction: within +-3 % of the plain tile (the loads now wait on exp2 / dS: slightly less
+      latency hiding, slightly fewer registers live across S^T). Not expected to win.
+    DQ_V4  lanes t, t^1 swap half fragments: one red.global.add.v4.f32 per 4 dQ columns instead
+      of two .v2 (halves the L2 reduction requests; 2 shuffles per 8 columns)
+      D=128 64q x 128k 8w smem   255/0 | 255/0   D=64 64q x 128k 8w regs  255/0 | 243/0
+      D=128 64q x 128k 8w BDEP+V4 255/0 | 255/0  D=128 64q x 64k 4w MIN_BLOCKS 2  255/0 | 255/0
+      Prediction: +2-6 % where the dQ reductions queue in L2 (long N, non-causal); the best bet
+      among the D=128 candidates (on sm_80 it is 4 scalar reductions: no gain expected there).
+    2 blocks of 8 warps at D=64 (16 warps per SM; 2 x 66 KB shared memory):
+      D=64 32q x 128k 8w K/V smem MIN_BLOCKS 2        128/0 | 128/0   (plain kernel, opt 0)
+      D=64 32q x 128k 8w K/V smem MIN_BLOCKS 2 V4     128/0 | 128/0
+      D=64 32q x 128k 8w K/V smem MIN_BLOCKS 2 BDEP   128/0 | 128/0
+      (BDEP + V4 spills 4 B on sm_80; + LANE_OPQ spills 16 B: not listed.)
+      Prediction: the most promising: twice the resident warps hides the ldmatrix / mma latency
+      that one 8-warp block cannot, against half as many queries per K/V reuse step (twice the
+      barriers and dQ reductions per FLOP). +5-15 % at D=64 if shared-memory bandwidth is not the
+      limit; V4 should matter more here (32-row tiles double the dQ reduction count).
+  No D=128 tile reaches 2 blocks of 8 warps or 3 of 4 (168 cap: 32q x 64k 4w spills 224 B):
+  dK + dV alone are 128 registers per thread. A D=128 gain has to come from fewer ldmatrix per mma
+  (today ~0.6 x4 loads per mma per warp: each warp re-reads all of Q and dO, twice), e.g. 2 x 4
+  warp grids for S^T / dP^T as FA2, which is a layout change, not a tile-table entry.
 """
 from collections import namedtuple
 
@@ -43,7 +76,9 @@ _CTYPE = {name: _config.c_types(name)[0] for name in _config.SM80_DTYPES}
 # Mirrors kernels_cu/bwd_sm80.cu LSE_PAD: lse2/delta rows per (batch, head) are padded to a multiple.
 LSE_PAD = 128
 
-DkdvTile = namedtuple("DkdvTile", "block_m warps kv_in_regs min_blocks")
+# opt: bwd_sm80_dkdv_x OPT bits (kernels_cu/bwd_sm80.cu tcb::DkdvOpt), 0 = the plain kernel.
+DkdvTile = namedtuple("DkdvTile", "block_m warps kv_in_regs min_blocks opt", defaults=(0,))
+OPT_BDEP, OPT_BCHAIN, OPT_DQ_V4, OPT_LANE_OPQ = 1, 2, 4, 8
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
@@ -74,8 +109,12 @@ def prep_expr(dtype_name, head_dim):
 
 
 def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
-    return (f"bwd_sm80_dkdv<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
-            f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}>")
+    """bwd_sm80_dkdv<...> for opt == 0, else the candidate kernel bwd_sm80_dkdv_x<..., opt>."""
+    args = (f"{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
+            f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}")
+    if tile.opt:
+        return f"bwd_sm80_dkdv_x<{args}, {tile.opt}>"
+    return f"bwd_sm80_dkdv<{args}>"
 
 
 def dq_expr(dtype_name, head_dim, tile, has_mb):

@@ -74,6 +74,39 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
   return max(i_last + p.dlo, 0) <= j0 && j0 + BN - 1 <= min(i0 + p.dhi, p.L_last);
 }
 
+// bwd_sm80_dkdv_x OPT bits (candidate variants; bwd_sm80_dkdv is OPT = 0). The B-fragment
+// ldmatrix loads of dV += P^T dO and dK += dS^T Q have addresses that do not depend on anything
+// computed in the query-tile iteration, so ptxas hoists them to the top of the iteration and holds
+// them through S^T and dP^T (the registers that push the kernel to 255). fwd_sm80.cu fixed the same
+// thing for V with a fake data dependency; these bits do it here:
+//   DKDV_BDEP    k-step kk's B addresses + ((sign bit of the packed P^T of kk) << 4) for dV (P >= 0,
+//                so 0; a NaN moves the read one 16-byte chunk inside the padded row), and
+//                + ((sign bit of dS * dS) << 4) for dK: the loads cannot rise above exp2 / dS.
+//   DKDV_BCHAIN  k-step kk > 0 also adds (accumulator of k-step kk - 1's first product is NaN) << 4:
+//                at most one k-step of B fragments in flight (DF / 2 x4 loads).
+//   DKDV_DQ_V4   dQ: lanes t, t ^ 1 swap half-fragments (2 shuffles per 8 columns) so that each
+//                lane owns 4 consecutive columns of one row: one red.global.add.v4.f32 instead of
+//                two .v2 (sm_90+; 4 scalar reductions on sm_80).
+//   DKDV_LANE_OPQ the ldmatrix lane offsets are recomputed per query tile from opaque(lane)
+//                (as fwd_sm80.cu) instead of staying live through the loop.
+// (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
+enum DkdvOpt : int { DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8 };
+
+// p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
+__device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
+               "f"(d) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 2), "f"(c) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 3), "f"(d) : "memory");
+#endif
+}
+// 16 when x is NaN, else 0: a data dependency ptxas cannot fold.
+__device__ __forceinline__ u32 nan_dep(float x) { return x != x ? 16u : 0u; }
+
 }  // namespace tcb
 
 // Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads.
@@ -120,9 +153,9 @@ bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float
 // Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile: the blocks of one (batch, head) run together
 // (its Q and dO stay in L2), the first key tiles (the longest causal ones) first.
 template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
-          bool HAS_MB, int MIN_BLOCKS>
-__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+          bool HAS_MB, int OPT>
+__device__ __forceinline__ void
+bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               const T* __restrict__ dout, const float* __restrict__ lse2,
               const float* __restrict__ delta, float* __restrict__ dq_acc,
               float* __restrict__ dk_acc, float* __restrict__ dv_acc,
@@ -196,10 +229,11 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   //    row (lane % 8) + 8 * ((lane / 8) % 2), column 8 * (lane / 16)
   //  dS as A of dS K, read transposed from dS^T (x4.trans): key row (lane % 8) + 8 * (lane / 16),
   //    query column 8 * ((lane / 8) % 2)
-  const u32 a_lane = (warp * 16 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
-  const u32 bn_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
-  const u32 bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
-  const u32 ds_lane = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
+  constexpr bool LANE_OPQ = (OPT & tcb::DKDV_LANE_OPQ) != 0;
+  const u32 a_lane0 = (warp * 16 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
+  const u32 bn_lane0 = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
+  const u32 bt_lane0 = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
+  const u32 ds_lane0 = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
 
   // One query tile into ring slot `slot`: Q and dO rows (zeros past Nq), lse2 and delta (padded).
   auto load_query_tile = [&](int slot, int i0) {
@@ -241,6 +275,17 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot and dS^T)
     if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
+
+    // Lane offsets (LANE_OPQ: recomputed here from an opaque lane index, a few integer ops).
+    const int ln = LANE_OPQ ? opaque(lane) : lane;
+    const u32 a_lane =
+        LANE_OPQ ? (warp * 16 + ln % 16) * ROW_BYTES + (ln / 16) * 16 : a_lane0;
+    const u32 bn_lane =
+        LANE_OPQ ? (ln % 8 + 8 * (ln / 16)) * ROW_BYTES + ((ln / 8) % 2) * 16 : bn_lane0;
+    const u32 bt_lane =
+        LANE_OPQ ? (ln % 8 + 8 * ((ln / 8) % 2)) * ROW_BYTES + (ln / 16) * 16 : bt_lane0;
+    const u32 ds_lane =
+        LANE_OPQ ? (ln % 8 + 8 * (ln / 16)) * DS_ROW + ((ln / 8) % 2) * 16 : ds_lane0;
 
     if (KV_IN_REGS && it == 0) {
 #pragma unroll
@@ -327,10 +372,13 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
       pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      u32 vdep = 0;
+      if (OPT & tcb::DKDV_BDEP) vdep = (pa[3] >> 31) << 4;
+      if ((OPT & tcb::DKDV_BCHAIN) && kk > 0) vdep += tcb::nan_dep(dv[0][0]);
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(dos + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
+        ldsm_x4_t(dos + vdep + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
         Mma<T>::run(dv[2 * p], pa, b[0], b[1]);
         Mma<T>::run(dv[2 * p + 1], pa, b[2], b[3]);
       }
@@ -380,6 +428,10 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       da[1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
       da[2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
       da[3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+      u32 kdep = 0;
+      if (OPT & tcb::DKDV_BDEP)
+        kdep = (__float_as_uint(dp[2 * kk + 1][3] * dp[2 * kk + 1][3]) >> 31) << 4;
+      if ((OPT & tcb::DKDV_BCHAIN) && kk > 0) kdep += tcb::nan_dep(dk[0][0]);
       if (DQ_ATOMIC) {
         // a0 = (key g, queries 16kk + 2t..), a1 = key g + 8, a2/a3 = queries + 8.
         const u32 row = sdS + (warp * 16 + g) * DS_ROW + (kk * 16 + 2 * t) * 2;
@@ -391,7 +443,7 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(qs + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
+        ldsm_x4_t(qs + kdep + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
         Mma<T>::run(dk[2 * p], da, b[0], b[1]);
         Mma<T>::run(dk[2 * p + 1], da, b[2], b[3]);
       }
@@ -422,6 +474,26 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
             Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
           }
         }
+        if (OPT & tcb::DKDV_DQ_V4) {
+          // Even t: row g, columns 2t..2t+3 (its own pair, then its partner's h = 0 pair); odd t:
+          // row g + 8, columns 2t-2..2t+1 (the partner's h = 1 pair, then its own).
+          const bool odd = (t & 1) != 0;
+          const int i = i0 + wm * 16 + g + (odd ? 8 : 0);
+          float* row = dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + c0 + 4 * (t / 2);
+#pragma unroll
+          for (int nf = 0; nf < DQ_CHUNK / 8; ++nf) {
+            const float s0 = odd ? acc[nf][0] : acc[nf][2];
+            const float s1 = odd ? acc[nf][1] : acc[nf][3];
+            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+            if (i < Nq) {
+              if (odd)
+                tcb::red_add_f32x4(row + nf * 8, r0, r1, acc[nf][2], acc[nf][3]);
+              else
+                tcb::red_add_f32x4(row + nf * 8, acc[nf][0], acc[nf][1], r0, r1);
+            }
+          }
+        } else {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int i = i0 + wm * 16 + g + 8 * h;
@@ -431,6 +503,7 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
             for (int nf = 0; nf < DQ_CHUNK / 8; ++nf)
               red_add_f32x2(row + nf * 8, acc[nf][2 * h], acc[nf][2 * h + 1]);
           }
+        }
         }
       }
     }
@@ -450,6 +523,39 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       }
     }
   }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
+          bool HAS_MB, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              const T* __restrict__ dout, const float* __restrict__ lse2,
+              const float* __restrict__ delta, float* __restrict__ dq_acc,
+              float* __restrict__ dk_acc, float* __restrict__ dv_acc,
+              const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
+              const float* __restrict__ bias, const long long* __restrict__ kv_lens,
+              long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
+              long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
+              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+  bwd_sm80_dkdv_body<T, HEAD_DIM, BLOCK_M, NWARPS, KV_IN_REGS, DQ_ATOMIC, HAS_MB, 0>(
+      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad);
+}
+
+// Candidate variants (not used by default): the same body with OPT != 0 (bits: see tcb::DKDV_*).
+template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
+          bool HAS_MB, int MIN_BLOCKS, int OPT>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+bwd_sm80_dkdv_x(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              const T* __restrict__ dout, const float* __restrict__ lse2,
+              const float* __restrict__ delta, float* __restrict__ dq_acc,
+              float* __restrict__ dk_acc, float* __restrict__ dv_acc,
+              const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
+              const float* __restrict__ bias, const long long* __restrict__ kv_lens,
+              long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
+              long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
+              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+  bwd_sm80_dkdv_body<T, HEAD_DIM, BLOCK_M, NWARPS, KV_IN_REGS, DQ_ATOMIC, HAS_MB, OPT>(
+      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad);
 }
 
 // Deterministic dQ. Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_sm80.

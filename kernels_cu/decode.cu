@@ -56,6 +56,18 @@ struct DecodeShape {
   static_assert((LK & (LK - 1)) == 0 && (NS & (NS - 1)) == 0, "powers of two");
 };
 
+// decode_split_x candidates with UK > 0: UK keys per lane per chunk instead of U.
+template <typename T, int HEAD_DIM, int ROWS, int UK>
+struct DecodeShapeU : DecodeShape<T, HEAD_DIM, ROWS> {
+  using Base = DecodeShape<T, HEAD_DIM, ROWS>;
+  static constexpr int U = UK;
+  static constexpr int NS = U * ROWS;
+  static constexpr int WC = Base::KPL * U;
+  static_assert((NS & (NS - 1)) == 0, "powers of two");
+};
+template <bool C, typename A, typename B> struct DecodePick { using type = A; };
+template <typename A, typename B> struct DecodePick<false, A, B> { using type = B; };
+
 // ---- small helpers -----------------------------------------------------------------------------
 template <typename Acc> __device__ __forceinline__ Acc log2e() { return Acc(1.4426950408889634); }
 template <typename Acc> __device__ __forceinline__ Acc ln2() { return Acc(0.6931471805599453); }
@@ -81,6 +93,25 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
+}
+
+// cp.async (sm_80+) for the STAGES > 0 candidates of decode_split_x: 16 bytes global -> shared,
+// L2 only (.cg), bytes past `bytes` (0 or 16) written as zeros. Templates (on a dummy parameter),
+// so that nothing is emitted for the kernels that do not use them.
+template <int DUMMY = 0>
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+               :: "r"(static_cast<unsigned>(a)), "l"(gmem), "r"(bytes) : "memory");
+}
+template <int DUMMY = 0>
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
 
 // 16 bytes of a row starting at column col (a multiple of VEC); columns >= ncols read as 0.
@@ -268,34 +299,59 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
 // ---- the split kernel --------------------------------------------------------------------------
 // Tables (int64): offsets (5, BH) rows q, k, v, mask, bias as in DESIGN.md "Kernel ABI";
 // lens (BH) valid keys per (batch, head); groups (n_groups, G); tiles (n_tiles, 4) =
-// (group, tile index, first item, item count); items (n_items, 3) = (row tile, k0, k1).
-template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED>
-__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-             T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,
-             Acc* __restrict__ ws_lse, unsigned* __restrict__ counters,
-             const long long* __restrict__ offsets, const long long* __restrict__ lens,
-             const long long* __restrict__ groups, const long long* __restrict__ tiles,
-             const long long* __restrict__ items, const unsigned char* __restrict__ mask,
-             const Acc* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
-             long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
-             int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right,
-             int fused) {
-  using Shape = DecodeShape<T, HEAD_DIM, ROWS>;
+// (group, tile index, first item, item count); items (n_items, 3) = (row tile, k0, k1)
+// (decode_split_x: (n_items, 4) = (row tile, k0, k1, item) in launch order).
+// The kernel parameter list of decode_split and decode_split_x (same ABI, same host arguments).
+#define DECODE_SPLIT_PARAMS                                                                  \
+  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
+      T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,                  \
+      Acc* __restrict__ ws_lse, unsigned* __restrict__ counters,                             \
+      const long long* __restrict__ offsets, const long long* __restrict__ lens,             \
+      const long long* __restrict__ groups, const long long* __restrict__ tiles,             \
+      const long long* __restrict__ items, const unsigned char* __restrict__ mask,           \
+      const Acc* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,          \
+      long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
+      int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right, int fused
+#define DECODE_SPLIT_ARGS                                                                    \
+  q, k, v, out, lse, ws_out, ws_lse, counters, offsets, lens, groups, tiles, items, mask, bias, \
+      q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,     \
+      right, bottom_right, fused
+// The block's static shared memory, declared in each kernel (so that decode_split's symbols are
+// named as before) and handed to the body by reference.
+#define DECODE_SPLIT_SHARED                                        \
+  __shared__ DecodeRow rows[ROWS];                                 \
+  __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];            \
+  __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS]; \
+  __shared__ Acc sM[ROWS], sInv[ROWS];                             \
+  __shared__ int s_last;
+#define DECODE_SPLIT_SHARED_ARGS rows, red_acc, red_m, red_l, sM, sInv, s_last
+
+// The body of both kernels. PERM: items table (tile, k0, k1, slot) in launch order (see below).
+// UK: keys per lane per chunk (0: DecodeShape's rule). STAGES = 0: the
+// register double buffer (decode_split); STAGES >= 2: a per-warp ring of STAGES chunks in dynamic
+// shared memory filled by cp.async, STAGES - 1 chunks in flight while one is computed (each lane
+// reads back only the 16-byte vectors it copied itself, so no barrier is needed).
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED, int UK,
+          int STAGES, bool PERM>
+__device__ __forceinline__ void decode_split_body(
+    DECODE_SPLIT_PARAMS, DecodeRow (&rows)[ROWS], Acc (&red_acc)[DECODE_WARPS][ROWS][HEAD_DIM],
+    Acc (&red_m)[DECODE_WARPS][ROWS], Acc (&red_l)[DECODE_WARPS][ROWS], Acc (&sM)[ROWS],
+    Acc (&sInv)[ROWS], int& s_last) {
+  static_assert(STAGES == 0 || (STAGES >= 2 && ALIGNED), "cp.async ring: aligned rows only");
+  using Shape = typename DecodePick<(UK > 0), DecodeShapeU<T, HEAD_DIM, ROWS, UK>,
+                                    DecodeShape<T, HEAD_DIM, ROWS>>::type;
   constexpr int VEC = Shape::VEC, LK = Shape::LK, NV = Shape::NV, COLS = Shape::COLS;
   constexpr int KPL = Shape::KPL, U = Shape::U, NS = Shape::NS, WC = Shape::WC;
   constexpr long long STRIDE = static_cast<long long>(WC) * DECODE_WARPS;  // keys per block pass
 
-  __shared__ DecodeRow rows[ROWS];
-  __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];
-  __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
-  __shared__ Acc sM[ROWS], sInv[ROWS];
-  __shared__ int s_last;
-
-  const long long item = blockIdx.x;
-  const long long tile_id = items[3 * item];
-  const long long k0 = items[3 * item + 1];
-  const long long k1 = items[3 * item + 2];
+  // PERM (decode_split_x): items rows are (tile, k0, k1, item) in launch order, `item` being the
+  // workspace slot (a tile's items keep consecutive slots); otherwise (tile, k0, k1), slot = row.
+  constexpr int IW = PERM ? 4 : 3;
+  const long long launch_row = blockIdx.x;
+  const long long item = PERM ? items[IW * launch_row + 3] : launch_row;
+  const long long tile_id = items[IW * launch_row];
+  const long long k0 = items[IW * launch_row + 1];
+  const long long k1 = items[IW * launch_row + 2];
   const long long g = tiles[4 * tile_id];
   const long long tile = tiles[4 * tile_id + 1];
   const long long first = tiles[4 * tile_id + 2];
@@ -471,6 +527,7 @@ decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
   };
 
+  if constexpr (STAGES == 0) {
   // Stream the warp's chunks with the next one in flight while the current one is computed.
   long long b0 = blo + warp * WC;
   if (b0 <= bhi) {
@@ -486,6 +543,59 @@ decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       step(fb, b1);
       if (b2 > bhi) break;
       b0 = b2;
+    }
+  }
+  } else {
+    // cp.async ring: uint4 pipe[warp][stage][u][n][k or v][lane] (DECODE_WARPS * STAGES * U * NV
+    // * 2 * 32 * 16 bytes of dynamic shared memory; the host passes exactly that).
+    extern __shared__ __align__(16) uint4 decode_pipe[];
+    uint4* const wpipe = decode_pipe + static_cast<long long>(warp) * STAGES * U * NV * 2 * 32;
+    auto slot_at = [&](int st, int u, int n, int kv) -> uint4* {
+      return wpipe + (((st * U + u) * NV + n) * 2 + kv) * 32 + lane;
+    };
+    auto issue = [&](int st, long long base) {
+      const long long j = base + slot;
+      const T* krow = kh + j * k_rs;
+      const T* vrow = vh + j * v_rs;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool ok = j + u * KPL <= bhi;
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+          const int col = (n * LK + t) * VEC;
+          const bool kok = ok && col < Dk, vok = ok && col < Dv;
+          cp_async16(slot_at(st, u, n, 0), kok ? krow + u * KPL * k_rs + col : kh, kok ? 16 : 0);
+          cp_async16(slot_at(st, u, n, 1), vok ? vrow + u * KPL * v_rs + col : vh, vok ? 16 : 0);
+        }
+      }
+    };
+    const long long b0 = blo + warp * WC;
+    if (b0 <= bhi) {
+      const long long n_chunks = (bhi - b0) / STRIDE + 1;
+#pragma unroll
+      for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_chunks) issue(st, b0 + st * STRIDE);
+        cp_async_commit();  // always: group counting stays uniform
+      }
+      int rd = 0;  // the ring slot of chunk c
+      for (long long c = 0; c < n_chunks; ++c) {
+        // refill the slot read in iteration c - 1 (this lane's own data, already consumed)
+        const int wr = rd == 0 ? STAGES - 1 : rd - 1;
+        if (c + STAGES - 1 < n_chunks) issue(wr, b0 + (c + STAGES - 1) * STRIDE);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();  // chunk c has landed
+        Frag f;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int n = 0; n < NV; ++n) {
+            f.k[u][n] = *slot_at(rd, u, n, 0);
+            f.v[u][n] = *slot_at(rd, u, n, 1);
+          }
+        step(f, b0 + c * STRIDE);
+        rd = rd + 1 == STAGES ? 0 : rd + 1;
+      }
+      cp_async_wait<0>();
     }
   }
 
@@ -564,6 +674,28 @@ decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   __threadfence();  // order the counter read before the partial reads
   combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv, Nq, Dv);
   if (threadIdx.x == 0) counters[tile_id] = 0u;  // ready for the next launch on this stream
+}
+
+// Today's kernel (the package's only split kernel by default).
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED>
+__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
+decode_split(DECODE_SPLIT_PARAMS) {
+  DECODE_SPLIT_SHARED
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, 0, 0, false>(
+      DECODE_SPLIT_ARGS, DECODE_SPLIT_SHARED_ARGS);
+}
+
+// Candidates (cuflash/_decode.py VARIANTS, selected only by Plan(variant=...)): UK keys per lane
+// per chunk (0: default), STAGES (0: register double buffer; >= 2: cp.async ring in dynamic shared
+// memory), MINB the __launch_bounds__ minimum of resident blocks per SM. The items table has a
+// 4th column (the workspace slot), so the host may launch the items in any order (PERM).
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED, int UK,
+          int STAGES, int MINB>
+__global__ void __launch_bounds__(DECODE_THREADS, MINB)
+decode_split_x(DECODE_SPLIT_PARAMS) {
+  DECODE_SPLIT_SHARED
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, UK, STAGES, true>(
+      DECODE_SPLIT_ARGS, DECODE_SPLIT_SHARED_ARGS);
 }
 
 // ---- the stand-alone combine (fused = 0): one block per row tile -------------------------------

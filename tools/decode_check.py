@@ -18,15 +18,23 @@ Stages (each in try/except; a failure prints FAIL and its traceback and the next
            the timed region. KV bytes = 2 * B * Hkv * L * D * 2 (uneven: sum of the lengths).
            Peers on the same data: torch SDPA flash and cuDNN (enable_gqa), and the device copy
            bandwidth (cudaMemcpyAsync D2D, read + write bytes) measured in the same run.
+           Also the candidates of cuflash._decode (VARIANTS kernels, SPLIT_RULES) listed in
+           TIMING_VARIANTS, each first checked against today's kernel on the same inputs; the
+           uneven batch is benchmarks/bench.py's (seed 0, 52.7 % of the keys valid). The host
+           stage prints the schedules of these shapes (blocks, keys per block) per rule.
 
     PYTHONPATH=. python3 tools/decode_check.py                 # host, correct, timing (< 3 min)
     PYTHONPATH=. python3 tools/decode_check.py build host      # no GPU needed (build: ~2 min)
 """
+import os
 import sys
 import time
 import traceback
 
 import numpy as np
+
+# this checkout's cuflash, also when another copy is installed in the interpreter's environment
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STAGES = ("build", "host", "correct", "timing")
 FAILS = []
@@ -65,6 +73,8 @@ def build_exprs():
         exprs.append(_decode.name_expression(dt, 128, 4, True, True))
         exprs.append(_decode.name_expression(dt, 128, 4, False, False))
         exprs.append(_decode.combine_expression(dt, 4))
+    # the candidates (VARIANTS of _decode, decode_split_x) for the benchmark shape and fp16
+    exprs += _decode.variant_instantiations("bfloat16") + _decode.variant_instantiations("float16")
     return exprs
 
 
@@ -91,12 +101,12 @@ def check_build(archs=("sm_80", "sm_90a")):
 
 # ---- host emulation ----------------------------------------------------------------------------
 
-def emulate(p, capacity=64, split=None):
+def emulate(p, capacity=64, split=None, rule=None):
     """The decode path's algorithm in float64 NumPy, from the Schedule tables alone."""
     from cuflash import _decode
     from cuflash._validate import element_strides
 
-    s = _decode.Schedule(p, capacity, split)
+    s = _decode.Schedule(p, capacity, split, rule)
     BH, Nq, Dv = p.BH, p.Nq, p.Dv
     flat = {}
     for name, x, mp in (("q", p.q, p.q_map), ("k", p.k, s.k_map), ("v", p.v, s.v_map)):
@@ -115,7 +125,9 @@ def emulate(p, capacity=64, split=None):
     n_items = s.items.shape[0]
     part_o = np.full((n_items, s.rows, Dv), np.nan)
     part_lse = np.full((n_items, s.rows), np.nan)
-    for it, (tid, k0, k1) in enumerate(s.items):
+    # in launch order with the workspace slot of decode_split_x's table (identity by default)
+    assert sorted(s.launch.tolist()) == list(range(n_items))
+    for tid, k0, k1, it in s.items_x():
         g, tile, first, count = s.tiles[tid]
         L = int(s.lens[s.groups[g, 0]])
         K = mat("k", s.groups[g, 0], p.Nk, p.Dk)
@@ -256,21 +268,77 @@ def check_host():
     g, G = _decode.group_heads(np.zeros(4, int), np.zeros(4, int), np.array([3, 5, 3, 5]))
     assert G == 2 and sorted(map(tuple, g.tolist())) == [(0, 2), (1, 3)]
     for name, c in CASES:
-        for split in (None, 64, 40):
+        for split in (None, 64, 40, "balanced"):
             q, k, v, opts = case_inputs(np, rng, dict(c, dtype="float64"))
             p = make_problem(q, k, v, **opts)
-            out, lse, s = emulate(p, split=split)
+            rule = split if split == "balanced" else None
+            out, lse, s = emulate(p, split=None if rule else split, rule=rule)
             ro, rl = reference.attention(q, k, v, return_lse=True, **opts)
             err = float(np.max(np.abs(out - ro))) if out.size else 0.0
             with np.errstate(invalid="ignore"):
                 lerr = float(np.max(np.abs(np.where(np.isinf(rl), 0, lse - rl)))) if lse.size else 0.0
             same_inf = bool(np.all(np.isinf(lse) == np.isinf(rl)))
             ok = err < 1e-10 and lerr < 1e-10 and same_inf
-            print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} split={str(split):4s} "
+            print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} split={str(split)[:4]:4s} "
                   f"S={s.split:5d} items={s.items.shape[0]:4d} G={s.G} rows={s.rows} "
                   f"err={err:.1e} lse={lerr:.1e}")
             if not ok:
                 FAILS.append(f"host {name} split={split}")
+    schedule_report()
+
+
+def timing_problem(B, L, lens=None, dtype="bfloat16"):
+    """A stand-in Problem of the timing stage's layout (B, HQ, 1, D) / (B, HKV, L, D), contiguous,
+    for the host Schedule only (no arrays): bh -> kv head (bh // HQ) * HKV + (bh % HQ) // G."""
+    import types
+
+    import ml_dtypes
+
+    bh = np.arange(B * HQ)
+    kv = (bh // HQ) * HKV + (bh % HQ) // (HQ // HKV)
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    return types.SimpleNamespace(
+        BH=B * HQ, Nk=L, Nq=1, Dk=D, Dv=D, dtype=dt, mask=None, bias=None, k_map=kv * L * D,
+        v_map=kv * L * D, kv_lens=None if lens is None else np.repeat(lens, HQ).reshape(B, HQ),
+        left=L + 1, right=L + 1, bottom_right=True)
+
+
+def uneven_lens(seed=0, B=32, L=8192):
+    """benchmarks/bench.py's uneven batch: kv_lens uniform in [1, L], default_rng(seed)."""
+    return np.random.default_rng(seed).integers(1, L + 1, size=B)
+
+
+def schedule_report(sms=132, per_sm=2):
+    """Blocks and keys per block of the timing shapes under the split rules (H200: 132 SMs; 2
+    blocks per SM for today's kernel, 3 or 4 for the candidates), and the list-schedule end (in
+    keys, + SPLIT_OVERHEAD_KEYS per block) that the "balanced" rule minimizes. No GPU needed."""
+    from cuflash import _decode
+
+    print(f"  schedules ({sms} SMs; end = greedy list schedule in keys incl. "
+          f"{_decode.SPLIT_OVERHEAD_KEYS}/block):")
+    shapes = [(f"{B}x{L}", timing_problem(B, L)) for B, L in SHAPES]
+    lens = uneven_lens()
+    shapes.append((f"uneven32x8192 ({lens.sum() / (32 * 8192):.3f} valid)",
+                   timing_problem(32, 8192, lens)))
+    full_end = {}
+    for per in (per_sm, 3, 4):
+        cap = sms * per
+        for rule in ("waves", "balanced", "balanced-o64"):
+            for name, p in shapes:
+                s = _decode.Schedule(p, cap, None, rule)
+                keys = s.items[:, 2] - s.items[:, 1]
+                # decode_split launches in table (tile) order, decode_split_x in s.launch order
+                end_t = _decode.list_schedule_end(keys + _decode.SPLIT_OVERHEAD_KEYS, cap)
+                end = _decode.list_schedule_end(keys[s.launch] + _decode.SPLIT_OVERHEAD_KEYS, cap)
+                full_end.setdefault((per, rule, name.split(" ")[0]), end)
+                rel = ""
+                if name.startswith("uneven"):
+                    ref = full_end.get((per, rule, "32x8192"))
+                    rel = f" x-end/full32x8192 {end / ref:.3f}" if ref else ""
+                print(f"    cap {cap:4d} ({per}/SM) {rule:12s} {name:32s} S {s.split:6d} "
+                      f"blocks {keys.size:5d} keys/block max {keys.max():6d} mean "
+                      f"{keys.mean():7.0f} split tiles {int((s.tiles[:, 3] > 1).sum()):4d} "
+                      f"end {end_t:6d} / x {end:6d}{rel}")
 
 
 # ---- GPU correctness ---------------------------------------------------------------------------
@@ -329,6 +397,41 @@ def check_correct():
                 FAILS.append(f"correct {name} {dt}")
                 print(f"  FAIL {name} {dt}:")
                 traceback.print_exc()
+    # the candidates (_decode.VARIANTS, decode_split_x) on the bf16 GQA-4 cases of the timing
+    # shape family, fused and separate, default / forced-small / "balanced" splits
+    for name, c in CASES[:2]:
+        q, k, v, opts = case_inputs(cp, rng, dict(c, dtype="bfloat16"))
+        p = make_problem(q, k, v, **opts)
+        ref_o, ref_l = reference.attention(q, k, v, return_lse=True, **opts)
+        g_err = _err(ref_o.astype(q.dtype).astype(np.float64), ref_o)
+        for variant in _decode.VARIANTS:
+            for split, rule in ((None, None), (64, None), (None, "balanced")):
+                for fused in (True, False):
+                    n_all += 1
+                    try:
+                        plan = _decode.plan(p, fused=fused, poison=True, split=split,
+                                            variant=variant, split_rule=rule)
+                        o, l = plan.run()
+                        o = cp.asnumpy(o.astype(cp.float64)).reshape(ref_o.shape)
+                        l = cp.asnumpy(l).reshape(ref_l.shape)
+                        nan = bool(np.isnan(o).any() or np.isnan(l).any())
+                        err = _err(o, ref_o)
+                        inf_ok = bool(np.all(np.isinf(l) == np.isinf(ref_l)))
+                        lerr = _err(np.where(np.isinf(l), 0, l),
+                                    np.where(np.isinf(ref_l), 0, ref_l))
+                        tol = 2 * g_err + floors["bfloat16"]
+                        ok = (not nan) and err <= tol and inf_ok and lerr <= lse_tol["bfloat16"]
+                    except Exception:
+                        traceback.print_exc()
+                        ok, err, plan = False, float("nan"), None
+                    n_ok += ok
+                    if not ok or (split is None and rule is None and fused):
+                        print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} {variant:6s} "
+                              f"fused={int(fused)} split={split} rule={rule} err={err:.2e} "
+                              f"{plan.expr if plan else ''} per_sm={plan.per_sm if plan else ''}")
+                    if not ok:
+                        FAILS.append(f"correct {name} {variant} fused={fused} split={split} "
+                                     f"rule={rule}")
     # the public path, for the record (dispatch is the lead's; supports() is reported only)
     q, k, v, opts = case_inputs(cp, rng, dict(CASES[0][1], dtype="bfloat16"))
     print(f"  supports(gqa-nq1) = {_decode.supports(make_problem(q, k, v, **opts))}")
@@ -338,6 +441,18 @@ def check_correct():
 # ---- timing ------------------------------------------------------------------------------------
 
 SHAPES = ((1, 131072), (8, 32768), (32, 8192), (64, 4096))
+# (label, fused, waves, variant of _decode.VARIANTS, split rule of _decode.SPLIT_RULES); the
+# first is today's default and the reference output of the others
+TIMING_VARIANTS = (
+    ("fused w1", True, 1, None, None), ("fused w2", True, 2, None, None),
+    ("sep w1", False, 1, None, None), ("fused w4", True, 4, None, None),
+    ("balanced", True, 1, None, "balanced"), ("bal-o64", True, 1, None, "balanced-o64"),
+    ("base bal", True, 1, "base", "balanced"),
+    ("u2r", True, 1, "u2r", None), ("cp3", True, 1, "cp3", None), ("cp4", True, 1, "cp4", None),
+    ("cp4u2", True, 1, "cp4u2", None), ("cp6u2", True, 1, "cp6u2", None),
+    ("cp4 w2", True, 2, "cp4", None), ("cp4 bal", True, 1, "cp4", "balanced"),
+    ("cp4u2 bal", True, 1, "cp4u2", "balanced"),
+)
 HQ, HKV, D = 32, 8, 128
 REPS, WARM = 20, 5
 
@@ -410,24 +525,36 @@ def check_timing():
         run()  # fails here if the backend refuses
         return run
 
-    variants = (("fused w1", True, 1), ("fused w2", True, 2), ("sep w1", False, 1))
+    # (label, fused, waves, variant, split rule): today's default first (the reference output)
+    variants = TIMING_VARIANTS
     for B, L in SHAPES + (("uneven", 8192),):
         uneven = B == "uneven"
         Bn = 32 if uneven else B
         try:
             sets = [mk(Bn, L) for _ in range(2)]
-            lens = rng.integers(1, L + 1, size=Bn) if uneven else None
+            lens = uneven_lens(0, Bn, L) if uneven else None  # bench.py's batch (52.7 %)
             kv_bytes = 2 * HKV * (int(lens.sum()) if uneven else Bn * L) * D * 2
             res = {}
-            for label, fused, waves in variants:
+            ref_out = None
+            for label, fused, waves, variant, rule in variants:
                 try:
                     plans = [_decode.plan(make_problem(q, k, v, kv_lens=None if lens is None
                                                        else lens.reshape(Bn, 1)),
-                                          fused=fused, waves=waves) for q, k, v in sets]
+                                          fused=fused, waves=waves, variant=variant,
+                                          split_rule=rule) for q, k, v in sets]
                     outs = [pl._outputs() for pl in plans]
+                    # check the candidate against today's kernel on the same inputs first
+                    o0 = plans[0].run(*outs[0])[0].astype(cp.float32)
+                    if ref_out is None:
+                        ref_out, diff = o0, 0.0
+                    else:
+                        diff = float(cp.abs(o0 - ref_out).max())
+                        if not diff <= 1e-2:
+                            FAILS.append(f"timing {B} {L} {label}: differs from default by {diff}")
                     ms = _time(lambda pl: pl.run(*outs[plans.index(pl)]), plans)
                     res[label] = (ms, f"S={plans[0].split} items={plans[0].n_items} "
-                                      f"cap={plans[0].capacity}")
+                                      f"cap={plans[0].capacity} ({plans[0].per_sm}/SM) "
+                                      f"maxdiff {diff:.1e}")
                 except Exception:
                     print(f"  FAIL timing {B},{L} {label}:")
                     traceback.print_exc()
@@ -460,13 +587,22 @@ def check_timing():
             ms = res.get(x, (float("nan"),))[0]
             bw = kvb / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
             cells.append(f"{bw:8.3f} ({ms * 1e3:7.1f})")
-            if x in dict((v[0], 1) for v in variants) and bw == bw:
+            if x in labels[:-2] and bw == bw:
                 ours.append(bw)
         best = max(ours) if ours else float("nan")
         cud = res.get("cudnn", (float("nan"),))[0]
         cud_bw = kvb / (cud * 1e-3) / 1e12 if cud == cud else float("nan")
         print(f"{name:15s}" + "".join(f"{c:>20s}" for c in cells)
               + f"{best / (copy / 1e12):11.3f}{best / cud_bw:11.3f}")
+    # per configuration: uneven time / full 32x8192 time (target <= 1.1 x the valid-key fraction)
+    by = {name: res for name, _, res in rows}
+    full, unev = by.get("32x8192"), by.get("uneven32x8192")
+    if full and unev:
+        frac = uneven_lens().sum() / (32 * 8192)
+        print(f"\nuneven / full time (valid keys {frac:.3f}, target <= {1.1 * frac:.3f}):")
+        for x in labels[:-2]:
+            a, b = unev.get(x, (float("nan"),))[0], full.get(x, (float("nan"),))[0]
+            print(f"  {x:12s} {a / b:6.3f}")
 
 
 def main(argv):

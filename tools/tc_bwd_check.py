@@ -258,11 +258,16 @@ def torch_time(fn):
     return median_ms(fn, lambda: torch.cuda.Event(enable_timing=True), lambda a, b: a.elapsed_time(b))
 
 
-VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-causal and causal)
-    64: [_tc_bwd.DkdvTile(64, 8, False, 1), _tc_bwd.DkdvTile(64, 4, True, 2),
-         _tc_bwd.DkdvTile(32, 4, True, 3)],
-    128: [_tc_bwd.DkdvTile(32, 8, False, 1), _tc_bwd.DkdvTile(32, 4, False, 2),
-          _tc_bwd.DkdvTile(64, 4, False, 1)],
+_T = _tc_bwd.DkdvTile
+_BDEP, _CHAIN, _V4 = _tc_bwd.OPT_BDEP, _tc_bwd.OPT_BCHAIN, _tc_bwd.OPT_DQ_V4
+VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-causal and causal);
+    # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
+    64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
+         _T(64, 8, True, 1, _BDEP), _T(64, 8, True, 1, _V4),
+         _T(32, 8, False, 2), _T(32, 8, False, 2, _V4), _T(32, 8, False, 2, _BDEP)],
+    128: [_T(32, 8, False, 1), _T(32, 4, False, 2), _T(64, 4, False, 1),
+          _T(64, 8, False, 1, _BDEP), _T(64, 8, False, 1, _V4), _T(64, 8, False, 1, _BDEP | _V4),
+          _T(64, 4, False, 2, _V4)],
 }
 
 
@@ -289,7 +294,20 @@ def timing(dims, seqs, variants, rows):
 
                 ours = tf(cp_time(ours_fn(False)))
                 det = tf(cp_time(ours_fn(True)))
-                alt = [tf(cp_time(ours_fn(False, t))) for t in variants.get(D, [])]
+                alt = []
+                base = ours_fn(False)() if variants.get(D) else None
+                for i, t in enumerate(variants.get(D, [])):
+                    # each variant's gradients against the default tile's (same data), then time
+                    got = ours_fn(False, t)()
+                    diff = max(float(cp.abs(x.astype(cp.float32) - y.astype(cp.float32)).max())
+                               / max(float(cp.abs(y.astype(cp.float32)).max()), 1e-30)
+                               for x, y in zip(got, base))
+                    if not diff <= 1e-2:
+                        print(f"FAIL variant v{i} {t} D={D} N={N} causal={causal}: max rel diff "
+                              f"{diff:.1e} vs the default tile", flush=True)
+                    del got
+                    alt.append(tf(cp_time(ours_fn(False, t))))
+                del base
                 peer = float("nan")
                 if torch is not None:
                     tq, tk, tv = (to_torch(x).detach().requires_grad_() for x in (q, k, v))
