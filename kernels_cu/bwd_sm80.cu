@@ -107,6 +107,36 @@ __device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float 
 // 16 when x is NaN, else 0: a data dependency ptxas cannot fold.
 __device__ __forceinline__ u32 nan_dep(float x) { return x != x ? 16u : 0u; }
 
+
+// acc (this warp's 16 key rows x NQF*8 query columns) = A B^T over the head dim, A the key-side
+// fragments (K or V: from registers, or from shared memory at a_row), B the query-side rows (Q or
+// dO) in shared memory at b_row. S^T = K Q^T and dP^T = V dO^T are both this product.
+template <typename T, int NQF, int KD, bool KV_IN_REGS, int ROW_BYTES, int NA>
+__device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u32 (&areg)[NA][4],
+                                                   u32 a_row, u32 b_row) {
+  using namespace tc;
+#pragma unroll
+  for (int nf = 0; nf < NQF; ++nf)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nf][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) {
+    u32 a[4];
+    if (KV_IN_REGS) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = areg[KV_IN_REGS ? kk : 0][e];
+    } else {
+      ldsm_x4(a_row + kk * 32, a);
+    }
+#pragma unroll
+    for (int p = 0; p < NQF / 2; ++p) {
+      u32 b[4];
+      ldsm_x4(b_row + p * 16 * ROW_BYTES + kk * 32, b);
+      Mma<T>::run(acc[2 * p], a, b[0], b[1]);
+      Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
+    }
+  }
+}
 }  // namespace tcb
 
 // Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads.
@@ -299,27 +329,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     // S^T = K Q^T (raw dot products).
     float s[NQF][4];
-#pragma unroll
-    for (int nf = 0; nf < NQF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nf][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 a[4];
-      if (KV_IN_REGS) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = ka[KV_IN_REGS ? kk : 0][e];
-      } else {
-        ldsm_x4(sK + a_lane + kk * 32, a);
-      }
-#pragma unroll
-      for (int p = 0; p < NQF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4(qs + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run(s[2 * p], a, b[0], b[1]);
-        Mma<T>::run(s[2 * p + 1], a, b[2], b[3]);
-      }
-    }
+    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES>(s, ka, sK + a_lane,
+                                                             qs + bn_lane);
 
     // Mask by global position (key = row, query = column), only where the tile is not entirely
     // visible. Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
@@ -386,27 +397,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     // dP^T = V dO^T.
     float dp[NQF][4];
-#pragma unroll
-    for (int nf = 0; nf < NQF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nf][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 a[4];
-      if (KV_IN_REGS) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = va[KV_IN_REGS ? kk : 0][e];
-      } else {
-        ldsm_x4(sV + a_lane + kk * 32, a);
-      }
-#pragma unroll
-      for (int p = 0; p < NQF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4(dos + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run(dp[2 * p], a, b[0], b[1]);
-        Mma<T>::run(dp[2 * p + 1], a, b[2], b[3]);
-      }
-    }
+    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES>(dp, va, sV + a_lane,
+                                                             dos + bn_lane);
 
     // dS^T = scale * P^T (dP^T - delta[query]), in dp.
 #pragma unroll

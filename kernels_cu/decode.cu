@@ -162,6 +162,17 @@ __device__ __forceinline__ void unpack(const uint4& w, double (&x)[2], double) {
   x[0] = __hiloint2double(static_cast<int>(w.y), static_cast<int>(w.x));
   x[1] = __hiloint2double(static_cast<int>(w.w), static_cast<int>(w.z));
 }
+// One key row's NV 16-byte words (this lane's columns) as Acc values.
+template <typename T, typename Acc, int NV, int VEC>
+__device__ __forceinline__ void unpack_row(const uint4 (&w)[NV], Acc (&x)[NV * VEC]) {
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+    Acc part[VEC];
+    unpack(w[n], part, T{});
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) x[n * VEC + e] = part[e];
+  }
+}
 
 // Sum v[0..NS) over the LK lanes of one key slot; afterwards every lane of the slot holds all NS
 // totals. Reduce-scatter: at step s the lanes with bit s set keep the upper half of their values
@@ -436,13 +447,7 @@ __device__ __forceinline__ void decode_split_body(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       Acc kx[COLS];
-#pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        Acc part[VEC];
-        unpack(f.k[u][n], part, T{});
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) kx[n * VEC + e] = part[e];
-      }
+      unpack_row<T, Acc, NV, VEC>(f.k[u], kx);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         Acc d = Acc(0);
@@ -513,13 +518,7 @@ __device__ __forceinline__ void decode_split_body(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       Acc vx[COLS];
-#pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        Acc part[VEC];
-        unpack(f.v[u][n], part, T{});
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) vx[n * VEC + e] = part[e];
-      }
+      unpack_row<T, Acc, NV, VEC>(f.v[u], vx);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r)
 #pragma unroll
