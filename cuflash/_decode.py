@@ -56,54 +56,37 @@ WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see
 # spills by `tools/decode_check.py build` (sm_80 and sm_90a, NVRTC ptxas report).
 #
 # CANDIDATES (not used unless asked for: Plan(variant=..., split_rule=...); timed by
-# tools/decode_check.py timing, built with zero spills / zero stack by its build stage).
-# Today's hot kernel decode_split<bf16_t, float, 128, 4, false, true> (GQA 4, Nq = 1): U = 4 keys
-# per lane per chunk, K and V of the next chunk in registers (64 of its 217 registers on sm_90a,
-# 215 on sm_80; NVRTC 13.0) -> 2 blocks = 8 warps per SM and at most 2 x 4 warps x 4 KB = 32 KB
-# of K/V loads in flight per SM, and only while the previous chunk is computed. Little's law at
-# 4.25 TB/s over 132 SMs and ~0.7-1 us of latency asks for ~25-35 KB per SM at least: no margin.
-# Host-side fit of the 2026-11-29 times: t = 45 us + bytes / 4.04 TB/s (B = 1 and B = 8 rows),
-# i.e. a large fixed cost per launch beside the bandwidth gap.
-# VARIANTS name -> (UK, STAGES, MINB) of decode_split_x (kernels_cu/decode.cu): UK keys per lane
-# per chunk (0: the default U), STAGES = 0 the register double buffer, >= 2 a cp.async ring of
-# STAGES chunks per warp in dynamic shared memory (STAGES - 1 chunks in flight during compute, no
-# registers held by loads in flight), MINB the __launch_bounds__ minimum blocks per SM. Numbers
-# for bf16 D = 128 ROWS = 4 (fp16 the same), registers sm_90a / sm_80 with the 4-column items
-# table, all with 0 spills and 0 stack (NVRTC 13.0.88, tools/decode_check.py build):
-#   name    UK STAGES MINB  regs     ring/block  blocks/SM (regs, smem) K/V in flight per SM
-#   base     0   0     1   215/217    0          2                      2 x 4 x 4 KB  =  32 KB
-#   u2r      2   0     3   158/158    0          3                      3 x 4 x 2 KB  =  24 KB
-#   cp3      4   3     3   168/160   48 KB       3 (<= 168 regs)        3 x 4 x 8 KB  =  96 KB
-#   cp4      4   4     3   166/160   64 KB       3 (3 x 73.5 KB smem)   3 x 4 x 12 KB = 144 KB
-#   cp4u2    2   4     4   128/128   32 KB       4 (<= 128 regs)        4 x 4 x 6 KB  =  96 KB
-#   cp6u2    2   6     3   146/142   48 KB       3                      3 x 4 x 10 KB = 120 KB
-# (u2r with MINB = 4 needs 128 registers and spills 8 bytes: not a candidate.) Prediction: the
-# cp.async candidates reach the copy rate (>= 4.0 TB/s) on the three large shapes if the bytes in
-# flight were the limit; u2r is the control (fewer registers, but fewer bytes in flight: slower).
-# "base" is today's kernel under decode_split_x: the same code plus a launch-order column.
+# tools/decode_check.py timing).
+# Measured 2026-11-29 (H200, KV TB/s for the four shapes; copy 4.22 TB/s): decode_split
+# 2.73-2.75 / 3.22-3.28 / 3.31-3.32 / 3.23-3.26. Tried and removed: cp.async rings per warp
+# (3-4 blocks/SM, 96-144 KB in flight per SM) 2.1 / 2.6 / 2.8 / 2.4; 2 keys per lane at 3
+# blocks/SM 1.8-1.9; Hopper bulk-copy rings of 64-192 KB per block: 2.7 / 3.2-3.4 / 3.4 / 3.3 at
+# 2-3 blocks/SM but 1.8-2.0 at 1 block/SM with 128-192 KB in flight. So bytes in flight are not
+# the limit: the SIMT kernel is bound by its instruction issue (about 60 warp instructions per
+# key at GQA 4: unpacking, 4 x 128 FMAs each way, the slot reductions, the softmax repeated on
+# 16 lanes), and more warps per SM is what moved it. Hence decode_tc (tensor cores, below).
+# TC_VARIANTS name -> (KW keys per warp per stage, STAGES of the cp.async ring, MINB blocks/SM).
+TC_VARIANTS = {
+    "tc16s3": (16, 3, 2),   # 64-key stages, 2 blocks/SM (2 x 109 KB at D = 128)
+    "tc16s4": (16, 4, 1),   # 64-key stages, 1 block/SM, 3 stages in flight
+    "tc16s2": (16, 2, 2),   # 64-key stages, 2 blocks/SM, 1 stage in flight each
+    "tc32s3": (32, 3, 1),   # 128-key stages, 1 block/SM
+}
+DEFAULT_TC = "tc16s2"      # decode_tc's tile where it fits (tc_fits), on sm_80+
+DEFAULT_RULE = "balanced"  # the split rule of the automatic choice (both kernels)
+TC_HEAD_DIMS = (64, 128)   # Dk == Dv == HEAD_DIM (the bucket); others stay on decode_split
+TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
 # Split rules (SPLIT_RULES, Plan(split_rule=...)): "waves" (default, WAVES x capacity, below),
 # "balanced" (split_size_balanced: the S, among the 1..8-wave splits and block-pass x 2^i, whose
 # greedy list schedule of blocks of S + SPLIT_OVERHEAD_KEYS key-costs on `capacity` slots, longest
-# block first, ends first; tiles renumbered longest first; with a decode_split_x variant the items
-# are also launched longest first) and "balanced-o64" (64 keys per block, up to 16 waves).
+# block first, ends first; tiles renumbered longest first and items launched longest first) and
+# "balanced-o64" (64 keys per block, up to 16 waves). Measured with decode_split: "balanced" takes
+# the uneven batch from 0.91-0.98 to 0.62-0.69 of the full batch's time, the full shapes unchanged.
 # UNEVEN BATCH (bench.py's: B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0, 52.7 % of
-# the keys valid; Schedule on the host, 132 SMs x 2 blocks = 264 slots): the full batch is 256
-# tiles -> 256 blocks of 8192 keys, one wave; the uneven batch gets S = 7680 -> 264 blocks (the 8
-# longest tiles split in 2), mean 4187 keys but max 7680 = 0.94 of 8192. All blocks run at once
-# and the launch ends with its longest block, so the time follows max(kv_lens), not their sum
-# (measured 0.89). List-schedule model (end in keys incl. 256 per block, uneven / full): waves
-# 0.94; "balanced" with decode_split_x ("base bal") S = 4096, 424 blocks, 0.60; same S in tile
-# order (decode_split) 0.77; at 3 blocks/SM (cp3, cp4) even "waves" gives S = 4544, 392 blocks,
-# 0.57; "balanced" there 0.64 (its full batch is cut to S = 2752: the model favours 2 waves).
-# Target <= 1.1 x 0.527 = 0.58. `tools/decode_check.py host` prints the table.
-VARIANTS = {
-    "base": (0, 0, 1),   # today's kernel as decode_split_x: only the launch order may differ
-    "u2r": (2, 0, 3),
-    "cp3": (4, 3, 3),
-    "cp4": (4, 4, 3),
-    "cp4u2": (2, 4, 4),
-    "cp6u2": (2, 6, 3),
-}
+# the keys valid; 132 SMs x 2 blocks = 264 slots): with "waves" the full batch is 256 tiles -> 256
+# blocks of 8192 keys, one wave; the uneven batch gets S = 7680 -> 264 blocks, mean 4187 keys but
+# max 7680 = 0.94 of 8192: all blocks run at once and the longest sets the time.
+# Target <= 1.1 x 0.527 = 0.58. `tools/decode_check.py host` prints the schedules.
 SPLIT_OVERHEAD_KEYS = 256  # the "balanced" rule's fixed cost of one block, in keys
 
 
@@ -153,26 +136,24 @@ def name_expression(dtype, bucket, rows, has_mb, aligned):
     return f"decode_split<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}>"
 
 
-def variant_expression(dtype, bucket, rows, has_mb, aligned, variant):
-    """Name expression of a VARIANTS candidate (decode_split_x)."""
-    uk, stages, minb = VARIANTS[variant]
-    t, acc = _config.c_types(dtype)
-    b = lambda x: "true" if x else "false"  # noqa: E731
-    return (f"decode_split_x<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}, {uk}, "
-            f"{stages}, {minb}>")
+def tc_expression(dtype, bucket, variant):
+    """Name expression of a decode_tc kernel (TC_VARIANTS)."""
+    kw, stages, minb = TC_VARIANTS[variant]
+    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {kw}, {stages}, {minb}>"
 
 
-def pipe_bytes(dtype, bucket, rows, variant):
-    """Dynamic shared memory of a candidate: the cp.async ring (0 for STAGES = 0)."""
-    uk, stages, _ = VARIANTS[variant]
-    c = shape_constants(dtype, bucket, rows)
-    u = uk or c["U"]
-    return WARPS * stages * u * c["NV"] * 2 * 32 * 16
+def tc_smem_bytes(bucket, variant):
+    """decode_tc's dynamic shared memory: 16 Q rows and the K/V ring, padded rows of 16-bit
+    values (at least the warps' merge buffer, 4 x 16 x bucket floats)."""
+    kw, stages, _ = TC_VARIANTS[variant]
+    row = (bucket + 8) * 2
+    return max(16 * row + 2 * stages * WARPS * kw * row, WARPS * 16 * bucket * 4)
 
 
-def variant_instantiations(dtype="bfloat16", bucket=128, rows=4):
-    """The candidates' name expressions for one shape (tools/decode_check.py build)."""
-    return [variant_expression(dtype, bucket, rows, False, True, v) for v in VARIANTS]
+def tc_fits(p):
+    """True when decode_tc can run this Problem (16-bit, Dk == Dv == 64 or 128, no mask / bias)."""
+    return (p.dtype.name in ("float16", "bfloat16") and p.Dk == p.Dv and p.Dk in TC_HEAD_DIMS
+            and p.mask is None and p.bias is None and p.Nk < TC_MAX_KEYS and fits(p))
 
 
 def combine_expression(dtype, rows):
@@ -198,7 +179,7 @@ def _kernel(expr, dyn_smem=0):
     module = cupy.RawModule(code=_kernels.source(SOURCE), options=_kernels.OPTIONS,
                             name_expressions=[expr])
     func = module.get_function(expr)
-    if dyn_smem:  # candidates only (VARIANTS with STAGES > 0): opt in above 48 KB
+    if dyn_smem:  # decode_tc: opt in above 48 KB
         func.max_dynamic_shared_size_bytes = int(dyn_smem)
     per_sm = _blocks_per_sm(func, dyn_smem)
     if os.environ.get("CUFLASH_DEBUG", "") not in ("", "0"):
@@ -345,8 +326,8 @@ def list_schedule_end(costs, capacity):
 
 
 def launch_order(items):
-    """Item-level longest-first launch order (rows of `items`, stable): decode_split_x only,
-    which reads the workspace slot from the table's 4th column."""
+    """Item-level longest-first launch order (rows of `items`, stable); the kernels read each
+    item's workspace slot from the table's 4th column."""
     items = np.asarray(items, dtype=np.int64)
     return np.argsort(-(items[:, 2] - items[:, 1]), kind="stable")
 
@@ -387,7 +368,7 @@ def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
 
 
 # name -> split function (extents, capacity, block_keys) -> S; every rule but "waves" also numbers
-# the tiles in lpt_order and, with a decode_split_x variant, launches the items in launch_order
+# the tiles in lpt_order and launches the items in launch_order
 SPLIT_RULES = {
     "waves": split_size,               # today's rule
     "balanced": split_size_balanced,   # SPLIT_OVERHEAD_KEYS per block
@@ -468,7 +449,7 @@ class Schedule:
     item count), items (n_items, 3) = (tile id, k0, k1 exclusive), split (keys per item), lens (BH).
     """
 
-    def __init__(self, p, capacity, split=None, rule=None):
+    def __init__(self, p, capacity, split=None, rule=None, rows=None, block_keys=None):
         BH = p.BH
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
@@ -476,29 +457,27 @@ class Schedule:
         self.groups, self.G = group_heads(self.k_map, self.v_map, self.lens)
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         has_mb = p.mask is not None or p.bias is not None
-        self.rows = rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb)
-        sc = shape_constants(p.dtype, self.bucket, self.rows)
+        self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb)
+        block_keys = block_keys or shape_constants(p.dtype, self.bucket, self.rows)["BLOCK_KEYS"]
         g, t, lo, hi = tile_extents(self.lens[self.groups[:, 0]], self.G, p.Nq, self.rows,
                                     p.left, p.right, p.bottom_right)
         if split:
             self.split = int(split)
         elif rule is None or rule == "waves":
-            self.split = split_size(np.maximum(hi - lo + 1, 0), capacity, sc["BLOCK_KEYS"])
-        else:  # a candidate rule (SPLIT_RULES); block_keys of the default U is a multiple of any
-            # candidate's block pass (UK <= U), so every split stays aligned to the block pass
-            self.split = SPLIT_RULES[rule](np.maximum(hi - lo + 1, 0), capacity,
-                                           sc["BLOCK_KEYS"])
+            self.split = split_size(np.maximum(hi - lo + 1, 0), capacity, block_keys)
+        else:  # a candidate rule (SPLIT_RULES)
+            self.split = SPLIT_RULES[rule](np.maximum(hi - lo + 1, 0), capacity, block_keys)
             order = lpt_order(np.maximum(hi - lo + 1, 0))  # tile ids follow the launch order
             g, t, lo, hi = g[order], t[order], lo[order], hi[order]
         first, count, self.items = make_items(lo, hi, self.split)
         self.tiles = np.stack([g, t, first, count], axis=1)
         self.split_any = bool(np.any(count > 1))
-        # launch order of the items for decode_split_x (row r of its table = item launch[r])
+        # launch order of the items (row r of the kernels' table = item launch[r])
         self.launch = (np.arange(self.items.shape[0], dtype=np.int64)
                        if rule is None or rule == "waves" or split else launch_order(self.items))
 
     def items_x(self):
-        """decode_split_x's items table (n_items, 4): (tile, k0, k1, workspace slot), in launch
+        """The kernels' items table (n_items, 4): (tile, k0, k1, workspace slot), in launch
         order."""
         return np.concatenate([self.items[self.launch], self.launch[:, None]], axis=1)
 
@@ -508,8 +487,9 @@ class Plan:
 
     `run()` launches on the current stream and returns (out, lse); tools/decode_check.py times
     `run()` alone, with the host preparation outside the timed region. `split` forces the split
-    size (tests); `waves` scales the capacity of the split rule. Candidates (see VARIANTS):
-    `variant` picks a decode_split_x kernel instead of decode_split, `split_rule` a rule of
+    size (tests); `waves` scales the capacity of the split rule. `variant`: None chooses
+    (DEFAULT_TC where tc_fits, else "simt", with DEFAULT_RULE), "simt" is decode_split, a name of
+    TC_VARIANTS that decode_tc tile; `split_rule` a rule of
     SPLIT_RULES; both default to today's behaviour.
     """
 
@@ -528,18 +508,26 @@ class Plan:
             lens = _lens(p)
             _, G = group_heads(p.k_map, p.v_map, lens)
             rows = rows_per_block(p.dtype, bucket, G * p.Nq, has_mb)
+            if variant is None:  # the automatic choice
+                variant = DEFAULT_TC if tc_fits(p) else "simt"
+                split_rule = split_rule or DEFAULT_RULE
             self.variant, self.dyn_smem = variant, 0
-            if variant is None:
+            sched_rows = block_keys = None
+            if variant == "simt":
                 self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
                 self.kernel, per_sm = _kernel(self.expr)
             else:
-                self.expr = variant_expression(p.dtype, bucket, rows, has_mb, aligned, variant)
-                self.dyn_smem = pipe_bytes(p.dtype, bucket, rows, variant)
+                if not tc_fits(p):
+                    raise ValueError(f"decode variant {variant!r} does not apply to this problem")
+                self.expr = tc_expression(p.dtype, bucket, variant)
+                self.dyn_smem = tc_smem_bytes(bucket, variant)
                 self.kernel, per_sm = _kernel(self.expr, self.dyn_smem)
+                rows = sched_rows = 16
+                block_keys = TC_VARIANTS[variant][0] * WARPS
             self.per_sm = per_sm
             self.combine = None if self.fused else _kernel(combine_expression(p.dtype, rows))[0]
             self.capacity = max(1, int(waves * per_sm * _sm_count()))
-        sched = Schedule(p, self.capacity, split, split_rule)
+        sched = Schedule(p, self.capacity, split, split_rule, sched_rows, block_keys)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
@@ -557,7 +545,7 @@ class Plan:
             st = element_strides(p.bias)
             offsets[4] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
             self.bias_rs, self.bias_cs = st[-2:]
-        items = sched.items if variant is None else sched.items_x()
+        items = sched.items_x()
         parts = [offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
                  sched.tiles.reshape(-1), items.reshape(-1)]
         bounds = np.cumsum([0] + [x.size for x in parts])
@@ -634,18 +622,19 @@ def plan(p, fused=True, waves=WAVES, poison=False, split=None, variant=None, spl
                 split_rule=split_rule)
 
 
-def forward(p, split=None):
+def forward(p, split=None, variant=None):
     """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream.
 
-    ``split`` forces the keys per split (tests use a small one to exercise the merge)."""
+    ``split`` forces the keys per split (tests use a small one to exercise the merge), ``variant``
+    the kernel (see Plan; tests force "simt" where decode_tc would run)."""
     from . import _gpu
 
-    key = _layout_key(p, split, _gpu.POISON)
+    key = _layout_key(p, split, _gpu.POISON) + (variant,)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _PLAN_CACHE_SIZE:
             _plans.pop(next(iter(_plans)))  # oldest first
-        plan = _plans[key] = Plan(p, poison=_gpu.POISON, split=split)
+        plan = _plans[key] = Plan(p, poison=_gpu.POISON, split=split, variant=variant)
     out, lse = plan.run(p=p)
     plan.p = None  # the cache keeps the layout, not the caller's arrays
     return out, lse
@@ -684,6 +673,10 @@ def instantiations():
                     out.append(("decode_split", dt, b, SOURCE,
                                 name_expression(dt, b, r, has_mb, True)))
                     r *= 2
+        if dt in ("float16", "bfloat16"):
+            rows_options.add(16)
+            for b in TC_HEAD_DIMS:
+                out.append(("decode_tc", dt, b, SOURCE, tc_expression(dt, b, DEFAULT_TC)))
         for r in sorted(rows_options):
             out.append(("decode_combine", dt, None, SOURCE, combine_expression(dt, r)))
     return out

@@ -64,7 +64,7 @@ def forward_path(p):
     it can run, with small splits."""
     if FORCE_PATH == "generic":
         return "generic"
-    if FORCE_PATH == "split":
+    if FORCE_PATH in ("split", "split-simt"):
         return "split" if _decode.fits(p) else "generic"
     if _decode.supports(p):
         return "split"
@@ -140,7 +140,9 @@ def forward(p):
     path = forward_path(p)
     if path == "split":
         with p.q.device:
-            return _decode.forward(p, split=_FORCED_SPLIT_KEYS if FORCE_PATH == "split" else None)
+            forced = FORCE_PATH in ("split", "split-simt")
+            return _decode.forward(p, split=_FORCED_SPLIT_KEYS if forced else None,
+                                   variant="simt" if FORCE_PATH == "split-simt" else None)
     with p.q.device:
         args = _Args(p)
         out = _empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)

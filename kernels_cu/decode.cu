@@ -33,6 +33,8 @@
 #include "common.cuh"
 #include "mask.cuh"
 
+#include "mma_sm80.cuh"
+
 constexpr int DECODE_WARPS = 4;
 constexpr int DECODE_THREADS = DECODE_WARPS * 32;
 
@@ -55,18 +57,6 @@ struct DecodeShape {
   static_assert(ROW_VECS >= 1 && ROW_VECS % LK == 0, "head-dim bucket");
   static_assert((LK & (LK - 1)) == 0 && (NS & (NS - 1)) == 0, "powers of two");
 };
-
-// decode_split_x candidates with UK > 0: UK keys per lane per chunk instead of U.
-template <typename T, int HEAD_DIM, int ROWS, int UK>
-struct DecodeShapeU : DecodeShape<T, HEAD_DIM, ROWS> {
-  using Base = DecodeShape<T, HEAD_DIM, ROWS>;
-  static constexpr int U = UK;
-  static constexpr int NS = U * ROWS;
-  static constexpr int WC = Base::KPL * U;
-  static_assert((NS & (NS - 1)) == 0, "powers of two");
-};
-template <bool C, typename A, typename B> struct DecodePick { using type = A; };
-template <typename A, typename B> struct DecodePick<false, A, B> { using type = B; };
 
 // ---- small helpers -----------------------------------------------------------------------------
 template <typename Acc> __device__ __forceinline__ Acc log2e() { return Acc(1.4426950408889634); }
@@ -93,25 +83,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
-}
-
-// cp.async (sm_80+) for the STAGES > 0 candidates of decode_split_x: 16 bytes global -> shared,
-// L2 only (.cg), bytes past `bytes` (0 or 16) written as zeros. Templates (on a dummy parameter),
-// so that nothing is emitted for the kernels that do not use them.
-template <int DUMMY = 0>
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
-  unsigned long long a;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-               :: "r"(static_cast<unsigned>(a)), "l"(gmem), "r"(bytes) : "memory");
-}
-template <int DUMMY = 0>
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
 
 // 16 bytes of a row starting at column col (a multiple of VEC); columns >= ncols read as 0.
@@ -268,6 +239,7 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   for (int r = warp; r < ROWS; r += DECODE_WARPS) {
+    if (rows[r].bh < 0) continue;  // padding rows have no partials (warp-uniform)
     Acc M = NEG_INF;
     for (int it = lane; it < n_items; it += 32)
       M = acc_max(M, ld_cg(ws_lse + (first + it) * ROWS + r));
@@ -295,24 +267,107 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
     const Acc M = sM[r];
     Acc o = Acc(0);
     if (M > NEG_INF) {
-#pragma unroll 4
+      // Both loads of every item are issued unconditionally (8 items in flight per thread, not
+      // one load pair after another): an empty partial's ws_out row is unwritten and may hold
+      // anything, so its term is dropped by a select, never multiplied by its zero weight.
+#pragma unroll 8
       for (int it = 0; it < n_items; ++it) {
         const long long slot = (first + it) * ROWS + r;
         const Acc x = ld_cg(ws_lse + slot);
-        // an empty partial has weight exactly 0 and an unwritten ws_out row: never read it
-        if (x > NEG_INF) o += exp2_acc(x - M) * ld_cg(ws_out + slot * Dv + col);
+        const Acc y = ld_cg(ws_out + slot * Dv + col);
+        o += select(x > NEG_INF, exp2_acc(x - M) * y, Acc(0));
       }
     }
     store_acc(out + (rows[r].bh * Nq + rows[r].i) * Dv + col, o * sInv[r]);
   }
 }
 
+// Keys any row of the block sees (union [blo, bhi]) and keys every valid row sees (intersection
+// [flo, fhi]: chunks inside it need no per-element test). Padding rows count in neither.
+struct BlockKeys {
+  long long blo, bhi, flo, fhi;
+};
+template <int ROWS>
+__device__ __forceinline__ BlockKeys block_keys(const DecodeRow* rows, long long k0, long long k1) {
+  BlockKeys b{k1, k0 - 1, k0, k1 - 1};
+  bool any_row = false;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (rows[r].bh < 0) continue;
+    any_row = true;
+    if (rows[r].lo <= rows[r].hi) {
+      b.blo = rows[r].lo < b.blo ? rows[r].lo : b.blo;
+      b.bhi = rows[r].hi > b.bhi ? rows[r].hi : b.bhi;
+    }
+    b.flo = rows[r].lo > b.flo ? rows[r].lo : b.flo;
+    b.fhi = rows[r].hi < b.fhi ? rows[r].hi : b.fhi;
+  }
+  if (!any_row) b.fhi = b.flo - 1;
+  return b;
+}
+
+// The end of every split block: merge the DECODE_WARPS warps' states (red_m, red_l: base-2 max
+// and sum per row; red_acc [warp][row][red_stride]: unnormalized output) and normalize once; write
+// the result (a row tile with one item) or this item's partial, and with `fused` let the last
+// block of the row tile merge the partials. Called after a __syncthreads.
+template <typename T, typename Acc, int ROWS>
+__device__ __forceinline__ void finish_item(
+    T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,
+    Acc* __restrict__ ws_lse, unsigned* __restrict__ counters, const DecodeRow* rows,
+    const Acc* red_acc, int red_stride, const Acc (&red_m)[DECODE_WARPS][ROWS],
+    const Acc (&red_l)[DECODE_WARPS][ROWS], Acc (&sM)[ROWS], Acc (&sInv)[ROWS], int& s_last,
+    long long item, long long tile_id, long long first, int n_items, int Nq, int Dv, int fused) {
+  for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
+    const int r = idx / Dv;
+    const int col = idx % Dv;
+    const long long bh = rows[r].bh;
+    if (bh < 0) continue;
+    Acc M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) M = acc_max(M, red_m[w][r]);
+    Acc l_sum = Acc(0), o = Acc(0);
+    if (M > NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < DECODE_WARPS; ++w) {
+        const Acc a = (red_m[w][r] > NEG_INF) ? exp2_acc(red_m[w][r] - M) : Acc(0);
+        l_sum += a * red_l[w][r];
+        o += a * red_acc[(w * ROWS + r) * red_stride + col];
+      }
+    }
+    const bool empty = !(l_sum > Acc(0));
+    const Acc val = empty ? Acc(0) : o / l_sum;
+    if (n_items == 1) {
+      store_acc(out + (bh * Nq + rows[r].i) * Dv + col, val);
+      if (col == 0) lse[bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(l_sum)) * ln2<Acc>();
+    } else {
+      const long long ws = item * ROWS + r;
+      if (!empty) ws_out[ws * Dv + col] = val;
+      if (col == 0) ws_lse[ws] = empty ? NEG_INF : M + log2_acc(l_sum);
+    }
+  }
+  if (n_items == 1 || !fused) return;
+
+  // Fused combine: the last block of the row tile to finish merges all of its partials.
+  __threadfence();  // this block's partial is visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned done = atomicAdd(counters + tile_id, 1u);
+    s_last = (done == static_cast<unsigned>(n_items - 1));
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // order the counter read before the partial reads
+  combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv, Nq, Dv);
+  if (threadIdx.x == 0) counters[tile_id] = 0u;  // ready for the next launch on this stream
+}
+
 // ---- the split kernel --------------------------------------------------------------------------
 // Tables (int64): offsets (5, BH) rows q, k, v, mask, bias as in DESIGN.md "Kernel ABI";
 // lens (BH) valid keys per (batch, head); groups (n_groups, G); tiles (n_tiles, 4) =
-// (group, tile index, first item, item count); items (n_items, 3) = (row tile, k0, k1)
-// (decode_split_x: (n_items, 4) = (row tile, k0, k1, item) in launch order).
-// The kernel parameter list of decode_split and decode_split_x (same ABI, same host arguments).
+// (group, tile index, first item, item count); items (n_items, 4) = (row tile, k0, k1, item) in
+// launch order: block b runs row b of the table and writes workspace slot `item` (a tile's items
+// keep consecutive slots), so the host may launch long items first.
+// The kernel parameter list of decode_split and decode_tc (same ABI, same host arguments).
 #define DECODE_SPLIT_PARAMS                                                                  \
   const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
       T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,                  \
@@ -327,66 +382,48 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
   q, k, v, out, lse, ws_out, ws_lse, counters, offsets, lens, groups, tiles, items, mask, bias, \
       q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,     \
       right, bottom_right, fused
-// The block's static shared memory, declared in each kernel (so that decode_split's symbols are
-// named as before) and handed to the body by reference.
-#define DECODE_SPLIT_SHARED                                        \
-  __shared__ DecodeRow rows[ROWS];                                 \
-  __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];            \
-  __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS]; \
-  __shared__ Acc sM[ROWS], sInv[ROWS];                             \
-  __shared__ int s_last;
-#define DECODE_SPLIT_SHARED_ARGS rows, red_acc, red_m, red_l, sM, sInv, s_last
 
-// The body of both kernels. PERM: items table (tile, k0, k1, slot) in launch order (see below).
-// UK: keys per lane per chunk (0: DecodeShape's rule). STAGES = 0: the
-// register double buffer (decode_split); STAGES >= 2: a per-warp ring of STAGES chunks in dynamic
-// shared memory filled by cp.async, STAGES - 1 chunks in flight while one is computed (each lane
-// reads back only the 16-byte vectors it copied itself, so no barrier is needed).
-template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED, int UK,
-          int STAGES, bool PERM>
-__device__ __forceinline__ void decode_split_body(
-    DECODE_SPLIT_PARAMS, DecodeRow (&rows)[ROWS], Acc (&red_acc)[DECODE_WARPS][ROWS][HEAD_DIM],
-    Acc (&red_m)[DECODE_WARPS][ROWS], Acc (&red_l)[DECODE_WARPS][ROWS], Acc (&sM)[ROWS],
-    Acc (&sInv)[ROWS], int& s_last) {
-  static_assert(STAGES == 0 || (STAGES >= 2 && ALIGNED), "cp.async ring: aligned rows only");
-  using Shape = typename DecodePick<(UK > 0), DecodeShapeU<T, HEAD_DIM, ROWS, UK>,
-                                    DecodeShape<T, HEAD_DIM, ROWS>>::type;
+// One block's work: row `launch_row` of the items table and its row tile.
+struct DecodeItem {
+  long long tile_id, item, k0, k1, g, tile, first;
+  int n_items;
+};
+__device__ __forceinline__ DecodeItem read_item(const long long* __restrict__ items,
+                                                const long long* __restrict__ tiles,
+                                                long long launch_row) {
+  DecodeItem it;
+  it.tile_id = items[4 * launch_row];
+  it.k0 = items[4 * launch_row + 1];
+  it.k1 = items[4 * launch_row + 2];
+  it.item = items[4 * launch_row + 3];
+  it.g = tiles[4 * it.tile_id];
+  it.tile = tiles[4 * it.tile_id + 1];
+  it.first = tiles[4 * it.tile_id + 2];
+  it.n_items = static_cast<int>(tiles[4 * it.tile_id + 3]);
+  return it;
+}
+
+// SIMT split kernel (every dtype, head dims <= 256, masks and bias): DECODE_WARPS warps stream
+// disjoint warp chunks of keys from global memory into a register double buffer (see the header).
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED>
+__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
+decode_split(DECODE_SPLIT_PARAMS) {
+  __shared__ DecodeRow rows[ROWS];
+  __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];
+  __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
+  __shared__ Acc sM[ROWS], sInv[ROWS];
+  __shared__ int s_last;
+  using Shape = DecodeShape<T, HEAD_DIM, ROWS>;
   constexpr int VEC = Shape::VEC, LK = Shape::LK, NV = Shape::NV, COLS = Shape::COLS;
   constexpr int KPL = Shape::KPL, U = Shape::U, NS = Shape::NS, WC = Shape::WC;
   constexpr long long STRIDE = static_cast<long long>(WC) * DECODE_WARPS;  // keys per block pass
 
-  // PERM (decode_split_x): items rows are (tile, k0, k1, item) in launch order, `item` being the
-  // workspace slot (a tile's items keep consecutive slots); otherwise (tile, k0, k1), slot = row.
-  constexpr int IW = PERM ? 4 : 3;
-  const long long launch_row = blockIdx.x;
-  const long long item = PERM ? items[IW * launch_row + 3] : launch_row;
-  const long long tile_id = items[IW * launch_row];
-  const long long k0 = items[IW * launch_row + 1];
-  const long long k1 = items[IW * launch_row + 2];
-  const long long g = tiles[4 * tile_id];
-  const long long tile = tiles[4 * tile_id + 1];
-  const long long first = tiles[4 * tile_id + 2];
-  const int n_items = static_cast<int>(tiles[4 * tile_id + 3]);
-  const long long bh0 = groups[g * G];  // every group's first member exists
+  const DecodeItem it = read_item(items, tiles, blockIdx.x);
+  const long long bh0 = groups[it.g * G];  // every group's first member exists
   const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
-  setup_rows<ROWS>(rows, groups, g, tile, G, Nq, win, k0, k1);
-
-  // Keys any row sees (union) and keys every valid row sees (intersection: chunks inside it need
-  // no per-element test). Padding rows count in neither.
-  long long blo = k1, bhi = k0 - 1, flo = k0, fhi = k1 - 1;
-  bool any_row = false;
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    if (rows[r].bh < 0) continue;
-    any_row = true;
-    if (rows[r].lo <= rows[r].hi) {
-      blo = rows[r].lo < blo ? rows[r].lo : blo;
-      bhi = rows[r].hi > bhi ? rows[r].hi : bhi;
-    }
-    flo = rows[r].lo > flo ? rows[r].lo : flo;
-    fhi = rows[r].hi < fhi ? rows[r].hi : fhi;
-  }
-  if (!any_row) fhi = flo - 1;
+  setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
+  const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
+  const long long blo = bk.blo, bhi = bk.bhi, flo = bk.flo, fhi = bk.fhi;
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -526,7 +563,6 @@ __device__ __forceinline__ void decode_split_body(
     }
   };
 
-  if constexpr (STAGES == 0) {
   // Stream the warp's chunks with the next one in flight while the current one is computed.
   long long b0 = blo + warp * WC;
   if (b0 <= bhi) {
@@ -544,60 +580,6 @@ __device__ __forceinline__ void decode_split_body(
       b0 = b2;
     }
   }
-  } else {
-    // cp.async ring: uint4 pipe[warp][stage][u][n][k or v][lane] (DECODE_WARPS * STAGES * U * NV
-    // * 2 * 32 * 16 bytes of dynamic shared memory; the host passes exactly that).
-    extern __shared__ __align__(16) uint4 decode_pipe[];
-    uint4* const wpipe = decode_pipe + static_cast<long long>(warp) * STAGES * U * NV * 2 * 32;
-    auto slot_at = [&](int st, int u, int n, int kv) -> uint4* {
-      return wpipe + (((st * U + u) * NV + n) * 2 + kv) * 32 + lane;
-    };
-    auto issue = [&](int st, long long base) {
-      const long long j = base + slot;
-      const T* krow = kh + j * k_rs;
-      const T* vrow = vh + j * v_rs;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool ok = j + u * KPL <= bhi;
-#pragma unroll
-        for (int n = 0; n < NV; ++n) {
-          const int col = (n * LK + t) * VEC;
-          const bool kok = ok && col < Dk, vok = ok && col < Dv;
-          cp_async16(slot_at(st, u, n, 0), kok ? krow + u * KPL * k_rs + col : kh, kok ? 16 : 0);
-          cp_async16(slot_at(st, u, n, 1), vok ? vrow + u * KPL * v_rs + col : vh, vok ? 16 : 0);
-        }
-      }
-    };
-    const long long b0 = blo + warp * WC;
-    if (b0 <= bhi) {
-      const long long n_chunks = (bhi - b0) / STRIDE + 1;
-#pragma unroll
-      for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_chunks) issue(st, b0 + st * STRIDE);
-        cp_async_commit();  // always: group counting stays uniform
-      }
-      int rd = 0;  // the ring slot of chunk c
-      for (long long c = 0; c < n_chunks; ++c) {
-        // refill the slot read in iteration c - 1 (this lane's own data, already consumed)
-        const int wr = rd == 0 ? STAGES - 1 : rd - 1;
-        if (c + STAGES - 1 < n_chunks) issue(wr, b0 + (c + STAGES - 1) * STRIDE);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();  // chunk c has landed
-        Frag f;
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int n = 0; n < NV; ++n) {
-            f.k[u][n] = *slot_at(rd, u, n, 0);
-            f.v[u][n] = *slot_at(rd, u, n, 1);
-          }
-        step(f, b0 + c * STRIDE);
-        rd = rd + 1 == STAGES ? 0 : rd + 1;
-      }
-      cp_async_wait<0>();
-    }
-  }
-
   // Merge the key slots of the warp (lanes that differ in the bits above LK).
 #pragma unroll
   for (int off = LK; off < 32; off *= 2) {
@@ -630,71 +612,237 @@ __device__ __forceinline__ void decode_split_body(
   }
   __syncthreads();
 
-  // Merge the warps, normalize once; write the result (one item) or this item's partial.
-  for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
-    const int r = idx / Dv;
-    const int col = idx % Dv;
+  finish_item<T, Acc, ROWS>(out, lse, ws_out, ws_lse, counters, rows, &red_acc[0][0][0], HEAD_DIM,
+                            red_m, red_l, sM, sInv, s_last, it.item, it.tile_id, it.first,
+                            it.n_items, Nq, Dv, fused);
+}
+
+// ---- the tensor-core split kernel (float16 / bfloat16, Dk == Dv == HEAD_DIM, no mask or bias) --
+// The row tile is one m16n8k16 m-fragment: the group's G * Nq rows (16 per tile, padding rows
+// zero). Each stage of a STAGES-deep cp.async ring holds DECODE_WARPS * KW keys of K and of V in
+// padded shared rows (conflict-free ldmatrix, as fwd_sm80.cu); warp w computes keys
+// [w * KW, (w + 1) * KW) of every stage with its own online softmax state:
+//   S = Q K^T   A = Q (registers, from shared once), B = K (ldmatrix)
+//   softmax     exp2 with scale * log2(e) folded into one FFMA; masked by global position only in
+//               stages not entirely visible to every row
+//   O += P V    A = P packed from the S accumulators, B = V (ldmatrix.trans)
+// The warps' states are merged through shared memory (finish_item, reusing the ring), as in
+// decode_split. Dynamic shared memory: 16 Q rows + 2 * STAGES * DECODE_WARPS * KW K/V rows of
+// (HEAD_DIM + 8) * 2 bytes (cuflash/_decode.py tc_smem_bytes), at least the merge's
+// DECODE_WARPS * 16 * HEAD_DIM floats.
+template <typename T, int HEAD_DIM, int KW, int STAGES, int MINB>
+__global__ void __launch_bounds__(DECODE_THREADS, MINB)
+decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+          T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,
+          float* __restrict__ ws_lse, unsigned* __restrict__ counters,
+          const long long* __restrict__ offsets, const long long* __restrict__ lens,
+          const long long* __restrict__ groups, const long long* __restrict__ tiles,
+          const long long* __restrict__ items, const unsigned char* __restrict__ mask,
+          const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
+          long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
+          int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
+          int fused) {
+  using namespace tc;
+  constexpr int ROWS = 16;
+  constexpr int BK = KW * DECODE_WARPS;           // keys per stage
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;   // padded shared row
+  constexpr int TILE_BYTES = BK * ROW_BYTES;
+  constexpr int KD = HEAD_DIM / 16;               // k-steps of Q K^T
+  constexpr int NF = KW / 8;                      // score n-fragments (keys)
+  constexpr int KN = KW / 16;                     // k-steps of P V
+  constexpr int DF = HEAD_DIM / 8;                // output n-fragments (head dim)
+  static_assert(KW % 16 == 0 && HEAD_DIM % 16 == 0 && STAGES >= 2, "tile shape");
+  __shared__ DecodeRow rows[ROWS];
+  __shared__ float red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
+  __shared__ float sM[ROWS], sInv[ROWS];
+  __shared__ int s_last;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sQ = smem_u32(smem_raw);
+  const u32 sK = sQ + ROWS * ROW_BYTES;
+  const u32 sV = sK + STAGES * TILE_BYTES;
+
+  const DecodeItem it = read_item(items, tiles, blockIdx.x);
+  const long long bh0 = groups[it.g * G];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  // The first STAGES - 1 stages are requested before anything else, so that their latency hides
+  // the set-up below. They cover the item's keys [k0, k1), a piece of the host's extent of the
+  // tile (the union of its rows' visible ranges: no key is read in vain; one that some row does
+  // not see is masked below like any other); keys >= k1 are zero-filled by cp_tile.
+  const int blo = static_cast<int>(it.k0);
+  const int limit = static_cast<int>(it.k1);
+  const int n_stages = limit > blo ? (limit - blo - 1) / BK + 1 : 0;
+  const T* kh = k + offsets[1 * BH + bh0];
+  const T* vh = v + offsets[2 * BH + bh0];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_stages) {
+      cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sK + s * TILE_BYTES, kh, k_rs, blo + s * BK, limit);
+      cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sV + s * TILE_BYTES, vh, v_rs, blo + s * BK, limit);
+    }
+    cp_async_commit();
+  }
+
+  const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
+  setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
+  const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
+
+  // Q rows (any alignment: scalar reads; padding rows 0) into the padded shared tile.
+  for (int idx = tid; idx < ROWS * HEAD_DIM; idx += DECODE_THREADS) {
+    const int r = idx / HEAD_DIM, col = idx % HEAD_DIM;
     const long long bh = rows[r].bh;
-    if (bh < 0) continue;
-    Acc M = NEG_INF;
+    const unsigned short x = bh >= 0 ? q[offsets[bh] + rows[r].i * q_rs + col].bits : 0;
+    reinterpret_cast<unsigned short*>(smem_raw)[r * (ROW_BYTES / 2) + col] = x;
+  }
+  __syncthreads();  // Q is in shared memory
+  u32 qa[KD][4];
+  {
+    const u32 q_lane = sQ + (lane % 16) * ROW_BYTES + (lane / 16) * 16;
 #pragma unroll
-    for (int w = 0; w < DECODE_WARPS; ++w) M = acc_max(M, red_m[w][r]);
-    Acc l_sum = Acc(0), o = Acc(0);
-    if (M > NEG_INF) {
+    for (int kk = 0; kk < KD; ++kk) ldsm_x4(q_lane + kk * 32, qa[kk]);
+  }
+  // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to the item), in 32 bits
+  // relative to blo once a stage is known (the host keeps keys < 2^30 on this path).
+  long long row_lo[2], row_hi[2];
 #pragma unroll
-      for (int w = 0; w < DECODE_WARPS; ++w) {
-        const Acc a = (red_m[w][r] > NEG_INF) ? exp2_acc(red_m[w][r] - M) : Acc(0);
-        l_sum += a * red_l[w][r];
-        o += a * red_acc[w][r][col];
+  for (int h = 0; h < 2; ++h) {
+    row_lo[h] = rows[g + 8 * h].lo;
+    row_hi[h] = rows[g + 8 * h].hi;  // padding rows: hi < lo, nothing visible
+  }
+
+  const float NEG = -__int_as_float(0x7f800000);
+  const float sl2 = scale * LOG2E;
+  float m[2] = {NEG, NEG}, l[2] = {0.f, 0.f};
+  float acc[DF][4];
+#pragma unroll
+  for (int df = 0; df < DF; ++df)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[df][e] = 0.f;
+
+  for (int n = 0; n < n_stages; ++n) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
+    {
+      const int nn = n + STAGES - 1;
+      if (nn < n_stages) {
+        const int buf = nn % STAGES;
+        cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sK + buf * TILE_BYTES, kh, k_rs, blo + nn * BK, limit);
+        cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sV + buf * TILE_BYTES, vh, v_rs, blo + nn * BK, limit);
+      }
+      cp_async_commit();
+    }
+    const int j0 = blo + n * BK + warp * KW;  // this warp's first key
+    if (j0 >= limit) continue;                // warp-uniform: nothing of this stage for it
+    const int buf = n % STAGES;
+    const u32 kbuf = sK + buf * TILE_BYTES + warp * KW * ROW_BYTES +
+                     (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
+    const u32 vbuf = sV + buf * TILE_BYTES + warp * KW * ROW_BYTES +
+                     (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
+
+    float s[NF][4];
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nf][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk)
+#pragma unroll
+      for (int p = 0; p < NF / 2; ++p) {
+        u32 kb[4];
+        ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
+        Mma<T>::run(s[2 * p], qa[kk], kb[0], kb[1]);
+        Mma<T>::run(s[2 * p + 1], qa[kk], kb[2], kb[3]);
+      }
+
+    // Mask by global position unless every row of the tile sees all KW keys.
+    if (j0 < bk.flo || j0 + KW - 1 > bk.fhi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
+        const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
+        const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = nf * 8 + 2 * t + e;
+            if (c < c_lo || c > c_hi) s[nf][2 * h + e] = NEG;
+          }
       }
     }
-    const bool empty = !(l_sum > Acc(0));
-    const Acc val = empty ? Acc(0) : o / l_sum;
-    if (n_items == 1) {
-      store_acc(out + (bh * Nq + rows[r].i) * Dv + col, val);
-      if (col == 0) lse[bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(l_sum)) * ln2<Acc>();
-    } else {
-      const long long ws = item * ROWS + r;
-      if (!empty) ws_out[ws * Dv + col] = val;
-      if (col == 0) ws_lse[ws] = empty ? NEG_INF : M + log2_acc(l_sum);
+
+    // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_sm80.cu's rule:
+    // a row with nothing visible so far keeps m = -inf and uses 0 as its reference).
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = NEG;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx * sl2);
+      const float m_ref = (m_new == NEG) ? 0.f : m_new;
+      alpha[h] = ex2(m[h] - m_ref);
+      m[h] = m_new;
+      float mass = 0.f;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = ex2(fmaf(s[nf][2 * h + e], sl2, -m_ref));
+          s[nf][2 * h + e] = p;
+          mass += p;
+        }
+      l[h] = l[h] * alpha[h] + mass;
+    }
+#pragma unroll
+    for (int df = 0; df < DF; ++df)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[df][e] *= alpha[e / 2];
+#pragma unroll
+    for (int kk = 0; kk < KN; ++kk) {
+      u32 pa[4];
+      pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int p = 0; p < DF / 2; ++p) {
+        u32 vb[4];
+        ldsm_x4_t(vbuf + kk * 16 * ROW_BYTES + p * 32, vb);
+        Mma<T>::run(acc[2 * p], pa, vb[0], vb[1]);
+        Mma<T>::run(acc[2 * p + 1], pa, vb[2], vb[3]);
+      }
     }
   }
-  if (n_items == 1 || !fused) return;
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free: it becomes the merge buffer
 
-  // Fused combine: the last block of the row tile to finish merges all of its partials.
-  __threadfence();  // this block's partial is visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned done = atomicAdd(counters + tile_id, 1u);
-    s_last = (done == static_cast<unsigned>(n_items - 1));
+  // Per warp: m (base 2, scaled), l summed over the quad, acc unnormalized -> shared memory.
+  float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][HEAD_DIM]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l_row = l[h];
+    l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
+    l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+    const int r = g + 8 * h;
+    if (t == 0) {
+      red_m[warp][r] = m[h];
+      red_l[warp][r] = l_row;
+    }
+#pragma unroll
+    for (int df = 0; df < DF; ++df) {
+      float* dst = red_acc + (warp * ROWS + r) * HEAD_DIM + df * 8 + 2 * t;
+      dst[0] = acc[df][2 * h];
+      dst[1] = acc[df][2 * h + 1];
+    }
   }
   __syncthreads();
-  if (!s_last) return;
-  __threadfence();  // order the counter read before the partial reads
-  combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv, Nq, Dv);
-  if (threadIdx.x == 0) counters[tile_id] = 0u;  // ready for the next launch on this stream
-}
-
-// Today's kernel (the package's only split kernel by default).
-template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED>
-__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(DECODE_SPLIT_PARAMS) {
-  DECODE_SPLIT_SHARED
-  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, 0, 0, false>(
-      DECODE_SPLIT_ARGS, DECODE_SPLIT_SHARED_ARGS);
-}
-
-// Candidates (cuflash/_decode.py VARIANTS, selected only by Plan(variant=...)): UK keys per lane
-// per chunk (0: default), STAGES (0: register double buffer; >= 2: cp.async ring in dynamic shared
-// memory), MINB the __launch_bounds__ minimum of resident blocks per SM. The items table has a
-// 4th column (the workspace slot), so the host may launch the items in any order (PERM).
-template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED, int UK,
-          int STAGES, int MINB>
-__global__ void __launch_bounds__(DECODE_THREADS, MINB)
-decode_split_x(DECODE_SPLIT_PARAMS) {
-  DECODE_SPLIT_SHARED
-  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, UK, STAGES, true>(
-      DECODE_SPLIT_ARGS, DECODE_SPLIT_SHARED_ARGS);
+  finish_item<T, float, ROWS>(out, lse, ws_out, ws_lse, counters, rows, red_acc, HEAD_DIM, red_m,
+                              red_l, sM, sInv, s_last, it.item, it.tile_id, it.first, it.n_items,
+                              Nq, Dv, fused);
 }
 
 // ---- the stand-alone combine (fused = 0): one block per row tile -------------------------------

@@ -119,16 +119,18 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("force", ["split", "auto"])
+@pytest.mark.parametrize("force", ["split", "split-simt", "auto"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
 def test_decode_sweep(case, force, dtype, rng, monkeypatch):
+    """'split': small splits on the automatic kernel (decode_tc for 16-bit, Dk = Dv = 64 / 128,
+    decode_split otherwise); 'split-simt': small splits on decode_split everywhere."""
     from cuflash import _gpu, _validate
     monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
     _, lq, lkv, Nq, Nk, Dk, Dv, options = case
     q = randn(rng, lq + (Nq, Dk), dtype)
     k = randn(rng, lkv + (Nk, Dk), dtype)
     v = randn(rng, lkv + (Nk, Dv), dtype)
-    if force == "split":
+    if force != "auto":
         assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == "split"
     check(q, k, v, rng, **options)
 

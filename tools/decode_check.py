@@ -36,7 +36,7 @@ import numpy as np
 # this checkout's cuflash, also when another copy is installed in the interpreter's environment
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-STAGES = ("build", "host", "correct", "timing")
+STAGES = ("build", "host", "correct", "timing", "scaling")
 FAILS = []
 
 
@@ -73,8 +73,9 @@ def build_exprs():
         exprs.append(_decode.name_expression(dt, 128, 4, True, True))
         exprs.append(_decode.name_expression(dt, 128, 4, False, False))
         exprs.append(_decode.combine_expression(dt, 4))
-    # the candidates (VARIANTS of _decode, decode_split_x) for the benchmark shape and fp16
-    exprs += _decode.variant_instantiations("bfloat16") + _decode.variant_instantiations("float16")
+    # the tensor-core candidates (TC_VARIANTS of _decode, decode_tc), bf16 and fp16, D = 64 and 128
+    exprs += [_decode.tc_expression(dt, b, name) for dt in ("bfloat16", "float16")
+              for b in _decode.TC_HEAD_DIMS for name in _decode.TC_VARIANTS]
     return exprs
 
 
@@ -374,7 +375,8 @@ def check_correct():
                 for fused in (True, False):
                     for split in (None, 64):
                         n_all += 1
-                        plan = _decode.plan(p, fused=fused, poison=True, split=split)
+                        plan = _decode.plan(p, fused=fused, poison=True, split=split,
+                                            variant="simt")
                         o, l = plan.run()
                         o = cp.asnumpy(o.astype(cp.float64)).reshape(ref_o.shape)
                         l = cp.asnumpy(l).reshape(ref_l.shape)
@@ -397,14 +399,18 @@ def check_correct():
                 FAILS.append(f"correct {name} {dt}")
                 print(f"  FAIL {name} {dt}:")
                 traceback.print_exc()
-    # the candidates (_decode.VARIANTS, decode_split_x) on the bf16 GQA-4 cases of the timing
-    # shape family, fused and separate, default / forced-small / "balanced" splits
-    for name, c in CASES[:2]:
-        q, k, v, opts = case_inputs(cp, rng, dict(c, dtype="bfloat16"))
+    # the tensor-core candidates (_decode.TC_VARIANTS, decode_tc) on every case they fit, bf16
+    # (fp16 on the first two), fused and separate, default / forced-small / "balanced" splits
+    runs = [(n, c, "bfloat16") for n, c in CASES] + [(n, c, "float16") for n, c in CASES[:2]]
+    for name, c, dtype in runs:
+        q, k, v, opts = case_inputs(cp, rng, dict(c, dtype=dtype))
         p = make_problem(q, k, v, **opts)
+        if not _decode.tc_fits(p):
+            print(f"  (tc: {name} does not fit)")
+            continue
         ref_o, ref_l = reference.attention(q, k, v, return_lse=True, **opts)
         g_err = _err(ref_o.astype(q.dtype).astype(np.float64), ref_o)
-        for variant in _decode.VARIANTS:
+        for variant in _decode.TC_VARIANTS:
             for split, rule in ((None, None), (64, None), (None, "balanced")):
                 for fused in (True, False):
                     n_all += 1
@@ -419,19 +425,19 @@ def check_correct():
                         inf_ok = bool(np.all(np.isinf(l) == np.isinf(ref_l)))
                         lerr = _err(np.where(np.isinf(l), 0, l),
                                     np.where(np.isinf(ref_l), 0, ref_l))
-                        tol = 2 * g_err + floors["bfloat16"]
-                        ok = (not nan) and err <= tol and inf_ok and lerr <= lse_tol["bfloat16"]
+                        tol = 2 * g_err + floors[dtype]
+                        ok = (not nan) and err <= tol and inf_ok and lerr <= lse_tol[dtype]
                     except Exception:
                         traceback.print_exc()
                         ok, err, plan = False, float("nan"), None
                     n_ok += ok
                     if not ok or (split is None and rule is None and fused):
-                        print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} {variant:6s} "
+                        print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} {dtype:8s} {variant:6s} "
                               f"fused={int(fused)} split={split} rule={rule} err={err:.2e} "
                               f"{plan.expr if plan else ''} per_sm={plan.per_sm if plan else ''}")
                     if not ok:
-                        FAILS.append(f"correct {name} {variant} fused={fused} split={split} "
-                                     f"rule={rule}")
+                        FAILS.append(f"correct {name} {dtype} {variant} fused={fused} "
+                                     f"split={split} rule={rule}")
     # the public path, for the record (dispatch is the lead's; supports() is reported only)
     q, k, v, opts = case_inputs(cp, rng, dict(CASES[0][1], dtype="bfloat16"))
     print(f"  supports(gqa-nq1) = {_decode.supports(make_problem(q, k, v, **opts))}")
@@ -444,23 +450,44 @@ SHAPES = ((1, 131072), (8, 32768), (32, 8192), (64, 4096))
 # (label, fused, waves, variant of _decode.VARIANTS, split rule of _decode.SPLIT_RULES); the
 # first is today's default and the reference output of the others
 TIMING_VARIANTS = (
-    ("fused w1", True, 1, None, None), ("fused w2", True, 2, None, None),
-    ("sep w1", False, 1, None, None), ("fused w4", True, 4, None, None),
-    ("balanced", True, 1, None, "balanced"), ("bal-o64", True, 1, None, "balanced-o64"),
-    ("base bal", True, 1, "base", "balanced"),
-    ("u2r", True, 1, "u2r", None), ("cp3", True, 1, "cp3", None), ("cp4", True, 1, "cp4", None),
-    ("cp4u2", True, 1, "cp4u2", None), ("cp6u2", True, 1, "cp6u2", None),
-    ("cp4 w2", True, 2, "cp4", None), ("cp4 bal", True, 1, "cp4", "balanced"),
-    ("cp4u2 bal", True, 1, "cp4u2", "balanced"),
+    ("simt", True, 1, "simt", None), ("simt bal", True, 1, "simt", "balanced"),
+    ("auto", True, 1, None, None),
+    ("tc16s2", True, 1, "tc16s2", None), ("tc16s3", True, 1, "tc16s3", None),
+    ("tc16s4", True, 1, "tc16s4", None), ("tc32s3", True, 1, "tc32s3", None),
+    ("tc16s2 bal", True, 1, "tc16s2", "balanced"), ("tc16s3 bal", True, 1, "tc16s3", "balanced"),
+    ("tc32s3 bal", True, 1, "tc32s3", "balanced"), ("tc16s2 sep", False, 1, "tc16s2", None),
 )
 HQ, HKV, D = 32, 8, 128
 REPS, WARM = 20, 5
 
 
-def _time(fn, sets, reps=REPS, warm=WARM):
-    """Median ms of fn(inputs) over reps, rotating input sets; warm-up first."""
+SPIN_US = 400  # GPU spin before each timed call: the host's enqueue time stays out (as bench.py)
+_spin = []
+
+
+def _spin_kernel():
     import cupy as cp
 
+    if not _spin:
+        _spin.append(cp.RawKernel(r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+  unsigned long long t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (;;) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 >= ns) break;
+  }
+}""", "spin"))
+    return _spin[0]
+
+
+def _time(fn, sets, reps=REPS, warm=WARM):
+    """Median ms of fn(inputs) over reps, rotating input sets; warm-up first. A GPU spin before
+    each call keeps host enqueue time (under SPIN_US) out of the measurement."""
+    import cupy as cp
+
+    spin = _spin_kernel()
     for i in range(warm):
         fn(sets[i % len(sets)])
     cp.cuda.get_current_stream().synchronize()
@@ -468,6 +495,7 @@ def _time(fn, sets, reps=REPS, warm=WARM):
     for i in range(reps):
         a, b = cp.cuda.Event(), cp.cuda.Event()
         x = sets[i % len(sets)]
+        spin((1,), (1,), (np.uint64(SPIN_US * 1000),))
         a.record()
         fn(x)
         b.record()
@@ -605,6 +633,43 @@ def check_timing():
             print(f"  {x:12s} {a / b:6.3f}")
 
 
+@stage("scaling")
+def check_scaling():
+    """Time vs keys at B = 32 (bf16, Hq 32, Hkv 8, D 128) for a few kernels and wave counts: the
+    slope is the streaming rate, the intercept the fixed cost per call."""
+    import cupy as cp
+    import ml_dtypes
+
+    from cuflash import _decode
+    from cuflash._validate import make_problem
+
+    bf16 = ml_dtypes.bfloat16
+    Ls = (1024, 2048, 4096, 8192, 16384)
+    B = 32
+    data = {}
+    for L in Ls:
+        q = cp.random.standard_normal((B, HQ, 1, D), dtype=cp.float32).astype(bf16)
+        k = cp.random.standard_normal((B, HKV, L, D), dtype=cp.float32).astype(bf16)
+        v = cp.random.standard_normal((B, HKV, L, D), dtype=cp.float32).astype(bf16)
+        data[L] = (q, k, v)
+    for variant in SCALING_VARIANTS:
+        for waves in (1, 2, 4):
+            ts = []
+            for L in Ls:
+                q, k, v = data[L]
+                pl = _decode.plan(make_problem(q, k, v), waves=waves, variant=variant)
+                outs = pl._outputs()
+                ts.append(_time(lambda p_: p_.run(*outs), [pl]) * 1e3)
+            by = np.array([2 * B * HKV * L * D * 2 for L in Ls], dtype=np.float64)
+            slope, icpt = np.polyfit(by, np.array(ts), 1)
+            print(f"  {str(variant):8s} waves {waves}: " +
+                  " ".join(f"{t:7.1f}" for t in ts) +
+                  f"  us | fit {1e-6 / slope:.2f} TB/s + {icpt:.1f} us")
+
+
+SCALING_VARIANTS = ("simt", "tc16s2", "tc32s3")
+
+
 def main(argv):
     stages = [a for a in argv if a in STAGES] or ["host", "correct", "timing"]
     t0 = time.time()
@@ -616,6 +681,8 @@ def main(argv):
         check_correct()
     if "timing" in stages:
         check_timing()
+    if "scaling" in stages:
+        check_scaling()
     print(f"\n{len(FAILS)} failure(s) in {time.time() - t0:.0f} s" + (": " + "; ".join(FAILS[:20])
                                                                   if FAILS else ""))
     return 1 if FAILS else 0
