@@ -108,8 +108,14 @@ del _bucket, _f, _d
 # ksplit: the key tile runs as ksplit softmax steps of block_n / ksplit keys (registers at the
 # step's level, one barrier per tile); rescale: 0 always rescales acc, 1 skips it when no row of
 # the warp raised its max (same results), 2 lets a row's max lag by up to 2^8 (fwd_sm80.cu).
-Sm80Tile = namedtuple("Sm80Tile", "block_m block_n warps stages q_in_regs min_blocks ksplit rescale",
-                      defaults=(1, 0))
+# opt: candidate variant bits (kernels_cu/fwd_sm80.cu OPT_*; 0 in the table): 1 incremental K/V
+# copy addresses, 2 the next tile's copies issued after S = Q K^T, 4 K and V in separate cp.async
+# groups (wait for K before Q K^T, for V after it). Passed as the kernel's last template argument
+# RESCALE_OPT = rescale | opt << 2, so the table's kernels keep their names and code.
+Sm80Tile = namedtuple("Sm80Tile",
+                      "block_m block_n warps stages q_in_regs min_blocks ksplit rescale opt",
+                      defaults=(1, 0, 0))
+SM80_OPT_CHEAP_ADDR, SM80_OPT_LATE_ISSUE, SM80_OPT_KV_SPLIT = 1, 2, 4
 SM80_DTYPES = ("float16", "bfloat16")
 SM80_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 SM80_TILES = {
@@ -135,9 +141,10 @@ for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dq"):
     _KERNEL_NAMES[_k] = _k
 del _k
 # The split-KV decode kernels; their tables (rows per block, split rule) are in cuflash/_decode.py.
-SOURCES["decode_split"] = SOURCES["decode_combine"] = "decode.cu"
+SOURCES["decode_split"] = SOURCES["decode_combine"] = SOURCES["decode_tc"] = "decode.cu"
 _KERNEL_NAMES["decode_split"] = "decode_split"
 _KERNEL_NAMES["decode_combine"] = "decode_combine"
+_KERNEL_NAMES["decode_tc"] = "decode_tc"
 
 
 def sm80_smem_bytes(head_dim, has_mb, tile=None):
@@ -151,7 +158,8 @@ def sm80_name_expression(dtype, head_dim, has_mb, tile=None):
     t = SM80_TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
     return (f"fwd_sm80<{c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
-            f"{t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, {t.ksplit}, {t.rescale}>")
+            f"{t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, {t.ksplit}, "
+            f"{t.rescale | (t.opt << 2)}>")
 
 
 def _bfloat16():

@@ -65,14 +65,26 @@ WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see
 # the limit: the SIMT kernel is bound by its instruction issue (about 60 warp instructions per
 # key at GQA 4: unpacking, 4 x 128 FMAs each way, the slot reductions, the softmax repeated on
 # 16 lanes), and more warps per SM is what moved it. Hence decode_tc (tensor cores, below).
-# TC_VARIANTS name -> (KW keys per warp per stage, STAGES of the cp.async ring, MINB blocks/SM).
+# TC_VARIANTS name -> (KW keys per warp per stage, STAGES of the cp.async ring, MINB blocks/SM,
+# HINT the L2 prefetch-size hint of the copies: 0, 128 or 256 bytes).
+# Measured 2026-11-29 (H200, bf16, the bench shapes (1, 131072) / (8, 32768) / (32, 8192) /
+# (64, 4096), KV TB/s, tools/decode_check.py timing; copy 4.27, a read-only stream 4.45, cuDNN
+# 4.14 / 4.37 / 4.43 / 4.39): decode_split 3.26 / 3.50 / 3.57 / 3.52 (fit over B = 32,
+# L = 1k..16k: 3.74 TB/s + 13 us a call); tc16s2 3.45 / 3.90 / 4.01 / 3.87 (4.27 TB/s + 17 us);
+# tc16s3 3.38 / 3.83 / 3.93 / 3.87; tc16s4 3.55 / 3.87 / 3.83 / 3.59; tc32s3 3.54 / 3.86 / 3.85 /
+# 3.65; with the L2 prefetch hint: 256 B 3.34 / 3.79 / 3.88 / 3.75 (slower), 128 B ("tc16s2h1")
+# 3.50 / 4.00 / 4.11 / 3.95 <- DEFAULT_TC. More waves only add per-block cost (about +20 us a
+# wave at the same slope), so the split rules stay at one wave of resident blocks.
 TC_VARIANTS = {
-    "tc16s3": (16, 3, 2),   # 64-key stages, 2 blocks/SM (2 x 109 KB at D = 128)
-    "tc16s4": (16, 4, 1),   # 64-key stages, 1 block/SM, 3 stages in flight
-    "tc16s2": (16, 2, 2),   # 64-key stages, 2 blocks/SM, 1 stage in flight each
-    "tc32s3": (32, 3, 1),   # 128-key stages, 1 block/SM
+    "tc16s2": (16, 2, 2, 0),     # 64-key stages, 2 blocks/SM, 1 stage in flight each (74 KB)
+    "tc16s3": (16, 3, 2, 0),     # 64-key stages, 2 blocks/SM (2 x 109 KB at D = 128)
+    "tc16s4": (16, 4, 1, 0),     # 64-key stages, 1 block/SM, 3 stages in flight
+    "tc32s3": (32, 3, 1, 0),     # 128-key stages, 1 block/SM
+    "tc16s2h": (16, 2, 2, 256),  # tc16s2 with the 256-byte L2 prefetch hint
+    "tc16s3h": (16, 3, 2, 256),
+    "tc16s2h1": (16, 2, 2, 128),
 }
-DEFAULT_TC = "tc16s2"      # decode_tc's tile where it fits (tc_fits), on sm_80+
+DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
 DEFAULT_RULE = "balanced"  # the split rule of the automatic choice (both kernels)
 TC_HEAD_DIMS = (64, 128)   # Dk == Dv == HEAD_DIM (the bucket); others stay on decode_split
 TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
@@ -138,14 +150,14 @@ def name_expression(dtype, bucket, rows, has_mb, aligned):
 
 def tc_expression(dtype, bucket, variant):
     """Name expression of a decode_tc kernel (TC_VARIANTS)."""
-    kw, stages, minb = TC_VARIANTS[variant]
-    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {kw}, {stages}, {minb}>"
+    kw, stages, minb, hint = TC_VARIANTS[variant]
+    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {kw}, {stages}, {minb}, {hint}>"
 
 
 def tc_smem_bytes(bucket, variant):
     """decode_tc's dynamic shared memory: 16 Q rows and the K/V ring, padded rows of 16-bit
     values (at least the warps' merge buffer, 4 x 16 x bucket floats)."""
-    kw, stages, _ = TC_VARIANTS[variant]
+    kw, stages = TC_VARIANTS[variant][:2]
     row = (bucket + 8) * 2
     return max(16 * row + 2 * stages * WARPS * kw * row, WARPS * 16 * bucket * 4)
 

@@ -240,23 +240,32 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
   const int lane = threadIdx.x % 32;
   for (int r = warp; r < ROWS; r += DECODE_WARPS) {
     if (rows[r].bh < 0) continue;  // padding rows have no partials (warp-uniform)
-    Acc M = NEG_INF;
-    for (int it = lane; it < n_items; it += 32)
-      M = acc_max(M, ld_cg(ws_lse + (first + it) * ROWS + r));
+    // max M and sum of exp2(lse_i - M) in one pass (a running pair per lane, then merged over
+    // the warp); empty partials (-inf) contribute nothing and never form -inf - (-inf)
+    Acc M = NEG_INF, sum = Acc(0);
+    for (int it = lane; it < n_items; it += 32) {
+      const Acc x = ld_cg(ws_lse + (first + it) * ROWS + r);
+      if (x > M) {
+        sum = (M > NEG_INF ? sum * exp2_acc(M - x) : Acc(0)) + Acc(1);
+        M = x;
+      } else if (x > NEG_INF) {
+        sum += exp2_acc(x - M);
+      }
+    }
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) M = acc_max(M, __shfl_xor_sync(FULL_WARP, M, o));
-    Acc sum = Acc(0);
-    if (M > NEG_INF)  // an all-empty row never evaluates exp2(-inf - (-inf))
-      for (int it = lane; it < n_items; it += 32)
-        sum += exp2_acc(ld_cg(ws_lse + (first + it) * ROWS + r) - M);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, o);
+    for (int o = 16; o > 0; o /= 2) {
+      const Acc M_o = __shfl_xor_sync(FULL_WARP, M, o);
+      const Acc s_o = __shfl_xor_sync(FULL_WARP, sum, o);
+      const Acc M_n = acc_max(M, M_o);
+      sum = (M > NEG_INF ? sum * exp2_acc(M - M_n) : Acc(0)) +
+            (M_o > NEG_INF ? s_o * exp2_acc(M_o - M_n) : Acc(0));
+      M = M_n;
+    }
     if (lane == 0) {
       const bool empty = !(M > NEG_INF);
       sM[r] = M;
       sInv[r] = empty ? Acc(0) : Acc(1) / sum;
-      if (rows[r].bh >= 0)
-        lse[rows[r].bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<Acc>();
+      lse[rows[r].bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<Acc>();
     }
   }
   __syncthreads();
@@ -617,6 +626,37 @@ decode_split(DECODE_SPLIT_PARAMS) {
                             it.n_items, Nq, Dv, fused);
 }
 
+// decode_tc's stage copy: keys [row0, row0 + ROWS) of a (row stride rs) matrix into padded shared
+// rows (HEAD_DIM + 8 elements), 16 bytes per cp.async; keys >= limit become zeros. HINT: the L2
+// prefetch size hint of each copy (0: none, 128 or 256 bytes).
+template <int ROWS, int HEAD_DIM, int HINT, typename T>
+__device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src, long long rs,
+                                        int row0, int limit) {
+  constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  constexpr int RPI = DECODE_THREADS / CPR;
+  static_assert(DECODE_THREADS % CPR == 0 && ROWS % RPI == 0, "cp_keys: rows must divide the block");
+  const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
+  const T* p = src + static_cast<long long>(row0 + r_thr) * rs + c_thr * 8;
+  const unsigned d = dst + r_thr * ROW_BYTES + c_thr * 16;
+  const int rem = limit - row0 - r_thr;  // copy `it` reads a real row iff it * RPI < rem
+#pragma unroll
+  for (int it = 0; it < ROWS / RPI; ++it) {
+    const bool ok = it * RPI < rem;
+    const void* g = ok ? static_cast<const void*>(p + it * RPI * rs) : static_cast<const void*>(src);
+    const int n = ok ? 16 : 0;
+    if (HINT == 256)
+      asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;"
+                   ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
+    else if (HINT == 128)
+      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
+                   ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
+    else
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                   ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
+  }
+}
+
 // ---- the tensor-core split kernel (float16 / bfloat16, Dk == Dv == HEAD_DIM, no mask or bias) --
 // The row tile is one m16n8k16 m-fragment: the group's G * Nq rows (16 per tile, padding rows
 // zero). Each stage of a STAGES-deep cp.async ring holds DECODE_WARPS * KW keys of K and of V in
@@ -630,7 +670,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
 // decode_split. Dynamic shared memory: 16 Q rows + 2 * STAGES * DECODE_WARPS * KW K/V rows of
 // (HEAD_DIM + 8) * 2 bytes (cuflash/_decode.py tc_smem_bytes), at least the merge's
 // DECODE_WARPS * 16 * HEAD_DIM floats.
-template <typename T, int HEAD_DIM, int KW, int STAGES, int MINB>
+template <typename T, int HEAD_DIM, int KW, int STAGES, int MINB, int HINT>
 __global__ void __launch_bounds__(DECODE_THREADS, MINB)
 decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,
@@ -669,7 +709,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   // The first STAGES - 1 stages are requested before anything else, so that their latency hides
   // the set-up below. They cover the item's keys [k0, k1), a piece of the host's extent of the
   // tile (the union of its rows' visible ranges: no key is read in vain; one that some row does
-  // not see is masked below like any other); keys >= k1 are zero-filled by cp_tile.
+  // not see is masked below like any other); keys >= k1 are zero-filled by cp_keys.
   const int blo = static_cast<int>(it.k0);
   const int limit = static_cast<int>(it.k1);
   const int n_stages = limit > blo ? (limit - blo - 1) / BK + 1 : 0;
@@ -678,8 +718,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < n_stages) {
-      cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sK + s * TILE_BYTES, kh, k_rs, blo + s * BK, limit);
-      cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sV + s * TILE_BYTES, vh, v_rs, blo + s * BK, limit);
+      cp_keys<BK, HEAD_DIM, HINT>(sK + s * TILE_BYTES, kh, k_rs, blo + s * BK, limit);
+      cp_keys<BK, HEAD_DIM, HINT>(sV + s * TILE_BYTES, vh, v_rs, blo + s * BK, limit);
     }
     cp_async_commit();
   }
@@ -727,8 +767,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
       const int nn = n + STAGES - 1;
       if (nn < n_stages) {
         const int buf = nn % STAGES;
-        cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sK + buf * TILE_BYTES, kh, k_rs, blo + nn * BK, limit);
-        cp_tile<BK, HEAD_DIM, DECODE_THREADS>(sV + buf * TILE_BYTES, vh, v_rs, blo + nn * BK, limit);
+        cp_keys<BK, HEAD_DIM, HINT>(sK + buf * TILE_BYTES, kh, k_rs, blo + nn * BK, limit);
+        cp_keys<BK, HEAD_DIM, HINT>(sV + buf * TILE_BYTES, vh, v_rs, blo + nn * BK, limit);
       }
       cp_async_commit();
     }

@@ -22,6 +22,16 @@ namespace tc {
 constexpr float RESCALE_SLACK = 8.f;  // RESCALE 2: a row's reference max may lag by 2^8
 }  // namespace tc
 
+// One K or V tile copy of the variants: cp_tile, or cp_tile_inc with OPT_CHEAP_ADDR.
+template <bool CHEAP, int ROWS, int HEAD_DIM, int THREADS, typename T>
+__device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src, long long rs,
+                                         int row0, int limit) {
+  if constexpr (CHEAP && THREADS % (HEAD_DIM / 8) == 0)
+    tc::cp_tile_inc<ROWS, HEAD_DIM, THREADS>(dst, src, rs, row0, limit);
+  else
+    tc::cp_tile<ROWS, HEAD_DIM, THREADS>(dst, src, rs, row0, limit);
+}
+
 // Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile): no 65535 limit on BH, and the
 // blocks of one (batch, head) run together so its K/V stay in L2.
 //
@@ -31,8 +41,23 @@ constexpr float RESCALE_SLACK = 8.f;  // RESCALE 2: a row's reference max may la
 // the multiply when no row of the warp raised its max (alpha == 1 exactly: same results);
 // 2 also keeps a row's max unless it grows by more than RESCALE_SLACK (log2 units), so
 // P <= 2^RESCALE_SLACK and rescales become rare (exact math; rounding differs from 0 and 1).
+//
+// RESCALE_OPT = RESCALE | (OPT << 2): the high bits select candidate variants (all 0 in the
+// default table; with OPT == 0 the code below is the one the defaults were measured with):
+//   OPT_CHEAP_ADDR  K/V copies with incremental addresses (cp_tile_inc: one 64-bit add per copy
+//                   instead of a 64-bit row * stride product and parameter reloads);
+//   OPT_LATE_ISSUE  the next tile's copies are issued after this tile's S = Q K^T, not before it
+//                   (the tensor cores start right after the barrier; the copies overlap softmax);
+//   OPT_KV_SPLIT    K and V of a tile in separate cp.async groups (issued together): the loop
+//                   waits only for K before S = Q K^T, and for V (plus a second barrier) right
+//                   after it, so V's copy overlaps Q K^T.
+// (RESCALE_OPT keeps the defaults' template arguments, mangled names and PTX as they were.)
+namespace tc {
+constexpr int OPT_CHEAP_ADDR = 1, OPT_LATE_ISSUE = 2, OPT_KV_SPLIT = 4;
+}  // namespace tc
+
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
-          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, int KSPLIT = 1, int RESCALE = 0>
+          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, int KSPLIT = 1, int RESCALE_OPT = 0>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
@@ -41,6 +66,12 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
          long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
          int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right) {
   using namespace tc;
+  constexpr int RESCALE = RESCALE_OPT & 3;
+  constexpr int OPT = RESCALE_OPT >> 2;
+  constexpr bool CHEAP_ADDR = (OPT & OPT_CHEAP_ADDR) != 0;
+  constexpr bool LATE_ISSUE = (OPT & OPT_LATE_ISSUE) != 0;
+  constexpr bool KV_SPLIT = (OPT & OPT_KV_SPLIT) != 0;
+  static_assert(OPT >= 0 && OPT < 8, "variant bits");
   constexpr int THREADS = NWARPS * 32;
   constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp
   constexpr int SN = BLOCK_N / KSPLIT;         // keys per softmax step
@@ -53,7 +84,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   static_assert(MF >= 1 && MF * 16 * NWARPS == BLOCK_M, "BLOCK_M must be 16 * MF * NWARPS");
   static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
   static_assert(KSPLIT >= 1 && SN * KSPLIT == BLOCK_N && SN % 16 == 0, "key sub-tiles");
-  static_assert(RESCALE >= 0 && RESCALE <= 2, "rescale mode");
+  static_assert(RESCALE >= 0 && RESCALE <= 2, "rescale mode");  // (3: reserved)
   static_assert(STAGES >= 2, "cp.async ring depth");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
@@ -102,14 +133,27 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   // Prologue: Q with the first key tile, then STAGES - 2 more tiles, one commit group each.
   cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
+  if constexpr (OPT == 0) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) {
-      const int j0 = j_first + s * BLOCK_N;
-      cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + s * TILE_BYTES, kh, k_rs, j0, j_limit);
-      cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < n_tiles) {
+        const int j0 = j_first + s * BLOCK_N;
+        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + s * TILE_BYTES, kh, k_rs, j0, j_limit);
+        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
+  } else {  // groups: [Q K0] [V0] [K1] [V1] ... with OPT_KV_SPLIT, else [Q K0 V0] [K1 V1] ...
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      const int j0 = j_first + s * BLOCK_N;
+      if (s < n_tiles)
+        fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + s * TILE_BYTES, kh, k_rs, j0, j_limit);
+      if (KV_SPLIT) cp_async_commit();
+      if (s < n_tiles)
+        fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
+      cp_async_commit();
+    }
   }
 
   // Row state (DESIGN.md "Empty state"): m = -inf (log2 units, scaled), l = 0 (per-lane partial),
@@ -140,17 +184,38 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   for (int n = 0; n < n_tiles; ++n) {
     const int j_tile = j_first + n * BLOCK_N;
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile n landed for everyone; everyone finished tile n - 1's buffers
-    {
-      const int nn = n + STAGES - 1;
-      const int buf = nn % STAGES;
-      if (nn < n_tiles) {
-        const int jn = j_first + nn * BLOCK_N;
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn, j_limit);
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn, j_limit);
+    if constexpr (OPT == 0) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // tile n landed for everyone; everyone finished tile n - 1's buffers
+      {
+        const int nn = n + STAGES - 1;
+        const int buf = nn % STAGES;
+        if (nn < n_tiles) {
+          const int jn = j_first + nn * BLOCK_N;
+          cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn, j_limit);
+          cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn, j_limit);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
+    } else {
+      // KV_SPLIT: committed so far [.. K(n) V(n) .. K(n+S-2) V(n+S-2)]: K(n) is complete when at
+      // most 2S - 3 groups are pending. Otherwise tile n is complete when S - 2 are.
+      if (KV_SPLIT) cp_async_wait<2 * STAGES - 3>();
+      else cp_async_wait<STAGES - 2>();
+      __syncthreads();  // K (and V) of tile n landed; everyone finished tile n - 1's buffers
+      if (!LATE_ISSUE) {
+        const int nn = n + STAGES - 1;
+        const int buf = nn % STAGES;
+        const int jn = j_first + nn * BLOCK_N;
+        if (nn < n_tiles)
+          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn,
+                                                           j_limit);
+        if (KV_SPLIT) cp_async_commit();
+        if (nn < n_tiles)
+          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn,
+                                                           j_limit);
+        cp_async_commit();
+      }
     }
     if (Q_IN_REGS && n == 0) {
 #pragma unroll
@@ -203,6 +268,29 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
             Mma<T>::run(s[mf][2 * p + 1], qa[mf], kb[2], kb[3]);
           }
         }
+      }
+
+      // OPT_LATE_ISSUE: the next tile's copies, after S (once per tile, at the first sub-tile).
+      if (LATE_ISSUE && sub == 0) {
+        const int nn = n + STAGES - 1;
+        const int buf = nn % STAGES;
+        const int jn = j_first + nn * BLOCK_N;
+        if (nn < n_tiles)
+          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn,
+                                                           j_limit);
+        if (KV_SPLIT) cp_async_commit();
+        if (nn < n_tiles)
+          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn,
+                                                           j_limit);
+        cp_async_commit();
+      }
+
+      // OPT_KV_SPLIT: V of this tile, waited for only after S = Q K^T (as FlashAttention-2 does;
+      // waiting after the softmax instead holds the scores across the barrier and spills).
+      if (KV_SPLIT && sub == 0) {
+        // Committed: up to V(n + S - 1); V(n) is complete when at most 2S - 2 groups are pending.
+        cp_async_wait<2 * STAGES - 2>();
+        __syncthreads();  // V of tile n landed for everyone
       }
 
       // Mask by global position, only in steps not entirely visible to the block.

@@ -124,6 +124,36 @@ __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long
   }
 }
 
+// cp_tile with incremental source addresses (THREADS a multiple of HEAD_DIM / 8): the thread's
+// first row pointer is formed once (one 64-bit multiply), then advanced by RPI rows per copy (one
+// 64-bit add), and the row predicate compares against one precomputed remainder. cp_tile forms a
+// full 64-bit row * stride product and reloads its parameters per row (~10 instructions per copy).
+template <int ROWS, int HEAD_DIM, int THREADS, typename T>
+__device__ __forceinline__ void cp_tile_inc(u32 dst, const T* __restrict__ src, long long rs,
+                                            int row0, int limit) {
+  constexpr int CPR = HEAD_DIM / 8;
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  static_assert(THREADS % CPR == 0, "cp_tile_inc: rows must divide the block");
+  constexpr int RPI = THREADS / CPR;
+  long long rs_o;  // opaque, as in cp_tile: nothing of this is hoisted out of the key loop
+  asm volatile("mov.b64 %0, %1;" : "=l"(rs_o) : "l"(rs));
+  const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
+  const T* p = src + static_cast<long long>(row0 + r_thr) * rs_o + c_thr * 8;
+  const long long step = RPI * rs_o;
+  const int rem = limit - row0 - r_thr;  // copy `it` reads a real row iff it * RPI < rem
+  const u32 d = dst + r_thr * ROW_BYTES + c_thr * 16;
+#pragma unroll
+  for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
+    if (ROWS % RPI == 0 || it * RPI + r_thr < ROWS) {
+      const bool ok = it * RPI < rem;
+      cp_async16(d + it * RPI * ROW_BYTES, ok ? p : src, ok ? 16 : 0);
+    }
+    // An opaque add, ordered with the copies: one row pointer live at a time (a plain += lets the
+    // compiler form every row's pointer up front and hold them all).
+    asm volatile("add.s64 %0, %0, %1;" : "+l"(p) : "l"(step));
+  }
+}
+
 // ---- new for the backward ----------------------------------------------------------------------
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(x) : "memory");

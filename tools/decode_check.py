@@ -456,6 +456,8 @@ TIMING_VARIANTS = (
     ("tc16s4", True, 1, "tc16s4", None), ("tc32s3", True, 1, "tc32s3", None),
     ("tc16s2 bal", True, 1, "tc16s2", "balanced"), ("tc16s3 bal", True, 1, "tc16s3", "balanced"),
     ("tc32s3 bal", True, 1, "tc32s3", "balanced"), ("tc16s2 sep", False, 1, "tc16s2", None),
+    ("tc16s2h", True, 1, "tc16s2h", "balanced"), ("tc16s3h", True, 1, "tc16s3h", "balanced"),
+    ("tc16s2h1", True, 1, "tc16s2h1", "balanced"),
 )
 HQ, HKV, D = 32, 8, 128
 REPS, WARM = 20, 5
@@ -516,6 +518,34 @@ def _copy_bw():
     return 2 * n / (ms * 1e-3)
 
 
+def _read_bw():
+    """A read-only stream for reference: 1 GiB of uint4 loads (grid-stride, 2 x 132 x 4 blocks of
+    256 threads, 4 loads in flight per thread), xor-reduced to one word per thread."""
+    import cupy as cp
+
+    kern = cp.RawKernel(r"""
+extern "C" __global__ void read_stream(const uint4* __restrict__ src, unsigned long long n,
+                                       unsigned* __restrict__ sink) {
+  unsigned acc = 0;
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 a = __ldcs(src + i), b = __ldcs(src + i + stride), c = __ldcs(src + i + 2 * stride),
+          d = __ldcs(src + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) { uint4 a = __ldcs(src + i); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+  sink[(unsigned long long)blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}""", "read_stream")
+    nbytes = 1 << 30
+    src = cp.ones(nbytes // 4, dtype=cp.uint32)
+    blocks = 132 * 8
+    sink = cp.empty(blocks * 256, dtype=cp.uint32)
+    n = np.uint64(nbytes // 16)
+    ms = _time(lambda _: kern((blocks,), (256,), (src, n, sink)), [None])
+    return nbytes / (ms * 1e-3)
+
+
 @stage("timing")
 def check_timing():
     import cupy as cp
@@ -534,6 +564,7 @@ def check_timing():
     rng = np.random.default_rng(3)
     copy = _copy_bw()
     print(f"  copy bandwidth {copy / 1e12:.3f} TB/s (cudaMemcpyAsync D2D, 1 GiB, read + write)")
+    print(f"  read bandwidth {_read_bw() / 1e12:.3f} TB/s (a read-only stream kernel, 1 GiB)")
     rows = []
 
     def mk(B, L):
@@ -667,7 +698,7 @@ def check_scaling():
                   f"  us | fit {1e-6 / slope:.2f} TB/s + {icpt:.1f} us")
 
 
-SCALING_VARIANTS = ("simt", "tc16s2", "tc32s3")
+SCALING_VARIANTS = ("simt", "tc16s2", "tc16s2h")
 
 
 def main(argv):

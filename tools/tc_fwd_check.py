@@ -13,15 +13,18 @@ Default mode:
    torch SDPA with the flash backend on the same data. FLOPs = 4 * B * H * N^2 * D, halved for
    causal.
 
---variants (fast, ~1 min on an H200): every tile of CANDIDATES is checked on a few odd shapes
-(causal, kv_lens, window, strided GQA, a ramp that keeps raising the row max; NaN-poisoned outputs
-vs float64) and timed against torch SDPA flash at D = 128 and 64, N = 1k, 4k, 16k, causal and not,
-bf16. One failing candidate prints FAIL lines and the others go on; a compact table comes last.
+--variants (~2-3 min on an H200): the candidates' kernels are first compiled in parallel child
+processes (CuPy's disk cache then serves this one); every tile of CANDIDATES is checked on odd
+shapes (causal both alignments, kv_lens, window, strided GQA, a ramp that keeps raising the row
+max; NaN-poisoned outputs vs float64) and timed against torch SDPA flash at D = 128 and 64,
+N = 1k, 4k, 16k, causal and not, bf16 (rows after --budget-s seconds are skipped). One failing
+candidate prints FAIL lines and the others go on; a compact table comes last.
 
 Timing: CUDA events around a batch of back-to-back launches (host overhead overlaps the GPU;
 all host preparation happens before the first event), median of the batches.
 
     PYTHONPATH=. python3 tools/tc_fwd_check.py [--variants] [--skip-correctness] [--skip-timing]
+    PYTHONPATH=. python3 tools/tc_fwd_check.py --build     # no device: candidates' ptxas report
 """
 import argparse
 import itertools
@@ -47,18 +50,34 @@ DTYPES = ("float16", "bfloat16")
 Tile = _config.Sm80Tile
 
 # Candidate tiles for --variants, per head dim: (label, tile); None = the table's current choice.
-# Fields: block_m block_n warps stages q_in_regs min_blocks ksplit rescale (see _config.py).
+# Fields: block_m block_n warps stages q_in_regs min_blocks ksplit rescale opt (see _config.py);
+# opt bits: A = 1 incremental copy addresses, L = 2 next tile's copies after S = Q K^T,
+# S = 4 K and V in separate cp.async groups (wait for K before Q K^T, for V after it).
+# ptxas (NVRTC 13.0): all spill-free on sm_90a; "A" and "A+S" at D=128 spill 8 / 4 bytes on sm_80
+# (`--build` prints the table; the 128x64 4-warp tile sits at 255 registers). A+L and A+L+S at
+# D=128 spill on sm_90a (16 / 68 bytes) and are left out there.
+_A, _L, _S = _config.SM80_OPT_CHEAP_ADDR, _config.SM80_OPT_LATE_ISSUE, _config.SM80_OPT_KV_SPLIT
 CANDIDATES = {
     128: [
-        ("table 128x32", None),
-        ("128x64", Tile(128, 64, 4, 2, False, 2, 1, 0)),          # FA2's tile, one softmax / 64 keys
-        ("128x64 2x32 skip", Tile(128, 64, 4, 2, False, 2, 2, 1)),  # 32-key softmax steps
-        ("128x64 2x32 lag8", Tile(128, 64, 4, 2, False, 2, 2, 2)),
+        ("table", None),                                                  # 128x64 4w Q smem
+        ("S", Tile(128, 64, 4, 2, False, 2, 1, 0, _S)),
+        ("A", Tile(128, 64, 4, 2, False, 2, 1, 0, _A)),
+        ("A+S", Tile(128, 64, 4, 2, False, 2, 1, 0, _A | _S)),
+        ("A 128x32 3stg", Tile(128, 32, 4, 3, False, 2, 1, 0, _A)),
+        ("A+S 128x32 3stg", Tile(128, 32, 4, 3, False, 2, 1, 0, _A | _S)),
+        ("A 8w 128x64 Qreg", Tile(128, 64, 8, 2, True, 1, 1, 0, _A)),      # 1 block/SM
+        ("A 8w 128x128 Qreg", Tile(128, 128, 8, 2, True, 1, 1, 0, _A)),    # 1 block/SM
+        ("A+S 8w 128x128 Qreg", Tile(128, 128, 8, 2, True, 1, 1, 0, _A | _S)),
     ],
     64: [
-        ("table 128x64", None),
-        ("128x64 skip", Tile(128, 64, 4, 2, False, 2, 1, 1)),
-        ("128x128 2x64 skip", Tile(128, 128, 4, 2, False, 2, 2, 1)),
+        ("table", None),                                                  # 128x64 4w Q smem
+        ("S", Tile(128, 64, 4, 2, False, 2, 1, 0, _S)),
+        ("A", Tile(128, 64, 4, 2, False, 2, 1, 0, _A)),
+        ("A+L", Tile(128, 64, 4, 2, False, 2, 1, 0, _A | _L)),
+        ("A+S", Tile(128, 64, 4, 2, False, 2, 1, 0, _A | _S)),
+        ("A+L+S", Tile(128, 64, 4, 2, False, 2, 1, 0, _A | _L | _S)),
+        ("A Qreg", Tile(128, 64, 4, 2, True, 2, 1, 0, _A)),
+        ("A 3stg", Tile(128, 64, 4, 3, False, 2, 1, 0, _A)),
     ],
 }
 
@@ -163,6 +182,7 @@ MODES = {
     "causal-tl": (True, False, None, False, False, False),
     "window-br": (False, True, (50, 7), False, False, False),
     "causal-kvlens": (True, True, None, True, False, False),
+    "kvlens": (False, True, None, True, False, False),
     "window-tl-kvlens": (True, False, (20, None), True, False, False),
     "strided-gqa": (True, True, (300, None), False, False, True),
     "mask-bias": (True, True, None, True, True, False),
@@ -331,6 +351,11 @@ VARIANT_CASES = (  # (dtype, Nq, Nk, mode): odd lengths, every visibility featur
     ("bfloat16", 127, 1000, "plain"),
     ("bfloat16", 1000, 1000, "causal-br"),
     ("bfloat16", 1000, 127, "causal-tl"),
+    ("bfloat16", 1001, 1001, "causal-tl"),
+    ("bfloat16", 300, 1001, "causal-br"),
+    ("bfloat16", 1001, 300, "causal-br"),   # rows before the aligned start see nothing
+    ("bfloat16", 1, 63, "causal-tl"),       # one tile, one row
+    ("bfloat16", 999, 777, "kvlens"),
     ("bfloat16", 63, 1000, "causal-kvlens"),
     ("bfloat16", 1000, 1000, "window-tl-kvlens"),
     ("bfloat16", 130, 513, "strided-gqa"),
@@ -340,9 +365,38 @@ VARIANT_CASES = (  # (dtype, Nq, Nk, mode): odd lengths, every visibility featur
 )
 
 
-def variants(head_dims, seqs):
+_WARM = """
+import sys
+from cuflash import _config, _kernels
+for expr in sys.argv[1:]:
+    try:
+        _kernels.get_function(_config.SOURCES["fwd_sm80"], expr)
+    except Exception as exc:  # reported again by the correctness stage
+        print("prewarm failed:", expr, type(exc).__name__, str(exc)[:200], flush=True)
+"""
+
+
+def prewarm(exprs, workers=None):
+    """Compile `exprs` in parallel child processes (one CUDA context each): CuPy's on-disk kernel
+    cache then serves this process, so the candidates' NVRTC builds (several seconds each) overlap."""
+    import os
+    import subprocess
+    t0 = time.perf_counter()
+    exprs = sorted(set(exprs))
+    workers = max(1, min(workers or os.cpu_count() or 1, 16, len(exprs)))
+    chunks = [exprs[i::workers] for i in range(workers)]
+    procs = [subprocess.Popen([sys.executable, "-c", _WARM] + c) for c in chunks if c]
+    for pr in procs:
+        pr.wait()
+    print(f"[prewarm: {len(exprs)} kernels in {len(procs)} processes, "
+          f"{time.perf_counter() - t0:.1f} s]", flush=True)
+
+
+def variants(head_dims, seqs, budget_s=200.0):
     t0 = time.perf_counter()
     labels = {D: [lab for lab, _ in CANDIDATES[D]] for D in head_dims}
+    prewarm([_config.sm80_name_expression(dt, D, False, tile) for D in head_dims
+             for _, tile in CANDIDATES[D] for dt in DTYPES])
     broken = {}  # (D, label) -> first failure
     # 1. correctness of every candidate (compiles it too)
     rng = np.random.default_rng(0)
@@ -383,6 +437,10 @@ def variants(head_dims, seqs):
     table = []
     for D in head_dims:
         for N, causal in itertools.product(seqs, (False, True)):
+            if time.perf_counter() - t0 > budget_s:
+                print(f"[budget {budget_s:.0f} s reached: D={D} N={N} causal={causal} and later "
+                      "rows not timed]", flush=True)
+                break
             (q, k, v), B, H = grid_inputs(D, N, trng)
             flops = 4.0 * B * H * N * N * D / (2 if causal else 1)
             try:
@@ -428,6 +486,25 @@ def variants(head_dims, seqs):
     return len(broken)
 
 
+def build_report(head_dims, archs=("sm_80", "sm_90a")):
+    """Device-free: ptxas registers / stack / spill bytes of every candidate (both dtypes)."""
+    bad = 0
+    for arch in archs:
+        exprs = sorted({_config.sm80_name_expression(dt, D, False, tile) for D in head_dims
+                        for _, tile in CANDIDATES[D] for dt in DTYPES})
+        usage = _kernels.resource_usage(exprs, arch)
+        for D in head_dims:
+            for label, tile in CANDIDATES[D]:
+                for dt in DTYPES:
+                    u = usage[_config.sm80_name_expression(dt, D, False, tile)]
+                    spill = u.get("spill_stores", -1) + u.get("spill_loads", -1) + u.get("stack", -1)
+                    bad += spill != 0
+                    print(f"{arch:7s} D={D:3d} {label:20s} {dt:8s} {u.get('registers')} regs, "
+                          f"stack {u.get('stack')}, spill st/ld {u.get('spill_stores')}/"
+                          f"{u.get('spill_loads')}{'' if spill == 0 else '   <- SPILLS'}", flush=True)
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-correctness", action="store_true")
@@ -438,14 +515,21 @@ def main():
                     help="head dims (default 32,...,256; with --variants 128,64)")
     ap.add_argument("--seqs", default=None,
                     help="sequence lengths (default 512,...,16384; with --variants 1024,4096,16384)")
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="--variants: stop timing new rows after this many seconds (default 200)")
+    ap.add_argument("--build", action="store_true",
+                    help="no device: ptxas resource report of every candidate (sm_80, sm_90a)")
     a = ap.parse_args()
+    if a.build:
+        dims = [int(x) for x in (a.dims or "128,64").split(",")]
+        return 1 if build_report([d for d in dims if d in CANDIDATES]) else 0
     print("device:", cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
           "torch", torch.__version__ if torch else None)
     t0 = time.perf_counter()
     if a.variants:
         dims = [int(x) for x in (a.dims or "128,64").split(",")]
         seqs = [int(x) for x in (a.seqs or "1024,4096,16384").split(",")]
-        return 1 if variants([d for d in dims if d in CANDIDATES], seqs) else 0
+        return 1 if variants([d for d in dims if d in CANDIDATES], seqs, a.budget_s) else 0
     dims = [int(x) for x in (a.dims or "32,64,96,128,192,256").split(",")]
     seqs = [int(x) for x in (a.seqs or "512,1024,2048,4096,8192,16384").split(",")]
     fails = 0
