@@ -118,12 +118,20 @@ Sm80Tile = namedtuple("Sm80Tile",
 SM80_OPT_CHEAP_ADDR, SM80_OPT_LATE_ISSUE, SM80_OPT_KV_SPLIT = 1, 2, 4
 SM80_DTYPES = ("float16", "bfloat16")
 SM80_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# Variant bits, H200 2026-11-29 (tools/tc_fwd_check.py --variants, bf16, ratio to SDPA flash in
+# the same run at N = 1k / 4k / 16k, non-causal | causal; the plain tile first):
+#   D=128 128x64 plain 0.95 0.99 0.96 | 0.98 0.98 1.01;  S (4) 1.01 1.04 1.00 | 1.02 1.04 1.05;
+#         A (1) 1.04 1.03 1.01 | 1.05 1.08 1.06;  A+S (5) 1.05 1.04 1.03 | 1.05 1.09 1.07 (A spills
+#         4-8 bytes on sm_80: A+S is the sm_90+ tile, SM90_TILES; S on sm_80);  128x32 3 stages with
+#         A: 0.93-0.99; 8 warps with Q in registers: 0.75-0.94.
+#   D=64  128x64 plain 0.99 1.02 1.02 | 1.03 0.99 1.02;  A (1) 1.04 1.06 1.04 | 1.04 1.04 1.05;
+#         A+L (3) 1.02 1.06 1.05 | 1.07 1.05 1.06;  S alone 0.95-1.00.
 SM80_TILES = {
     # (head dim, has mask or bias) -> tile
     (32, False): Sm80Tile(128, 128, 4, 2, True, 2),
-    (64, False): Sm80Tile(128, 64, 4, 2, False, 2),
+    (64, False): Sm80Tile(128, 64, 4, 2, False, 2, 1, 0, SM80_OPT_CHEAP_ADDR),
     (96, False): Sm80Tile(128, 64, 8, 2, True, 1),
-    (128, False): Sm80Tile(128, 64, 4, 2, False, 2),
+    (128, False): Sm80Tile(128, 64, 4, 2, False, 2, 1, 0, SM80_OPT_KV_SPLIT),
     (192, False): Sm80Tile(64, 64, 4, 2, False, 1),
     (256, False): Sm80Tile(64, 64, 4, 2, False, 1),
     (32, True): Sm80Tile(64, 64, 4, 2, True, 2),
@@ -136,7 +144,7 @@ SM80_TILES = {
 SOURCES["fwd_sm80"] = "fwd_sm80.cu"
 _KERNEL_NAMES["fwd_sm80"] = "fwd_sm80"
 # The tensor-core backward kernels; their tiles are in cuflash/_tc_bwd.py.
-for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dq"):
+for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dkdv_g", "bwd_sm80_dq"):
     SOURCES[_k] = "bwd_sm80.cu"
     _KERNEL_NAMES[_k] = _k
 del _k
@@ -145,6 +153,21 @@ SOURCES["decode_split"] = SOURCES["decode_combine"] = SOURCES["decode_tc"] = "de
 _KERNEL_NAMES["decode_split"] = "decode_split"
 _KERNEL_NAMES["decode_combine"] = "decode_combine"
 _KERNEL_NAMES["decode_tc"] = "decode_tc"
+
+
+# sm_90+ (compiled for the device's architecture) where ptxas fits a faster variant spill-free only
+# there; every other key uses SM80_TILES.
+SM90_TILES = {
+    (128, False): Sm80Tile(128, 64, 4, 2, False, 2, 1, 0,
+                           SM80_OPT_CHEAP_ADDR | SM80_OPT_KV_SPLIT),
+}
+
+
+def sm80_tile(head_dim, has_mb, cc=80):
+    """The forward tile for a device of compute capability `cc` (an int, e.g. 90)."""
+    if cc >= 90 and (head_dim, has_mb) in SM90_TILES:
+        return SM90_TILES[(head_dim, has_mb)]
+    return SM80_TILES[(head_dim, has_mb)]
 
 
 def sm80_smem_bytes(head_dim, has_mb, tile=None):
@@ -260,12 +283,23 @@ def all_instantiations():
         for (head_dim, has_mb) in SM80_TILES:
             out.append(("fwd_sm80", dt, head_dim, SOURCES["fwd_sm80"],
                         sm80_name_expression(dt, head_dim, has_mb)))
+        for (head_dim, has_mb), tile in SM90_TILES.items():
+            out.append(("fwd_sm80", dt, head_dim, SOURCES["fwd_sm80"],
+                        sm80_name_expression(dt, head_dim, has_mb, tile)))
     from . import _decode, _tc_bwd  # their tile rules live with their schedulers
     for expr in _tc_bwd.all_instantiations():
         kernel = expr.split("<", 1)[0]
         head_dim = int(expr.split(",")[1].strip(" >"))
         out.append((kernel, _dtype_of_ctype(expr), head_dim, SOURCES[kernel], expr))
     return out + _decode.instantiations()
+
+
+def sm90_only_instantiations():
+    """Name expressions the package requests only on sm_90+ devices (checked for spills there)."""
+    from . import _tc_bwd
+    out = {sm80_name_expression(dt, d, mb, t) for dt in SM80_DTYPES
+           for (d, mb), t in SM90_TILES.items()}
+    return out | set(_tc_bwd.sm90_only_instantiations())
 
 
 def _dtype_of_ctype(expr):

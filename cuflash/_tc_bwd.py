@@ -63,6 +63,23 @@ sm_90a / sm_80, bf16 and fp16 alike, dq_atomic:
   dK + dV alone are 128 registers per thread. A D=128 gain has to come from fewer ldmatrix per mma
   (today ~0.6 x4 loads per mma per warp: each warp re-reads all of Q and dO, twice), e.g. 2 x 4
   warp grids for S^T / dP^T as FA2, which is a layout change, not a tile-table entry.
+
+Candidate: FA2-style warp grids, bwd_sm80_dkdv_g (OPT_GRID; GRID_TILES; not yet run on a GPU; the
+layout checked by tools/tc_bwd_emulate.py). 8 warps, 128 keys, BLOCK_M queries per step; S^T / dP^T
+on a 4 (keys) x 2 (queries) warp grid, P^T and dS^T (16-bit) through shared memory, dV / dK on
+4 (keys) x 2 (head-dim halves), dQ on 2 (queries) x 4 (head-dim quarters) (4 x 2 at BLOCK_M 128).
+Head dims 64 and 128 without mask / bias (launch_dkdv takes the table's tile otherwise).
+x4 ldmatrix per warp per 64 x 128 tile at D=128: 144 for 320 mma (today's kernel 184); at D=64 the
+same 88 as today's kernel for 160 mma, hence also FA2's D=64 tile (BLOCK_M 128: 0.45 per mma).
+Registers / spill bytes (NVRTC 13.0, dq_atomic | deterministic, bf16 = fp16), shared memory:
+    D=128 BLOCK_M 64   sm_90a 249/0 | 251/0   sm_80 250/0 | 250/0   173 KiB (sm_90 only)
+    D=128 BLOCK_M 32   sm_90a 242/0 | 239/0   sm_80 238/0 | 236/0   123 KiB
+    D=64  BLOCK_M 64   sm_90a 219/0 | 215/0   sm_80 230/0 | 223/0   109 KiB
+    D=64  BLOCK_M 128  sm_90a 255/0 | 255/0   sm_80 253/0 | 254/0   178 KiB (sm_90 only)
+    D=64  BLOCK_M 32   sm_90a 186/0 | 177/0   sm_80 178/0 | 168/0    75 KiB
+  A warp sub-tile with no visible pair (causal / window diagonals) skips its S^T / dP^T products.
+  Rejected: D=64 BLOCK_M 32 at 2 blocks / SM (MIN_BLOCKS 2: 16 B spill with dQ atomics, 40 B with
+  opaque lane offsets), D=64 BLOCK_M 64 at 2 blocks (328 B), D=128 BLOCK_M 128 (264 B, 274 KiB).
 """
 from collections import namedtuple
 
@@ -79,6 +96,10 @@ LSE_PAD = 128
 # opt: bwd_sm80_dkdv_x OPT bits (kernels_cu/bwd_sm80.cu tcb::DkdvOpt), 0 = the plain kernel.
 DkdvTile = namedtuple("DkdvTile", "block_m warps kv_in_regs min_blocks opt", defaults=(0,))
 OPT_BDEP, OPT_BCHAIN, OPT_DQ_V4, OPT_LANE_OPQ = 1, 2, 4, 8
+# OPT_GRID (host-side bit, not an OPT of bwd_sm80_dkdv_x): the FA2-style warp-grid kernel
+# bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, head dims 64 and
+# 128, no mask / bias: with a mask or bias launch_dkdv takes the DKDV_TILES_MB tile instead).
+OPT_GRID = 16
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
@@ -98,6 +119,22 @@ DKDV_TILES_MB = {
 DQ_TILES = {d: DqTile(64, 4, 2, 2) for d in (32, 64, 96, 128)}
 DQ_TILES_MB = dict(DQ_TILES)
 HEAD_DIMS = tuple(sorted(DKDV_TILES))
+GRID_HEAD_DIMS = (64, 128)  # bwd_sm80_dkdv_g (OPT_GRID)
+# Devices whose opt-in shared memory per block holds it (the H200: 227 KiB) take this tile instead
+# of DKDV_TILES's at D=128 without mask / bias (H200 2026-11-29, tools/tc_bwd_check.py --variants,
+# bf16 TFLOP/s incl. prep and casts at N = 1k / 4k / 16k, non-causal | causal: table 173 / 238 /
+# 263 | 117 / 201 / 258; this tile 182 / 253 / 281 | 123 / 213 / 275 = +5-7 %; BLOCK_M 32: 161 /
+# 216 / 235). At D=64 the grid kernel was slower (BLOCK_M 128: 159 / 214 / 237 vs 164 / 222 / 249
+# non-causal; BLOCK_M 64: 151 / 203 / 221; 32: 135 / 175 / 189): the table stays.
+DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID)}
+# Candidate tiles of bwd_sm80_dkdv_g (not used by default; tools/tc_bwd_check.py --variants checks
+# and times them; tests/test_build.py compiles them): BLOCK_M 64 (FA2's hdim128 tile), 128 (FA2's
+# hdim64 tile), 32.
+GRID_TILES = {
+    64: (DkdvTile(64, 8, False, 1, OPT_GRID), DkdvTile(128, 8, False, 1, OPT_GRID),
+         DkdvTile(32, 8, False, 1, OPT_GRID)),
+    128: (DkdvTile(64, 8, False, 1, OPT_GRID), DkdvTile(32, 8, False, 1, OPT_GRID)),
+}
 
 
 def _b(x):
@@ -110,6 +147,12 @@ def prep_expr(dtype_name, head_dim):
 
 def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
     """bwd_sm80_dkdv<...> for opt == 0, else the candidate kernel bwd_sm80_dkdv_x<..., opt>."""
+    if tile.opt & OPT_GRID:
+        if has_mb or tile.warps != 8 or tile.kv_in_regs or head_dim not in GRID_HEAD_DIMS:
+            raise ValueError(f"bwd_sm80_dkdv_g cannot take {tile} at head dim {head_dim}"
+                             f"{' with mask/bias' if has_mb else ''}")
+        return (f"bwd_sm80_dkdv_g<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
+                f"{_b(dq_atomic)}, {tile.min_blocks}>")
     args = (f"{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
             f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}")
     if tile.opt:
@@ -124,11 +167,18 @@ def dq_expr(dtype_name, head_dim, tile, has_mb):
 
 def dkdv_smem_bytes(head_dim, tile):
     """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows padded by 8 elements; dS^T
-    (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32)."""
+    (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID: + P^T (as dS^T).
+    (OPT_GRID, D=128, BLOCK_M=64: 177152 B: over sm_80's 163 KiB, so sm_90 only.)"""
     block_n = 16 * tile.warps
     row = (head_dim + 8) * 2
-    return (2 * block_n + 4 * tile.block_m) * row + block_n * (tile.block_m + 8) * 2 \
+    ps = block_n * (tile.block_m + 8) * 2
+    return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
         + 4 * tile.block_m * 4
+
+
+def grid_tile_usable(tile, head_dim, has_mb):
+    """Whether the OPT_GRID kernel can run this call (else launch_dkdv takes the table's tile)."""
+    return not has_mb and head_dim in GRID_HEAD_DIMS and tile.warps == 8 and not tile.kv_in_regs
 
 
 def dq_smem_bytes(head_dim, tile):
@@ -147,10 +197,36 @@ def all_instantiations(dtypes=("float16", "bfloat16")):
                 out.append(dkdv_expr(dt, d, tile, True, mb))
                 out.append(dkdv_expr(dt, d, tile, False, mb))
                 out.append(dq_expr(dt, d, (DQ_TILES_MB if mb else DQ_TILES)[d], mb))
+            if d in DKDV_TILES_LARGE_SMEM:
+                for atomic in (True, False):
+                    out.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
     return out
 
 
+def sm90_only_instantiations():
+    """Expressions requested only on sm_90-class devices that spill on sm_80 (none: the large
+    shared-memory tile is spill-free on both; it is only requested where it fits)."""
+    return []
+
+
+def candidate_instantiations(dtypes=("float16", "bfloat16")):
+    """Name expressions of the GRID_TILES candidates (both dQ modes), for device-free build checks."""
+    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes for d, tiles in GRID_TILES.items()
+            for t in tiles for atomic in (True, False)]
+
+
 _smem_set = {}
+_optins = {}
+
+
+def _smem_optin():
+    """Opt-in shared memory per block of the current device, in bytes (cached)."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    if dev not in _optins:
+        _optins[dev] = int(cupy.cuda.Device(dev).attributes["MaxSharedMemoryPerBlockOptin"])
+    return _optins[dev]
 
 
 def _function(expr, smem):
@@ -205,6 +281,12 @@ def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic
     (zeroed by the caller) += this kernel's dQ."""
     has_mb = common["mask"] is not None or common["bias"] is not None
     D = common["Dk"]
+    if tile is not None and tile.opt & OPT_GRID and not grid_tile_usable(tile, D, has_mb):
+        tile = None  # the grid kernel has no mask / bias: the table's tile
+    if tile is None and not has_mb and D in DKDV_TILES_LARGE_SMEM:
+        big = DKDV_TILES_LARGE_SMEM[D]
+        if dkdv_smem_bytes(D, big) <= _smem_optin():
+            tile = big
     tile = tile or (DKDV_TILES_MB if has_mb else DKDV_TILES)[D]
     smem = dkdv_smem_bytes(D, tile)
     fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem)

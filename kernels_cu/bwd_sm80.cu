@@ -762,3 +762,346 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     }
   }
 }
+
+// ---- Candidate: FA2-style warp grids (bwd_sm80_dkdv_g; not used by default) ---------------------
+// Same ABI, grid and semantics as bwd_sm80_dkdv with 8 warps and BLOCK_N = 128 keys, without the
+// boolean mask / bias (HAS_MB = false; the host keeps bwd_sm80_dkdv for those). Per query tile of
+// BLOCK_M rows (32, 64 or 128), three phases on three different warp grids:
+//   1. S^T = K Q^T and dP^T = V dO^T on a 4 (keys) x 2 (queries) grid: warp (wk, wq) = (warp / 2,
+//      warp % 2) owns keys [32 wk, 32 wk + 32) x queries [wq BLOCK_M / 2, ..): per 16-wide k-step it
+//      loads 2 A (K or V) and BLOCK_M / 32 B (Q or dO) ldmatrix.x4 for 2 * BLOCK_M / 8 mma (0.5 x4
+//      per mma at BLOCK_M = 64, against 0.625 when one warp owns 16 keys x all queries). P^T and
+//      dS^T (16-bit, scale folded into dS) go to shared memory, rows = keys ([BLOCK_N][BLOCK_M + 8]).
+//   2. (after a barrier) dV += P^T dO and dK += dS^T Q on a 4 (keys) x 2 (head dim) grid: warp
+//      (warp / 2, warp % 2) owns keys [32 (warp / 2), +32) x dims [(warp % 2) HEAD_DIM / 2, +HEAD_DIM/2),
+//      A = P^T / dS^T by ldmatrix, B = dO / Q by ldmatrix.trans (0.375 x4 per mma at HEAD_DIM 128).
+//   3. with DQ_ATOMIC, dQ += dS K on a DQ_WM (queries) x 8 / DQ_WM (head dim) grid, DQ_WM = 2 (4 at
+//      BLOCK_M = 128): warp (warp % DQ_WM, warp / DQ_WM) owns query rows [(warp % DQ_WM) BLOCK_M /
+//      DQ_WM, ..) x the matching head-dim slice, A = dS by ldmatrix.trans of dS^T, B = K by
+//      ldmatrix.trans, red.global.add.
+// The next iteration's top barrier protects P^T / dS^T and the Q / dO slot: two barriers per tile, as
+// bwd_sm80_dkdv. Shared memory (_tc_bwd.dkdv_smem_bytes with OPT_GRID): bwd_sm80_dkdv's + P^T.
+// The visibility test runs per warp sub-tile (32 keys x BLOCK_M / 2 queries) only where that sub-tile
+// is not entirely visible; a sub-tile with nothing visible skips its S^T / dP^T products.
+namespace tcb {
+// acc[MF][NF] (+)= A B^T over KSTEPS k-steps of 16, A = MF * 16 rows at a_base (non-trans ldmatrix,
+// rows of A_ROW bytes, k contiguous), B = NF * 8 rows at b_base (non-trans, rows of B_ROW bytes).
+template <typename T, int MF, int NF, int KSTEPS, int A_ROW, int B_ROW>
+__device__ __forceinline__ void gemm_nt(float (&acc)[MF][NF][4], u32 a_base, u32 b_base) {
+  using namespace tc;
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    u32 a[MF][4];
+#pragma unroll
+    for (int mi = 0; mi < MF; ++mi) ldsm_x4(a_base + mi * 16 * A_ROW + kk * 32, a[mi]);
+#pragma unroll
+    for (int p = 0; p < NF / 2; ++p) {
+      u32 b[4];
+      ldsm_x4(b_base + p * 16 * B_ROW + kk * 32, b);
+#pragma unroll
+      for (int mi = 0; mi < MF; ++mi) {
+        Mma<T>::run(acc[mi][2 * p], a[mi], b[0], b[1]);
+        Mma<T>::run(acc[mi][2 * p + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+// acc[MF][NF] += A B over KSTEPS k-steps of 16, B = (k rows) x (NF * 8 columns) row-major at b_base
+// read by ldmatrix.trans (rows of B_ROW bytes); A either non-trans at a_base (rows = M, k contiguous,
+// A_TRANS = false) or transposed from a (k rows) x (M columns) matrix (A_TRANS = true).
+template <typename T, int MF, int NF, int KSTEPS, int A_ROW, int B_ROW, bool A_TRANS>
+__device__ __forceinline__ void gemm_nn(float (&acc)[MF][NF][4], u32 a_base, u32 b_base) {
+  using namespace tc;
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    u32 a[MF][4];
+#pragma unroll
+    for (int mi = 0; mi < MF; ++mi) {
+      if (A_TRANS)
+        ldsm_x4_t(a_base + kk * 16 * A_ROW + mi * 32, a[mi]);
+      else
+        ldsm_x4(a_base + mi * 16 * A_ROW + kk * 32, a[mi]);
+    }
+#pragma unroll
+    for (int p = 0; p < NF / 2; ++p) {
+      u32 b[4];
+      ldsm_x4_t(b_base + kk * 16 * B_ROW + p * 32, b);
+#pragma unroll
+      for (int mi = 0; mi < MF; ++mi) {
+        Mma<T>::run(acc[mi][2 * p], a[mi], b[0], b[1]);
+        Mma<T>::run(acc[mi][2 * p + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+template <int MF, int NF>
+__device__ __forceinline__ void zero_acc(float (&acc)[MF][NF][4]) {
+#pragma unroll
+  for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.f;
+}
+// Packs a (MF * 16) x (NF * 8) accumulator block to 16 bits and stores it at base (this warp's
+// block origin; rows of ROW bytes): c0, c1 -> (row g, cols 2t, 2t+1), c2, c3 -> row g + 8.
+template <typename T, int MF, int NF, int ROW>
+__device__ __forceinline__ void store_acc16(const float (&acc)[MF][NF][4], u32 base, int g, int t) {
+  using namespace tc;
+#pragma unroll
+  for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf) {
+      const u32 a = base + (mi * 16 + g) * ROW + (nf * 8 + 2 * t) * 2;
+      st_shared_b32(a, Mma<T>::pack(acc[mi][nf][0], acc[mi][nf][1]));
+      st_shared_b32(a + 8 * ROW, Mma<T>::pack(acc[mi][nf][2], acc[mi][nf][3]));
+    }
+}
+}  // namespace tcb
+
+template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
+__global__ void __launch_bounds__(256, MIN_BLOCKS)
+bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ dout, const float* __restrict__ lse2,
+                const float* __restrict__ delta, float* __restrict__ dq_acc,
+                float* __restrict__ dk_acc, float* __restrict__ dv_acc,
+                const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
+                const float* __restrict__ bias, const long long* __restrict__ kv_lens,
+                long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
+                long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
+                int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+  using namespace tc;
+  constexpr int THREADS = 256;
+  constexpr int BLOCK_N = 128;
+  constexpr int WN = 32;                // keys per warp (phases 1 and 2)
+  constexpr int MF = WN / 16;           // m-fragments (keys)
+  constexpr int QW = BLOCK_M / 2;       // queries per warp in phase 1
+  constexpr int NQF = QW / 8;           // n-fragments of S^T / dP^T
+  constexpr int KD = HEAD_DIM / 16;     // k-steps of K Q^T, V dO^T
+  constexpr int KM = BLOCK_M / 16;      // k-steps of P^T dO, dS^T Q
+  constexpr int DW = HEAD_DIM / 2;      // head dims per warp for dK, dV
+  constexpr int DNF = DW / 8;
+  // dQ grid: DQ_WM warps along the query rows x 8 / DQ_WM along the head dim.
+  constexpr int DQ_WM = BLOCK_M >= 128 ? 4 : 2;
+  constexpr int QQ = BLOCK_M / DQ_WM;   // query rows per warp for dQ
+  constexpr int QMF = QQ / 16;          // m-fragments of dQ (query rows)
+  constexpr int QDW = HEAD_DIM * DQ_WM / 8;  // head dims per warp for dQ
+  constexpr int QDF = QDW / 8;
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  constexpr int PS_ROW = (BLOCK_M + 8) * 2;  // P^T / dS^T rows (keys), padded
+  constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
+  static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= LSE_PAD && LSE_PAD % BLOCK_M == 0, "BLOCK_M");
+  static_assert(HEAD_DIM % 64 == 0, "head dim: 64 or 128 (DW, QDW multiples of 16)");
+  static_assert(QQ % 16 == 0 && QDW % 16 == 0, "dQ warp grid");
+  static_assert(THREADS >= BLOCK_M / 2, "lse2/delta copies: one 16-byte chunk per thread");
+
+  const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
+  const long long bh = blockIdx.x / n_ntiles;
+  const int j0 = static_cast<int>(blockIdx.x % n_ntiles) * BLOCK_N;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wk = warp / 2;   // key block of phases 1, 2
+  const int wq = warp % 2;   // query half of phase 1, head-dim half of phase 2
+  const int kr0 = wk * WN;   // this warp's first key row within the tile
+  const int qc0 = wq * QW;   // this warp's first query within the tile (phase 1)
+  const int dc0 = wq * DW;   // this warp's first head dim of dK, dV
+  const int qq0 = (warp % DQ_WM) * QQ;   // this warp's first query row of dQ
+  const int dq0 = (warp / DQ_WM) * QDW;  // this warp's first head dim of dQ
+
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const tcb::Pred32 pr = tcb::make_pred32(w);
+  const KeyRange qr = tile_query_range(w, j0, j0 + BLOCK_N - 1, Nq);
+  const int m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
+  const int n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - m_first + 1 : 0;
+
+  const T* qh = q + offsets[0 * BH + bh];
+  const T* kh = k + offsets[1 * BH + bh];
+  const T* vh = v + offsets[2 * BH + bh];
+  const T* doh = dout + bh * Nq * HEAD_DIM;
+  const float* l2h = lse2 + bh * Nq_pad;
+  const float* dh = delta + bh * Nq_pad;
+
+  // K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows of ROW_BYTES; dS^T, P^T [BLOCK_N] rows of PS_ROW;
+  // lse2, delta [2][BLOCK_M] floats.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sK = smem_u32(smem_raw);
+  const u32 sV = sK + BLOCK_N * ROW_BYTES;
+  const u32 sQ = sV + BLOCK_N * ROW_BYTES;
+  const u32 sdO = sQ + 2 * QT_BYTES;
+  const u32 sdS = sdO + 2 * QT_BYTES;
+  const u32 sL = sdS + BLOCK_N * PS_ROW;
+  const u32 sD = sL + 2 * BLOCK_M * 4;
+  const u32 sP = sD + 2 * BLOCK_M * 4;
+
+  // ldmatrix lane offsets (mma_sm80.cuh layouts), all relative to a block's first row / column:
+  //  A non-trans (rows = M, k contiguous): row lane % 16, column 8 * (lane / 16)
+  //  B non-trans (rows = N, k contiguous), x4 over two n-fragments: row (lane % 8) + 8 * (lane / 16),
+  //    column 8 * ((lane / 8) % 2)
+  //  B trans (rows = k, N contiguous), x4 over two n-fragments: row (lane % 8) + 8 * ((lane / 8) % 2),
+  //    column 8 * (lane / 16)
+  //  A trans (rows = k, M contiguous): row (lane % 8) + 8 * (lane / 16), column 8 * ((lane / 8) % 2)
+  const u32 a_lane = (lane % 16) * ROW_BYTES + (lane / 16) * 16;
+  const u32 bn_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
+  const u32 bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
+  const u32 pa_lane = (lane % 16) * PS_ROW + (lane / 16) * 16;
+  const u32 ds_lane = (lane % 8 + 8 * (lane / 16)) * PS_ROW + ((lane / 8) % 2) * 16;
+
+  auto load_query_tile = [&](int slot, int i0) {
+    cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
+    cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sdO + slot * QT_BYTES, doh, HEAD_DIM, i0, Nq);
+    if (tid < BLOCK_M / 4) {
+      cp_async16(sL + slot * BLOCK_M * 4 + tid * 16, l2h + i0 + tid * 4, 16);
+    } else if (tid < BLOCK_M / 2) {
+      const int c = tid - BLOCK_M / 4;
+      cp_async16(sD + slot * BLOCK_M * 4 + c * 16, dh + i0 + c * 4, 16);
+    }
+  };
+
+  if (n_mt > 0) {
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK, kh, k_rs, j0, static_cast<int>(L));
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV, vh, v_rs, j0, static_cast<int>(L));
+    load_query_tile(0, m_first * BLOCK_M);
+  }
+  cp_async_commit();
+
+  float dk[MF][DNF][4], dv[MF][DNF][4];
+  tcb::zero_acc(dk);
+  tcb::zero_acc(dv);
+
+  const float NEG = -__int_as_float(0x7f800000);
+  const float sl2 = scale * LOG2E;
+  const int jw0 = j0 + kr0;  // this warp's first key (phases 1, 2)
+
+  for (int it = 0; it < n_mt; ++it) {
+    const int i0 = (m_first + it) * BLOCK_M;
+    const int slot = it & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot, P^T, dS^T)
+    if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
+    cp_async_commit();
+
+    const u32 qs = sQ + slot * QT_BYTES, dos = sdO + slot * QT_BYTES;
+    const u32 ls = sL + slot * BLOCK_M * 4, des = sD + slot * BLOCK_M * 4;
+
+    // ---- phase 1: this warp's 32 keys x QW queries of S^T, P^T, dP^T, dS^T
+    // A sub-tile with no visible (query, key) pair (lo, hi non-decreasing: it is enough that the
+    // last key precedes lo(first query) or the first key follows hi(last query)) skips its
+    // products: P^T = dS^T = 0 (stored as zeros), its SM sub-partition partner gets the tensor cores.
+    const int iw0 = i0 + qc0;
+    const int iw_last = min(iw0 + QW, Nq) - 1;
+    const bool any_vis = iw0 < Nq && jw0 <= min(iw_last + pr.dhi, pr.L_last) &&
+                         jw0 + WN - 1 >= max(iw0 + pr.dlo, 0);
+    float s[MF][NQF][4];
+    tcb::zero_acc(s);
+    if (any_vis)
+      tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(s, sK + kr0 * ROW_BYTES + a_lane,
+                                                          qs + qc0 * ROW_BYTES + bn_lane);
+    if (!any_vis) {
+      // s stays 0; P^T below must be 0 too: -inf logits
+#pragma unroll
+      for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+        for (int nf = 0; nf < NQF; ++nf)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][nf][e] = NEG;
+    } else if (!tcb::tile_all_visible(pr, iw0, iw_last, jw0, WN)) {
+      // Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
+#pragma unroll
+      for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = jw0 + mi * 16 + g + 8 * h;
+#pragma unroll
+          for (int nf = 0; nf < NQF; ++nf)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = iw0 + nf * 8 + 2 * t + e;
+              if (j > pr.L_last || j < i + pr.dlo || j > i + pr.dhi) s[mi][nf][2 * h + e] = NEG;
+            }
+        }
+    }
+    // P^T = exp2(S^T * scale * log2e - lse2[query]) (0 where invisible or on empty / padding rows)
+#pragma unroll
+    for (int nf = 0; nf < NQF; ++nf) {
+      float l0, l1;
+      ld_shared_v2f(ls + (qc0 + nf * 8 + 2 * t) * 4, l0, l1);
+#pragma unroll
+      for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          s[mi][nf][2 * h] = ex2(fmaf(s[mi][nf][2 * h], sl2, -l0));
+          s[mi][nf][2 * h + 1] = ex2(fmaf(s[mi][nf][2 * h + 1], sl2, -l1));
+        }
+    }
+    tcb::store_acc16<T, MF, NQF, PS_ROW>(s, sP + kr0 * PS_ROW + qc0 * 2, g, t);
+
+    float dp[MF][NQF][4];
+    tcb::zero_acc(dp);
+    if (any_vis)
+      tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(dp, sV + kr0 * ROW_BYTES + a_lane,
+                                                          dos + qc0 * ROW_BYTES + bn_lane);
+    // dS^T = scale * P^T (dP^T - delta[query])
+#pragma unroll
+    for (int nf = 0; nf < NQF; ++nf) {
+      float d0, d1;
+      ld_shared_v2f(des + (qc0 + nf * 8 + 2 * t) * 4, d0, d1);
+#pragma unroll
+      for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          dp[mi][nf][2 * h] = scale * s[mi][nf][2 * h] * (dp[mi][nf][2 * h] - d0);
+          dp[mi][nf][2 * h + 1] = scale * s[mi][nf][2 * h + 1] * (dp[mi][nf][2 * h + 1] - d1);
+        }
+    }
+    tcb::store_acc16<T, MF, NQF, PS_ROW>(dp, sdS + kr0 * PS_ROW + qc0 * 2, g, t);
+    __syncthreads();  // P^T and dS^T of every warp in shared memory
+
+    // ---- phase 2: dV += P^T dO, dK += dS^T Q (32 keys x DW dims per warp)
+    tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(dv, sP + kr0 * PS_ROW + pa_lane,
+                                                            dos + dc0 * 2 + bt_lane);
+    tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(dk, sdS + kr0 * PS_ROW + pa_lane,
+                                                            qs + dc0 * 2 + bt_lane);
+
+    // ---- phase 3: dQ[i0 + qq0 .., dq0 ..] += dS K over the tile's keys
+    if (DQ_ATOMIC) {
+      float acc[QMF][QDF][4];
+      tcb::zero_acc(acc);
+      tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
+          acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
+#pragma unroll
+      for (int mi = 0; mi < QMF; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = i0 + qq0 + mi * 16 + g + 8 * h;
+          if (i < Nq) {
+            float* row = dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 2 * t;
+#pragma unroll
+            for (int nf = 0; nf < QDF; ++nf)
+              red_add_f32x2(row + nf * 8, acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
+          }
+        }
+    }
+  }
+
+  // Every key row of the tile below Nk is written, zeros where no query sees it.
+#pragma unroll
+  for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = jw0 + mi * 16 + g + 8 * h;
+      if (j < Nk) {
+        float* dkr = dk_acc + (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
+        float* dvr = dv_acc + (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
+#pragma unroll
+        for (int nf = 0; nf < DNF; ++nf) {
+          *reinterpret_cast<float2*>(dkr + nf * 8) =
+              make_float2(dk[mi][nf][2 * h], dk[mi][nf][2 * h + 1]);
+          *reinterpret_cast<float2*>(dvr + nf * 8) =
+              make_float2(dv[mi][nf][2 * h], dv[mi][nf][2 * h + 1]);
+        }
+      }
+    }
+}

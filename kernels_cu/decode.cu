@@ -276,15 +276,26 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
     const Acc M = sM[r];
     Acc o = Acc(0);
     if (M > NEG_INF) {
-      // Both loads of every item are issued unconditionally (8 items in flight per thread, not
-      // one load pair after another): an empty partial's ws_out row is unwritten and may hold
-      // anything, so its term is dropped by a select, never multiplied by its zero weight.
+      if constexpr (sizeof(Acc) == 4) {
+        // Both loads of every item are issued unconditionally (8 items in flight per thread, not
+        // one load pair after another): an empty partial's ws_out row is unwritten and may hold
+        // anything, so its term is dropped by a select, never multiplied by its zero weight.
 #pragma unroll 8
-      for (int it = 0; it < n_items; ++it) {
-        const long long slot = (first + it) * ROWS + r;
-        const Acc x = ld_cg(ws_lse + slot);
-        const Acc y = ld_cg(ws_out + slot * Dv + col);
-        o += select(x > NEG_INF, exp2_acc(x - M) * y, Acc(0));
+        for (int it = 0; it < n_items; ++it) {
+          const long long slot = (first + it) * ROWS + r;
+          const Acc x = ld_cg(ws_lse + slot);
+          const Acc y = ld_cg(ws_out + slot * Dv + col);
+          o += select(x > NEG_INF, exp2_acc(x - M) * y, Acc(0));
+        }
+      } else {
+        // double: exp2 is a call, and values kept live across the unrolled calls spill; one item
+        // at a time, and an empty partial's unwritten ws_out row is never read
+#pragma unroll 1
+        for (int it = 0; it < n_items; ++it) {
+          const long long slot = (first + it) * ROWS + r;
+          const Acc x = ld_cg(ws_lse + slot);
+          if (x > NEG_INF) o += exp2_acc(x - M) * ld_cg(ws_out + slot * Dv + col);
+        }
       }
     }
     store_acc(out + (rows[r].bh * Nq + rows[r].i) * Dv + col, o * sInv[r]);

@@ -139,7 +139,8 @@ __device__ __forceinline__ void cp_tile_inc(u32 dst, const T* __restrict__ src, 
   asm volatile("mov.b64 %0, %1;" : "=l"(rs_o) : "l"(rs));
   const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
   const T* p = src + static_cast<long long>(row0 + r_thr) * rs_o + c_thr * 8;
-  const long long step = RPI * rs_o;
+  // in BYTES: the opaque add below adds to the address, not to a T*
+  const long long step = RPI * rs_o * static_cast<long long>(sizeof(T));
   const int rem = limit - row0 - r_thr;  // copy `it` reads a real row iff it * RPI < rem
   const u32 d = dst + r_thr * ROW_BYTES + c_thr * 16;
 #pragma unroll

@@ -16,7 +16,11 @@ Stages (each in its own try/except: a failing stage prints FAIL and its tracebac
                 retain_graph on the SDPA output), CUDA events, median after warm-up, host prep
                 outside. FLOPs = 2.5 * 4 * B * H * N^2 * D, halved for causal.
 
-    PYTHONPATH=. python3 tools/tc_bwd_check.py [--skip-correctness] [--skip-timing] [--variants]
+    PYTHONPATH=. python3 tools/tc_bwd_check.py [--skip-build] [--skip-correctness] [--skip-timing]
+        [--variants [--old-variants]] [--seqs 1024,4096,16384]
+  --variants: stages 1-2 also build and check every VARIANTS tile of head dims 64 / 128 (each
+  correctness case run again with each tile, printed as v<i>), and stage 4 times them beside the
+  table's choice (after comparing their gradients with the default tile's on the timing data).
 """
 import argparse
 import itertools
@@ -72,7 +76,8 @@ def to_torch(x):
 
 # ---- 1. build ----------------------------------------------------------------------------------
 @stage("build")
-def build(combos):
+def build(combos, variants=None):
+    variants = variants or {}
     bad = 0
     for dt, d in combos:
         for has_mb in (False, True):
@@ -83,6 +88,11 @@ def build(combos):
                      (_tc_bwd.dq_expr(dt, d, tq, has_mb), _tc_bwd.dq_smem_bytes(d, tq))]
             if not has_mb:
                 items.append((_tc_bwd.prep_expr(dt, d), 0))
+            if not has_mb:
+                for t2 in variants.get(d, []):
+                    for atomic in (True, False):
+                        items.append((_tc_bwd.dkdv_expr(dt, d, t2, atomic, has_mb),
+                                      _tc_bwd.dkdv_smem_bytes(d, t2)))
             for expr, smem in items:
                 t0 = time.perf_counter()
                 fn = _tc_bwd._function(expr, smem)
@@ -130,12 +140,17 @@ def make_case(rng, dtype, D, Nq, Nk, mode):
     return q, k, v, opts
 
 
-def ours_grads(q, k, v, opts, dout, out, lse, deterministic=False):
-    """cuflash's API steps around _tc_bwd.backward: per-(b, h) float32 -> input shapes and dtype."""
+def ours_grads(q, k, v, opts, dout, out, lse, deterministic=False, tile=None):
+    """cuflash's API steps around _tc_bwd.backward: per-(b, h) float32 -> input shapes and dtype.
+    tile: a dkdv tile (VARIANTS) instead of the table's."""
     p = make_problem(q, k, v, **opts)
     if not _tc_bwd.supports(p):
         raise RuntimeError("supports() returned False for a case it should take")
-    dq, dk, dv = _tc_bwd.backward(p, dout, out, lse, deterministic=deterministic)
+    if tile is None:
+        dq, dk, dv = _tc_bwd.backward(p, dout, out, lse, deterministic=deterministic)
+    else:
+        with p.q.device:
+            dq, dk, dv = _tc_bwd.make_backward(p, deterministic, dkdv_tile=tile)(dout, out, lse)
     res = []
     for g, x in ((dq, p.q), (dk, p.k), (dv, p.v)):
         g = g.reshape(p.lead + g.shape[-2:])
@@ -159,11 +174,14 @@ def torch_flash_grads(q, k, v, dout, scale, causal):
 
 
 @stage("correctness")
-def correctness(full, partial, deterministic_too=True):
+def correctness(full, partial, deterministic_too=True, variants=None):
+    """variants: {head dim: [dkdv tiles]}: each case also runs with each tile of its head dim
+    (same data, same reference, same bound; printed as v<i>)."""
+    variants = variants or {}
     rng = np.random.default_rng(0)
     lens = (1, 63, 127, 1000)
     worst = {}
-    fails = n = 0
+    fails = n = case_no = 0
     _gpu.POISON = True
     try:
         plan = [(dt, D, list(itertools.product(lens, lens)), list(MODES)) for dt, D in full] + \
@@ -178,36 +196,45 @@ def correctness(full, partial, deterministic_too=True):
                     q, k, v, opts = make_case(rng, dtype, D, Nq, Nk, mode)
                     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
                     dout = randn(out.shape, dtype, rng)
-                    det = deterministic_too and (n % 2 == 0)  # alternate the two dQ modes
-                    grads, raw = ours_grads(q, k, v, opts, dout, out, lse, deterministic=det)
+                    case_no += 1
+                    det = deterministic_too and (case_no % 2 == 0)  # alternate the dQ modes
                     ref = reference.attention_backward(dout, q, k, v, out, lse, **opts)
-                    errs = [rel_err(g, r) for g, r in zip(grads, ref)]
-                    nan = any(bool(cp.isnan(x).any()) for x in raw)
                     terr = None
                     if torch is not None and mode in ("plain", "causal-tl") and Nq > 1:
                         tg = torch_flash_grads(q, k, v, dout, opts["scale"], opts["causal"])
                         terr = [rel_err(cp.from_dlpack(t.float().contiguous()), r)
                                 for t, r in zip(tg, ref)]
                     bound = tol if terr is None else max(tol, 2.5 * max(terr))
-                    ok = not nan and max(errs) <= bound
-                    key = (dtype, D)
-                    worst[key] = max(worst.get(key, 0.0), max(errs))
-                    if not ok or (terr is not None and Nq == Nk == 1000):
-                        print(f"{'ok  ' if ok else 'FAIL'} {dtype:8s} D={D:3d} Nq={Nq:4d} Nk={Nk:4d} "
-                              f"{mode:16s} det={det!s:5} err dq/dk/dv = "
-                              + "/".join(f"{e:.1e}" for e in errs) + f" nan={nan}"
-                              + ("" if terr is None else
-                                 "  torch_flash " + "/".join(f"{e:.1e}" for e in terr)),
-                              flush=True)
-                    fails += not ok
+                    for vi, tile in [(None, None)] + list(enumerate(variants.get(D, []))):
+                        grads, raw = ours_grads(q, k, v, opts, dout, out, lse, deterministic=det,
+                                                tile=tile)
+                        errs = [rel_err(g, r) for g, r in zip(grads, ref)]
+                        nan = any(bool(cp.isnan(x).any()) for x in raw)
+                        ok = not nan and max(errs) <= bound
+                        key = (dtype, D, vi)
+                        worst[key] = max(worst.get(key, 0.0), max(errs))
+                        if not ok or (terr is not None and Nq == Nk == 1000):
+                            print(f"{'ok  ' if ok else 'FAIL'} {dtype:8s} D={D:3d} Nq={Nq:4d} "
+                                  f"Nk={Nk:4d} {mode:16s} det={det!s:5} "
+                                  f"{'default' if vi is None else f'v{vi}':7s} err dq/dk/dv = "
+                                  + "/".join(f"{e:.1e}" for e in errs) + f" nan={nan}"
+                                  + ("" if terr is None else
+                                     "  torch_flash " + "/".join(f"{e:.1e}" for e in terr)),
+                                  flush=True)
+                        fails += not ok
+                        n += vi is not None
+                        del grads, raw
                 except Exception:
                     fails += 1
                     print(f"FAIL {dtype} D={D} Nq={Nq} Nk={Nk} {mode}: exception\n"
                           f"{traceback.format_exc()}", flush=True)
     finally:
         _gpu.POISON = False
-    for (dtype, D), e in sorted(worst.items()):
-        print(f"worst relative error {dtype:8s} D={D:3d}: {e:.2e}")
+    for (dtype, D, vi), e in sorted(worst.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                   -1 if kv[0][2] is None
+                                                                   else kv[0][2])):
+        name = "default" if vi is None else f"v{vi} {variants[D][vi]}"
+        print(f"worst relative error {dtype:8s} D={D:3d} {name}: {e:.2e}")
     print(f"correctness: {n - fails}/{n} cases passed")
     return fails == 0
 
@@ -260,7 +287,16 @@ def torch_time(fn):
 
 _T = _tc_bwd.DkdvTile
 _BDEP, _CHAIN, _V4 = _tc_bwd.OPT_BDEP, _tc_bwd.OPT_BCHAIN, _tc_bwd.OPT_DQ_V4
-VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-causal and causal);
+VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-causal and causal),
+    # and checked against the reference in the correctness stage (every case of their head dim).
+    # OPT_GRID: bwd_sm80_dkdv_g, the FA2-style warp grids (S^T / dP^T on 4 keys x 2 queries, dK / dV
+    # on 4 keys x 2 head-dim halves, dQ on 2 query halves x 4 head-dim quarters (4 x 2 at
+    # BLOCK_M 128), P^T and dS^T through shared memory). Shared memory: D=64 BLOCK_M 64 / 128 / 32: 109 / 178 / 75 KiB,
+    # D=128 BLOCK_M 64 / 32: 173 / 123 KiB (over 163 KiB: sm_90 only).
+    # _tc_bwd.GRID_TILES: D=64 BLOCK_M 64, 128, 32; D=128 BLOCK_M 64, 32.
+    d: list(tiles) for d, tiles in _tc_bwd.GRID_TILES.items()
+}
+OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
          _T(64, 8, True, 1, _BDEP), _T(64, 8, True, 1, _V4),
@@ -335,7 +371,10 @@ def main():
     ap.add_argument("--skip-build", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--variants", action="store_true", help="also time VARIANTS dkdv tiles")
+    ap.add_argument("--variants", action="store_true",
+                    help="also build, check and time the VARIANTS dkdv tiles")
+    ap.add_argument("--old-variants", action="store_true",
+                    help="with --variants: also time OLD_VARIANTS (timed before, lost)")
     ap.add_argument("--seqs", default="512,1024,2048,4096,8192,16384")
     a = ap.parse_args()
     t0 = time.perf_counter()
@@ -345,23 +384,27 @@ def main():
               "| nvrtc", cp.cuda.nvrtc.getVersion(), "| torch", torch.__version__ if torch else None)
     except Exception:
         print(f"FAIL device query\n{traceback.format_exc()}")
+    variants = {}
+    if a.variants:
+        variants = {d: list(VARIANTS.get(d, [])) for d in (64, 128)}
+    timed = {d: v + (OLD_VARIANTS.get(d, []) if a.old_variants else [])
+             for d, v in variants.items()}
     full = [("bfloat16", 128), ("float16", 64)]
     partial = [("float16", 128), ("bfloat16", 64), ("bfloat16", 32), ("float16", 96)]
     if not a.skip_build:  # the instantiations the later stages use (compiles them once)
-        build(full + partial)
+        build(full + partial, variants)
     if not a.skip_correctness:
-        correctness(full=full, partial=partial)
+        correctness(full=full, partial=partial, variants=variants)
         determinism([64, 128])
     rows = []
     if not a.skip_timing:
-        timing([64, 128], [int(x) for x in a.seqs.split(",")], VARIANTS if a.variants else {},
-               rows)
+        timing([64, 128], [int(x) for x in a.seqs.split(",")], timed, rows)
     # ---- compact table, last ----
     if rows:
         print("\nbackward, bf16, TFLOP/s (FLOPs = 2.5 * 4*B*H*N^2*D, /2 causal); cuflash includes "
               "prep, dq zeroing and the bf16 casts; det = deterministic=True")
         if a.variants:
-            for D, vs in VARIANTS.items():
+            for D, vs in timed.items():
                 for i, t in enumerate(vs):
                     print(f"  D={D} v{i} = {t}")
         print(f"{'D':>4} {'N':>6} {'causal':>6} {'cuflash':>8} {'det':>8} {'flash':>8} {'ratio':>6}"

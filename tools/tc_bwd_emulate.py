@@ -9,7 +9,7 @@ packing order, same tile walk, same predicate) and compared with dense float64 g
 awkward shapes (causal both alignments, window, kv_lens, padding rows). Precision is not modelled
 (values stay float64); only where each element goes.
 
-    python3 tools/tc_bwd_emulate.py
+    python3 tools/tc_bwd_emulate.py [--grid-only]   (--grid-only: bwd_sm80_dkdv_g alone)
 """
 import itertools
 import math
@@ -314,6 +314,192 @@ def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NW
                             dv_out[j[ln], c:c + 2] = dv[warp][df][ln, 2 * h:2 * h + 2]
 
 
+# ---- bwd_sm80_dkdv_g (FA2-style warp grids), transliterated -------------------------------------
+SKIPPED = [0]  # warp sub-tiles that skipped their S^T / dP^T products (no visible pair)
+
+def emulate_dkdv_g(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, dq_atomic,
+                   dq_out, dk_out, dv_out):
+    """8 warps, 128 keys per block. Phase 1 (S^T, dP^T) on a 4 keys x 2 queries warp grid, phase 2
+    (dV, dK) on 4 keys x 2 head-dim halves, phase 3 (dQ) on 2 query halves x 4 head-dim quarters;
+    all warps finish a phase before the next starts (the kernel's barrier). P^T and dS^T are reset
+    to NaN at the top of each query tile, so a read of an element no warp wrote shows up as NaN."""
+    Nq, Nk = Q.shape[0], K.shape[0]
+    BN, WN, MF = 128, 32, 2
+    QW = BM // 2
+    NQF, KD, KM = QW // 8, D // 16, BM // 16
+    DW, QDW = D // 2, D // 4
+    DQ_WM = 4 if BM >= 128 else 2
+    QQ = BM // DQ_WM
+    QDW = D * DQ_WM // 8
+    DNF, QMF, QDF = DW // 8, QQ // 16, QDW // 8
+    RB = (D + 8) * 2
+    PS = (BM + 8) * 2
+    QT = BM * RB
+    sK = 0
+    sV = sK + BN * RB
+    sQ = sV + BN * RB
+    sdO = sQ + 2 * QT
+    sdS = sdO + 2 * QT
+    sL = sdS + BN * PS
+    sD = sL + 2 * BM * 4
+    sP = sD + 2 * BM * 4
+    total = sP + BN * PS
+    a_lane = (LANE % 16) * RB + (LANE // 16) * 16
+    bn_lane = (LANE % 8 + 8 * (LANE // 16)) * RB + ((LANE // 8) % 2) * 16
+    bt_lane = (LANE % 8 + 8 * ((LANE // 8) % 2)) * RB + (LANE // 16) * 16
+    pa_lane = (LANE % 16) * PS + (LANE // 16) * 16
+    ds_lane = (LANE % 8 + 8 * (LANE // 16)) * PS + ((LANE // 8) % 2) * 16
+    sl2 = scale * LOG2E
+
+    def zacc(mf, nf):
+        return [[np.zeros((32, 4)) for _ in range(nf)] for _ in range(mf)]
+
+    def gemm_nt(sm, acc, mf, nf, ksteps, a_base, a_row, b_base, b_row):
+        for kk in range(ksteps):
+            a = [sm.ldsm_x4(a_base + mi * 16 * a_row + kk * 32) for mi in range(mf)]
+            for p in range(nf // 2):
+                b = sm.ldsm_x4(b_base + p * 16 * b_row + kk * 32)
+                for mi in range(mf):
+                    mma(acc[mi][2 * p], a[mi], b[0], b[1])
+                    mma(acc[mi][2 * p + 1], a[mi], b[2], b[3])
+
+    def gemm_nn(sm, acc, mf, nf, ksteps, a_base, a_row, b_base, b_row, a_trans):
+        for kk in range(ksteps):
+            if a_trans:
+                a = [sm.ldsm_x4(a_base + kk * 16 * a_row + mi * 32, trans=True) for mi in range(mf)]
+            else:
+                a = [sm.ldsm_x4(a_base + mi * 16 * a_row + kk * 32) for mi in range(mf)]
+            for p in range(nf // 2):
+                b = sm.ldsm_x4(b_base + kk * 16 * b_row + p * 32, trans=True)
+                for mi in range(mf):
+                    mma(acc[mi][2 * p], a[mi], b[0], b[1])
+                    mma(acc[mi][2 * p + 1], a[mi], b[2], b[3])
+
+    def store_acc16(sm, acc, mf, nf, base, row):
+        for mi in range(mf):
+            for n in range(nf):
+                addr = base + (mi * 16 + G) * row + (n * 8 + 2 * T4) * 2
+                sm.st_b32(addr, pack(acc[mi][n][:, 0], acc[mi][n][:, 1]))
+                sm.st_b32(addr + 8 * row, pack(acc[mi][n][:, 2], acc[mi][n][:, 3]))
+
+    def rows(M, r0, n, limit):
+        out = np.zeros((n, M.shape[1]))
+        for r in range(n):
+            if r0 + r < limit:
+                out[r] = M[r0 + r]
+        return out
+
+    n_nt = -(-Nk // BN)
+    skipped = SKIPPED
+    for jt in range(n_nt):
+        j0 = jt * BN
+        sm = Smem(total)
+        qlo, qhi = win.tile_query_range(j0, j0 + BN - 1, Nq)
+        m_first = qlo // BM if qlo <= qhi else 0
+        n_mt = qhi // BM - m_first + 1 if qlo <= qhi else 0
+        if n_mt > 0:
+            sm.store_tile(sK, RB, rows(K, j0, BN, win.L))
+            sm.store_tile(sV, RB, rows(V, j0, BN, win.L))
+        dk = [zacc(MF, DNF) for _ in range(8)]
+        dv = [zacc(MF, DNF) for _ in range(8)]
+        for it in range(n_mt):
+            i0 = (m_first + it) * BM
+            slot = it & 1
+            sm.store_tile(sQ + slot * QT, RB, rows(Q, i0, BM, Nq))
+            sm.store_tile(sdO + slot * QT, RB, rows(dO, i0, BM, Nq))
+            sm.store_f32(sL + slot * BM * 4, lse2_pad[i0:i0 + BM])
+            sm.store_f32(sD + slot * BM * 4, delta_pad[i0:i0 + BM])
+            sm.m[sdS:sdS + BN * PS] = np.nan
+            sm.m[sP:sP + BN * PS] = np.nan
+            qs, dos = sQ + slot * QT, sdO + slot * QT
+            ls, des = sL + slot * BM * 4, sD + slot * BM * 4
+            # phase 1
+            for warp in range(8):
+                wk, wq = warp // 2, warp % 2
+                kr0, qc0 = wk * WN, wq * QW
+                jw0, iw0 = j0 + kr0, i0 + qc0
+                i_last = min(iw0 + QW, Nq) - 1
+                any_vis = (iw0 < Nq and jw0 <= min(i_last + win.dhi, win.L_last)
+                           and jw0 + WN - 1 >= max(iw0 + win.dlo, 0))
+                skipped[0] += not any_vis
+                s = zacc(MF, NQF)
+                if any_vis:
+                    gemm_nt(sm, s, MF, NQF, KD, sK + kr0 * RB + a_lane, RB, qs + qc0 * RB + bn_lane,
+                            RB)
+                full = max(i_last + win.dlo, 0) <= jw0 and jw0 + WN - 1 <= min(iw0 + win.dhi,
+                                                                                 win.L_last)
+                if not any_vis:
+                    for mi in range(MF):
+                        for nf in range(NQF):
+                            s[mi][nf][:] = -np.inf
+                elif not full:
+                    for mi in range(MF):
+                        for h in range(2):
+                            j = jw0 + mi * 16 + G + 8 * h
+                            for nf in range(NQF):
+                                for e in range(2):
+                                    i = iw0 + nf * 8 + 2 * T4 + e
+                                    bad = (j > win.L_last) | (j < i + win.dlo) | (j > i + win.dhi)
+                                    s[mi][nf][:, 2 * h + e] = np.where(bad, -np.inf,
+                                                                       s[mi][nf][:, 2 * h + e])
+                for nf in range(NQF):
+                    l0, l1 = sm.ld_v2f(ls + (qc0 + nf * 8 + 2 * T4) * 4)
+                    for mi in range(MF):
+                        for h in range(2):
+                            s[mi][nf][:, 2 * h] = np.exp2(s[mi][nf][:, 2 * h] * sl2 - l0)
+                            s[mi][nf][:, 2 * h + 1] = np.exp2(s[mi][nf][:, 2 * h + 1] * sl2 - l1)
+                store_acc16(sm, s, MF, NQF, sP + kr0 * PS + qc0 * 2, PS)
+                dp = zacc(MF, NQF)
+                if any_vis:
+                    gemm_nt(sm, dp, MF, NQF, KD, sV + kr0 * RB + a_lane, RB,
+                            dos + qc0 * RB + bn_lane, RB)
+                for nf in range(NQF):
+                    d0, d1 = sm.ld_v2f(des + (qc0 + nf * 8 + 2 * T4) * 4)
+                    for mi in range(MF):
+                        for h in range(2):
+                            dp[mi][nf][:, 2 * h] = scale * s[mi][nf][:, 2 * h] * (dp[mi][nf][:, 2 * h] - d0)
+                            dp[mi][nf][:, 2 * h + 1] = scale * s[mi][nf][:, 2 * h + 1] * (
+                                dp[mi][nf][:, 2 * h + 1] - d1)
+                store_acc16(sm, dp, MF, NQF, sdS + kr0 * PS + qc0 * 2, PS)
+            # __syncthreads(); phase 2
+            for warp in range(8):
+                wk, wq = warp // 2, warp % 2
+                kr0, dc0 = wk * WN, wq * DW
+                gemm_nn(sm, dv[warp], MF, DNF, KM, sP + kr0 * PS + pa_lane, PS,
+                        dos + dc0 * 2 + bt_lane, RB, False)
+                gemm_nn(sm, dk[warp], MF, DNF, KM, sdS + kr0 * PS + pa_lane, PS,
+                        qs + dc0 * 2 + bt_lane, RB, False)
+            # phase 3
+            if dq_atomic:
+                for warp in range(8):
+                    wk, wq = warp // 2, warp % 2
+                    qq0, dq0 = (warp % DQ_WM) * QQ, (warp // DQ_WM) * QDW
+                    acc = zacc(QMF, QDF)
+                    gemm_nn(sm, acc, QMF, QDF, BN // 16, sdS + qq0 * 2 + ds_lane, PS,
+                            sK + dq0 * 2 + bt_lane, RB, True)
+                    for mi in range(QMF):
+                        for h in range(2):
+                            i = i0 + qq0 + mi * 16 + G + 8 * h
+                            for nf in range(QDF):
+                                for ln in range(32):
+                                    if i[ln] < Nq:
+                                        c = dq0 + nf * 8 + 2 * T4[ln]
+                                        dq_out[i[ln], c] += acc[mi][nf][ln, 2 * h]
+                                        dq_out[i[ln], c + 1] += acc[mi][nf][ln, 2 * h + 1]
+        for warp in range(8):
+            wk, wq = warp // 2, warp % 2
+            kr0, dc0 = wk * WN, wq * DW
+            for mi in range(MF):
+                for h in range(2):
+                    j = j0 + kr0 + mi * 16 + G + 8 * h
+                    for nf in range(DNF):
+                        for ln in range(32):
+                            if j[ln] < Nk:
+                                c = dc0 + nf * 8 + 2 * T4[ln]
+                                dk_out[j[ln], c:c + 2] = dk[warp][mi][nf][ln, 2 * h:2 * h + 2]
+                                dv_out[j[ln], c:c + 2] = dv[warp][mi][nf][ln, 2 * h:2 * h + 2]
+
+
 # ---- bwd_sm80_dq, transliterated ----------------------------------------------------------------
 def emulate_dq(Q, K, V, dO, lse2_pad, delta_pad, scale, win, D, BN, NWARPS, STAGES, dq_out):
     Nq, Nk = Q.shape[0], K.shape[0]
@@ -445,6 +631,70 @@ def run_case(rng, Nq, Nk, D, L, left, right, br, BM, NWARPS, BN_dq, NW_dq):
     return errs, nan
 
 
+def run_case_g(rng, Nq, Nk, D, L, left, right, br, BM, dq_atomic=True):
+    Q, K, V, dO = (rng.standard_normal((n, D)) for n in (Nq, Nk, Nk, Nq))
+    scale = 1 / math.sqrt(D)
+    vis = dense_visible(Nq, Nk, L, left, right, br)
+    lse, delta, dQ, dK, dV = dense(Q, K, V, dO, scale, vis)
+    PAD = 128
+    Nq_pad = -(-Nq // PAD) * PAD
+    lse2 = np.full(Nq_pad, np.inf)
+    lse2[:Nq] = np.where(np.isneginf(lse), np.inf, lse * LOG2E)
+    dpad = np.zeros(Nq_pad)
+    dpad[:Nq] = delta
+    win = Win(Nq, L, left, right, br)
+    dq = np.zeros((Nq, D))
+    dk = np.full((Nk, D), np.nan)
+    dv = np.full((Nk, D), np.nan)
+    emulate_dkdv_g(Q, K, V, dO, lse2, dpad, Nq_pad, scale, win, D, BM, dq_atomic, dq, dk, dv)
+    errs = [float(np.nanmax(np.abs(a - b), initial=0)) if a.size else 0.0
+            for a, b in ((dq, dQ), (dk, dK), (dv, dV))]
+    if not dq_atomic:
+        errs[0] = 0.0
+    nan = any(np.isnan(x).any() for x in (dq, dk, dv))
+    return errs, nan
+
+
+def main_g(quick=False):
+    """bwd_sm80_dkdv_g (FA2-style warp grids): head dims 64, 128; BLOCK_M 32, 64, 128."""
+    rng = np.random.default_rng(1)
+    big = 10 ** 6
+    fails = 0
+    cases = [
+        # (Nq, Nk, D, L, left, right, br, BM)
+        (70, 150, 64, 150, big, big, True, 64),     # plain, 2 key tiles, padding rows
+        (150, 140, 64, 140, big, 0, True, 64),      # causal bottom-right, 3 query tiles
+        (150, 140, 64, 140, big, 0, False, 32),     # causal top-left, BLOCK_M 32
+        (40, 200, 64, 200, 9, 3, True, 32),         # window
+        (100, 170, 64, 91, big, 0, True, 64),       # kv_lens < Nk, causal
+        (33, 50, 64, 0, big, big, True, 64),        # kv_lens = 0
+        (1, 140, 64, 140, big, 0, True, 64),        # one query
+        (130, 1, 64, 1, big, big, False, 32),       # one key
+        (90, 130, 128, 130, big, 0, False, 64),     # D = 128, causal top-left
+        (75, 129, 128, 120, 30, 5, True, 32),       # D = 128, window + kv_lens
+        (300, 260, 64, 250, big, 0, True, 128),     # BLOCK_M 128 (dQ grid 4 x 2), causal, kv_lens
+        (130, 140, 64, 140, 70, 20, False, 128),    # BLOCK_M 128, window top-left
+    ]
+    if quick:
+        cases = cases[:2] + cases[8:9]
+    for case in cases:
+        for dq_atomic in ((True, False) if case[-1] == 64 and case[2] == 64 and case[0] == 150
+                          else (True,)):
+            errs, nan = run_case_g(rng, *case, dq_atomic=dq_atomic)
+            ok = max(errs) < 1e-9 and not nan
+            fails += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} dkdv_g Nq={case[0]:3d} Nk={case[1]:3d} D={case[2]} "
+                  f"L={case[3]:3d} window=({case[4] if case[4] < big else None},"
+                  f"{case[5] if case[5] < big else None}) br={case[6]} BM={case[7]} "
+                  f"dq_atomic={dq_atomic} err dq={errs[0]:.1e} dk={errs[1]:.1e} dv={errs[2]:.1e} "
+                  f"nan={nan}", flush=True)
+    print(f"warp sub-tiles skipped (nothing visible): {SKIPPED[0]}")
+    if not quick and SKIPPED[0] == 0:
+        print("FAIL the skip path was never taken")
+        fails += 1
+    return fails
+
+
 def main():
     rng = np.random.default_rng(0)
     check_forward_spec(rng)
@@ -482,9 +732,12 @@ def main():
         fails += not ok
         print(f"{'ok  ' if ok else 'FAIL'} Nq={case[0]} Nk={case[1]} D={case[2]} cfg={cfg} "
               f"errs={['%.1e' % e for e in errs]} nan={nan}")
+    fails += main_g()
     print("emulation:", "all ok" if not fails else f"{fails} FAILED")
     return 1 if fails else 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--grid-only"]:
+        sys.exit(1 if main_g() else 0)
     sys.exit(main())
