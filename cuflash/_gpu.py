@@ -160,7 +160,8 @@ def backward_path(p):
 
 
 def backward(p, dout, out, lse, deterministic=False):
-    """Returns dq, dk, dv per output (batch, head), in the accumulator dtype.
+    """Returns dq, dk, dv per output (batch, head), in the accumulator dtype (the tensor-core path
+    may give dk, dv in the inputs' dtype already, see cuflash._tc_bwd.backward).
 
     The generic kernels are deterministic by construction (no atomics); the tensor-core path adds
     dq with atomics unless ``deterministic``, which then takes its fixed-order dq kernel."""

@@ -86,6 +86,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import _config, _kernels
+from ._broadcast import _padded
 
 SOURCE = "bwd_sm80.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.SM80_DTYPES}
@@ -276,9 +277,10 @@ def launch_prep(dout, out, lse, lse2, delta, BH, Nq, Nq_pad, D):
 
 
 def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic, tile=None,
-                **common):
-    """dk_acc, dv_acc (BH, Nk, D) float32, every element; with dq_atomic, dq_acc (BH, Nq, D) float32
-    (zeroed by the caller) += this kernel's dQ."""
+                out16=False, **common):
+    """dk_acc, dv_acc (BH, Nk, D) float32, every element (with out16: arrays of q's 16-bit dtype,
+    written directly); with dq_atomic, dq_acc (BH, Nq, D) float32 (zeroed by the caller) += this
+    kernel's dQ."""
     has_mb = common["mask"] is not None or common["bias"] is not None
     D = common["Dk"]
     if tile is not None and tile.opt & OPT_GRID and not grid_tile_usable(tile, D, has_mb):
@@ -293,7 +295,7 @@ def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic
     n_ntiles = -(-common["Nk"] // (16 * tile.warps))
     fn((n_ntiles * common["BH"],), (tile.warps * 32,),
        (q, k, v, dout, lse2, delta, dq_acc if dq_atomic else _NULL, dk_acc, dv_acc)
-       + _main_args(**common), shared_mem=smem)
+       + _main_args(**common) + (np.int32(bool(out16)),), shared_mem=smem)
 
 
 def launch_dq(q, k, v, dout, lse2, delta, dq_acc, *, tile=None, **common):
@@ -328,6 +330,10 @@ def make_backward(p, deterministic=False, dkdv_tile=None, dq_tile=None):
     args = _gpu._Args(p)
     common = args.common(p)
     BH, Nq, Nk, D = p.BH, p.Nq, p.Nk, p.Dk
+    # dK, dV straight in the inputs' dtype when no broadcast / GQA sum follows (each k and v
+    # matrix is one output (batch, head)'s): no float32 buffers, no cast passes
+    out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
+    kv_dtype = p.dtype if out16 else np.float32
     Nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     common["Nq_pad"] = Nq_pad
 
@@ -343,10 +349,10 @@ def make_backward(p, deterministic=False, dkdv_tile=None, dq_tile=None):
                 dq = _gpu._empty((BH, Nq, D), dtype=np.float32)
             else:
                 dq = cupy.zeros((BH, Nq, D), dtype=np.float32)
-            dk = _gpu._empty((BH, Nk, D), dtype=np.float32)
-            dv = _gpu._empty((BH, Nk, D), dtype=np.float32)
+            dk = _gpu._empty((BH, Nk, D), dtype=kv_dtype)
+            dv = _gpu._empty((BH, Nk, D), dtype=kv_dtype)
             launch_dkdv(p.q, p.k, p.v, dout, lse2, delta, dq, dk, dv,
-                        dq_atomic=not deterministic, tile=dkdv_tile, **common)
+                        dq_atomic=not deterministic, tile=dkdv_tile, out16=out16, **common)
             if deterministic:
                 launch_dq(p.q, p.k, p.v, dout, lse2, delta, dq, tile=dq_tile, **common)
             return dq, dk, dv
@@ -356,6 +362,7 @@ def make_backward(p, deterministic=False, dkdv_tile=None, dq_tile=None):
 
 def backward(p, dout, out, lse, deterministic=False):
     """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
-    dv (BH, Nk, Dv), float32, per output (batch, head); the caller reduces and casts."""
+    dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
+    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype."""
     with p.q.device:
         return make_backward(p, deterministic)(dout, out, lse)

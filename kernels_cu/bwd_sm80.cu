@@ -193,7 +193,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
               const float* __restrict__ bias, const long long* __restrict__ kv_lens,
               long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
               long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
+              int out16) {
   using namespace tc;
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * NWARPS;  // keys per block, 16 per warp
@@ -506,12 +507,23 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      float* dkr = dk_acc + (bh * Nk + j) * HEAD_DIM + 2 * t;
-      float* dvr = dv_acc + (bh * Nk + j) * HEAD_DIM + 2 * t;
+      const long long e = (bh * Nk + j) * HEAD_DIM + 2 * t;  // element offset of this pair
+      if (out16) {  // the host's dk / dv are T arrays: no float32 round trip (no GQA sum needed)
+        T* dkr = reinterpret_cast<T*>(dk_acc) + e;
+        T* dvr = reinterpret_cast<T*>(dv_acc) + e;
 #pragma unroll
-      for (int df = 0; df < DF; ++df) {
-        *reinterpret_cast<float2*>(dkr + df * 8) = make_float2(dk[df][2 * h], dk[df][2 * h + 1]);
-        *reinterpret_cast<float2*>(dvr + df * 8) = make_float2(dv[df][2 * h], dv[df][2 * h + 1]);
+        for (int df = 0; df < DF; ++df) {
+          *reinterpret_cast<u32*>(dkr + df * 8) = Mma<T>::pack(dk[df][2 * h], dk[df][2 * h + 1]);
+          *reinterpret_cast<u32*>(dvr + df * 8) = Mma<T>::pack(dv[df][2 * h], dv[df][2 * h + 1]);
+        }
+      } else {
+        float* dkr = dk_acc + e;
+        float* dvr = dv_acc + e;
+#pragma unroll
+        for (int df = 0; df < DF; ++df) {
+          *reinterpret_cast<float2*>(dkr + df * 8) = make_float2(dk[df][2 * h], dk[df][2 * h + 1]);
+          *reinterpret_cast<float2*>(dvr + df * 8) = make_float2(dv[df][2 * h], dv[df][2 * h + 1]);
+        }
       }
     }
   }
@@ -528,9 +540,11 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
               const float* __restrict__ bias, const long long* __restrict__ kv_lens,
               long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
               long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
+              int out16) {
   bwd_sm80_dkdv_body<T, HEAD_DIM, BLOCK_M, NWARPS, KV_IN_REGS, DQ_ATOMIC, HAS_MB, 0>(
-      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad);
+      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad,
+      out16);
 }
 
 // Candidate variants (not used by default): the same body with OPT != 0 (bits: see tcb::DKDV_*).
@@ -545,9 +559,11 @@ bwd_sm80_dkdv_x(const T* __restrict__ q, const T* __restrict__ k, const T* __res
               const float* __restrict__ bias, const long long* __restrict__ kv_lens,
               long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
               long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
+              int out16) {
   bwd_sm80_dkdv_body<T, HEAD_DIM, BLOCK_M, NWARPS, KV_IN_REGS, DQ_ATOMIC, HAS_MB, OPT>(
-      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad);
+      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad,
+      out16);
 }
 
 // Deterministic dQ. Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_sm80.
@@ -869,7 +885,8 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const float* __restrict__ bias, const long long* __restrict__ kv_lens,
                 long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
                 long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-                int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+                int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
+              int out16) {
   using namespace tc;
   constexpr int THREADS = 256;
   constexpr int BLOCK_N = 128;
@@ -1093,14 +1110,27 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int h = 0; h < 2; ++h) {
       const int j = jw0 + mi * 16 + g + 8 * h;
       if (j < Nk) {
-        float* dkr = dk_acc + (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
-        float* dvr = dv_acc + (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
+        const long long e = (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
+        if (out16) {  // T outputs, as in bwd_sm80_dkdv_body
+          T* dkr = reinterpret_cast<T*>(dk_acc) + e;
+          T* dvr = reinterpret_cast<T*>(dv_acc) + e;
 #pragma unroll
-        for (int nf = 0; nf < DNF; ++nf) {
-          *reinterpret_cast<float2*>(dkr + nf * 8) =
-              make_float2(dk[mi][nf][2 * h], dk[mi][nf][2 * h + 1]);
-          *reinterpret_cast<float2*>(dvr + nf * 8) =
-              make_float2(dv[mi][nf][2 * h], dv[mi][nf][2 * h + 1]);
+          for (int nf = 0; nf < DNF; ++nf) {
+            *reinterpret_cast<u32*>(dkr + nf * 8) =
+                Mma<T>::pack(dk[mi][nf][2 * h], dk[mi][nf][2 * h + 1]);
+            *reinterpret_cast<u32*>(dvr + nf * 8) =
+                Mma<T>::pack(dv[mi][nf][2 * h], dv[mi][nf][2 * h + 1]);
+          }
+        } else {
+          float* dkr = dk_acc + e;
+          float* dvr = dv_acc + e;
+#pragma unroll
+          for (int nf = 0; nf < DNF; ++nf) {
+            *reinterpret_cast<float2*>(dkr + nf * 8) =
+                make_float2(dk[mi][nf][2 * h], dk[mi][nf][2 * h + 1]);
+            *reinterpret_cast<float2*>(dvr + nf * 8) =
+                make_float2(dv[mi][nf][2 * h], dv[mi][nf][2 * h + 1]);
+          }
         }
       }
     }
