@@ -137,6 +137,26 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
     }
   }
 }
+
+// One query tile of the dK/dV kernels into ring slot `slot` (of two): Q and dO rows from i0 (zeros
+// past Nq; dO's rows are contiguous), lse2 and delta of those rows (their buffers are padded).
+template <int BLOCK_M, int HEAD_DIM, int THREADS, typename T>
+__device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD, int slot,
+                                                const T* qh, long long q_rs, const T* doh,
+                                                const float* l2h, const float* dh, int i0,
+                                                int Nq) {
+  using namespace tc;
+  constexpr int QT_BYTES = BLOCK_M * (HEAD_DIM + 8) * 2;
+  const int tid = threadIdx.x;
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sdO + slot * QT_BYTES, doh, HEAD_DIM, i0, Nq);
+  if (tid < BLOCK_M / 4) {
+    cp_async16(sL + slot * BLOCK_M * 4 + tid * 16, l2h + i0 + tid * 4, 16);
+  } else if (tid < BLOCK_M / 2) {
+    const int c = tid - BLOCK_M / 4;
+    cp_async16(sD + slot * BLOCK_M * 4 + c * 16, dh + i0 + c * 4, 16);
+  }
+}
 }  // namespace tcb
 
 // Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads.
@@ -266,16 +286,10 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const u32 bt_lane0 = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
   const u32 ds_lane0 = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
 
-  // One query tile into ring slot `slot`: Q and dO rows (zeros past Nq), lse2 and delta (padded).
+  // One query tile into ring slot `slot` (tcb::copy_query_tile).
   auto load_query_tile = [&](int slot, int i0) {
-    cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
-    cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sdO + slot * QT_BYTES, doh, HEAD_DIM, i0, Nq);
-    if (tid < BLOCK_M / 4) {
-      cp_async16(sL + slot * BLOCK_M * 4 + tid * 16, l2h + i0 + tid * 4, 16);
-    } else if (tid < BLOCK_M / 2) {
-      const int c = tid - BLOCK_M / 4;
-      cp_async16(sD + slot * BLOCK_M * 4 + c * 16, dh + i0 + c * 4, 16);
-    }
+    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, sdO, sL, sD, slot, qh, q_rs, doh, l2h, dh,
+                                                     i0, Nq);
   };
 
   // Prologue: K, V (zeros from key L on) with the first query tile, one commit group.
@@ -967,14 +981,8 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
   const u32 ds_lane = (lane % 8 + 8 * (lane / 16)) * PS_ROW + ((lane / 8) % 2) * 16;
 
   auto load_query_tile = [&](int slot, int i0) {
-    cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
-    cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sdO + slot * QT_BYTES, doh, HEAD_DIM, i0, Nq);
-    if (tid < BLOCK_M / 4) {
-      cp_async16(sL + slot * BLOCK_M * 4 + tid * 16, l2h + i0 + tid * 4, 16);
-    } else if (tid < BLOCK_M / 2) {
-      const int c = tid - BLOCK_M / 4;
-      cp_async16(sD + slot * BLOCK_M * 4 + c * 16, dh + i0 + c * 4, 16);
-    }
+    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, sdO, sL, sD, slot, qh, q_rs, doh, l2h, dh,
+                                                     i0, Nq);
   };
 
   if (n_mt > 0) {

@@ -143,17 +143,22 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       }
       cp_async_commit();
     }
-  } else {  // groups: [Q K0] [V0] [K1] [V1] ... with OPT_KV_SPLIT, else [Q K0 V0] [K1 V1] ...
+  }
+  // OPT != 0: key tile t's K and V into ring slot t % STAGES (nothing past the last tile), as one
+  // commit group, or as two (K, then V) with OPT_KV_SPLIT.
+  auto issue_tile = [&](int t) {
+    const int buf = t % STAGES;
+    const int jt = j_first + t * BLOCK_N;
+    if (t < n_tiles)
+      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jt, j_limit);
+    if (KV_SPLIT) cp_async_commit();
+    if (t < n_tiles)
+      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jt, j_limit);
+    cp_async_commit();
+  };
+  if constexpr (OPT != 0) {  // groups: [Q K0] [V0] [K1] [V1] ... with OPT_KV_SPLIT, else [Q K0 V0] ...
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      const int j0 = j_first + s * BLOCK_N;
-      if (s < n_tiles)
-        fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + s * TILE_BYTES, kh, k_rs, j0, j_limit);
-      if (KV_SPLIT) cp_async_commit();
-      if (s < n_tiles)
-        fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
-      cp_async_commit();
-    }
+    for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
   }
 
   // Row state (DESIGN.md "Empty state"): m = -inf (log2 units, scaled), l = 0 (per-lane partial),
@@ -203,19 +208,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       if (KV_SPLIT) cp_async_wait<2 * STAGES - 3>();
       else cp_async_wait<STAGES - 2>();
       __syncthreads();  // K (and V) of tile n landed; everyone finished tile n - 1's buffers
-      if (!LATE_ISSUE) {
-        const int nn = n + STAGES - 1;
-        const int buf = nn % STAGES;
-        const int jn = j_first + nn * BLOCK_N;
-        if (nn < n_tiles)
-          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn,
-                                                           j_limit);
-        if (KV_SPLIT) cp_async_commit();
-        if (nn < n_tiles)
-          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn,
-                                                           j_limit);
-        cp_async_commit();
-      }
+      if (!LATE_ISSUE) issue_tile(n + STAGES - 1);
     }
     if (Q_IN_REGS && n == 0) {
 #pragma unroll
@@ -271,19 +264,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       }
 
       // OPT_LATE_ISSUE: the next tile's copies, after S (once per tile, at the first sub-tile).
-      if (LATE_ISSUE && sub == 0) {
-        const int nn = n + STAGES - 1;
-        const int buf = nn % STAGES;
-        const int jn = j_first + nn * BLOCK_N;
-        if (nn < n_tiles)
-          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn,
-                                                           j_limit);
-        if (KV_SPLIT) cp_async_commit();
-        if (nn < n_tiles)
-          fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn,
-                                                           j_limit);
-        cp_async_commit();
-      }
+      if (LATE_ISSUE && sub == 0) issue_tile(n + STAGES - 1);
 
       // OPT_KV_SPLIT: V of this tile, waited for only after S = Q K^T (as FlashAttention-2 does;
       // waiting after the softmax instead holds the scores across the barrier and spills).
