@@ -102,12 +102,13 @@ def check_build(archs=("sm_80", "sm_90a")):
 
 # ---- host emulation ----------------------------------------------------------------------------
 
-def emulate(p, capacity=64, split=None, rule=None):
-    """The decode path's algorithm in float64 NumPy, from the Schedule tables alone."""
+def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None):
+    """The decode path's algorithm in float64 NumPy, from the Schedule tables alone (rows and
+    block_keys: decode_tc's layout, 16 rows and its stage keys; default decode_split's)."""
     from cuflash import _decode
     from cuflash._validate import element_strides
 
-    s = _decode.Schedule(p, capacity, split, rule)
+    s = _decode.Schedule(p, capacity, split, rule, rows, block_keys)
     BH, Nq, Dv = p.BH, p.Nq, p.Dv
     flat = {}
     for name, x, mp in (("q", p.q, p.q_map), ("k", p.k, s.k_map), ("v", p.v, s.v_map)):
@@ -126,7 +127,7 @@ def emulate(p, capacity=64, split=None, rule=None):
     n_items = s.items.shape[0]
     part_o = np.full((n_items, s.rows, Dv), np.nan)
     part_lse = np.full((n_items, s.rows), np.nan)
-    # in launch order with the workspace slot of decode_split_x's table (identity by default)
+    # in launch order, with the workspace slot of the kernels' items table
     assert sorted(s.launch.tolist()) == list(range(n_items))
     for tid, k0, k1, it in s.items_x():
         g, tile, first, count = s.tiles[tid]
