@@ -1,8 +1,9 @@
 """Split-KV decode path (kernels_cu/decode.cu): when it applies, how work is split, and launches.
 
-The kernel reads each kv head's keys once for all the query rows that share it (GQA packing) and
-splits the key axis across blocks; see the header of kernels_cu/decode.cu for the block layout
-and the workspace format (normalized partial out, base-2 partial lse).
+The kernels read each kv head's keys once for all the query rows that share it (GQA packing) and
+split the key axis across blocks; see the header of kernels_cu/decode.cu for the block layouts
+(decode_tc: tensor cores, 16-bit, Dk = Dv in {64, 128}, no mask / bias; decode_split: the rest) and
+the workspace format (normalized partial out, base-2 partial lse).
 
 Host side, per call (all NumPy, then ONE int64 table on the device, cached by content through
 cuflash._gpu._on_device):
@@ -15,13 +16,15 @@ cuflash._gpu._on_device):
 3. Key extent of each row tile (`tile_extents`): the keys any of its rows can see by position, the
    same closed form as kernels_cu/mask.cuh (DESIGN.md). It only decides which blocks exist: the
    kernel clips each block to its rows' ranges with mask.cuh itself.
-4. Split size (`split_size`, the one rule): one uniform split size S (keys) for the call, the
-   smallest multiple of the block's key pass, at least SPLIT_MIN_KEYS, such that the number of
-   blocks sum(ceil(extent / S)) fits in WAVES waves of resident blocks (SM count x blocks per SM
-   from the occupancy API). Equal-size blocks that are all resident at once finish together, so
-   there is no tail wave; kv_lens only changes the extents, so the invalid tail of a sequence gets
-   no blocks at all and time follows the valid keys. A tile with an empty extent still gets one
-   (empty) block, which writes out = 0 and lse = -inf.
+4. Split size: one uniform split size S (keys) for the call. `split_size` ("waves"): the smallest
+   multiple of the block's key pass, at least SPLIT_MIN_KEYS, such that the number of blocks
+   sum(ceil(extent / S)) fits in WAVES waves of resident blocks (SM count x blocks per SM from the
+   occupancy API); equal-size blocks that are all resident at once finish together. The automatic
+   choice uses DEFAULT_RULE ("balanced", `split_size_balanced`): among such candidates the S whose
+   list schedule, longest item first, ends first, so that uneven kv_lens share the SMs instead of
+   the longest sequence setting the time. kv_lens only changes the extents, so the invalid tail of
+   a sequence gets no blocks at all. A tile with an empty extent still gets one (empty) block,
+   which writes out = 0 and lse = -inf.
 
 `supports(problem)` says when this path applies (see SUPPORT RULE below); `forward(problem)`
 returns (out (BH, Nq, Dv) of T, lse (BH, Nq) of the accumulator dtype) like cuflash._gpu.forward,
