@@ -1,4 +1,7 @@
-// decode.cu: split-KV attention for a few query rows per kv head (decode), sm_80+, CUDA cores.
+// decode.cu: split-KV attention for a few query rows per kv head (decode), sm_80+. Two kernels share
+// the work decomposition, the tables and the merge below: decode_split (CUDA cores, every dtype,
+// head dims <= 256, masks and bias; its block layout is described here) and decode_tc (tensor
+// cores, float16 / bfloat16, Dk = Dv in {64, 128}, no mask / bias; described at its definition).
 //
 // Work decomposition (the host, cuflash/_decode.py, builds every table):
 //   group    the output (batch, head) matrices that read ONE k matrix and ONE v matrix and share
@@ -11,7 +14,7 @@
 // the online softmax per row in Acc (float; double for double). Scores are in the base-2 domain:
 // q is pre-multiplied by scale * log2(e), so p = exp2(t - m).
 //
-// Block layout: DECODE_WARPS warps stream disjoint warp chunks of keys (warp w takes chunks
+// decode_split's block layout: DECODE_WARPS warps stream disjoint warp chunks of keys (warp w takes chunks
 // w, w + DECODE_WARPS, ...). In a warp, LK consecutive lanes span one key row (16 bytes each, NV
 // vectors per lane when a row is wider than 32 vectors), so one load instruction covers KPL =
 // 32 / LK keys ("key slots"); each lane loads U keys of K and of V per chunk, and the next chunk

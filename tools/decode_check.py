@@ -329,7 +329,7 @@ def schedule_report(sms=132, per_sm=2):
             for name, p in shapes:
                 s = _decode.Schedule(p, cap, None, rule)
                 keys = s.items[:, 2] - s.items[:, 1]
-                # decode_split launches in table (tile) order, decode_split_x in s.launch order
+                # tile order (the "waves" rule's launch) vs s.launch order (the other rules)
                 end_t = _decode.list_schedule_end(keys + _decode.SPLIT_OVERHEAD_KEYS, cap)
                 end = _decode.list_schedule_end(keys[s.launch] + _decode.SPLIT_OVERHEAD_KEYS, cap)
                 full_end.setdefault((per, rule, name.split(" ")[0]), end)
