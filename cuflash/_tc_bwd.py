@@ -64,8 +64,9 @@ sm_90a / sm_80, bf16 and fp16 alike, dq_atomic:
   (today ~0.6 x4 loads per mma per warp: each warp re-reads all of Q and dO, twice), e.g. 2 x 4
   warp grids for S^T / dP^T as FA2, which is a layout change, not a tile-table entry.
 
-Candidate: FA2-style warp grids, bwd_sm80_dkdv_g (OPT_GRID; GRID_TILES; not yet run on a GPU; the
-layout checked by tools/tc_bwd_emulate.py). 8 warps, 128 keys, BLOCK_M queries per step; S^T / dP^T
+FA2-style warp grids, bwd_sm80_dkdv_g (OPT_GRID; candidates in GRID_TILES; the layout emulated by
+tools/tc_bwd_emulate.py). Measured on the H200: the default at D=128 where shared memory allows
+(DKDV_TILES_LARGE_SMEM, +5-7 %), slower than the table's kernel at D=64. 8 warps, 128 keys, BLOCK_M queries per step; S^T / dP^T
 on a 4 (keys) x 2 (queries) warp grid, P^T and dS^T (16-bit) through shared memory, dV / dK on
 4 (keys) x 2 (head-dim halves), dQ on 2 (queries) x 4 (head-dim quarters) (4 x 2 at BLOCK_M 128).
 Head dims 64 and 128 without mask / bias (launch_dkdv takes the table's tile otherwise).
