@@ -138,6 +138,33 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
   }
 }
 
+// One thread's pairs of a dK and a dV row (row half h of each 16x8 fragment, NF fragments 8
+// columns apart) at element offset e: float32, or the inputs' 16-bit type when out16 (the host's
+// dk / dv are then T arrays: no GQA / broadcast sum follows, so no float32 round trip).
+template <typename T, int NF>
+__device__ __forceinline__ void store_kv_rows(float* dk_acc, float* dv_acc, long long e,
+                                              const float (&dk)[NF][4], const float (&dv)[NF][4],
+                                              int h, int out16) {
+  using namespace tc;
+  if (out16) {
+    T* dkr = reinterpret_cast<T*>(dk_acc) + e;
+    T* dvr = reinterpret_cast<T*>(dv_acc) + e;
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+      *reinterpret_cast<u32*>(dkr + f * 8) = Mma<T>::pack(dk[f][2 * h], dk[f][2 * h + 1]);
+      *reinterpret_cast<u32*>(dvr + f * 8) = Mma<T>::pack(dv[f][2 * h], dv[f][2 * h + 1]);
+    }
+  } else {
+    float* dkr = dk_acc + e;
+    float* dvr = dv_acc + e;
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+      *reinterpret_cast<float2*>(dkr + f * 8) = make_float2(dk[f][2 * h], dk[f][2 * h + 1]);
+      *reinterpret_cast<float2*>(dvr + f * 8) = make_float2(dv[f][2 * h], dv[f][2 * h + 1]);
+    }
+  }
+}
+
 // One query tile of the dK/dV kernels into ring slot `slot` (of two): Q and dO rows from i0 (zeros
 // past Nq; dO's rows are contiguous), lse2 and delta of those rows (their buffers are padded).
 template <int BLOCK_M, int HEAD_DIM, int THREADS, typename T>
@@ -521,24 +548,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      const long long e = (bh * Nk + j) * HEAD_DIM + 2 * t;  // element offset of this pair
-      if (out16) {  // the host's dk / dv are T arrays: no float32 round trip (no GQA sum needed)
-        T* dkr = reinterpret_cast<T*>(dk_acc) + e;
-        T* dvr = reinterpret_cast<T*>(dv_acc) + e;
-#pragma unroll
-        for (int df = 0; df < DF; ++df) {
-          *reinterpret_cast<u32*>(dkr + df * 8) = Mma<T>::pack(dk[df][2 * h], dk[df][2 * h + 1]);
-          *reinterpret_cast<u32*>(dvr + df * 8) = Mma<T>::pack(dv[df][2 * h], dv[df][2 * h + 1]);
-        }
-      } else {
-        float* dkr = dk_acc + e;
-        float* dvr = dv_acc + e;
-#pragma unroll
-        for (int df = 0; df < DF; ++df) {
-          *reinterpret_cast<float2*>(dkr + df * 8) = make_float2(dk[df][2 * h], dk[df][2 * h + 1]);
-          *reinterpret_cast<float2*>(dvr + df * 8) = make_float2(dv[df][2 * h], dv[df][2 * h + 1]);
-        }
-      }
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + 2 * t, dk, dv, h, out16);
     }
   }
 }
@@ -1118,28 +1128,8 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int h = 0; h < 2; ++h) {
       const int j = jw0 + mi * 16 + g + 8 * h;
       if (j < Nk) {
-        const long long e = (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
-        if (out16) {  // T outputs, as in bwd_sm80_dkdv_body
-          T* dkr = reinterpret_cast<T*>(dk_acc) + e;
-          T* dvr = reinterpret_cast<T*>(dv_acc) + e;
-#pragma unroll
-          for (int nf = 0; nf < DNF; ++nf) {
-            *reinterpret_cast<u32*>(dkr + nf * 8) =
-                Mma<T>::pack(dk[mi][nf][2 * h], dk[mi][nf][2 * h + 1]);
-            *reinterpret_cast<u32*>(dvr + nf * 8) =
-                Mma<T>::pack(dv[mi][nf][2 * h], dv[mi][nf][2 * h + 1]);
-          }
-        } else {
-          float* dkr = dk_acc + e;
-          float* dvr = dv_acc + e;
-#pragma unroll
-          for (int nf = 0; nf < DNF; ++nf) {
-            *reinterpret_cast<float2*>(dkr + nf * 8) =
-                make_float2(dk[mi][nf][2 * h], dk[mi][nf][2 * h + 1]);
-            *reinterpret_cast<float2*>(dvr + nf * 8) =
-                make_float2(dv[mi][nf][2 * h], dv[mi][nf][2 * h + 1]);
-          }
-        }
+        tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t, dk[mi],
+                              dv[mi], h, out16);
       }
     }
 }
