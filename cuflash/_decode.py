@@ -223,18 +223,6 @@ def _blocks_per_sm(func, dyn_smem=0):
     return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
 
 
-_sm_counts = {}
-
-
-def _sm_count():
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    if dev not in _sm_counts:
-        _sm_counts[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
-    return _sm_counts[dev]
-
-
 def _counter_buffer(n):
     """Per (device, stream) zeroed counters; decode_split resets every counter it uses to 0."""
     import cupy
@@ -541,7 +529,7 @@ class Plan:
                 block_keys = TC_VARIANTS[variant][0] * WARPS
             self.per_sm = per_sm
             self.combine = None if self.fused else _kernel(combine_expression(p.dtype, rows))[0]
-            self.capacity = max(1, int(waves * per_sm * _sm_count()))
+            self.capacity = max(1, int(waves * per_sm * _kernels.device_info().sm_count))
         sched = Schedule(p, self.capacity, split, split_rule, sched_rows, block_keys)
         assert sched.rows == rows
         self.sched = sched

@@ -4,12 +4,11 @@ Everything here runs on the current CuPy stream and never synchronizes. Per (bat
 the kernels read from an offset table (DESIGN.md), so broadcasting, GQA and arbitrary strides
 cost no copies.
 """
-import functools
 
 import cupy
 import numpy as np
 
-from . import _broadcast, _config, _decode, _launch, _tc_bwd
+from . import _broadcast, _config, _decode, _kernels, _launch, _tc_bwd
 from ._validate import element_strides
 
 _Q, _K, _V, _MASK, _BIAS = range(5)
@@ -34,7 +33,7 @@ def tensor_core_layout(p):
         return False
     if not p.scale > 0 or max(p.Nq, p.Nk) > _MAX_SM80_LEN:
         return False  # the kernels fold the scale into exp2 and take maxima of unscaled scores
-    if _device_limits(cupy.cuda.Device().id)[0] < 80:
+    if _kernels.device_info().cc < 80:
         return False
     for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
         strides = element_strides(x)
@@ -48,14 +47,7 @@ def _sm80_fits(p):
     if p.Dk not in _config.SM80_HEAD_DIMS or not tensor_core_layout(p):
         return False
     has_mb = p.mask is not None or p.bias is not None
-    return _config.sm80_smem_bytes(p.Dk, has_mb) <= _device_limits(cupy.cuda.Device().id)[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _device_limits(device_id):
-    """(compute capability as an int, e.g. 90; opt-in shared memory per block in bytes)."""
-    device = cupy.cuda.Device(device_id)
-    return int(device.compute_capability), device.attributes["MaxSharedMemoryPerBlockOptin"]
+    return _config.sm80_smem_bytes(p.Dk, has_mb) <= _kernels.device_info().smem_optin
 
 
 def forward_path(p):

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import threading
+from collections import namedtuple
 from pathlib import Path
 
 from . import _config
@@ -21,6 +22,27 @@ _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
 
 _lock = threading.Lock()
 _sources = {}   # file name -> inlined source text
+_device_infos = {}  # device id -> DeviceInfo
+
+# What the kernel choices need to know of a device (the one home for these queries).
+DeviceInfo = namedtuple("DeviceInfo", "cc smem_optin sm_count")
+
+
+def device_info(device_id=None):
+    """DeviceInfo of a device (default: the current one), cached: compute capability as an int
+    (90 for sm_90), opt-in shared memory per block in bytes, and the number of SMs."""
+    import cupy
+
+    dev = cupy.cuda.Device().id if device_id is None else int(device_id)
+    info = _device_infos.get(dev)
+    if info is None:
+        device = cupy.cuda.Device(dev)
+        info = DeviceInfo(int(device.compute_capability),
+                          int(device.attributes["MaxSharedMemoryPerBlockOptin"]),
+                          int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]))
+        with _lock:
+            info = _device_infos.setdefault(dev, info)
+    return info
 _functions = {}  # (device id, file name, name expression) -> (RawModule, RawKernel)
 
 

@@ -73,19 +73,6 @@ def launch_fwd(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs
     kern(grid, (_config.GENERIC_THREADS,), args, shared_mem=smem)
 
 
-_ccs = {}
-
-
-def _cc():
-    """Compute capability of the current device as an int (90 for sm_90), cached."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    if dev not in _ccs:
-        _ccs[dev] = int(cupy.cuda.Device(dev).compute_capability)
-    return _ccs[dev]
-
-
 def launch_fwd_sm80(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
                     mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
                     bottom_right, tile=None):
@@ -95,7 +82,7 @@ def launch_fwd_sm80(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs,
         return
     has_mb = mask is not None or bias is not None
     if tile is None:
-        tile = _config.sm80_tile(Dk, has_mb, _cc())
+        tile = _config.sm80_tile(Dk, has_mb, _kernels.device_info().cc)
     kern = _kernels.get_function(_config.SOURCES["fwd_sm80"],
                                  _config.sm80_name_expression(q.dtype, Dk, has_mb, tile))
     smem = _config.sm80_smem_bytes(Dk, has_mb, tile)

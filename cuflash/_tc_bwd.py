@@ -218,17 +218,6 @@ def candidate_instantiations(dtypes=("float16", "bfloat16")):
 
 
 _smem_set = {}
-_optins = {}
-
-
-def _smem_optin():
-    """Opt-in shared memory per block of the current device, in bytes (cached)."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    if dev not in _optins:
-        _optins[dev] = int(cupy.cuda.Device(dev).attributes["MaxSharedMemoryPerBlockOptin"])
-    return _optins[dev]
 
 
 def _function(expr, smem):
@@ -288,7 +277,7 @@ def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic
         tile = None  # the grid kernel has no mask / bias: the table's tile
     if tile is None and not has_mb and D in DKDV_TILES_LARGE_SMEM:
         big = DKDV_TILES_LARGE_SMEM[D]
-        if dkdv_smem_bytes(D, big) <= _smem_optin():
+        if dkdv_smem_bytes(D, big) <= _kernels.device_info().smem_optin:
             tile = big
     tile = tile or (DKDV_TILES_MB if has_mb else DKDV_TILES)[D]
     smem = dkdv_smem_bytes(D, tile)
