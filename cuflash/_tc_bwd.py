@@ -102,6 +102,9 @@ OPT_BDEP, OPT_BCHAIN, OPT_DQ_V4, OPT_LANE_OPQ = 1, 2, 4, 8
 # bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, head dims 64 and
 # 128, no mask / bias: with a mask or bias launch_dkdv takes the DKDV_TILES_MB tile instead).
 OPT_GRID = 16
+# dQ ordering candidates (tcb::DKDV_DQ_EARLY / DKDV_DQ_SPREAD; with OPT_GRID they select
+# bwd_sm80_dkdv_gx<..., GOPT>): the dQ reductions before the dK product, or spread over it.
+OPT_DQ_EARLY, OPT_DQ_SPREAD = 32, 64
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
@@ -139,6 +142,17 @@ GRID_TILES = {
 }
 
 
+# Candidates of the dQ ordering (ncu, H200, N = 4096: the end-of-tile burst of dQ reductions
+# stalls the next tile's copies; see tcb::DKDV_DQ_EARLY): timed by tools/tc_bwd_check.py
+# --variants beside the defaults; compiled by tests/test_build.py.
+DQ_ORDER_TILES = {
+    64: (DkdvTile(64, 8, True, 1, OPT_DQ_EARLY), DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD),
+         DkdvTile(128, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)),
+    128: (DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_EARLY),
+          DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)),
+}
+
+
 def _b(x):
     return "true" if x else "false"
 
@@ -153,6 +167,10 @@ def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
         if has_mb or tile.warps != 8 or tile.kv_in_regs or head_dim not in GRID_HEAD_DIMS:
             raise ValueError(f"bwd_sm80_dkdv_g cannot take {tile} at head dim {head_dim}"
                              f"{' with mask/bias' if has_mb else ''}")
+        gopt = tile.opt & ~OPT_GRID
+        if gopt:
+            return (f"bwd_sm80_dkdv_gx<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
+                    f"{_b(dq_atomic)}, {tile.min_blocks}, {gopt}>")
         return (f"bwd_sm80_dkdv_g<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
     args = (f"{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
@@ -213,7 +231,8 @@ def sm90_only_instantiations():
 
 def candidate_instantiations(dtypes=("float16", "bfloat16")):
     """Name expressions of the GRID_TILES candidates (both dQ modes), for device-free build checks."""
-    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes for d, tiles in GRID_TILES.items()
+    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes
+            for table in (GRID_TILES, DQ_ORDER_TILES) for d, tiles in table.items()
             for t in tiles for atomic in (True, False)]
 
 

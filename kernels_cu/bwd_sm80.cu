@@ -90,7 +90,22 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //   DKDV_LANE_OPQ the ldmatrix lane offsets are recomputed per query tile from opaque(lane)
 //                (as fwd_sm80.cu) instead of staying live through the loop.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
-enum DkdvOpt : int { DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8 };
+//   DKDV_DQ_EARLY  dQ before dK (bwd_sm80_dkdv_x: every dS^T k-step packed and stored first, the
+//                barrier, dQ = dS K and its reductions, then dK += dS^T Q from the packed
+//                registers; bwd_sm80_dkdv_gx: phase 3 before phase 2). ncu on the H200 (D=64,
+//                N=4096): the burst of red.global.add at the end of a query tile fills the
+//                load/store queue, so the next tile's cp.async right after the top barrier (and
+//                every register reuse behind them) waits ~10 % of the samples (long scoreboard);
+//                FA2 issues its dQ reductions before its dK product. Here the dK product (or
+//                phase 2) runs while they drain.
+//   DKDV_DQ_SPREAD dQ = dS K first into registers, then its reductions spread over the k-steps
+//                of dK += dS^T Q (phase 2's two products in bwd_sm80_dkdv_gx): a few per k-step
+//                instead of one burst.
+// (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
+enum DkdvOpt : int {
+  DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8,
+  DKDV_DQ_EARLY = 32, DKDV_DQ_SPREAD = 64
+};
 
 // p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
 __device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float c, float d) {
@@ -452,6 +467,73 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
         dp[nf][2 * h] = scale * s[nf][2 * h] * (dp[nf][2 * h] - d0);
         dp[nf][2 * h + 1] = scale * s[nf][2 * h + 1] * (dp[nf][2 * h + 1] - d1);
       }
+    }
+
+    constexpr bool DQ_FIRST =
+        DQ_ATOMIC && (OPT & (tcb::DKDV_DQ_EARLY | tcb::DKDV_DQ_SPREAD)) != 0;
+    if constexpr (DQ_FIRST) {
+      // Candidates DKDV_DQ_EARLY / DKDV_DQ_SPREAD: dS^T to shared memory, dQ, then dK.
+      static_assert(DQ_CHUNK == DQ_COLS, "one dQ chunk per warp");
+      u32 da[KM][4];
+#pragma unroll
+      for (int kk = 0; kk < KM; ++kk) {
+        da[kk][0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
+        da[kk][1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
+        da[kk][2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+        da[kk][3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+        const u32 row = sdS + (warp * 16 + g) * DS_ROW + (kk * 16 + 2 * t) * 2;
+        st_shared_b32(row, da[kk][0]);
+        st_shared_b32(row + 8 * DS_ROW, da[kk][1]);
+        st_shared_b32(row + 16, da[kk][2]);
+        st_shared_b32(row + 8 * DS_ROW + 16, da[kk][3]);
+      }
+      __syncthreads();  // dS^T of every warp in shared memory
+      constexpr int WD_ = WD > 0 ? WD : 1;
+      const int wm = warp % WM, wd = warp / WM;
+      const int col0 = wd * (HEAD_DIM / WD_);
+      constexpr int QF = DQ_COLS / 8;
+      float acc[QF][4];
+#pragma unroll
+      for (int nf = 0; nf < QF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nf][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        u32 a[4];
+        ldsm_x4_t(sdS + ds_lane + kk * 16 * DS_ROW + wm * 32, a);
+#pragma unroll
+        for (int p = 0; p < QF / 2; ++p) {
+          u32 b[4];
+          ldsm_x4_t(sK + bt_lane + kk * 16 * ROW_BYTES + col0 * 2 + p * 32, b);
+          Mma<T>::run(acc[2 * p], a, b[0], b[1]);
+          Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
+        }
+      }
+      // reduction r: row half h = r / QF, columns nf = r % QF
+      constexpr int NR = 2 * QF;
+      constexpr int PER = (OPT & tcb::DKDV_DQ_SPREAD) ? (NR + KM - 1) / KM : NR;
+      auto dq_red = [&](int r) {
+        const int h = r / QF, nf = r % QF;
+        const int i = i0 + wm * 16 + g + 8 * h;
+        if (i < Nq)
+          red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
+                        acc[nf][2 * h], acc[nf][2 * h + 1]);
+      };
+#pragma unroll
+      for (int kk = 0; kk < KM; ++kk) {
+        if (kk * PER < NR) {
+#pragma unroll
+          for (int r = kk * PER; r < (kk + 1) * PER && r < NR; ++r) dq_red(r);
+        }
+#pragma unroll
+        for (int p = 0; p < DF / 2; ++p) {
+          u32 b[4];
+          ldsm_x4_t(qs + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
+          Mma<T>::run(dk[2 * p], da[kk], b[0], b[1]);
+          Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
+        }
+      }
+      continue;
     }
 
     // dK += dS^T Q; the packed dS^T also goes to shared memory for dQ.
@@ -849,8 +931,14 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[MF][NF][4], u32 a_base, u32
 // acc[MF][NF] += A B over KSTEPS k-steps of 16, B = (k rows) x (NF * 8 columns) row-major at b_base
 // read by ldmatrix.trans (rows of B_ROW bytes); A either non-trans at a_base (rows = M, k contiguous,
 // A_TRANS = false) or transposed from a (k rows) x (M columns) matrix (A_TRANS = true).
-template <typename T, int MF, int NF, int KSTEPS, int A_ROW, int B_ROW, bool A_TRANS>
-__device__ __forceinline__ void gemm_nn(float (&acc)[MF][NF][4], u32 a_base, u32 b_base) {
+// hook(kk) runs after k-step kk's products (NoHook: nothing).
+struct NoHook {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <typename T, int MF, int NF, int KSTEPS, int A_ROW, int B_ROW, bool A_TRANS,
+          typename Hook = NoHook>
+__device__ __forceinline__ void gemm_nn(float (&acc)[MF][NF][4], u32 a_base, u32 b_base,
+                                        Hook hook = Hook()) {
   using namespace tc;
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -872,6 +960,7 @@ __device__ __forceinline__ void gemm_nn(float (&acc)[MF][NF][4], u32 a_base, u32
         Mma<T>::run(acc[mi][2 * p + 1], a[mi], b[2], b[3]);
       }
     }
+    hook(kk);
   }
 }
 template <int MF, int NF>
@@ -899,9 +988,9 @@ __device__ __forceinline__ void store_acc16(const float (&acc)[MF][NF][4], u32 b
 }
 }  // namespace tcb
 
-template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
-__global__ void __launch_bounds__(256, MIN_BLOCKS)
-bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int GOPT>
+__device__ __forceinline__ void
+bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse2,
                 const float* __restrict__ delta, float* __restrict__ dq_acc,
                 float* __restrict__ dk_acc, float* __restrict__ dv_acc,
@@ -1094,6 +1183,41 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     tcb::store_acc16<T, MF, NQF, PS_ROW>(dp, sdS + kr0 * PS_ROW + qc0 * 2, g, t);
     __syncthreads();  // P^T and dS^T of every warp in shared memory
 
+    constexpr bool DQ_FIRST =
+        DQ_ATOMIC && (GOPT & (tcb::DKDV_DQ_EARLY | tcb::DKDV_DQ_SPREAD)) != 0;
+    if constexpr (DQ_FIRST) {
+      // Candidates DKDV_DQ_EARLY (phase 3, then phase 2) and DKDV_DQ_SPREAD (phase 3's product,
+      // then phase 2 with its reductions spread over phase 2's k-steps).
+      float acc[QMF][QDF][4];
+      tcb::zero_acc(acc);
+      tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
+          acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
+      // reduction r: m-fragment mi = r / (2 QDF), row half h = (r / QDF) % 2, columns nf = r % QDF
+      constexpr int NR = QMF * 2 * QDF;
+      constexpr int PER = (GOPT & tcb::DKDV_DQ_SPREAD) ? (NR + 2 * KM - 1) / (2 * KM) : NR;
+      auto dq_red = [&](int r) {
+        const int mi = r / (2 * QDF), h = (r / QDF) % 2, nf = r % QDF;
+        const int i = i0 + qq0 + mi * 16 + g + 8 * h;
+        if (i < Nq)
+          red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 2 * t + nf * 8,
+                        acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
+      };
+      // k-step s of phase 2 (0 .. 2 KM - 1) issues reductions [s PER, (s + 1) PER)
+      auto reds_of_step = [&](int step) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+          if (r >= step * PER && r < (step + 1) * PER) dq_red(r);
+      };
+      if (!(GOPT & tcb::DKDV_DQ_SPREAD)) reds_of_step(0);
+      auto hook_v = [&](int kk) { if (GOPT & tcb::DKDV_DQ_SPREAD) reds_of_step(kk); };
+      auto hook_k = [&](int kk) { if (GOPT & tcb::DKDV_DQ_SPREAD) reds_of_step(KM + kk); };
+      tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(
+          dv, sP + kr0 * PS_ROW + pa_lane, dos + dc0 * 2 + bt_lane, hook_v);
+      tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(
+          dk, sdS + kr0 * PS_ROW + pa_lane, qs + dc0 * 2 + bt_lane, hook_k);
+      continue;
+    }
+
     // ---- phase 2: dV += P^T dO, dK += dS^T Q (32 keys x DW dims per warp)
     tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(dv, sP + kr0 * PS_ROW + pa_lane,
                                                             dos + dc0 * 2 + bt_lane);
@@ -1132,4 +1256,29 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                               dv[mi], h, out16);
       }
     }
+}
+
+#define DKDV_PARAMS                                                                           \
+  const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                  \
+      const T *__restrict__ dout, const float *__restrict__ lse2,                             \
+      const float *__restrict__ delta, float *__restrict__ dq_acc, float *__restrict__ dk_acc, \
+      float *__restrict__ dv_acc, const long long *__restrict__ offsets,                      \
+      const unsigned char *__restrict__ mask, const float *__restrict__ bias,                 \
+      const long long *__restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,  \
+      long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,     \
+      int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right,     \
+      int Nq_pad, int out16
+#define DKDV_ARGS                                                                             \
+  q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, \
+      v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,         \
+      bottom_right, Nq_pad, out16
+
+template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
+__global__ void __launch_bounds__(256, MIN_BLOCKS) bwd_sm80_dkdv_g(DKDV_PARAMS) {
+  bwd_sm80_dkdv_g_body<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, 0>(DKDV_ARGS);
+}
+// Candidate variants (not used by default): GOPT bits tcb::DKDV_DQ_EARLY / DKDV_DQ_SPREAD.
+template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS, int GOPT>
+__global__ void __launch_bounds__(256, MIN_BLOCKS) bwd_sm80_dkdv_gx(DKDV_PARAMS) {
+  bwd_sm80_dkdv_g_body<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, GOPT>(DKDV_ARGS);
 }

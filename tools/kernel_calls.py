@@ -6,8 +6,9 @@
              causal both alignments, windows, GQA, mask + bias): for compute-sanitizer, whose
              memcheck / racecheck / synccheck slow every launch down by 10-100x.
     profile  one bench-sized call of each hot kernel (bf16: backward D=64 and D=128 at N = 4096,
-             decode (32, 8192), and torch SDPA flash's backward on the same inputs), after one
-             warm-up call each: for ncu, filtered by kernel name.
+             decode (32, 8192) and (1, 131072), and torch SDPA flash's backward on the same
+             inputs), after one warm-up call each: for ncu, filtered by kernel name.
+             `profile bwd` / `profile decode`: only those.
 
 On the device machine (Firecracker kinds; see the device README for ncu's --clock-control none):
 
@@ -83,7 +84,7 @@ def small():
     return 1 if fails else 0
 
 
-def profile():
+def profile(which="all"):
     import cupy as cp
     import ml_dtypes
 
@@ -92,7 +93,7 @@ def profile():
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
     calls = []
-    for D in (64, 128):
+    for D in (64, 128) if which in ("all", "bwd") else ():
         H, N, B = 2048 // D, 4096, 4
         q, k, v, do = (_arr(cp, rng, (B, H, N, D), bf16) for _ in range(4))
         out, lse = cuflash.attention(q, k, v, return_lse=True)
@@ -114,9 +115,10 @@ def profile():
             calls.append(torch_bwd)
         except ImportError:
             pass
-    qd = _arr(cp, rng, (32, 32, 1, 128), bf16)
-    kd, vd = (_arr(cp, rng, (32, 8, 8192, 128), bf16) for _ in range(2))
-    calls.append(lambda: cuflash.attention(qd, kd, vd))
+    for B, L in ((32, 8192), (1, 131072)) if which in ("all", "decode") else ():
+        qd = _arr(cp, rng, (B, 32, 1, 128), bf16)
+        kd, vd = (_arr(cp, rng, (B, 8, L, 128), bf16) for _ in range(2))
+        calls.append(lambda qd=qd, kd=kd, vd=vd: cuflash.attention(qd, kd, vd))
     for fn in calls:  # warm-up (compilation, plans), then the profiled call
         fn()
     cp.cuda.Device().synchronize()
@@ -128,4 +130,4 @@ def profile():
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "small"
-    sys.exit({"small": small, "profile": profile}[mode]())
+    sys.exit({"small": small, "profile": profile}[mode](*sys.argv[2:]))
