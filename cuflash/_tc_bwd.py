@@ -146,10 +146,11 @@ GRID_TILES = {
 # stalls the next tile's copies; see tcb::DKDV_DQ_EARLY): timed by tools/tc_bwd_check.py
 # --variants beside the defaults; compiled by tests/test_build.py.
 DQ_ORDER_TILES = {
-    64: (DkdvTile(64, 8, True, 1, OPT_DQ_EARLY), DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD),
-         DkdvTile(128, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)),
-    128: (DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_EARLY),
-          DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)),
+    64: (DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD), DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD | OPT_DQ_V4),
+         DkdvTile(64, 8, True, 1, OPT_DQ_EARLY), DkdvTile(128, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)),
+    128: (DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD),
+          DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD | OPT_DQ_V4),
+          DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_EARLY)),
 }
 
 

@@ -119,6 +119,21 @@ __device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float 
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 3), "f"(d) : "memory");
 #endif
 }
+// One 16x8 dQ accumulator fragment c (rows g, g + 8; columns 2t, 2t + 1) added with
+// red.global.add.v4: lanes t, t ^ 1 swap half-fragments so that an even lane adds row g, columns
+// 2t..2t+3 and an odd lane row g + 8, columns 2t-2..2t+1. p = this lane's address (its row: g for
+// even t, g + 8 for odd; column 4 (t / 2)); ok = its row is inside the matrix. Warp-collective.
+__device__ __forceinline__ void red_frag_v4(float* p, const float (&c)[4], int t, bool ok) {
+  const bool odd = (t & 1) != 0;
+  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+  if (ok) {
+    if (odd)
+      red_add_f32x4(p, r0, r1, c[2], c[3]);
+    else
+      red_add_f32x4(p, c[0], c[1], r0, r1);
+  }
+}
 // 16 when x is NaN, else 0: a data dependency ptxas cannot fold.
 __device__ __forceinline__ u32 nan_dep(float x) { return x != x ? 16u : 0u; }
 
@@ -509,15 +524,23 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
           Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
         }
       }
-      // reduction r: row half h = r / QF, columns nf = r % QF
-      constexpr int NR = 2 * QF;
+      // reduction r: row half h = r / QF, columns nf = r % QF (with DKDV_DQ_V4: fragment nf = r,
+      // one v4 reduction per lane)
+      constexpr bool V4 = (OPT & tcb::DKDV_DQ_V4) != 0;
+      constexpr int NR = V4 ? QF : 2 * QF;
       constexpr int PER = (OPT & tcb::DKDV_DQ_SPREAD) ? (NR + KM - 1) / KM : NR;
       auto dq_red = [&](int r) {
-        const int h = r / QF, nf = r % QF;
-        const int i = i0 + wm * 16 + g + 8 * h;
-        if (i < Nq)
-          red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
-                        acc[nf][2 * h], acc[nf][2 * h + 1]);
+        if constexpr (V4) {
+          const int i = i0 + wm * 16 + g + ((t & 1) ? 8 : 0);
+          tcb::red_frag_v4(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 4 * (t / 2) + r * 8,
+                           acc[r], t, i < Nq);
+        } else {
+          const int h = r / QF, nf = r % QF;
+          const int i = i0 + wm * 16 + g + 8 * h;
+          if (i < Nq)
+            red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
+                          acc[nf][2 * h], acc[nf][2 * h + 1]);
+        }
       };
 #pragma unroll
       for (int kk = 0; kk < KM; ++kk) {
@@ -1193,14 +1216,23 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
           acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
       // reduction r: m-fragment mi = r / (2 QDF), row half h = (r / QDF) % 2, columns nf = r % QDF
-      constexpr int NR = QMF * 2 * QDF;
+      // (with DKDV_DQ_V4: fragment (mi, nf) = (r / QDF, r % QDF), one v4 reduction per lane)
+      constexpr bool V4 = (GOPT & tcb::DKDV_DQ_V4) != 0;
+      constexpr int NR = V4 ? QMF * QDF : QMF * 2 * QDF;
       constexpr int PER = (GOPT & tcb::DKDV_DQ_SPREAD) ? (NR + 2 * KM - 1) / (2 * KM) : NR;
       auto dq_red = [&](int r) {
-        const int mi = r / (2 * QDF), h = (r / QDF) % 2, nf = r % QDF;
-        const int i = i0 + qq0 + mi * 16 + g + 8 * h;
-        if (i < Nq)
-          red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 2 * t + nf * 8,
-                        acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
+        if constexpr (V4) {
+          const int mi = r / QDF, nf = r % QDF;
+          const int i = i0 + qq0 + mi * 16 + g + ((t & 1) ? 8 : 0);
+          tcb::red_frag_v4(dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 4 * (t / 2) + nf * 8,
+                           acc[mi][nf], t, i < Nq);
+        } else {
+          const int mi = r / (2 * QDF), h = (r / QDF) % 2, nf = r % QDF;
+          const int i = i0 + qq0 + mi * 16 + g + 8 * h;
+          if (i < Nq)
+            red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 2 * t + nf * 8,
+                          acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
+        }
       };
       // k-step s of phase 2 (0 .. 2 KM - 1) issues reductions [s PER, (s + 1) PER)
       auto reds_of_step = [&](int step) {
