@@ -111,7 +111,7 @@ DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 # plus 2 x 4 x 2 dq and 2 x 4 prep.
 DKDV_TILES = {
     32: DkdvTile(64, 8, True, 1),
-    64: DkdvTile(64, 8, True, 1),
+    64: DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD),  # see DQ_ORDER_TILES
     96: DkdvTile(64, 8, False, 1),
     128: DkdvTile(64, 8, False, 1),
 }
@@ -131,7 +131,7 @@ GRID_HEAD_DIMS = (64, 128)  # bwd_sm80_dkdv_g (OPT_GRID)
 # 263 | 117 / 201 / 258; this tile 182 / 253 / 281 | 123 / 213 / 275 = +5-7 %; BLOCK_M 32: 161 /
 # 216 / 235). At D=64 the grid kernel was slower (BLOCK_M 128: 159 / 214 / 237 vs 164 / 222 / 249
 # non-causal; BLOCK_M 64: 151 / 203 / 221; 32: 135 / 175 / 189): the table stays.
-DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID)}
+DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)}
 # Candidate tiles of bwd_sm80_dkdv_g (not used by default; tools/tc_bwd_check.py --variants checks
 # and times them; tests/test_build.py compiles them): BLOCK_M 64 (FA2's hdim128 tile), 128 (FA2's
 # hdim64 tile), 32.
