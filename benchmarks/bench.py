@@ -258,6 +258,10 @@ def load_torch(device_id):
 
 
 def git_commit():
+    """(commit, dirty) of the checkout; CUFLASH_COMMIT overrides it where the tree was copied
+    without its own .git (the device machine), as (that commit, None)."""
+    if os.environ.get("CUFLASH_COMMIT"):
+        return os.environ["CUFLASH_COMMIT"], None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                                 text=True, timeout=10)

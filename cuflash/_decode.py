@@ -90,6 +90,7 @@ TC_VARIANTS = {
     "tc16s3h1": (16, 3, 2, 128),    # 2 stages in flight per block, 2 blocks/SM (2 x 109 KB)
     "tc16s2m3h1": (16, 2, 3, 128),  # 3 blocks/SM (3 x 74 KB)
     "tc16s4h1": (16, 4, 1, 128),    # 1 block/SM, 3 stages in flight
+    "tc16s2h1e": (16, 2, 2, 129),   # tc16s2h1 with an L2 evict-first policy (K/V are read once)
 }
 DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
 DEFAULT_RULE = "balanced"  # the split rule of the automatic choice (both kernels)

@@ -79,6 +79,15 @@ Registers / spill bytes (NVRTC 13.0, dq_atomic | deterministic, bf16 = fp16), sh
     D=64  BLOCK_M 128  sm_90a 255/0 | 255/0   sm_80 253/0 | 254/0   178 KiB (sm_90 only)
     D=64  BLOCK_M 32   sm_90a 186/0 | 177/0   sm_80 178/0 | 168/0    75 KiB
   A warp sub-tile with no visible pair (causal / window diagonals) skips its S^T / dP^T products.
+  dQ ordering (2026-11-29, third session; ncu source counters on the H200, D=64 and 128 at N = 4096,
+  beside FA2): the end-of-tile burst of dQ red.global.add filled the load/store queue, so the next
+  query tile's cp.async (issued right after the top barrier) and every register reuse behind the
+  reductions waited: 11 % of our warp samples were long-scoreboard stalls (FA2 7 %), and the
+  top-of-tile barrier another 7 % in the grid kernel (FA2 4 %). Both kernels now compute dQ right
+  after dS^T is shared and issue its reductions a few per k-step of the dK (grid kernel: dV and dK)
+  product (tcb::dq_reduction_at). tools/tc_bwd_check.py, bf16 TFLOP/s at N = 1k / 4k / 16k,
+  two runs: D=64 +0..+5 %, D=128 +1..+7 %; all reductions before dK lost 1-7 %, v4 reductions
+  (DKDV_DQ_V4) with the spread lost 1-6 %. bench.py after it: 0.90-0.99x FA2 (was 0.89-1.01).
   Rejected: D=64 BLOCK_M 32 at 2 blocks / SM (MIN_BLOCKS 2: 16 B spill with dQ atomics, 40 B with
   opaque lane offsets), D=64 BLOCK_M 64 at 2 blocks (328 B), D=128 BLOCK_M 128 (264 B, 274 KiB).
 """
@@ -102,16 +111,13 @@ OPT_BDEP, OPT_BCHAIN, OPT_DQ_V4, OPT_LANE_OPQ = 1, 2, 4, 8
 # bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, head dims 64 and
 # 128, no mask / bias: with a mask or bias launch_dkdv takes the DKDV_TILES_MB tile instead).
 OPT_GRID = 16
-# dQ ordering candidates (tcb::DKDV_DQ_EARLY / DKDV_DQ_SPREAD; with OPT_GRID they select
-# bwd_sm80_dkdv_gx<..., GOPT>): the dQ reductions before the dK product, or spread over it.
-OPT_DQ_EARLY, OPT_DQ_SPREAD = 32, 64
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
 # plus 2 x 4 x 2 dq and 2 x 4 prep.
 DKDV_TILES = {
     32: DkdvTile(64, 8, True, 1),
-    64: DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD),  # see DQ_ORDER_TILES
+    64: DkdvTile(64, 8, True, 1),
     96: DkdvTile(64, 8, False, 1),
     128: DkdvTile(64, 8, False, 1),
 }
@@ -131,7 +137,7 @@ GRID_HEAD_DIMS = (64, 128)  # bwd_sm80_dkdv_g (OPT_GRID)
 # 263 | 117 / 201 / 258; this tile 182 / 253 / 281 | 123 / 213 / 275 = +5-7 %; BLOCK_M 32: 161 /
 # 216 / 235). At D=64 the grid kernel was slower (BLOCK_M 128: 159 / 214 / 237 vs 164 / 222 / 249
 # non-causal; BLOCK_M 64: 151 / 203 / 221; 32: 135 / 175 / 189): the table stays.
-DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)}
+DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID)}
 # Candidate tiles of bwd_sm80_dkdv_g (not used by default; tools/tc_bwd_check.py --variants checks
 # and times them; tests/test_build.py compiles them): BLOCK_M 64 (FA2's hdim128 tile), 128 (FA2's
 # hdim64 tile), 32.
@@ -139,18 +145,6 @@ GRID_TILES = {
     64: (DkdvTile(64, 8, False, 1, OPT_GRID), DkdvTile(128, 8, False, 1, OPT_GRID),
          DkdvTile(32, 8, False, 1, OPT_GRID)),
     128: (DkdvTile(64, 8, False, 1, OPT_GRID), DkdvTile(32, 8, False, 1, OPT_GRID)),
-}
-
-
-# Candidates of the dQ ordering (ncu, H200, N = 4096: the end-of-tile burst of dQ reductions
-# stalls the next tile's copies; see tcb::DKDV_DQ_EARLY): timed by tools/tc_bwd_check.py
-# --variants beside the defaults; compiled by tests/test_build.py.
-DQ_ORDER_TILES = {
-    64: (DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD), DkdvTile(64, 8, True, 1, OPT_DQ_SPREAD | OPT_DQ_V4),
-         DkdvTile(64, 8, True, 1, OPT_DQ_EARLY), DkdvTile(128, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD)),
-    128: (DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD),
-          DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_SPREAD | OPT_DQ_V4),
-          DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_EARLY)),
 }
 
 
@@ -168,10 +162,6 @@ def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
         if has_mb or tile.warps != 8 or tile.kv_in_regs or head_dim not in GRID_HEAD_DIMS:
             raise ValueError(f"bwd_sm80_dkdv_g cannot take {tile} at head dim {head_dim}"
                              f"{' with mask/bias' if has_mb else ''}")
-        gopt = tile.opt & ~OPT_GRID
-        if gopt:
-            return (f"bwd_sm80_dkdv_gx<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
-                    f"{_b(dq_atomic)}, {tile.min_blocks}, {gopt}>")
         return (f"bwd_sm80_dkdv_g<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
     args = (f"{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
@@ -232,8 +222,7 @@ def sm90_only_instantiations():
 
 def candidate_instantiations(dtypes=("float16", "bfloat16")):
     """Name expressions of the GRID_TILES candidates (both dQ modes), for device-free build checks."""
-    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes
-            for table in (GRID_TILES, DQ_ORDER_TILES) for d, tiles in table.items()
+    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes for d, tiles in GRID_TILES.items()
             for t in tiles for atomic in (True, False)]
 
 

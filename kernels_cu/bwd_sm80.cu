@@ -15,10 +15,13 @@
 //                     dV  += P^T dO           A = P^T packed from the S^T accumulators, B = dO (.trans)
 //                     dP^T = V dO^T           A = V, B = dO (ldmatrix)
 //                     dS^T = scale * P^T (dP^T - delta[col])
-//                     dK  += dS^T Q           A = dS^T packed from registers, B = Q (.trans)
-//                   and, with DQ_ATOMIC, dS^T goes through shared memory for dQ = dS K (A = dS by
-//                   ldmatrix.trans of dS^T, B = K (.trans)), warps split over (query rows, head dim),
-//                   added to the float32 dq_acc (BH, Nq, Dk) with red.global.add (zeroed by the host).
+//                     dQ   = dS K             (DQ_ATOMIC) dS^T through shared memory, A = dS by
+//                                             ldmatrix.trans of dS^T, B = K (.trans), warps split
+//                                             over (query rows, head dim), into registers
+//                     dK  += dS^T Q           A = dS^T packed from registers, B = Q (.trans); the
+//                                             dQ block is added to the float32 dq_acc (BH, Nq, Dk,
+//                                             zeroed by the host) with red.global.add, a few per
+//                                             k-step of this product (tcb::dq_reduction_at).
 //   bwd_sm80_dq     deterministic dQ (no atomics): one block per query tile of 16 * NWARPS rows,
 //                   key tiles through a cp.async ring (as fwd_sm80.cu), S, P, dP, dS recomputed
 //                   in registers, dQ += dS K, one plain store per element. With bwd_sm80_dkdv
@@ -86,26 +89,12 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                at most one k-step of B fragments in flight (DF / 2 x4 loads).
 //   DKDV_DQ_V4   dQ: lanes t, t ^ 1 swap half-fragments (2 shuffles per 8 columns) so that each
 //                lane owns 4 consecutive columns of one row: one red.global.add.v4.f32 instead of
-//                two .v2 (sm_90+; 4 scalar reductions on sm_80).
+//                two .v2 (sm_90+; 4 scalar reductions on sm_80; tcb::red_frag_v4). Lost twice.
 //   DKDV_LANE_OPQ the ldmatrix lane offsets are recomputed per query tile from opaque(lane)
 //                (as fwd_sm80.cu) instead of staying live through the loop.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
-//   DKDV_DQ_EARLY  dQ before dK (bwd_sm80_dkdv_x: every dS^T k-step packed and stored first, the
-//                barrier, dQ = dS K and its reductions, then dK += dS^T Q from the packed
-//                registers; bwd_sm80_dkdv_gx: phase 3 before phase 2). ncu on the H200 (D=64,
-//                N=4096): the burst of red.global.add at the end of a query tile fills the
-//                load/store queue, so the next tile's cp.async right after the top barrier (and
-//                every register reuse behind them) waits ~10 % of the samples (long scoreboard);
-//                FA2 issues its dQ reductions before its dK product. Here the dK product (or
-//                phase 2) runs while they drain.
-//   DKDV_DQ_SPREAD dQ = dS K first into registers, then its reductions spread over the k-steps
-//                of dK += dS^T Q (phase 2's two products in bwd_sm80_dkdv_gx): a few per k-step
-//                instead of one burst.
 // (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
-enum DkdvOpt : int {
-  DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8,
-  DKDV_DQ_EARLY = 32, DKDV_DQ_SPREAD = 64
-};
+enum DkdvOpt : int { DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8 };
 
 // p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
 __device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float c, float d) {
@@ -133,6 +122,15 @@ __device__ __forceinline__ void red_frag_v4(float* p, const float (&c)[4], int t
     else
       red_add_f32x4(p, c[0], c[1], r0, r1);
   }
+}
+// The dQ reductions of a query tile go out spread over the k-steps of the product that follows
+// them (dK += dS^T Q; phase 2 in bwd_sm80_dkdv_g), ceil(NR / STEPS) per k-step, not as one burst at
+// the end of the tile. ncu on the H200 (D=64, N=4096, 2026-11-29): issued as a burst, they filled
+// the load/store queue, so the next tile's cp.async after the top barrier, and every register
+// reuse behind them, waited ~10 % of the warp samples (long scoreboard; FA2 5 %). Spread: +0.4 to
+// +6 % (tools/tc_bwd_check.py); all before the product (DKDV_DQ_EARLY, removed) lost 1-7 %.
+__host__ __device__ constexpr bool dq_reduction_at(int r, int step, int NR, int STEPS) {
+  return r / ((NR + STEPS - 1) / STEPS) == step;
 }
 // 16 when x is NaN, else 0: a data dependency ptxas cannot fold.
 __device__ __forceinline__ u32 nan_dep(float x) { return x != x ? 16u : 0u; }
@@ -285,14 +283,13 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
   constexpr int WM = BLOCK_M / 16;
   constexpr int WD = NWARPS / WM;
-  constexpr int DQ_COLS = HEAD_DIM / (WD > 0 ? WD : 1);
-  constexpr int DQ_CHUNK = DQ_COLS <= 64 ? DQ_COLS : DQ_COLS / 2;  // <= 32 accumulators
+  constexpr int DQ_COLS = HEAD_DIM / (WD > 0 ? WD : 1);  // dQ columns per warp
   static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
   static_assert(BLOCK_M <= LSE_PAD && LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
   static_assert(THREADS >= BLOCK_M / 2, "lse2/delta copies: one 16-byte chunk per thread");
   static_assert(!DQ_ATOMIC || (WD >= 1 && NWARPS % WM == 0 && DQ_COLS % 16 == 0 &&
-                               DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0),
-                "dQ warp layout");
+                               DQ_COLS <= 64),
+                "dQ warp layout (at most 32 accumulators per thread, held through dK)");
 
   const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
   const long long bh = blockIdx.x / n_ntiles;
@@ -484,30 +481,32 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
       }
     }
 
-    constexpr bool DQ_FIRST =
-        DQ_ATOMIC && (OPT & (tcb::DKDV_DQ_EARLY | tcb::DKDV_DQ_SPREAD)) != 0;
-    if constexpr (DQ_FIRST) {
-      // Candidates DKDV_DQ_EARLY / DKDV_DQ_SPREAD: dS^T to shared memory, dQ, then dK.
-      static_assert(DQ_CHUNK == DQ_COLS, "one dQ chunk per warp");
-      u32 da[KM][4];
+    // dS^T packed to 16 bits (the A operand of dK += dS^T Q), and with DQ_ATOMIC stored to shared
+    // memory for dQ.
+    u32 da[KM][4];
 #pragma unroll
-      for (int kk = 0; kk < KM; ++kk) {
-        da[kk][0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
-        da[kk][1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
-        da[kk][2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-        da[kk][3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+    for (int kk = 0; kk < KM; ++kk) {
+      da[kk][0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
+      da[kk][1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
+      da[kk][2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+      da[kk][3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+      if (DQ_ATOMIC) {
+        // a0 = (key g, queries 16kk + 2t..), a1 = key g + 8, a2/a3 = queries + 8.
         const u32 row = sdS + (warp * 16 + g) * DS_ROW + (kk * 16 + 2 * t) * 2;
         st_shared_b32(row, da[kk][0]);
         st_shared_b32(row + 8 * DS_ROW, da[kk][1]);
         st_shared_b32(row + 16, da[kk][2]);
         st_shared_b32(row + 8 * DS_ROW + 16, da[kk][3]);
       }
+    }
+
+    // dQ[i0 + 16 wm .., col0 ..] = dS K over this block's BLOCK_N keys, into registers; its
+    // red.global.add go out a few per k-step of dK below (tcb::dq_reductions_at).
+    constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
+    float acc[QF][4];
+    const int wm = warp % WM, col0 = (warp / WM) * DQ_COLS;
+    if (DQ_ATOMIC) {
       __syncthreads();  // dS^T of every warp in shared memory
-      constexpr int WD_ = WD > 0 ? WD : 1;
-      const int wm = warp % WM, wd = warp / WM;
-      const int col0 = wd * (HEAD_DIM / WD_);
-      constexpr int QF = DQ_COLS / 8;
-      float acc[QF][4];
 #pragma unroll
       for (int nf = 0; nf < QF; ++nf)
 #pragma unroll
@@ -524,126 +523,43 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
           Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
         }
       }
-      // reduction r: row half h = r / QF, columns nf = r % QF (with DKDV_DQ_V4: fragment nf = r,
-      // one v4 reduction per lane)
-      constexpr bool V4 = (OPT & tcb::DKDV_DQ_V4) != 0;
-      constexpr int NR = V4 ? QF : 2 * QF;
-      constexpr int PER = (OPT & tcb::DKDV_DQ_SPREAD) ? (NR + KM - 1) / KM : NR;
-      auto dq_red = [&](int r) {
-        if constexpr (V4) {
-          const int i = i0 + wm * 16 + g + ((t & 1) ? 8 : 0);
-          tcb::red_frag_v4(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 4 * (t / 2) + r * 8,
-                           acc[r], t, i < Nq);
-        } else {
-          const int h = r / QF, nf = r % QF;
-          const int i = i0 + wm * 16 + g + 8 * h;
-          if (i < Nq)
-            red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
-                          acc[nf][2 * h], acc[nf][2 * h + 1]);
-        }
-      };
-#pragma unroll
-      for (int kk = 0; kk < KM; ++kk) {
-        if (kk * PER < NR) {
-#pragma unroll
-          for (int r = kk * PER; r < (kk + 1) * PER && r < NR; ++r) dq_red(r);
-        }
-#pragma unroll
-        for (int p = 0; p < DF / 2; ++p) {
-          u32 b[4];
-          ldsm_x4_t(qs + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
-          Mma<T>::run(dk[2 * p], da[kk], b[0], b[1]);
-          Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
-        }
-      }
-      continue;
     }
+    // Reduction r: row half h = r / QF, columns nf = r % QF (DKDV_DQ_V4: fragment r, one v4 per
+    // lane pair); NR of them, spread over the KM k-steps of dK.
+    constexpr bool V4 = (OPT & tcb::DKDV_DQ_V4) != 0;
+    constexpr int NR = V4 ? QF : 2 * QF;
+    auto dq_red = [&](int r) {
+      if constexpr (V4) {
+        const int i = i0 + wm * 16 + g + ((t & 1) ? 8 : 0);
+        tcb::red_frag_v4(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 4 * (t / 2) + r * 8, acc[r],
+                         t, i < Nq);
+      } else {
+        const int h = r / QF, nf = r % QF;
+        const int i = i0 + wm * 16 + g + 8 * h;
+        if (i < Nq)
+          red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
+                        acc[nf][2 * h], acc[nf][2 * h + 1]);
+      }
+    };
 
-    // dK += dS^T Q; the packed dS^T also goes to shared memory for dQ.
+    // dK += dS^T Q.
 #pragma unroll
     for (int kk = 0; kk < KM; ++kk) {
-      u32 da[4];
-      da[0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
-      da[1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
-      da[2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-      da[3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+      if (DQ_ATOMIC) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+          if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r);
+      }
       u32 kdep = 0;
       if (OPT & tcb::DKDV_BDEP)
         kdep = (__float_as_uint(dp[2 * kk + 1][3] * dp[2 * kk + 1][3]) >> 31) << 4;
       if ((OPT & tcb::DKDV_BCHAIN) && kk > 0) kdep += tcb::nan_dep(dk[0][0]);
-      if (DQ_ATOMIC) {
-        // a0 = (key g, queries 16kk + 2t..), a1 = key g + 8, a2/a3 = queries + 8.
-        const u32 row = sdS + (warp * 16 + g) * DS_ROW + (kk * 16 + 2 * t) * 2;
-        st_shared_b32(row, da[0]);
-        st_shared_b32(row + 8 * DS_ROW, da[1]);
-        st_shared_b32(row + 16, da[2]);
-        st_shared_b32(row + 8 * DS_ROW + 16, da[3]);
-      }
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
         ldsm_x4_t(qs + kdep + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
-        Mma<T>::run(dk[2 * p], da, b[0], b[1]);
-        Mma<T>::run(dk[2 * p + 1], da, b[2], b[3]);
-      }
-    }
-
-    if (DQ_ATOMIC) {
-      __syncthreads();  // dS^T of every warp in shared memory
-      // dQ[i0 + 16 wm .., cols] += dS K over this block's BLOCK_N keys.
-      constexpr int WD_ = WD > 0 ? WD : 1;
-      const int wm = warp % WM, wd = warp / WM;
-      const int col0 = wd * (HEAD_DIM / WD_);
-#pragma unroll
-      for (int c0 = 0; c0 < DQ_COLS; c0 += DQ_CHUNK) {
-        float acc[DQ_CHUNK / 8][4];
-#pragma unroll
-        for (int nf = 0; nf < DQ_CHUNK / 8; ++nf)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nf][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-          u32 a[4];
-          ldsm_x4_t(sdS + ds_lane + kk * 16 * DS_ROW + wm * 32, a);
-#pragma unroll
-          for (int p = 0; p < DQ_CHUNK / 16; ++p) {
-            u32 b[4];
-            ldsm_x4_t(sK + bt_lane + kk * 16 * ROW_BYTES + (col0 + c0) * 2 + p * 32, b);
-            Mma<T>::run(acc[2 * p], a, b[0], b[1]);
-            Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
-          }
-        }
-        if (OPT & tcb::DKDV_DQ_V4) {
-          // Even t: row g, columns 2t..2t+3 (its own pair, then its partner's h = 0 pair); odd t:
-          // row g + 8, columns 2t-2..2t+1 (the partner's h = 1 pair, then its own).
-          const bool odd = (t & 1) != 0;
-          const int i = i0 + wm * 16 + g + (odd ? 8 : 0);
-          float* row = dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + c0 + 4 * (t / 2);
-#pragma unroll
-          for (int nf = 0; nf < DQ_CHUNK / 8; ++nf) {
-            const float s0 = odd ? acc[nf][0] : acc[nf][2];
-            const float s1 = odd ? acc[nf][1] : acc[nf][3];
-            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-            if (i < Nq) {
-              if (odd)
-                tcb::red_add_f32x4(row + nf * 8, r0, r1, acc[nf][2], acc[nf][3]);
-              else
-                tcb::red_add_f32x4(row + nf * 8, acc[nf][0], acc[nf][1], r0, r1);
-            }
-          }
-        } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int i = i0 + wm * 16 + g + 8 * h;
-          if (i < Nq) {
-            float* row = dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + c0 + 2 * t;
-#pragma unroll
-            for (int nf = 0; nf < DQ_CHUNK / 8; ++nf)
-              red_add_f32x2(row + nf * 8, acc[nf][2 * h], acc[nf][2 * h + 1]);
-          }
-        }
-        }
+        Mma<T>::run(dk[2 * p], da[kk], b[0], b[1]);
+        Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
       }
     }
   }
@@ -920,10 +836,11 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 //   2. (after a barrier) dV += P^T dO and dK += dS^T Q on a 4 (keys) x 2 (head dim) grid: warp
 //      (warp / 2, warp % 2) owns keys [32 (warp / 2), +32) x dims [(warp % 2) HEAD_DIM / 2, +HEAD_DIM/2),
 //      A = P^T / dS^T by ldmatrix, B = dO / Q by ldmatrix.trans (0.375 x4 per mma at HEAD_DIM 128).
-//   3. with DQ_ATOMIC, dQ += dS K on a DQ_WM (queries) x 8 / DQ_WM (head dim) grid, DQ_WM = 2 (4 at
+//   3. with DQ_ATOMIC, dQ = dS K on a DQ_WM (queries) x 8 / DQ_WM (head dim) grid, DQ_WM = 2 (4 at
 //      BLOCK_M = 128): warp (warp % DQ_WM, warp / DQ_WM) owns query rows [(warp % DQ_WM) BLOCK_M /
 //      DQ_WM, ..) x the matching head-dim slice, A = dS by ldmatrix.trans of dS^T, B = K by
-//      ldmatrix.trans, red.global.add.
+//      ldmatrix.trans. Its product runs right after the barrier, before phase 2, and its
+//      red.global.add go out a few per k-step of phase 2 (tcb::dq_reduction_at).
 // The next iteration's top barrier protects P^T / dS^T and the Q / dO slot: two barriers per tile, as
 // bwd_sm80_dkdv. Shared memory (_tc_bwd.dkdv_smem_bytes with OPT_GRID): bwd_sm80_dkdv's + P^T.
 // The visibility test runs per warp sub-tile (32 keys x BLOCK_M / 2 queries) only where that sub-tile
@@ -1011,9 +928,9 @@ __device__ __forceinline__ void store_acc16(const float (&acc)[MF][NF][4], u32 b
 }
 }  // namespace tcb
 
-template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int GOPT>
-__device__ __forceinline__ void
-bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
+__global__ void __launch_bounds__(256, MIN_BLOCKS)
+bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse2,
                 const float* __restrict__ delta, float* __restrict__ dq_acc,
                 float* __restrict__ dk_acc, float* __restrict__ dv_acc,
@@ -1206,75 +1123,36 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
     tcb::store_acc16<T, MF, NQF, PS_ROW>(dp, sdS + kr0 * PS_ROW + qc0 * 2, g, t);
     __syncthreads();  // P^T and dS^T of every warp in shared memory
 
-    constexpr bool DQ_FIRST =
-        DQ_ATOMIC && (GOPT & (tcb::DKDV_DQ_EARLY | tcb::DKDV_DQ_SPREAD)) != 0;
-    if constexpr (DQ_FIRST) {
-      // Candidates DKDV_DQ_EARLY (phase 3, then phase 2) and DKDV_DQ_SPREAD (phase 3's product,
-      // then phase 2 with its reductions spread over phase 2's k-steps).
-      float acc[QMF][QDF][4];
-      tcb::zero_acc(acc);
-      tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
-          acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
-      // reduction r: m-fragment mi = r / (2 QDF), row half h = (r / QDF) % 2, columns nf = r % QDF
-      // (with DKDV_DQ_V4: fragment (mi, nf) = (r / QDF, r % QDF), one v4 reduction per lane)
-      constexpr bool V4 = (GOPT & tcb::DKDV_DQ_V4) != 0;
-      constexpr int NR = V4 ? QMF * QDF : QMF * 2 * QDF;
-      constexpr int PER = (GOPT & tcb::DKDV_DQ_SPREAD) ? (NR + 2 * KM - 1) / (2 * KM) : NR;
-      auto dq_red = [&](int r) {
-        if constexpr (V4) {
-          const int mi = r / QDF, nf = r % QDF;
-          const int i = i0 + qq0 + mi * 16 + g + ((t & 1) ? 8 : 0);
-          tcb::red_frag_v4(dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 4 * (t / 2) + nf * 8,
-                           acc[mi][nf], t, i < Nq);
-        } else {
-          const int mi = r / (2 * QDF), h = (r / QDF) % 2, nf = r % QDF;
-          const int i = i0 + qq0 + mi * 16 + g + 8 * h;
-          if (i < Nq)
-            red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 2 * t + nf * 8,
-                          acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
-        }
-      };
-      // k-step s of phase 2 (0 .. 2 KM - 1) issues reductions [s PER, (s + 1) PER)
-      auto reds_of_step = [&](int step) {
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-          if (r >= step * PER && r < (step + 1) * PER) dq_red(r);
-      };
-      if (!(GOPT & tcb::DKDV_DQ_SPREAD)) reds_of_step(0);
-      auto hook_v = [&](int kk) { if (GOPT & tcb::DKDV_DQ_SPREAD) reds_of_step(kk); };
-      auto hook_k = [&](int kk) { if (GOPT & tcb::DKDV_DQ_SPREAD) reds_of_step(KM + kk); };
-      tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(
-          dv, sP + kr0 * PS_ROW + pa_lane, dos + dc0 * 2 + bt_lane, hook_v);
-      tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(
-          dk, sdS + kr0 * PS_ROW + pa_lane, qs + dc0 * 2 + bt_lane, hook_k);
-      continue;
-    }
-
-    // ---- phase 2: dV += P^T dO, dK += dS^T Q (32 keys x DW dims per warp)
-    tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(dv, sP + kr0 * PS_ROW + pa_lane,
-                                                            dos + dc0 * 2 + bt_lane);
-    tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(dk, sdS + kr0 * PS_ROW + pa_lane,
-                                                            qs + dc0 * 2 + bt_lane);
-
-    // ---- phase 3: dQ[i0 + qq0 .., dq0 ..] += dS K over the tile's keys
+    // ---- phase 3 (product): dQ[i0 + qq0 .., dq0 ..] = dS K over the tile's keys, into registers
+    float acc[QMF][QDF][4];
     if (DQ_ATOMIC) {
-      float acc[QMF][QDF][4];
       tcb::zero_acc(acc);
       tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
           acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
-#pragma unroll
-      for (int mi = 0; mi < QMF; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int i = i0 + qq0 + mi * 16 + g + 8 * h;
-          if (i < Nq) {
-            float* row = dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 2 * t;
-#pragma unroll
-            for (int nf = 0; nf < QDF; ++nf)
-              red_add_f32x2(row + nf * 8, acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
-          }
-        }
     }
+    // Reduction r: m-fragment mi = r / (2 QDF), row half h = (r / QDF) % 2, columns nf = r % QDF;
+    // k-step s of phase 2 (dV's KM, then dK's KM) issues those with tcb::dq_reduction_at(r, s).
+    constexpr int NR = QMF * 2 * QDF;
+    auto dq_reds = [&](int step) {
+      if (!DQ_ATOMIC) return;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (!tcb::dq_reduction_at(r, step, NR, 2 * KM)) continue;
+        const int mi = r / (2 * QDF), h = (r / QDF) % 2, nf = r % QDF;
+        const int i = i0 + qq0 + mi * 16 + g + 8 * h;
+        if (i < Nq)
+          red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + dq0 + 2 * t + nf * 8,
+                        acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
+      }
+    };
+
+    // ---- phase 2: dV += P^T dO, dK += dS^T Q (32 keys x DW dims per warp), phase 3's
+    // reductions spread over their k-steps
+    tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(
+        dv, sP + kr0 * PS_ROW + pa_lane, dos + dc0 * 2 + bt_lane, [&](int kk) { dq_reds(kk); });
+    tcb::gemm_nn<T, MF, DNF, KM, PS_ROW, ROW_BYTES, false>(
+        dk, sdS + kr0 * PS_ROW + pa_lane, qs + dc0 * 2 + bt_lane,
+        [&](int kk) { dq_reds(KM + kk); });
   }
 
   // Every key row of the tile below Nk is written, zeros where no query sees it.
@@ -1288,29 +1166,4 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
                               dv[mi], h, out16);
       }
     }
-}
-
-#define DKDV_PARAMS                                                                           \
-  const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                  \
-      const T *__restrict__ dout, const float *__restrict__ lse2,                             \
-      const float *__restrict__ delta, float *__restrict__ dq_acc, float *__restrict__ dk_acc, \
-      float *__restrict__ dv_acc, const long long *__restrict__ offsets,                      \
-      const unsigned char *__restrict__ mask, const float *__restrict__ bias,                 \
-      const long long *__restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,  \
-      long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,     \
-      int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right,     \
-      int Nq_pad, int out16
-#define DKDV_ARGS                                                                             \
-  q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, \
-      v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,         \
-      bottom_right, Nq_pad, out16
-
-template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
-__global__ void __launch_bounds__(256, MIN_BLOCKS) bwd_sm80_dkdv_g(DKDV_PARAMS) {
-  bwd_sm80_dkdv_g_body<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, 0>(DKDV_ARGS);
-}
-// Candidate variants (not used by default): GOPT bits tcb::DKDV_DQ_EARLY / DKDV_DQ_SPREAD.
-template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS, int GOPT>
-__global__ void __launch_bounds__(256, MIN_BLOCKS) bwd_sm80_dkdv_gx(DKDV_PARAMS) {
-  bwd_sm80_dkdv_g_body<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, GOPT>(DKDV_ARGS);
 }

@@ -299,20 +299,20 @@ VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-
     # on 4 keys x 2 head-dim halves, dQ on 2 query halves x 4 head-dim quarters (4 x 2 at
     # BLOCK_M 128), P^T and dS^T through shared memory). Shared memory: D=64 BLOCK_M 64 / 128 / 32: 109 / 178 / 75 KiB,
     # D=128 BLOCK_M 64 / 32: 173 / 123 KiB (over 163 KiB: sm_90 only).
-    # _tc_bwd.DQ_ORDER_TILES: the dQ reductions before / spread over the dK product.
-    d: list(tiles) for d, tiles in _tc_bwd.DQ_ORDER_TILES.items()
+    # _tc_bwd.GRID_TILES: D=64 BLOCK_M 64, 128, 32; D=128 BLOCK_M 64 (the default where shared
+    # memory allows), 32.
+    d: list(tiles) for d, tiles in _tc_bwd.GRID_TILES.items()
 }
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
          _T(64, 8, True, 1, _BDEP), _T(64, 8, True, 1, _V4),
          _T(32, 8, False, 2), _T(32, 8, False, 2, _V4), _T(32, 8, False, 2, _BDEP)],
-    128: [_T(32, 8, False, 1), _T(32, 4, False, 2), _T(64, 4, False, 1),
-          _T(64, 8, False, 1, _BDEP), _T(64, 8, False, 1, _V4), _T(64, 8, False, 1, _BDEP | _V4),
-          _T(64, 4, False, 2, _V4)] + list(_tc_bwd.GRID_TILES[128]),
+    # (D=128 BLOCK_M 64 with 4 warps, plain and V4, lost too; they no longer build: dQ needs at
+    # most 64 columns per warp since its reductions are spread over dK, tcb::dq_reduction_at)
+    128: [_T(32, 8, False, 1), _T(32, 4, False, 2),
+          _T(64, 8, False, 1, _BDEP), _T(64, 8, False, 1, _V4), _T(64, 8, False, 1, _BDEP | _V4)],
 }
-OLD_VARIANTS[64] += list(_tc_bwd.GRID_TILES[64])  # _tc_bwd.GRID_TILES: lost at D=64 (D=128 BLOCK_M
-# 64 is the default where shared memory allows)
 
 
 @stage("timing")
