@@ -76,8 +76,9 @@ WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see
 # L = 1k..16k: 3.74 TB/s + 13 us a call); tc16s2 3.45 / 3.90 / 4.01 / 3.87 (4.27 TB/s + 17 us);
 # tc16s3 3.38 / 3.83 / 3.93 / 3.87; tc16s4 3.55 / 3.87 / 3.83 / 3.59; tc32s3 3.54 / 3.86 / 3.85 /
 # 3.65; with the L2 prefetch hint: 256 B 3.34 / 3.79 / 3.88 / 3.75 (slower), 128 B ("tc16s2h1")
-# 3.50 / 4.00 / 4.11 / 3.95 <- DEFAULT_TC. More waves only add per-block cost (about +20 us a
-# wave at the same slope), so the split rules stay at one wave of resident blocks.
+# 3.50 / 4.00 / 4.11 / 3.95 (the default until tc16s2h1e below). More waves only add per-block
+# cost (about +20 us a wave at the same slope), so the split rules stay at one wave of resident
+# blocks.
 TC_VARIANTS = {
     "tc16s2": (16, 2, 2, 0),     # 64-key stages, 2 blocks/SM, 1 stage in flight each (74 KB)
     "tc16s3": (16, 3, 2, 0),     # 64-key stages, 2 blocks/SM (2 x 109 KB at D = 128)
@@ -86,13 +87,19 @@ TC_VARIANTS = {
     "tc16s2h": (16, 2, 2, 256),  # tc16s2 with the 256-byte L2 prefetch hint
     "tc16s3h": (16, 3, 2, 256),
     "tc16s2h1": (16, 2, 2, 128),
-    # candidates (2026-11-29, third session): more bytes in flight with the 128-byte hint
+    # 2026-11-29 (third session), tools/decode_check.py timing, KV TB/s for the four shapes and
+    # the uneven batch (tc16s2h1 in the same run): more bytes in flight did not help:
+    # tc16s3h1 3.41 / 3.91 / 4.03 / 3.96 / 3.57 (3.52 / 3.99 / 4.11 / 3.95 / 3.50), tc16s2m3h1
+    # 3.32 / 3.89 / 3.84 / 3.60 / 3.19, tc16s4h1 3.57 / 3.91 / 3.87 / 3.61 / 3.01. An L2
+    # evict-first policy on the copies (K/V are read once; HINT 129) won on every shape, by
+    # 0.7-1.8 %: tc16s2h1e 3.60 / 4.06 / 4.18 / 4.05 / 3.60 (3.55 / 4.03 / 4.15 / 4.00 / 3.54)
+    # <- DEFAULT_TC.
     "tc16s3h1": (16, 3, 2, 128),    # 2 stages in flight per block, 2 blocks/SM (2 x 109 KB)
     "tc16s2m3h1": (16, 2, 3, 128),  # 3 blocks/SM (3 x 74 KB)
     "tc16s4h1": (16, 4, 1, 128),    # 1 block/SM, 3 stages in flight
-    "tc16s2h1e": (16, 2, 2, 129),   # tc16s2h1 with an L2 evict-first policy (K/V are read once)
+    "tc16s2h1e": (16, 2, 2, 129),   # tc16s2h1 with an L2 evict-first policy
 }
-DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
+DEFAULT_TC = "tc16s2h1e"   # decode_tc's tile where it fits (tc_fits), on sm_80+
 DEFAULT_RULE = "balanced"  # the split rule of the automatic choice (both kernels)
 TC_HEAD_DIMS = (64, 128)   # Dk == Dv == HEAD_DIM (the bucket); others stay on decode_split
 TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
