@@ -115,6 +115,8 @@ DECODE_CASES = [
     ("kv_lens-uneven", (4, 4), (4, 2), 1, 1100, 128, 96,
      dict(kv_lens=[[0], [1], [513], [1100]], causal=True)),
     ("head-dim-256", (2,), (2,), 1, 530, 256, 256, {}),
+    # Dv not a multiple of 4: the merge of partials reads one column per thread, not four
+    ("odd-dv", (2, 4), (2, 2), 2, 700, 40, 33, {}),
 ]
 
 
