@@ -90,17 +90,6 @@ Registers / spill bytes (NVRTC 13.0, dq_atomic | deterministic, bf16 = fp16), sh
   (DKDV_DQ_V4) with the spread lost 1-6 %. bench.py after it: 0.90-0.99x FA2 (was 0.89-1.01).
   Rejected: D=64 BLOCK_M 32 at 2 blocks / SM (MIN_BLOCKS 2: 16 B spill with dQ atomics, 40 B with
   opaque lane offsets), D=64 BLOCK_M 64 at 2 blocks (328 B), D=128 BLOCK_M 128 (264 B, 274 KiB).
-
-dQ by bulk reductions (OPT_DQ_BULK, DQ_BULK_TILES; not yet timed): ncu on the H200 after the spread
-still found ~9 % of the warp samples waiting behind the dQ red.global.add. With the bit, each query
-tile's dQ block goes to a float32 staging buffer in shared memory and threads 0 .. BLOCK_M - 1 add
-one row each to dq_acc with cp.reduce.async.bulk (the TMA unit) at the next tile's top barrier.
-sm_90+ with dq_atomic only: on sm_80 and without dq_atomic the PTX is the plain tile's.
-Registers / spill bytes (NVRTC 13.0, dq_atomic | deterministic, bf16 = fp16), plain tile beside:
-    D=64  table tile (K/V regs)   sm_90a 238/0 | 241/0 (plain 246 | 241)   109 KiB (plain 91)
-    D=128 grid tile BLOCK_M 64    sm_90a 250/0 | 251/0 (plain 249 | 251)   207 KiB (plain 173)
-  Costs: the staging stores (BLOCK_M * HEAD_DIM floats per tile, one st.shared.v2 per pair), a
-  third barrier only after the last tile, and the issuers' wait for the bulk reads before dS^T's.
 """
 from collections import namedtuple
 
@@ -122,11 +111,6 @@ OPT_BDEP, OPT_BCHAIN, OPT_DQ_V4, OPT_LANE_OPQ = 1, 2, 4, 8
 # bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, head dims 64 and
 # 128, no mask / bias: with a mask or bias launch_dkdv takes the DKDV_TILES_MB tile instead).
 OPT_GRID = 16
-# OPT_DQ_BULK (tcb::DKDV_DQ_BULK, both kernels; with OPT_GRID: bwd_sm80_dkdv_gx<..., MIN_BLOCKS,
-# opt & ~OPT_GRID>): with dq_atomic on sm_90+, dQ staged in shared memory (+ BLOCK_M rows of
-# head_dim + 8 floats) and added with one bulk reduction (TMA) per row instead of red.global.add;
-# sm_80 keeps the reductions, and without dq_atomic the bit changes nothing.
-OPT_DQ_BULK = 32
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
@@ -162,14 +146,6 @@ GRID_TILES = {
          DkdvTile(32, 8, False, 1, OPT_GRID)),
     128: (DkdvTile(64, 8, False, 1, OPT_GRID), DkdvTile(32, 8, False, 1, OPT_GRID)),
 }
-# Candidates (not used by default; tools/tc_bwd_check.py VARIANTS; tests/test_build.py compiles
-# them): the default tiles (D=64 the table's, D=128 DKDV_TILES_LARGE_SMEM's) with OPT_DQ_BULK, after
-# ncu on the H200 still found the next tile's copies and register reuse waiting behind the dQ
-# red.global.add (~9 % of the warp samples). Shared memory: D=64 109 KiB, D=128 207 KiB.
-DQ_BULK_TILES = {
-    64: (DkdvTile(64, 8, True, 1, OPT_DQ_BULK),),
-    128: (DkdvTile(64, 8, False, 1, OPT_GRID | OPT_DQ_BULK),),
-}
 
 
 def _b(x):
@@ -181,17 +157,13 @@ def prep_expr(dtype_name, head_dim):
 
 
 def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
-    """bwd_sm80_dkdv<...> for opt == 0, else the candidate kernel bwd_sm80_dkdv_x<..., opt>;
-    OPT_GRID: bwd_sm80_dkdv_g<...>, or bwd_sm80_dkdv_gx<..., opt & ~OPT_GRID> with other bits."""
+    """bwd_sm80_dkdv<...> for opt == 0, else the candidate kernel bwd_sm80_dkdv_x<..., opt>."""
     if tile.opt & OPT_GRID:
         if has_mb or tile.warps != 8 or tile.kv_in_regs or head_dim not in GRID_HEAD_DIMS:
             raise ValueError(f"bwd_sm80_dkdv_g cannot take {tile} at head dim {head_dim}"
                              f"{' with mask/bias' if has_mb else ''}")
-        args = (f"{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {_b(dq_atomic)}, "
-                f"{tile.min_blocks}")
-        if tile.opt & ~OPT_GRID:
-            return f"bwd_sm80_dkdv_gx<{args}, {tile.opt & ~OPT_GRID}>"
-        return f"bwd_sm80_dkdv_g<{args}>"
+        return (f"bwd_sm80_dkdv_g<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
+                f"{_b(dq_atomic)}, {tile.min_blocks}>")
     args = (f"{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
             f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}")
     if tile.opt:
@@ -206,16 +178,13 @@ def dq_expr(dtype_name, head_dim, tile, has_mb):
 
 def dkdv_smem_bytes(head_dim, tile):
     """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows padded by 8 elements; dS^T
-    (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID: + P^T (as dS^T);
-    OPT_DQ_BULK: + the float32 dQ staging rows (BLOCK_M of head_dim + 8), last.
-    (OPT_GRID, D=128, BLOCK_M=64: 177152 B: over sm_80's 163 KiB, so sm_90 only; with OPT_DQ_BULK
-    211968 B, within the H200's 227 KiB.)"""
+    (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID: + P^T (as dS^T).
+    (OPT_GRID, D=128, BLOCK_M=64: 177152 B: over sm_80's 163 KiB, so sm_90 only.)"""
     block_n = 16 * tile.warps
     row = (head_dim + 8) * 2
     ps = block_n * (tile.block_m + 8) * 2
-    dqs = tile.block_m * (head_dim + 8) * 4 if tile.opt & OPT_DQ_BULK else 0
     return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
-        + 4 * tile.block_m * 4 + dqs
+        + 4 * tile.block_m * 4
 
 
 def grid_tile_usable(tile, head_dim, has_mb):
@@ -252,10 +221,8 @@ def sm90_only_instantiations():
 
 
 def candidate_instantiations(dtypes=("float16", "bfloat16")):
-    """Name expressions of the GRID_TILES and DQ_BULK_TILES candidates (both dQ modes), for
-    device-free build checks."""
-    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes
-            for table in (GRID_TILES, DQ_BULK_TILES) for d, tiles in table.items()
+    """Name expressions of the GRID_TILES candidates (both dQ modes), for device-free build checks."""
+    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes for d, tiles in GRID_TILES.items()
             for t in tiles for atomic in (True, False)]
 
 

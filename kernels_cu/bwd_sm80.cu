@@ -21,8 +21,7 @@
 //                     dK  += dS^T Q           A = dS^T packed from registers, B = Q (.trans); the
 //                                             dQ block is added to the float32 dq_acc (BH, Nq, Dk,
 //                                             zeroed by the host) with red.global.add, a few per
-//                                             k-step of this product (tcb::dq_reduction_at;
-//                                             candidate DKDV_DQ_BULK: bulk reductions instead).
+//                                             k-step of this product (tcb::dq_reduction_at).
 //   bwd_sm80_dq     deterministic dQ (no atomics): one block per query tile of 16 * NWARPS rows,
 //                   key tiles through a cp.async ring (as fwd_sm80.cu), S, P, dP, dS recomputed
 //                   in registers, dQ += dS K, one plain store per element. With bwd_sm80_dkdv
@@ -93,27 +92,9 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                two .v2 (sm_90+; 4 scalar reductions on sm_80; tcb::red_frag_v4). Lost twice.
 //   DKDV_LANE_OPQ the ldmatrix lane offsets are recomputed per query tile from opaque(lane)
 //                (as fwd_sm80.cu) instead of staying live through the loop.
-//   DKDV_DQ_BULK  (also bwd_sm80_dkdv_gx) dQ, with DQ_ATOMIC on sm_90+: the tile's dQ block goes
-//                to a float32 staging buffer in shared memory (after everything else, BLOCK_M rows
-//                of HEAD_DIM + 8 floats), and at the next tile's top barrier threads tid < BLOCK_M
-//                add one row each to dq_acc with a bulk reduction (cp.reduce.async.bulk .add.f32,
-//                the TMA unit) instead of BLOCK_M HEAD_DIM / (2 THREADS) red.global.add.v2 per
-//                thread: ncu on the H200 still saw those fill the load/store queue (the next
-//                tile's cp.async and register reuse behind them, ~9 % of the warp samples).
-//                sm_80 (no bulk reductions) keeps the red.global.add path (tcb::dq_bulk_on).
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
 // (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
-enum DkdvOpt : int {
-  DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8, DKDV_DQ_BULK = 32
-};
-// Whether a kernel with these template arguments takes the DKDV_DQ_BULK path on this target.
-__device__ constexpr bool dq_bulk_on(int opt, bool dq_atomic) {
-#if __CUDA_ARCH__ >= 900
-  return dq_atomic && (opt & DKDV_DQ_BULK) != 0;
-#else
-  return false;  // cp.reduce.async.bulk needs sm_90
-#endif
-}
+enum DkdvOpt : int { DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8 };
 
 // p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
 __device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float c, float d) {
@@ -141,32 +122,6 @@ __device__ __forceinline__ void red_frag_v4(float* p, const float (&c)[4], int t
     else
       red_add_f32x4(p, c[0], c[1], r0, r1);
   }
-}
-// DKDV_DQ_BULK building blocks (sm_90+, PTX ISA 8.0; only reached where tcb::dq_bulk_on).
-// Generic-proxy shared-memory writes of this thread visible to later async-proxy (bulk) reads;
-// each writer fences, then a barrier orders the fenced writes before the bulk operation's issue.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ void st_shared_v2f(u32 addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
-}
-// gdst[0 .. bytes / 4) += the floats at shared address ssrc, through the TMA unit, completing in
-// this thread's current bulk group (16-byte aligned addresses, bytes a multiple of 16).
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, u32 ssrc, u32 bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-               ::"l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// This thread's bulk operations have finished reading their shared source (it may be rewritten).
-__device__ __forceinline__ void bulk_wait_read0() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-// This thread's bulk operations are complete (their global writes done).
-__device__ __forceinline__ void bulk_wait0() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 // The dQ reductions of a query tile go out spread over the k-steps of the product that follows
 // them (dK += dS^T Q; phase 2 in bwd_sm80_dkdv_g), ceil(NR / STEPS) per k-step, not as one burst at
@@ -335,9 +290,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   static_assert(!DQ_ATOMIC || (WD >= 1 && NWARPS % WM == 0 && DQ_COLS % 16 == 0 &&
                                DQ_COLS <= 64),
                 "dQ warp layout (at most 32 accumulators per thread, held through dK)");
-  constexpr bool DQ_BULK = tcb::dq_bulk_on(OPT, DQ_ATOMIC);
-  constexpr int DQS_ROW = (HEAD_DIM + 8) * 4;  // dQ staging rows (DQ_BULK): 16-byte aligned
-  static_assert(!DQ_BULK || THREADS >= BLOCK_M, "dQ bulk reductions: one row per thread");
 
   const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
   const long long bh = blockIdx.x / n_ntiles;
@@ -364,8 +316,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
 
   // Shared layout (mirrored by _tc_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
-  // of ROW_BYTES; dS^T [BLOCK_N] rows of DS_ROW; lse2, delta [2][BLOCK_M] floats; with DKDV_DQ_BULK
-  // dQ staging [BLOCK_M] rows of DQS_ROW.
+  // of ROW_BYTES; dS^T [BLOCK_N] rows of DS_ROW; lse2, delta [2][BLOCK_M] floats.
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sK = smem_u32(smem_raw);
   const u32 sV = sK + BLOCK_N * ROW_BYTES;
@@ -374,7 +325,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const u32 sdS = sdO + 2 * QT_BYTES;
   const u32 sL = sdS + BLOCK_N * DS_ROW;
   const u32 sD = sL + 2 * BLOCK_M * 4;
-  const u32 sdQ = sD + 2 * BLOCK_M * 4;
 
   // Per-lane ldmatrix offsets (mma_sm80.cuh layouts):
   //  K, V as A (rows = this warp's keys, x4): row lane % 16, column 8 * (lane / 16)
@@ -394,17 +344,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   auto load_query_tile = [&](int slot, int i0) {
     tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, sdO, sL, sD, slot, qh, q_rs, doh, l2h, dh,
                                                      i0, Nq);
-  };
-
-  // DQ_BULK: the staged dQ block of the query tile at i_tile (written and fenced by every warp,
-  // then a barrier) added to dq_acc, one row per thread tid < BLOCK_M, as one bulk group.
-  auto dq_bulk = [&](int i_tile) {
-    if (tid < BLOCK_M) {
-      if (i_tile + tid < Nq)
-        tcb::bulk_reduce_add_f32(dq_acc + (bh * Nq + i_tile + tid) * HEAD_DIM, sdQ + tid * DQS_ROW,
-                                 HEAD_DIM * 4);
-      tcb::bulk_commit();
-    }
   };
 
   // Prologue: K, V (zeros from key L on) with the first query tile, one commit group.
@@ -435,9 +374,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot and dS^T)
     if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
-    // DQ_BULK: tile it - 1's dQ (the barrier above follows every warp's staging writes and
-    // fence), issued after the next tile's copies, the ones the next iteration waits on.
-    if (DQ_BULK && it > 0) dq_bulk(i0 - BLOCK_M);
 
     // Lane offsets (LANE_OPQ: recomputed here from an opaque lane index, a few integer ops).
     const int ln = LANE_OPQ ? opaque(lane) : lane;
@@ -570,9 +506,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     float acc[QF][4];
     const int wm = warp % WM, col0 = (warp / WM) * DQ_COLS;
     if (DQ_ATOMIC) {
-      // DQ_BULK: the previous tile's bulk reductions have read the staging rows before the barrier
-      // lets any warp rewrite them.
-      if (DQ_BULK && tid < BLOCK_M) tcb::bulk_wait_read0();
       __syncthreads();  // dS^T of every warp in shared memory
 #pragma unroll
       for (int nf = 0; nf < QF; ++nf)
@@ -589,17 +522,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
           Mma<T>::run(acc[2 * p], a, b[0], b[1]);
           Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
         }
-      }
-      if (DQ_BULK) {
-        // To the staging rows and columns the reductions would add to (rows = the tile's queries);
-        // the next tile's top barrier orders these fenced writes before the bulk reductions.
-#pragma unroll
-        for (int nf = 0; nf < QF; ++nf)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            tcb::st_shared_v2f(sdQ + (wm * 16 + g + 8 * h) * DQS_ROW + (col0 + nf * 8 + 2 * t) * 4,
-                               acc[nf][2 * h], acc[nf][2 * h + 1]);
-        tcb::fence_proxy_async_shared();
       }
     }
     // Reduction r: row half h = r / QF, columns nf = r % QF (DKDV_DQ_V4: fragment r, one v4 per
@@ -623,7 +545,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     // dK += dS^T Q.
 #pragma unroll
     for (int kk = 0; kk < KM; ++kk) {
-      if (DQ_ATOMIC && !DQ_BULK) {
+      if (DQ_ATOMIC) {
 #pragma unroll
         for (int r = 0; r < NR; ++r)
           if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r);
@@ -640,11 +562,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
         Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
       }
     }
-  }
-  if (DQ_BULK) {
-    __syncthreads();  // the last tile's staging rows written and fenced by every warp
-    if (n_mt > 0) dq_bulk((m_first + n_mt - 1) * BLOCK_M);
-    if (tid < BLOCK_M) tcb::bulk_wait0();  // complete (reads of shared memory, global adds) at exit
   }
 
   // Every key row of the tile below Nk is written, zeros where no query sees it.
@@ -926,7 +843,6 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 //      red.global.add go out a few per k-step of phase 2 (tcb::dq_reduction_at).
 // The next iteration's top barrier protects P^T / dS^T and the Q / dO slot: two barriers per tile, as
 // bwd_sm80_dkdv. Shared memory (_tc_bwd.dkdv_smem_bytes with OPT_GRID): bwd_sm80_dkdv's + P^T.
-// bwd_sm80_dkdv_gx<..., MIN_BLOCKS, OPT>: the same body with OPT = tcb::DKDV_DQ_BULK (candidate).
 // The visibility test runs per warp sub-tile (32 keys x BLOCK_M / 2 queries) only where that sub-tile
 // is not entirely visible; a sub-tile with nothing visible skips its S^T / dP^T products.
 namespace tcb {
@@ -1012,10 +928,9 @@ __device__ __forceinline__ void store_acc16(const float (&acc)[MF][NF][4], u32 b
 }
 }  // namespace tcb
 
-// OPT: tcb::DKDV_DQ_BULK or 0 (bwd_sm80_dkdv_g).
-template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int OPT>
-__device__ __forceinline__ void
-bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
+__global__ void __launch_bounds__(256, MIN_BLOCKS)
+bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse2,
                 const float* __restrict__ delta, float* __restrict__ dq_acc,
                 float* __restrict__ dk_acc, float* __restrict__ dv_acc,
@@ -1049,9 +964,6 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   static_assert(HEAD_DIM % 64 == 0, "head dim: 64 or 128 (DW, QDW multiples of 16)");
   static_assert(QQ % 16 == 0 && QDW % 16 == 0, "dQ warp grid");
   static_assert(THREADS >= BLOCK_M / 2, "lse2/delta copies: one 16-byte chunk per thread");
-  constexpr bool DQ_BULK = tcb::dq_bulk_on(OPT, DQ_ATOMIC);
-  constexpr int DQS_ROW = (HEAD_DIM + 8) * 4;  // dQ staging rows (DQ_BULK): 16-byte aligned
-  static_assert(!DQ_BULK || THREADS >= BLOCK_M, "dQ bulk reductions: one row per thread");
 
   const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
   const long long bh = blockIdx.x / n_ntiles;
@@ -1082,9 +994,8 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const float* l2h = lse2 + bh * Nq_pad;
   const float* dh = delta + bh * Nq_pad;
 
-  // K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows of ROW_BYTES; dS^T [BLOCK_N] rows of PS_ROW;
-  // lse2, delta [2][BLOCK_M] floats; P^T [BLOCK_N] rows of PS_ROW; with DKDV_DQ_BULK dQ staging
-  // [BLOCK_M] rows of DQS_ROW.
+  // K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows of ROW_BYTES; dS^T, P^T [BLOCK_N] rows of PS_ROW;
+  // lse2, delta [2][BLOCK_M] floats.
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sK = smem_u32(smem_raw);
   const u32 sV = sK + BLOCK_N * ROW_BYTES;
@@ -1094,7 +1005,6 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const u32 sL = sdS + BLOCK_N * PS_ROW;
   const u32 sD = sL + 2 * BLOCK_M * 4;
   const u32 sP = sD + 2 * BLOCK_M * 4;
-  const u32 sdQ = sP + BLOCK_N * PS_ROW;
 
   // ldmatrix lane offsets (mma_sm80.cuh layouts), all relative to a block's first row / column:
   //  A non-trans (rows = M, k contiguous): row lane % 16, column 8 * (lane / 16)
@@ -1112,15 +1022,6 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   auto load_query_tile = [&](int slot, int i0) {
     tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, sdO, sL, sD, slot, qh, q_rs, doh, l2h, dh,
                                                      i0, Nq);
-  };
-  // DQ_BULK: the staged dQ block of the query tile at i_tile added to dq_acc (bwd_sm80_dkdv_body).
-  auto dq_bulk = [&](int i_tile) {
-    if (tid < BLOCK_M) {
-      if (i_tile + tid < Nq)
-        tcb::bulk_reduce_add_f32(dq_acc + (bh * Nq + i_tile + tid) * HEAD_DIM, sdQ + tid * DQS_ROW,
-                                 HEAD_DIM * 4);
-      tcb::bulk_commit();
-    }
   };
 
   if (n_mt > 0) {
@@ -1145,9 +1046,6 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot, P^T, dS^T)
     if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
-    // DQ_BULK: tile it - 1's dQ (the barrier above follows every warp's staging writes and
-    // fence), issued after the next tile's copies, the ones the next iteration waits on.
-    if (DQ_BULK && it > 0) dq_bulk(i0 - BLOCK_M);
 
     const u32 qs = sQ + slot * QT_BYTES, dos = sdO + slot * QT_BYTES;
     const u32 ls = sL + slot * BLOCK_M * 4, des = sD + slot * BLOCK_M * 4;
@@ -1223,9 +1121,6 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     }
     tcb::store_acc16<T, MF, NQF, PS_ROW>(dp, sdS + kr0 * PS_ROW + qc0 * 2, g, t);
-    // DQ_BULK: the previous tile's bulk reductions have read the staging rows before the barrier
-    // lets any warp rewrite them.
-    if (DQ_BULK && tid < BLOCK_M) tcb::bulk_wait_read0();
     __syncthreads();  // P^T and dS^T of every warp in shared memory
 
     // ---- phase 3 (product): dQ[i0 + qq0 .., dq0 ..] = dS K over the tile's keys, into registers
@@ -1235,25 +1130,11 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
           acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
     }
-    if (DQ_BULK) {
-      // To the staging rows and columns the reductions would add to (rows = the tile's queries);
-      // the next tile's top barrier orders these fenced writes before the bulk reductions.
-#pragma unroll
-      for (int mi = 0; mi < QMF; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < QDF; ++nf)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            tcb::st_shared_v2f(sdQ + (qq0 + mi * 16 + g + 8 * h) * DQS_ROW +
-                                   (dq0 + nf * 8 + 2 * t) * 4,
-                               acc[mi][nf][2 * h], acc[mi][nf][2 * h + 1]);
-      tcb::fence_proxy_async_shared();
-    }
     // Reduction r: m-fragment mi = r / (2 QDF), row half h = (r / QDF) % 2, columns nf = r % QDF;
     // k-step s of phase 2 (dV's KM, then dK's KM) issues those with tcb::dq_reduction_at(r, s).
     constexpr int NR = QMF * 2 * QDF;
     auto dq_reds = [&](int step) {
-      if (!DQ_ATOMIC || DQ_BULK) return;
+      if (!DQ_ATOMIC) return;
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if (!tcb::dq_reduction_at(r, step, NR, 2 * KM)) continue;
@@ -1273,11 +1154,6 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
         dk, sdS + kr0 * PS_ROW + pa_lane, qs + dc0 * 2 + bt_lane,
         [&](int kk) { dq_reds(KM + kk); });
   }
-  if (DQ_BULK) {
-    __syncthreads();  // the last tile's staging rows written and fenced by every warp
-    if (n_mt > 0) dq_bulk((m_first + n_mt - 1) * BLOCK_M);
-    if (tid < BLOCK_M) tcb::bulk_wait0();  // complete (reads of shared memory, global adds) at exit
-  }
 
   // Every key row of the tile below Nk is written, zeros where no query sees it.
 #pragma unroll
@@ -1290,41 +1166,4 @@ bwd_sm80_dkdv_g_body(const T* __restrict__ q, const T* __restrict__ k, const T* 
                               dv[mi], h, out16);
       }
     }
-}
-
-template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
-__global__ void __launch_bounds__(256, MIN_BLOCKS)
-bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                const T* __restrict__ dout, const float* __restrict__ lse2,
-                const float* __restrict__ delta, float* __restrict__ dq_acc,
-                float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-                const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-                const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-                long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-                long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-                int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-                int out16) {
-  bwd_sm80_dkdv_g_body<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, 0>(
-      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs,
-      v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
-      bottom_right, Nq_pad, out16);
-}
-
-// Candidate variants (not used by default): OPT = tcb::DKDV_DQ_BULK.
-template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS, int OPT>
-__global__ void __launch_bounds__(256, MIN_BLOCKS)
-bwd_sm80_dkdv_gx(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 const T* __restrict__ dout, const float* __restrict__ lse2,
-                 const float* __restrict__ delta, float* __restrict__ dq_acc,
-                 float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-                 const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-                 const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-                 long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-                 long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-                 int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-                 int out16) {
-  bwd_sm80_dkdv_g_body<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, OPT>(
-      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs,
-      v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
-      bottom_right, Nq_pad, out16);
 }

@@ -295,12 +295,13 @@ _T = _tc_bwd.DkdvTile
 _BDEP, _CHAIN, _V4 = _tc_bwd.OPT_BDEP, _tc_bwd.OPT_BCHAIN, _tc_bwd.OPT_DQ_V4
 VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-causal and causal),
     # and checked against the reference in the correctness stage (every case of their head dim).
-    # _tc_bwd.DQ_BULK_TILES: the default tiles (D=64 the table's, D=128 the warp-grid tile taken
-    # where shared memory allows) with OPT_DQ_BULK: dQ through a shared-memory staging buffer and
-    # one bulk reduction (TMA) per row instead of red.global.add (sm_90+; 109 / 207 KiB).
-    # (_tc_bwd.GRID_TILES, the FA2-style warp grids, were timed here on 2026-11-29: results at
-    # _tc_bwd.DKDV_TILES_LARGE_SMEM.)
-    d: list(tiles) for d, tiles in _tc_bwd.DQ_BULK_TILES.items()
+    # OPT_GRID: bwd_sm80_dkdv_g, the FA2-style warp grids (S^T / dP^T on 4 keys x 2 queries, dK / dV
+    # on 4 keys x 2 head-dim halves, dQ on 2 query halves x 4 head-dim quarters (4 x 2 at
+    # BLOCK_M 128), P^T and dS^T through shared memory). Shared memory: D=64 BLOCK_M 64 / 128 / 32: 109 / 178 / 75 KiB,
+    # D=128 BLOCK_M 64 / 32: 173 / 123 KiB (over 163 KiB: sm_90 only).
+    # _tc_bwd.GRID_TILES: D=64 BLOCK_M 64, 128, 32; D=128 BLOCK_M 64 (the default where shared
+    # memory allows), 32.
+    d: list(tiles) for d, tiles in _tc_bwd.GRID_TILES.items()
 }
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
