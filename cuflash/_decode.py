@@ -76,7 +76,7 @@ WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see
 # L = 1k..16k: 3.74 TB/s + 13 us a call); tc16s2 3.45 / 3.90 / 4.01 / 3.87 (4.27 TB/s + 17 us);
 # tc16s3 3.38 / 3.83 / 3.93 / 3.87; tc16s4 3.55 / 3.87 / 3.83 / 3.59; tc32s3 3.54 / 3.86 / 3.85 /
 # 3.65; with the L2 prefetch hint: 256 B 3.34 / 3.79 / 3.88 / 3.75 (slower), 128 B ("tc16s2h1")
-# 3.50 / 4.00 / 4.11 / 3.95 (the default until tc16s2h1e below). More waves only add per-block
+# 3.50 / 4.00 / 4.11 / 3.95 <- DEFAULT_TC. More waves only add per-block
 # cost (about +20 us a wave at the same slope), so the split rules stay at one wave of resident
 # blocks.
 TC_VARIANTS = {
@@ -91,15 +91,18 @@ TC_VARIANTS = {
     # the uneven batch (tc16s2h1 in the same run): more bytes in flight did not help:
     # tc16s3h1 3.41 / 3.91 / 4.03 / 3.96 / 3.57 (3.52 / 3.99 / 4.11 / 3.95 / 3.50), tc16s2m3h1
     # 3.32 / 3.89 / 3.84 / 3.60 / 3.19, tc16s4h1 3.57 / 3.91 / 3.87 / 3.61 / 3.01. An L2
-    # evict-first policy on the copies (K/V are read once; HINT 129) won on every shape, by
-    # 0.7-1.8 %: tc16s2h1e 3.60 / 4.06 / 4.18 / 4.05 / 3.60 (3.55 / 4.03 / 4.15 / 4.00 / 3.54)
-    # <- DEFAULT_TC.
+    # evict-first policy on the copies (K/V are read once; HINT 129) won there on every shape, by
+    # 0.7-1.8 %: tc16s2h1e 3.60 / 4.06 / 4.18 / 4.05 / 3.60 (3.55 / 4.03 / 4.15 / 4.00 / 3.54),
+    # but lost 7-9 % in benchmarks/bench.py, which fills the L2 with dirty lines (its flush)
+    # before each run: 3.26 / 3.63 / 3.67 / 3.59 / 3.27 against tc16s2h1's 3.50 / 3.97 / 4.02 /
+    # 3.88 / 3.43 in the same process. decode_check's timing rotates two input sets without a
+    # flush: it cannot judge cache policies. tc16s2h1 stays DEFAULT_TC.
     "tc16s3h1": (16, 3, 2, 128),    # 2 stages in flight per block, 2 blocks/SM (2 x 109 KB)
     "tc16s2m3h1": (16, 2, 3, 128),  # 3 blocks/SM (3 x 74 KB)
     "tc16s4h1": (16, 4, 1, 128),    # 1 block/SM, 3 stages in flight
     "tc16s2h1e": (16, 2, 2, 129),   # tc16s2h1 with an L2 evict-first policy
 }
-DEFAULT_TC = "tc16s2h1e"   # decode_tc's tile where it fits (tc_fits), on sm_80+
+DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
 DEFAULT_RULE = "balanced"  # the split rule of the automatic choice (both kernels)
 TC_HEAD_DIMS = (64, 128)   # Dk == Dv == HEAD_DIM (the bucket); others stay on decode_split
 TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc

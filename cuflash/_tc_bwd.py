@@ -87,7 +87,11 @@ Registers / spill bytes (NVRTC 13.0, dq_atomic | deterministic, bf16 = fp16), sh
   after dS^T is shared and issue its reductions a few per k-step of the dK (grid kernel: dV and dK)
   product (tcb::dq_reduction_at). tools/tc_bwd_check.py, bf16 TFLOP/s at N = 1k / 4k / 16k,
   two runs: D=64 +0..+5 %, D=128 +1..+7 %; all reductions before dK lost 1-7 %, v4 reductions
-  (DKDV_DQ_V4) with the spread lost 1-6 %. bench.py after it: 0.90-0.99x FA2 (was 0.89-1.01).
+  (DKDV_DQ_V4) with the spread lost 1-6 %. bench.py after it: 0.90-1.01x FA2 (was 0.89-1.01).
+  Tried and removed: the dQ block staged in shared memory (BLOCK_M rows of HEAD_DIM + 8 floats)
+  and added with one cp.reduce.async.bulk (TMA) per row at the next tile's top barrier, sm_90
+  (commit e17339e, reverted): no red.global.add left, but D=64 lost 9-14 % and D=128 went
+  +5 / +1 % at N = 1k and -2..-4 % at 4k / 16k (tc_bwd_check, bf16).
   Rejected: D=64 BLOCK_M 32 at 2 blocks / SM (MIN_BLOCKS 2: 16 B spill with dQ atomics, 40 B with
   opaque lane offsets), D=64 BLOCK_M 64 at 2 blocks (328 B), D=128 BLOCK_M 128 (264 B, 274 KiB).
 """

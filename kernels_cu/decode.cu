@@ -273,60 +273,48 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
   }
   __syncthreads();
   if constexpr (sizeof(Acc) == 4) {
-    if (Dv % 4 == 0) {
-      // Four columns per thread: one 16-byte load per item (the workspace rows are 16-byte
-      // aligned), 8 items in flight. With one column per thread, a thread of a 4-row GQA tile with
-      // 33 partials (B = 1, 131072 keys) waited on ~20 rounds of L2 latency at the very end of
-      // the kernel; here 5. An empty partial's ws_out row is unwritten and may hold anything, so
-      // its terms are dropped by a select, never multiplied by their zero weight.
-      const int C4 = Dv / 4;
-      for (int idx = threadIdx.x; idx < ROWS * C4; idx += DECODE_THREADS) {
-        const int r = idx / C4;
-        const int col = (idx % C4) * 4;
-        if (rows[r].bh < 0) continue;
-        const float M = sM[r];
-        float o[4] = {0.f, 0.f, 0.f, 0.f};
-        if (M > NEG_INF) {
-#pragma unroll 8
-          for (int it = 0; it < n_items; ++it) {
-            const long long slot = (first + it) * ROWS + r;
-            const float x = ld_cg(ws_lse + slot);
-            const float4 y = __ldcg(reinterpret_cast<const float4*>(ws_out + slot * Dv + col));
-            const float w = exp2_acc(x - M);
-            const bool ok = x > NEG_INF;
-            o[0] += select(ok, w * y.x, 0.f);
-            o[1] += select(ok, w * y.y, 0.f);
-            o[2] += select(ok, w * y.z, 0.f);
-            o[3] += select(ok, w * y.w, 0.f);
-          }
-        }
-        T* dst = out + (rows[r].bh * Nq + rows[r].i) * Dv + col;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) store_acc(dst + e, o[e] * sInv[r]);
-      }
-      return;
-    }
-  }
-  for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
-    const int r = idx / Dv;
-    const int col = idx % Dv;
-    if (rows[r].bh < 0) continue;
-    const Acc M = sM[r];
-    Acc o = Acc(0);
-    if (M > NEG_INF) {
-      if constexpr (sizeof(Acc) == 4) {
-        // Dv not a multiple of 4: one column per thread, the loads of 8 items in flight (dropped
-        // by a select where the partial is empty, as above).
+    // Four columns per thread (Dv % 4 == 0: the host takes this path only for rows of whole
+    // 16-byte vectors, _decode.fits): one 16-byte load per item (the workspace rows are 16-byte
+    // aligned), 8 items in flight. With one column per thread, a thread of a 4-row GQA tile with
+    // 33 partials (B = 1, 131072 keys) waited on ~20 rounds of L2 latency at the very end of the
+    // kernel; here 5 (bench.py, B = 1: 162 us before, 154 us after, separate runs). An empty partial's ws_out row is unwritten
+    // and may hold anything, so its terms are dropped by a select, never multiplied by their zero
+    // weight.
+    const int C4 = Dv / 4;
+    for (int idx = threadIdx.x; idx < ROWS * C4; idx += DECODE_THREADS) {
+      const int r = idx / C4;
+      const int col = (idx % C4) * 4;
+      if (rows[r].bh < 0) continue;
+      const float M = sM[r];
+      float o[4] = {0.f, 0.f, 0.f, 0.f};
+      if (M > NEG_INF) {
 #pragma unroll 8
         for (int it = 0; it < n_items; ++it) {
           const long long slot = (first + it) * ROWS + r;
-          const Acc x = ld_cg(ws_lse + slot);
-          const Acc y = ld_cg(ws_out + slot * Dv + col);
-          o += select(x > NEG_INF, exp2_acc(x - M) * y, Acc(0));
+          const float x = ld_cg(ws_lse + slot);
+          const float4 y = __ldcg(reinterpret_cast<const float4*>(ws_out + slot * Dv + col));
+          const float w = exp2_acc(x - M);
+          const bool ok = x > NEG_INF;
+          o[0] += select(ok, w * y.x, 0.f);
+          o[1] += select(ok, w * y.y, 0.f);
+          o[2] += select(ok, w * y.z, 0.f);
+          o[3] += select(ok, w * y.w, 0.f);
         }
-      } else {
-        // double: exp2 is a call, and values kept live across the unrolled calls spill; one item
-        // at a time, and an empty partial's unwritten ws_out row is never read
+      }
+      T* dst = out + (rows[r].bh * Nq + rows[r].i) * Dv + col;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) store_acc(dst + e, o[e] * sInv[r]);
+    }
+  } else {
+    // double: exp2 is a call, and values kept live across unrolled calls spill; one column per
+    // thread, one item at a time, and an empty partial's unwritten ws_out row is never read
+    for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
+      const int r = idx / Dv;
+      const int col = idx % Dv;
+      if (rows[r].bh < 0) continue;
+      const Acc M = sM[r];
+      Acc o = Acc(0);
+      if (M > NEG_INF) {
 #pragma unroll 1
         for (int it = 0; it < n_items; ++it) {
           const long long slot = (first + it) * ROWS + r;
@@ -334,8 +322,8 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
           if (x > NEG_INF) o += exp2_acc(x - M) * ld_cg(ws_out + slot * Dv + col);
         }
       }
+      store_acc(out + (rows[r].bh * Nq + rows[r].i) * Dv + col, o * sInv[r]);
     }
-    store_acc(out + (rows[r].bh * Nq + rows[r].i) * Dv + col, o * sInv[r]);
   }
 }
 

@@ -115,8 +115,6 @@ DECODE_CASES = [
     ("kv_lens-uneven", (4, 4), (4, 2), 1, 1100, 128, 96,
      dict(kv_lens=[[0], [1], [513], [1100]], causal=True)),
     ("head-dim-256", (2,), (2,), 1, 530, 256, 256, {}),
-    # Dv not a multiple of 4: the merge of partials reads one column per thread, not four
-    ("odd-dv", (2, 4), (2, 2), 2, 700, 40, 33, {}),
 ]
 
 
@@ -135,6 +133,18 @@ def test_decode_sweep(case, force, dtype, rng, monkeypatch):
     if force != "auto":
         assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == "split"
     check(q, k, v, rng, **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_split_path_takes_whole_vector_rows_only(dtype, rng, monkeypatch):
+    """decode.cu's merge reads 4 float columns at a time: the split path must refuse rows that are
+    not whole 16-byte vectors (Dv = 33 here), and the generic path answers instead."""
+    from cuflash import _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", "split")
+    q, k = randn(rng, (2, 4, 2, 40), dtype), randn(rng, (2, 2, 700, 40), dtype)
+    v = randn(rng, (2, 2, 700, 33), dtype)
+    assert _gpu.forward_path(_validate.make_problem(q, k, v)) == "generic"
+    check(q, k, v, rng, backward=False)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if BFLOAT16 is not None else ["float32"])
