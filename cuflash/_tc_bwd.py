@@ -86,7 +86,7 @@ Registers / spill bytes (NVRTC 13.0, dq_atomic | deterministic, bf16 = fp16), sh
   top-of-tile barrier another 7 % in the grid kernel (FA2 4 %). Both kernels now compute dQ right
   after dS^T is shared and issue its reductions a few per k-step of the dK (grid kernel: dV and dK)
   product (tcb::dq_reduction_at). tools/tc_bwd_check.py, bf16 TFLOP/s at N = 1k / 4k / 16k,
-  two runs: D=64 +0..+5 %, D=128 +1..+7 %; all reductions before dK lost 1-7 %, v4 reductions
+  two runs: D=64 -1..+5 %, D=128 +1..+7 %; all reductions before dK lost 1-7 %, v4 reductions
   (DKDV_DQ_V4) with the spread lost 1-6 %. bench.py after it: 0.90-1.01x FA2 (was 0.89-1.01).
   Tried and removed: the dQ block staged in shared memory (BLOCK_M rows of HEAD_DIM + 8 floats)
   and added with one cp.reduce.async.bulk (TMA) per row at the next tile's top barrier, sm_90
