@@ -127,8 +127,8 @@ __device__ __forceinline__ void red_frag_v4(float* p, const float (&c)[4], int t
 // them (dK += dS^T Q; phase 2 in bwd_sm80_dkdv_g), ceil(NR / STEPS) per k-step, not as one burst at
 // the end of the tile. ncu on the H200 (D=64, N=4096, 2026-11-29): issued as a burst, they filled
 // the load/store queue, so the next tile's cp.async after the top barrier, and every register
-// reuse behind them, waited ~10 % of the warp samples (long scoreboard; FA2 5 %). Spread: +0.4 to
-// +6 % (tools/tc_bwd_check.py); all before the product (DKDV_DQ_EARLY, removed) lost 1-7 %.
+// reuse behind them, waited ~11 % of the warp samples (long scoreboard; FA2 7 %). Spread: -1 to
+// +7 % (tools/tc_bwd_check.py); all before the product (DKDV_DQ_EARLY, removed) lost 1-7 %.
 __host__ __device__ constexpr bool dq_reduction_at(int r, int step, int NR, int STEPS) {
   return r / ((NR + STEPS - 1) / STEPS) == step;
 }
