@@ -103,7 +103,7 @@ TC_VARIANTS = {
     "tc16s2h1e": (16, 2, 2, 129),   # tc16s2h1 with an L2 evict-first policy
 }
 DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
-DEFAULT_RULE = "balanced"  # the split rule of the automatic choice (both kernels)
+DEFAULT_RULE = "balanced-fine"  # the split rule of the automatic choice (both kernels)
 TC_HEAD_DIMS = (64, 128)   # Dk == Dv == HEAD_DIM (the bucket); others stay on decode_split
 TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
 # Split rules (SPLIT_RULES, Plan(split_rule=...)): "waves" (default, WAVES x capacity, below),
@@ -357,7 +357,7 @@ def lpt_order(extents):
 
 
 def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
-                        overhead_keys=SPLIT_OVERHEAD_KEYS, waves=(1, 2, 3, 4, 6, 8)):
+                        overhead_keys=SPLIT_OVERHEAD_KEYS, waves=(1, 2, 3, 4, 6, 8), fine=False):
     """Candidate split rule "balanced": among the waves rule's S for each w in `waves`, the one
     whose list schedule (blocks of ceil-split keys + overhead_keys each, longest first as
     launch_order launches them, on `capacity` slots) ends first; ties go to the larger S (fewer partials). Equal extents that fit
@@ -371,6 +371,9 @@ def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
     while S < top:  # and powers of two times the block pass
         cands.add(S)
         S *= 2
+    if fine and ext.size and ext.min() < top:  # uneven extents: also every 8 block passes
+        step = 8 * block_keys
+        cands.update(range(max(min_keys, step), top, step))
     for S in sorted(cands):
         e = ext[ext > 0]
         n = -(-e // S)
@@ -392,6 +395,11 @@ SPLIT_RULES = {
     "balanced": split_size_balanced,   # SPLIT_OVERHEAD_KEYS per block
     "balanced-o64": lambda e, c, b: split_size_balanced(e, c, b, overhead_keys=64,
                                                         waves=(1, 2, 3, 4, 6, 8, 12, 16)),
+    # candidates (third session): uneven extents also try every 8 block passes; the per-block
+    # cost of 640 keys is the measured ~20 us a wave at ~16 GB/s per block (512 bytes a key)
+    "balanced-fine": lambda e, c, b: split_size_balanced(e, c, b, fine=True),
+    "balanced-fine-o640": lambda e, c, b: split_size_balanced(e, c, b, overhead_keys=640,
+                                                              fine=True),
 }
 
 

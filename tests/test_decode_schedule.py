@@ -20,7 +20,7 @@ decode_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(decode_check)
 
 LAYOUTS = {"simt": dict(rows=None, block_keys=None), "tc": dict(rows=16, block_keys=64)}
-SPLITS = [None, 64, 40, "balanced"]
+SPLITS = [None, 64, 40, "balanced", "balanced-fine"]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -31,7 +31,7 @@ def test_schedule_reproduces_reference(case, split, layout):
     rng = np.random.default_rng(zlib.crc32(f"{name} {split} {layout}".encode()))
     q, k, v, opts = decode_check.case_inputs(np, rng, dict(c, dtype="float64"))
     p = make_problem(q, k, v, **opts)
-    rule = split if split == "balanced" else None
+    rule = split if isinstance(split, str) else None
     out, lse, s = decode_check.emulate(p, split=None if rule else split, rule=rule,
                                        **LAYOUTS[layout])
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
