@@ -20,9 +20,10 @@ cuflash._gpu._on_device):
    multiple of the block's key pass, at least SPLIT_MIN_KEYS, such that the number of blocks
    sum(ceil(extent / S)) fits in WAVES waves of resident blocks (SM count x blocks per SM from the
    occupancy API); equal-size blocks that are all resident at once finish together. The automatic
-   choice uses DEFAULT_RULE ("balanced", `split_size_balanced`): among such candidates the S whose
-   list schedule, longest item first, ends first, so that uneven kv_lens share the SMs instead of
-   the longest sequence setting the time. kv_lens only changes the extents, so the invalid tail of
+   choice uses DEFAULT_RULE ("balanced-fine", `split_size_balanced`): among such candidates (and,
+   for uneven extents, every multiple of 8 block passes) the S whose list schedule, longest item
+   first, ends first, so that uneven kv_lens share the SMs instead of the longest sequence setting
+   the time. kv_lens only changes the extents, so the invalid tail of
    a sequence gets no blocks at all. A tile with an empty extent still gets one (empty) block,
    which writes out = 0 and lse = -inf.
 
@@ -112,6 +113,11 @@ TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
 # block first, ends first; tiles renumbered longest first and items launched longest first) and
 # "balanced-o64" (64 keys per block, up to 16 waves). Measured with decode_split: "balanced" takes
 # the uneven batch from 0.91-0.98 to 0.62-0.69 of the full batch's time, the full shapes unchanged.
+# "balanced-fine" (<- DEFAULT_RULE, third session): for uneven extents the candidates also include
+# every multiple of 8 block passes; the uneven batch gets S = 4608 instead of 4096 (384 blocks
+# instead of 424): bench.py 165.0 -> 158.9 us, 0.62 -> 0.59 of the full batch's time; equal
+# extents keep their S (the four full shapes unchanged). With a per-block cost of 640 keys (the
+# measured ~20 us a wave) it picks the same S.
 # UNEVEN BATCH (bench.py's: B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0, 52.7 % of
 # the keys valid; 132 SMs x 2 blocks = 264 slots): with "waves" the full batch is 256 tiles -> 256
 # blocks of 8192 keys, one wave; the uneven batch gets S = 7680 -> 264 blocks, mean 4187 keys but
@@ -358,11 +364,13 @@ def lpt_order(extents):
 
 def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
                         overhead_keys=SPLIT_OVERHEAD_KEYS, waves=(1, 2, 3, 4, 6, 8), fine=False):
-    """Candidate split rule "balanced": among the waves rule's S for each w in `waves`, the one
-    whose list schedule (blocks of ceil-split keys + overhead_keys each, longest first as
-    launch_order launches them, on `capacity` slots) ends first; ties go to the larger S (fewer partials). Equal extents that fit
-    one wave keep the one-wave S; uneven extents get smaller splits, so that short and long
-    sequences share the SMs instead of the longest block setting the time."""
+    """Split rules "balanced" and, with `fine`, "balanced-fine" (DEFAULT_RULE): among the waves
+    rule's S for each w in `waves`, the one whose list schedule (blocks of ceil-split keys +
+    overhead_keys each, longest first as launch_order launches them, on `capacity` slots) ends
+    first; ties go to the larger S (fewer partials). Equal extents that fit one wave keep the
+    one-wave S; uneven extents get smaller splits, so that short and long
+    sequences share the SMs instead of the longest block setting the time. `fine`: uneven extents
+    also try every multiple of 8 block passes below the longest extent."""
     ext = np.asarray(extents, dtype=np.int64)
     best = None
     cands = {split_size(ext, int(w * capacity), block_keys, min_keys) for w in waves}
@@ -395,11 +403,7 @@ SPLIT_RULES = {
     "balanced": split_size_balanced,   # SPLIT_OVERHEAD_KEYS per block
     "balanced-o64": lambda e, c, b: split_size_balanced(e, c, b, overhead_keys=64,
                                                         waves=(1, 2, 3, 4, 6, 8, 12, 16)),
-    # candidates (third session): uneven extents also try every 8 block passes; the per-block
-    # cost of 640 keys is the measured ~20 us a wave at ~16 GB/s per block (512 bytes a key)
-    "balanced-fine": lambda e, c, b: split_size_balanced(e, c, b, fine=True),
-    "balanced-fine-o640": lambda e, c, b: split_size_balanced(e, c, b, overhead_keys=640,
-                                                              fine=True),
+    "balanced-fine": lambda e, c, b: split_size_balanced(e, c, b, fine=True),  # DEFAULT_RULE
 }
 
 
