@@ -77,9 +77,8 @@ WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see
 # L = 1k..16k: 3.74 TB/s + 13 us a call); tc16s2 3.45 / 3.90 / 4.01 / 3.87 (4.27 TB/s + 17 us);
 # tc16s3 3.38 / 3.83 / 3.93 / 3.87; tc16s4 3.55 / 3.87 / 3.83 / 3.59; tc32s3 3.54 / 3.86 / 3.85 /
 # 3.65; with the L2 prefetch hint: 256 B 3.34 / 3.79 / 3.88 / 3.75 (slower), 128 B ("tc16s2h1")
-# 3.50 / 4.00 / 4.11 / 3.95 <- DEFAULT_TC. More waves only add per-block
-# cost (about +20 us a wave at the same slope), so the split rules stay at one wave of resident
-# blocks.
+# 3.50 / 4.00 / 4.11 / 3.95 <- DEFAULT_TC. More waves only add per-block cost (about +20 us a
+# wave at the same slope), so the split rules stay at one wave of resident blocks.
 TC_VARIANTS = {
     "tc16s2": (16, 2, 2, 0),     # 64-key stages, 2 blocks/SM, 1 stage in flight each (74 KB)
     "tc16s3": (16, 3, 2, 0),     # 64-key stages, 2 blocks/SM (2 x 109 KB at D = 128)
@@ -114,10 +113,11 @@ TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
 # "balanced-o64" (64 keys per block, up to 16 waves). Measured with decode_split: "balanced" takes
 # the uneven batch from 0.91-0.98 to 0.62-0.69 of the full batch's time, the full shapes unchanged.
 # "balanced-fine" (<- DEFAULT_RULE, third session): for uneven extents the candidates also include
-# every multiple of 8 block passes; the uneven batch gets S = 4608 instead of 4096 (384 blocks
-# instead of 424): bench.py 165.0 -> 158.9 us, 0.62 -> 0.59 of the full batch's time; equal
-# extents keep their S (the four full shapes unchanged). With a per-block cost of 640 keys (the
-# measured ~20 us a wave) it picks the same S.
+# every multiple of 8 block passes (at most ~32 of them); the uneven batch gets S = 4608 instead
+# of 4096 (384 blocks instead of 424): bench.py 165.0 -> 158.9 us, 0.62 -> 0.59 of the full
+# batch's time; equal extents keep their S (the four full shapes unchanged). With a per-block cost
+# of 640 keys (the measured ~20 us a wave) it picks the same S. Host cost of the rule: ~4 ms for
+# that batch, ~125 ms for 16 sequences of up to 1M keys ("balanced": 146 ms), once per layout.
 # UNEVEN BATCH (bench.py's: B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0, 52.7 % of
 # the keys valid; 132 SMs x 2 blocks = 264 slots): with "waves" the full batch is 256 tiles -> 256
 # blocks of 8192 keys, one wave; the uneven batch gets S = 7680 -> 264 blocks, mean 4187 keys but
@@ -368,9 +368,10 @@ def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
     rule's S for each w in `waves`, the one whose list schedule (blocks of ceil-split keys +
     overhead_keys each, longest first as launch_order launches them, on `capacity` slots) ends
     first; ties go to the larger S (fewer partials). Equal extents that fit one wave keep the
-    one-wave S; uneven extents get smaller splits, so that short and long
-    sequences share the SMs instead of the longest block setting the time. `fine`: uneven extents
-    also try every multiple of 8 block passes below the longest extent."""
+    one-wave S; uneven extents get smaller splits, so that short and long sequences share the SMs
+    instead of the longest block setting the time. `fine`: uneven extents also try every multiple
+    of 8 block passes below the longest extent (of a coarser step past 32 of them: the host cost
+    stays ~32 list schedules)."""
     ext = np.asarray(extents, dtype=np.int64)
     best = None
     cands = {split_size(ext, int(w * capacity), block_keys, min_keys) for w in waves}
@@ -380,7 +381,7 @@ def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
         cands.add(S)
         S *= 2
     if fine and ext.size and ext.min() < top:  # uneven extents: also every 8 block passes
-        step = 8 * block_keys
+        step = max(8 * block_keys, -(-top // (32 * block_keys)) * block_keys)
         cands.update(range(max(min_keys, step), top, step))
     for S in sorted(cands):
         e = ext[ext > 0]
