@@ -448,10 +448,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
     for (int kk = 0; kk < KM; ++kk) {
       u32 pa[4];
-      pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
       u32 vdep = 0;
       if (OPT & tcb::DKDV_BDEP) vdep = (pa[3] >> 31) << 4;
       if ((OPT & tcb::DKDV_BCHAIN) && kk > 0) vdep += tcb::nan_dep(dv[0][0]);
@@ -486,10 +483,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     u32 da[KM][4];
 #pragma unroll
     for (int kk = 0; kk < KM; ++kk) {
-      da[kk][0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
-      da[kk][1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
-      da[kk][2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-      da[kk][3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+      acc_to_a<T>(dp[2 * kk], dp[2 * kk + 1], da[kk]);
       if (DQ_ATOMIC) {
         // a0 = (key g, queries 16kk + 2t..), a1 = key g + 8, a2/a3 = queries + 8.
         const u32 row = sdS + (warp * 16 + g) * DS_ROW + (kk * 16 + 2 * t) * 2;
@@ -797,10 +791,7 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 #pragma unroll
     for (int kk = 0; kk < KN; ++kk) {
       u32 da[4];
-      da[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      da[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      da[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      da[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(s[2 * kk], s[2 * kk + 1], da);
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];

@@ -886,10 +886,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
     for (int kk = 0; kk < KN; ++kk) {
       u32 pa[4];
-      pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 vb[4];

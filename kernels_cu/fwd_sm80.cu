@@ -368,10 +368,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         u32 pa[MF][4];
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          pa[mf][0] = Mma<T>::pack(s[mf][2 * kk][0], s[mf][2 * kk][1]);
-          pa[mf][1] = Mma<T>::pack(s[mf][2 * kk][2], s[mf][2 * kk][3]);
-          pa[mf][2] = Mma<T>::pack(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
-          pa[mf][3] = Mma<T>::pack(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
+          acc_to_a<T>(s[mf][2 * kk], s[mf][2 * kk + 1], pa[mf]);
         }
 #pragma unroll
         for (int p = 0; p < DF / 2; ++p) {

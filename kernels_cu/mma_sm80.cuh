@@ -84,6 +84,17 @@ template <> struct Mma<bf16_t> {
   }
 };
 
+// Two 16x8 float accumulator fragments (n-fragments 2 kk and 2 kk + 1 of one product) as the
+// 16x16 16-bit A fragment of k-step kk of the next product: P (or dS) stays in registers.
+template <typename T>
+__device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)[4],
+                                         u32 (&a)[4]) {
+  a[0] = Mma<T>::pack(c0[0], c0[1]);
+  a[1] = Mma<T>::pack(c0[2], c0[3]);
+  a[2] = Mma<T>::pack(c1[0], c1[1]);
+  a[3] = Mma<T>::pack(c1[2], c1[3]);
+}
+
 // Copy rows [row0, row0 + ROWS) of a (row stride rs, unit column stride) matrix into a padded
 // shared tile; rows >= limit become zeros (P = 0 times a stale NaN would not be 0). Thread t copies
 // chunk t % CPR of rows t / CPR + RPI * it: one base pointer per call, constant shared offsets.
