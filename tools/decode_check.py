@@ -350,6 +350,26 @@ def _err(a, b):
     return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
+_FLOORS = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-5, "float64": 1e-12}
+_LSE_TOL = {"float16": 1e-4, "bfloat16": 1e-4, "float32": 1e-4, "float64": 1e-10}
+
+
+def _score(plan, ref_o, ref_l, g_err, dtype):
+    """Run a Plan and judge it against the float64 reference: (ok, out error, lse error, NaN seen).
+    Tolerance: 2 x the error of rounding the exact result to the dtype (g_err) + a floor."""
+    import cupy as cp
+
+    o, l = plan.run()
+    o = cp.asnumpy(o.astype(cp.float64)).reshape(ref_o.shape)
+    l = cp.asnumpy(l).reshape(ref_l.shape)
+    nan = bool(np.isnan(o).any() or np.isnan(l).any())
+    err = _err(o, ref_o)
+    inf_ok = bool(np.all(np.isinf(l) == np.isinf(ref_l)))
+    lerr = _err(np.where(np.isinf(l), 0, l), np.where(np.isinf(ref_l), 0, ref_l))
+    ok = (not nan) and err <= 2 * g_err + _FLOORS[dtype] and inf_ok and lerr <= _LSE_TOL[dtype]
+    return ok, err, lerr, nan
+
+
 @stage("correct")
 def check_correct():
     import cupy as cp
@@ -359,8 +379,6 @@ def check_correct():
 
     rng = np.random.default_rng(2)
     all_dtypes = ("float16", "bfloat16", "float32", "float64")
-    floors = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-5, "float64": 1e-12}
-    lse_tol = {"float16": 1e-4, "bfloat16": 1e-4, "float32": 1e-4, "float64": 1e-10}
     n_ok = n_all = 0
     for idx, (name, c) in enumerate(CASES):
         # every dtype on the first cases and the unaligned one; two dtypes elsewhere (compile time)
@@ -378,15 +396,8 @@ def check_correct():
                         n_all += 1
                         plan = _decode.plan(p, fused=fused, poison=True, split=split,
                                             variant="simt")
-                        o, l = plan.run()
-                        o = cp.asnumpy(o.astype(cp.float64)).reshape(ref_o.shape)
-                        l = cp.asnumpy(l).reshape(ref_l.shape)
-                        nan = bool(np.isnan(o).any() or np.isnan(l).any())
-                        err = _err(o, ref_o)
-                        inf_ok = bool(np.all(np.isinf(l) == np.isinf(ref_l)))
-                        lerr = _err(np.where(np.isinf(l), 0, l), np.where(np.isinf(ref_l), 0, ref_l))
-                        tol = 2 * g_err + floors[dt]  # g_err: rounding baseline
-                        ok = (not nan) and err <= tol and inf_ok and lerr <= lse_tol[dt]
+                        ok, err, lerr, nan = _score(plan, ref_o, ref_l, g_err, dt)
+                        tol = 2 * g_err + _FLOORS[dt]
                         n_ok += ok
                         if not ok or split is None and fused:
                             print(f"  {'ok  ' if ok else 'FAIL'} {name:24s} {dt:8s} "
@@ -418,16 +429,7 @@ def check_correct():
                     try:
                         plan = _decode.plan(p, fused=fused, poison=True, split=split,
                                             variant=variant, split_rule=rule)
-                        o, l = plan.run()
-                        o = cp.asnumpy(o.astype(cp.float64)).reshape(ref_o.shape)
-                        l = cp.asnumpy(l).reshape(ref_l.shape)
-                        nan = bool(np.isnan(o).any() or np.isnan(l).any())
-                        err = _err(o, ref_o)
-                        inf_ok = bool(np.all(np.isinf(l) == np.isinf(ref_l)))
-                        lerr = _err(np.where(np.isinf(l), 0, l),
-                                    np.where(np.isinf(ref_l), 0, ref_l))
-                        tol = 2 * g_err + floors[dtype]
-                        ok = (not nan) and err <= tol and inf_ok and lerr <= lse_tol[dtype]
+                        ok, err, _, _ = _score(plan, ref_o, ref_l, g_err, dtype)
                     except Exception:
                         traceback.print_exc()
                         ok, err, plan = False, float("nan"), None
