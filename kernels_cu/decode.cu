@@ -41,6 +41,25 @@
 constexpr int DECODE_WARPS = 4;
 constexpr int DECODE_THREADS = DECODE_WARPS * 32;
 
+// Per-block timeline of decode_tc for tools/decode_check.py `trace`, compiled only with
+// -DDECODE_TRACE (the product's kernels do not contain it). Launch row b < DECODE_TRACE_ROWS
+// writes decode_trace[b][slot] = %globaltimer (ns) at: 0 entry, 1 its first K/V copies issued
+// (after the table loads they depend on), 2 its first stage landed, 3 its key loop done, 4 exit;
+// slot 5 = its SM, slot 6 = 1 if it merged its row tile's partials.
+#ifdef DECODE_TRACE
+#define DECODE_TRACE_ROWS 8192
+__device__ unsigned long long decode_trace[DECODE_TRACE_ROWS][8];
+__device__ __forceinline__ void decode_mark(int slot, unsigned long long value = ~0ull) {
+  if (threadIdx.x == 0 && blockIdx.x < DECODE_TRACE_ROWS) {
+    if (value == ~0ull) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(value));
+    decode_trace[blockIdx.x][slot] = value;
+  }
+}
+#define DECODE_MARK(...) decode_mark(__VA_ARGS__)
+#else
+#define DECODE_MARK(...)
+#endif
+
 // Per-instantiation shape constants; cuflash/_decode.py `shape_constants` mirrors them.
 template <typename T, int HEAD_DIM, int ROWS>
 struct DecodeShape {
@@ -743,6 +762,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const u32 sK = sQ + ROWS * ROW_BYTES;
   const u32 sV = sK + STAGES * TILE_BYTES;
 
+  DECODE_MARK(0);
   const DecodeItem it = read_item(items, tiles, blockIdx.x);
   const long long bh0 = groups[it.g * G];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -765,6 +785,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     }
     cp_async_commit();
   }
+  DECODE_MARK(1);
 
   const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
   setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
@@ -805,6 +826,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   for (int n = 0; n < n_stages; ++n) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
+    if (n == 0) DECODE_MARK(2);
     {
       const int nn = n + STAGES - 1;
       if (nn < n_stages) {
@@ -898,6 +920,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring is free: it becomes the merge buffer
+  DECODE_MARK(3);
 
   // Per warp: m (base 2, scaled), l summed over the quad, acc unnormalized -> shared memory.
   float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][HEAD_DIM]
@@ -922,6 +945,13 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   finish_item<T, float, ROWS>(out, lse, ws_out, ws_lse, counters, rows, red_acc, HEAD_DIM, red_m,
                               red_l, sM, sInv, s_last, it.item, it.tile_id, it.first, it.n_items,
                               Nq, Dv, fused);
+#ifdef DECODE_TRACE
+  DECODE_MARK(4);
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  DECODE_MARK(5, smid);
+  DECODE_MARK(6, it.n_items > 1 && fused && s_last ? 1ull : 0ull);
+#endif
 }
 
 // ---- the stand-alone combine (fused = 0): one block per row tile -------------------------------

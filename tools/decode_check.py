@@ -23,6 +23,11 @@ Stages (each in try/except; a failure prints FAIL and its traceback and the next
            uneven batch is benchmarks/bench.py's (seed 0, 52.7 % of the keys valid). The host
            stage prints the schedules of these shapes (blocks, keys per block) per rule.
 
+  trace    GPU: where one call's time goes (check_trace: a -DDECODE_TRACE build of decode_tc
+           records per-block %globaltimer marks).
+  hostcost GPU: host microseconds of one public decode call, cached Plan and growing kv_lens,
+           with cProfile's top functions.
+
     PYTHONPATH=. python3 tools/decode_check.py                 # host, correct, timing (< 3 min)
     PYTHONPATH=. python3 tools/decode_check.py build host      # no GPU needed (build: ~2 min)
 """
@@ -36,7 +41,7 @@ import numpy as np
 # this checkout's cuflash, also when another copy is installed in the interpreter's environment
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-STAGES = ("build", "host", "correct", "timing", "scaling")
+STAGES = ("build", "host", "correct", "timing", "scaling", "trace", "hostcost")
 FAILS = []
 
 
@@ -708,6 +713,148 @@ def check_scaling():
 SCALING_VARIANTS = ("simt", "tc16s2", "tc16s2h")
 
 
+@stage("trace")
+def check_trace(reps=5):
+    """GPU: where one call's time goes. decode_tc compiled with -DDECODE_TRACE (per-block
+    %globaltimer marks, kernels_cu/decode.cu) runs the timing shapes with the L2 flushed before
+    each call (as bench.py: a buffer of twice the L2 filled with zeros); per shape the median over
+    `reps` calls of: the event time, the kernel span (first entry to last exit), block entry
+    spread, entry -> first copies issued (the dependent table loads), entry -> first stage landed,
+    the key loops, the merge of the last block of each row tile, and the tail after the median
+    loop end. Times in us."""
+    import cupy as cp
+    import ml_dtypes
+
+    from cuflash import _decode, _kernels
+    from cuflash._validate import make_problem
+
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(5)
+    expr = _decode.tc_expression("bfloat16", D, _decode.DEFAULT_TC)
+    mod = cp.RawModule(code=_kernels.source(_decode.SOURCE),
+                       options=_kernels.OPTIONS + ("-DDECODE_TRACE",), name_expressions=[expr])
+    func = mod.get_function(expr)
+    smem = _decode.tc_smem_bytes(D, _decode.DEFAULT_TC)
+    func.max_dynamic_shared_size_bytes = smem
+    print(f"  traced {expr}: {func.attributes['num_regs']} registers, "
+          f"{_decode._blocks_per_sm(func, smem)} blocks/SM")
+    trace = mod.get_global("decode_trace")
+    l2 = int(cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
+    flush = cp.empty(2 * l2 // 4, dtype=cp.int32)
+    spin = _spin_kernel()
+    empty = cp.RawKernel('extern "C" __global__ void nop() {}', "nop")  # the launch floor
+    for B, L in SHAPES + (("uneven", 8192),):
+        uneven = B == "uneven"
+        Bn = 32 if uneven else B
+        q = cp.asarray(rng.standard_normal((Bn, HQ, 1, D), dtype=np.float32)).astype(bf16)
+        k = cp.random.standard_normal((Bn, HKV, L, D), dtype=cp.float32).astype(bf16)
+        v = cp.random.standard_normal((Bn, HKV, L, D), dtype=cp.float32).astype(bf16)
+        lens = uneven_lens(0, Bn, L) if uneven else None
+        kv_bytes = 2 * HKV * (int(lens.sum()) if uneven else Bn * L) * D * 2
+        plan = _decode.plan(make_problem(q, k, v, kv_lens=None if lens is None
+                                         else lens.reshape(Bn, 1)))
+        assert plan.variant == _decode.DEFAULT_TC, plan.variant
+        ref = plan.run()[0].astype(cp.float32)
+        plan.kernel = func
+        n = plan.n_items
+        rows = []
+        for rep in range(reps + 1):
+            spin((1,), (1,), (np.uint64(SPIN_US * 1000),))
+            flush.fill(0)
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            o = plan.run()[0]
+            b.record()
+            b.synchronize()
+            t = cp.ndarray((_TRACE_ROWS, 8), dtype=cp.uint64, memptr=trace)[:n].get()
+            if rep == 0:  # warm-up; check the traced kernel's answer once
+                diff = float(cp.abs(o.astype(cp.float32) - ref).max())
+                if not diff <= 1e-2:
+                    FAILS.append(f"trace {B} {L}: differs from the untraced kernel by {diff}")
+                continue
+            ev = cp.cuda.get_elapsed_time(a, b) * 1e3
+            t0 = t[:, 0].min()
+            rel = (t[:, :5] - t0).astype(np.float64) / 1e3
+            merged = t[:, 6] == 1
+            loop_end = np.median(rel[:, 3])
+            rows.append((ev, rel[:, 4].max(), rel[:, 0].max(), np.median(rel[:, 1] - rel[:, 0]),
+                         np.median(rel[:, 2] - rel[:, 0]), np.median(rel[:, 3] - rel[:, 2]),
+                         np.median(rel[merged, 4] - rel[merged, 3]) if merged.any() else 0.0,
+                         rel[:, 4].max() - loop_end, loop_end,
+                         len(np.unique(t[:, 5]))))
+        r = np.median(np.array(rows), axis=0)
+        name = f"{B}x{L}" if not uneven else f"uneven32x{L}"
+        print(f"  {name:14s} items {n:4d} S={plan.split:6d}  event {r[0]:6.1f} = span {r[1]:6.1f}"
+              f" + {r[0] - r[1]:4.1f} | entry spread {r[2]:5.1f} | issue {r[3]:4.1f} | first data "
+              f"{r[4]:4.1f} | loop {r[5]:6.1f} | merge {r[6]:4.1f} | tail after median loop end "
+              f"{r[7]:5.1f} (at {r[8]:6.1f}) | {int(r[9])} SMs | "
+              f"{kv_bytes / (r[0] * 1e-6) / 1e12:.2f} TB/s by event, "
+              f"{kv_bytes / (r[5] * 1e-6) / 1e12:.2f} in the median loop")
+        del q, k, v, plan
+        cp.get_default_memory_pool().free_all_blocks()
+    for _ in range(3):
+        spin((1,), (1,), (np.uint64(SPIN_US * 1000),))
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        empty((1,), (1,), ())
+        b.record()
+        b.synchronize()
+    print(f"  an empty kernel: {cp.cuda.get_elapsed_time(a, b) * 1e3:.1f} us by event")
+
+
+_TRACE_ROWS = 8192  # kernels_cu/decode.cu DECODE_TRACE_ROWS
+
+
+@stage("hostcost")
+def check_hostcost(calls=200):
+    """GPU: host time of one cuflash.attention decode call (the user's whole call, from Python to
+    the launch returning), B = 32, L = 8192 (bf16, Hq 32, Hkv 8, D 128, Nq 1): the same kv_lens
+    every call (the Plan cache hits) and kv_lens growing by one key per call (token-by-token
+    decoding: a new Plan per call). Median us per call with a long GPU spin queued first, so the
+    host never waits on the device; then cProfile's top functions of each."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupy as cp
+    import ml_dtypes
+
+    import cuflash
+
+    bf16 = ml_dtypes.bfloat16
+    B, L = 32, 8192
+    q = cp.zeros((B, HQ, 1, D), dtype=bf16)
+    k = cp.zeros((B, HKV, L, D), dtype=bf16)
+    v = cp.zeros((B, HKV, L, D), dtype=bf16)
+    base = uneven_lens(0, B, L - calls - 1).reshape(B, 1)
+    spin = _spin_kernel()
+
+    def run(grow):
+        per = []
+        for i in range(calls):
+            lens = base + i if grow else base
+            t = time.perf_counter()
+            cuflash.attention(q, k, v, kv_lens=lens)
+            per.append(time.perf_counter() - t)
+        return per
+
+    for label, grow in (("same kv_lens (cached Plan)", False), ("kv_lens + 1 per call", True)):
+        run(grow)  # warm-up: compile, caches
+        cp.cuda.get_current_stream().synchronize()
+        spin((1,), (1,), (np.uint64(2_000_000_000),))  # 2 s of GPU time queued ahead
+        per = run(grow)
+        prof = cProfile.Profile()
+        prof.enable()
+        run(grow)
+        prof.disable()
+        cp.cuda.get_current_stream().synchronize()
+        print(f"  {label}: median {np.median(per) * 1e6:.0f} us per call "
+              f"(p90 {np.percentile(per, 90) * 1e6:.0f})")
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+        print("\n".join("    " + x for x in out.getvalue().splitlines()[6:24]))
+
+
 def main(argv):
     stages = [a for a in argv if a in STAGES] or ["host", "correct", "timing"]
     t0 = time.time()
@@ -721,6 +868,10 @@ def main(argv):
         check_timing()
     if "scaling" in stages:
         check_scaling()
+    if "trace" in stages:
+        check_trace()
+    if "hostcost" in stages:
+        check_hostcost()
     print(f"\n{len(FAILS)} failure(s) in {time.time() - t0:.0f} s" + (": " + "; ".join(FAILS[:20])
                                                                   if FAILS else ""))
     return 1 if FAILS else 0
