@@ -252,81 +252,103 @@ __device__ __forceinline__ void setup_rows(DecodeRow* rows, const long long* __r
 }
 
 // Merge the row tile's partials (the merge rule of cuflash.merge, in base 2) and write out / lse.
-// rows[] is set up; sM, sInv are ROWS-entry shared scratch.
+// rows[] is set up; sM, sInv are ROWS-entry shared scratch (double only).
 template <typename T, typename Acc, int ROWS>
 __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
                                  const Acc* __restrict__ ws_out, const Acc* __restrict__ ws_lse,
                                  long long first, int n_items, const DecodeRow* rows, Acc* sM,
                                  Acc* sInv, int Nq, int Dv) {
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  for (int r = warp; r < ROWS; r += DECODE_WARPS) {
-    if (rows[r].bh < 0) continue;  // padding rows have no partials (warp-uniform)
-    // max M and sum of exp2(lse_i - M) in one pass (a running pair per lane, then merged over
-    // the warp); empty partials (-inf) contribute nothing and never form -inf - (-inf)
-    Acc M = NEG_INF, sum = Acc(0);
-    for (int it = lane; it < n_items; it += 32) {
-      const Acc x = ld_cg(ws_lse + (first + it) * ROWS + r);
-      if (x > M) {
-        sum = (M > NEG_INF ? sum * exp2_acc(M - x) : Acc(0)) + Acc(1);
-        M = x;
-      } else if (x > NEG_INF) {
-        sum += exp2_acc(x - M);
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      const Acc M_o = __shfl_xor_sync(FULL_WARP, M, o);
-      const Acc s_o = __shfl_xor_sync(FULL_WARP, sum, o);
-      const Acc M_n = acc_max(M, M_o);
-      sum = (M > NEG_INF ? sum * exp2_acc(M - M_n) : Acc(0)) +
-            (M_o > NEG_INF ? s_o * exp2_acc(M_o - M_n) : Acc(0));
-      M = M_n;
-    }
-    if (lane == 0) {
-      const bool empty = !(M > NEG_INF);
-      sM[r] = M;
-      sInv[r] = empty ? Acc(0) : Acc(1) / sum;
-      lse[rows[r].bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<Acc>();
-    }
-  }
-  __syncthreads();
   if constexpr (sizeof(Acc) == 4) {
-    // Four columns per thread (Dv % 4 == 0: the host takes this path only for rows of whole
-    // 16-byte vectors, _decode.fits): one 16-byte load per item (the workspace rows are 16-byte
-    // aligned), 8 items in flight. With one column per thread, a thread of a 4-row GQA tile with
-    // 33 partials (B = 1, 131072 keys) waited on ~20 rounds of L2 latency at the very end of the
-    // kernel; here 5 (bench.py, B = 1: 162 us before, 154 us after, separate runs). An empty partial's ws_out row is unwritten
-    // and may hold anything, so its terms are dropped by a select, never multiplied by their zero
-    // weight.
+    // One pass, four columns of one row per thread (Dv % 4 == 0: the host takes this path only
+    // for rows of whole 16-byte vectors, _decode.fits), the partials CHUNK at a time with all of
+    // a chunk's loads in flight, merged with a running max as in the online softmax. This runs
+    // after the last block of the row tile has finished its keys, so its L2 round trips are the
+    // end of the kernel: ceil(n_items / CHUNK) of them (B = 1, 33 partials: 3), where a max pass
+    // and then a weighted-sum pass took 1 + ceil(33 / 8) = 6 (tools/decode_check.py trace: the
+    // merge took 7-9 us of a 150-270 us call). An empty partial (lse -inf) has an unwritten ws_out
+    // row that may hold anything: its terms are dropped by a select, never multiplied by 0.
+    constexpr int CHUNK = 16;
     const int C4 = Dv / 4;
     for (int idx = threadIdx.x; idx < ROWS * C4; idx += DECODE_THREADS) {
       const int r = idx / C4;
       const int col = (idx % C4) * 4;
       if (rows[r].bh < 0) continue;
-      const float M = sM[r];
-      float o[4] = {0.f, 0.f, 0.f, 0.f};
-      if (M > NEG_INF) {
-#pragma unroll 8
-        for (int it = 0; it < n_items; ++it) {
-          const long long slot = (first + it) * ROWS + r;
-          const float x = ld_cg(ws_lse + slot);
-          const float4 y = __ldcg(reinterpret_cast<const float4*>(ws_out + slot * Dv + col));
-          const float w = exp2_acc(x - M);
-          const bool ok = x > NEG_INF;
-          o[0] += select(ok, w * y.x, 0.f);
-          o[1] += select(ok, w * y.y, 0.f);
-          o[2] += select(ok, w * y.z, 0.f);
-          o[3] += select(ok, w * y.w, 0.f);
-        }
-      }
-      T* dst = out + (rows[r].bh * Nq + rows[r].i) * Dv + col;
+      float M = NEG_INF, sum = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int it0 = 0; it0 < n_items; it0 += CHUNK) {
+        float x[CHUNK];
+        float4 y[CHUNK];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) store_acc(dst + e, o[e] * sInv[r]);
+        for (int c = 0; c < CHUNK; ++c) {
+          const long long slot = (first + it0 + c) * ROWS + r;
+          const bool in = it0 + c < n_items;
+          x[c] = in ? ld_cg(ws_lse + slot) : NEG_INF;
+          y[c] = in ? __ldcg(reinterpret_cast<const float4*>(ws_out + slot * Dv + col))
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        float M_new = M;
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c) M_new = fmaxf(M_new, x[c]);
+        if (!(M_new > NEG_INF)) continue;  // every partial so far is empty
+        const float a = M > NEG_INF ? exp2_acc(M - M_new) : 0.f;
+        sum *= a;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[e] *= a;
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c) {
+          const bool ok = x[c] > NEG_INF;
+          const float w = select(ok, exp2_acc(x[c] - M_new), 0.f);
+          sum += w;
+          o[0] += select(ok, w * y[c].x, 0.f);
+          o[1] += select(ok, w * y[c].y, 0.f);
+          o[2] += select(ok, w * y[c].z, 0.f);
+          o[3] += select(ok, w * y[c].w, 0.f);
+        }
+        M = M_new;
+      }
+      const bool empty = !(sum > 0.f);
+      const float inv = empty ? 0.f : 1.f / sum;
+      const long long row_out = rows[r].bh * Nq + rows[r].i;
+      T* dst = out + row_out * Dv + col;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) store_acc(dst + e, o[e] * inv);
+      if (col == 0) lse[row_out] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<float>();
     }
   } else {
-    // double: exp2 is a call, and values kept live across unrolled calls spill; one column per
-    // thread, one item at a time, and an empty partial's unwritten ws_out row is never read
+    // double: exp2 is a call, and values kept live across unrolled calls spill. Two passes: per
+    // row (one warp) the max M and sum of exp2(lse_i - M) (a running pair per lane, merged over
+    // the warp; empty partials never form -inf - (-inf)), then one column per thread, one item
+    // at a time; an empty partial's unwritten ws_out row is never read.
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    for (int r = warp; r < ROWS; r += DECODE_WARPS) {
+      if (rows[r].bh < 0) continue;  // padding rows have no partials (warp-uniform)
+      Acc M = NEG_INF, sum = Acc(0);
+      for (int it = lane; it < n_items; it += 32) {
+        const Acc x = ld_cg(ws_lse + (first + it) * ROWS + r);
+        if (x > M) {
+          sum = (M > NEG_INF ? sum * exp2_acc(M - x) : Acc(0)) + Acc(1);
+          M = x;
+        } else if (x > NEG_INF) {
+          sum += exp2_acc(x - M);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) {
+        const Acc M_o = __shfl_xor_sync(FULL_WARP, M, o);
+        const Acc s_o = __shfl_xor_sync(FULL_WARP, sum, o);
+        const Acc M_n = acc_max(M, M_o);
+        sum = (M > NEG_INF ? sum * exp2_acc(M - M_n) : Acc(0)) +
+              (M_o > NEG_INF ? s_o * exp2_acc(M_o - M_n) : Acc(0));
+        M = M_n;
+      }
+      if (lane == 0) {
+        const bool empty = !(M > NEG_INF);
+        sM[r] = M;
+        sInv[r] = empty ? Acc(0) : Acc(1) / sum;
+        lse[rows[r].bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<Acc>();
+      }
+    }
+    __syncthreads();
     for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
       const int r = idx / Dv;
       const int col = idx % Dv;
@@ -411,16 +433,19 @@ __device__ __forceinline__ void finish_item(
   }
   if (n_items == 1 || !fused) return;
 
-  // Fused combine: the last block of the row tile to finish merges all of its partials.
-  __threadfence();  // this block's partial is visible device-wide before it is counted
+  // Fused combine: the last block of the row tile to finish merges all of its partials. The
+  // count is one acquire-release atomic of thread 0 after a barrier (the pattern of CUTLASS's
+  // semaphores): the barrier orders the block's partial stores before the release, the acquire
+  // orders the other blocks' partials before the barrier that lets this block read them.
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned done = atomicAdd(counters + tile_id, 1u);
+    unsigned done;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                 : "=r"(done) : "l"(counters + tile_id) : "memory");
     s_last = (done == static_cast<unsigned>(n_items - 1));
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();  // order the counter read before the partial reads
   combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv, Nq, Dv);
   if (threadIdx.x == 0) counters[tile_id] = 0u;  // ready for the next launch on this stream
 }
