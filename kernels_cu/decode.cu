@@ -44,8 +44,9 @@ constexpr int DECODE_THREADS = DECODE_WARPS * 32;
 // Per-block timeline of decode_tc for tools/decode_check.py `trace`, compiled only with
 // -DDECODE_TRACE (the product's kernels do not contain it). Launch row b < DECODE_TRACE_ROWS
 // writes decode_trace[b][slot] = %globaltimer (ns) at: 0 entry, 1 its first K/V copies issued
-// (after the table loads they depend on), 2 its first stage landed, 3 its key loop done, 4 exit;
-// slot 5 = its SM, slot 6 = 1 if it merged its row tile's partials.
+// (after the table loads they depend on), 2 its first stage landed, 3 its key loop done, 7 its
+// warps' states in shared memory, 4 exit; slot 5 = its SM, slot 6 = 1 if it merged its row
+// tile's partials.
 #ifdef DECODE_TRACE
 #define DECODE_TRACE_ROWS 8192
 __device__ unsigned long long decode_trace[DECODE_TRACE_ROWS][8];
@@ -947,8 +948,11 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   __syncthreads();  // the ring is free: it becomes the merge buffer
   DECODE_MARK(3);
 
-  // Per warp: m (base 2, scaled), l summed over the quad, acc unnormalized -> shared memory.
-  float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][HEAD_DIM]
+  // Per warp: m (base 2, scaled), l summed over the quad, acc unnormalized -> shared memory, in
+  // rows of HEAD_DIM + 8 floats: the 8 row-groups of a fragment then fall on different banks (with
+  // HEAD_DIM floats, the 8 lanes of one column pair shared a bank: 8-way conflicts on every store).
+  constexpr int RED_STRIDE = HEAD_DIM + 8;
+  float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][RED_STRIDE]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l_row = l[h];
@@ -961,13 +965,13 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     }
 #pragma unroll
     for (int df = 0; df < DF; ++df) {
-      float* dst = red_acc + (warp * ROWS + r) * HEAD_DIM + df * 8 + 2 * t;
-      dst[0] = acc[df][2 * h];
-      dst[1] = acc[df][2 * h + 1];
+      *reinterpret_cast<float2*>(red_acc + (warp * ROWS + r) * RED_STRIDE + df * 8 + 2 * t) =
+          make_float2(acc[df][2 * h], acc[df][2 * h + 1]);
     }
   }
   __syncthreads();
-  finish_item<T, float, ROWS>(out, lse, ws_out, ws_lse, counters, rows, red_acc, HEAD_DIM, red_m,
+  DECODE_MARK(7);
+  finish_item<T, float, ROWS>(out, lse, ws_out, ws_lse, counters, rows, red_acc, RED_STRIDE, red_m,
                               red_l, sM, sInv, s_last, it.item, it.tile_id, it.first, it.n_items,
                               Nq, Dv, fused);
 #ifdef DECODE_TRACE

@@ -760,7 +760,7 @@ def check_trace(reps=5):
         ref = plan.run()[0].astype(cp.float32)
         plan.kernel = func
         n = plan.n_items
-        rows, ends = [], []
+        rows, ends, fin = [], [], []
         for rep in range(reps + 1):
             spin((1,), (1,), (np.uint64(SPIN_US * 1000),))
             flush.fill(0)
@@ -783,6 +783,9 @@ def check_trace(reps=5):
             if rep == reps and os.environ.get("OUT"):  # the last call's raw marks, for plots
                 np.save(os.path.join(os.environ["OUT"], f"trace_{B}x{L}.npy"), t)
             ends.append(np.percentile(rel[:, 3] - np.median(rel[:, 3]), [0, 10, 90, 100]))
+            solo = t[:, 6] == 0  # blocks that do not merge: loop end -> states shared -> exit
+            fin.append((np.median((t[solo, 7] - t[solo, 3]) / 1e3),
+                        np.median((t[solo, 4] - t[solo, 7]) / 1e3)))
             rows.append((ev, rel[:, 4].max(), rel[:, 0].max(), np.median(rel[:, 1] - rel[:, 0]),
                          np.median(rel[:, 2] - rel[:, 0]), np.median(rel[:, 3] - rel[:, 2]),
                          np.median(rel[merged, 4] - rel[merged, 3]) if merged.any() else 0.0,
@@ -798,7 +801,9 @@ def check_trace(reps=5):
               f"{kv_bytes / (r[5] * 1e-6) / 1e12:.2f} in the median loop")
         e = np.median(np.array(ends), axis=0)
         print(f"  {'':14s} loop ends relative to the median: min {e[0]:+.1f}, p10 {e[1]:+.1f}, "
-              f"p90 {e[2]:+.1f}, max {e[3]:+.1f}")
+              f"p90 {e[2]:+.1f}, max {e[3]:+.1f}; blocks that do not merge: loop end -> states "
+              f"in shared memory {np.median([x[0] for x in fin]):.1f}, -> exit "
+              f"{np.median([x[1] for x in fin]):.1f}")
         del q, k, v, plan
         cp.get_default_memory_pool().free_all_blocks()
     for _ in range(3):
