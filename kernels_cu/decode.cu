@@ -397,39 +397,79 @@ __device__ __forceinline__ BlockKeys block_keys(const DecodeRow* rows, long long
 // and sum per row; red_acc [warp][row][red_stride]: unnormalized output) and normalize once; write
 // the result (a row tile with one item) or this item's partial, and with `fused` let the last
 // block of the row tile merge the partials. Called after a __syncthreads.
-template <typename T, typename Acc, int ROWS>
+// First the per-row factors, once per row (red_m[w][r] becomes warp w's weight exp2(m_w - M)),
+// then V columns per thread (V = 4: red_acc rows, red_stride and Dv multiples of 4 floats, 16-byte
+// aligned; the host's whole-vector rule, _decode.fits). Every element used to recompute its row's
+// max and weights, a chain of shared loads, exp2 and a division per element with 8 warps per SM
+// to hide it: 3.1-4.6 us per block at D = 128 (tools/decode_check.py trace).
+template <typename T, typename Acc, int ROWS, int V = 1>
 __device__ __forceinline__ void finish_item(
     T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,
     Acc* __restrict__ ws_lse, unsigned* __restrict__ counters, const DecodeRow* rows,
-    const Acc* red_acc, int red_stride, const Acc (&red_m)[DECODE_WARPS][ROWS],
+    const Acc* red_acc, int red_stride, Acc (&red_m)[DECODE_WARPS][ROWS],
     const Acc (&red_l)[DECODE_WARPS][ROWS], Acc (&sM)[ROWS], Acc (&sInv)[ROWS], int& s_last,
     long long item, long long tile_id, long long first, int n_items, int Nq, int Dv, int fused) {
-  for (int idx = threadIdx.x; idx < ROWS * Dv; idx += DECODE_THREADS) {
-    const int r = idx / Dv;
-    const int col = idx % Dv;
-    const long long bh = rows[r].bh;
-    if (bh < 0) continue;
+  static_assert(V == 1 || (V == 4 && sizeof(Acc) == 4), "V: 1, or 4 floats");
+  if (threadIdx.x < ROWS) {
+    const int r = threadIdx.x;
     Acc M = NEG_INF;
 #pragma unroll
     for (int w = 0; w < DECODE_WARPS; ++w) M = acc_max(M, red_m[w][r]);
-    Acc l_sum = Acc(0), o = Acc(0);
-    if (M > NEG_INF) {
+    Acc l_sum = Acc(0);
 #pragma unroll
-      for (int w = 0; w < DECODE_WARPS; ++w) {
-        const Acc a = (red_m[w][r] > NEG_INF) ? exp2_acc(red_m[w][r] - M) : Acc(0);
-        l_sum += a * red_l[w][r];
-        o += a * red_acc[(w * ROWS + r) * red_stride + col];
-      }
+    for (int w = 0; w < DECODE_WARPS; ++w) {
+      const Acc a = (M > NEG_INF && red_m[w][r] > NEG_INF) ? exp2_acc(red_m[w][r] - M) : Acc(0);
+      red_m[w][r] = a;
+      l_sum += a * red_l[w][r];
     }
     const bool empty = !(l_sum > Acc(0));
-    const Acc val = empty ? Acc(0) : o / l_sum;
+    sM[r] = empty ? NEG_INF : M;  // NEG_INF: an empty row (out 0; a partial row unwritten)
+    sInv[r] = empty ? Acc(0) : Acc(1) / l_sum;
+    const long long bh = rows[r].bh;
+    if (bh >= 0) {
+      if (n_items == 1)
+        lse[bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(l_sum)) * ln2<Acc>();
+      else
+        ws_lse[item * ROWS + r] = empty ? NEG_INF : M + log2_acc(l_sum);
+    }
+  }
+  __syncthreads();
+  const int CV = Dv / V;
+  for (int idx = threadIdx.x; idx < ROWS * CV; idx += DECODE_THREADS) {
+    const int r = idx / CV;
+    const int col = (idx % CV) * V;
+    const long long bh = rows[r].bh;
+    if (bh < 0) continue;
+    Acc o[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) o[e] = Acc(0);
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) {
+      const Acc a = red_m[w][r];
+      const Acc* x = red_acc + (w * ROWS + r) * red_stride + col;
+      if constexpr (V == 4) {
+        const float4 y = *reinterpret_cast<const float4*>(x);
+        o[0] += a * y.x;
+        o[1] += a * y.y;
+        o[2] += a * y.z;
+        o[3] += a * y.w;
+      } else {
+        o[0] += a * x[0];
+      }
+    }
+    const Acc inv = sInv[r];
     if (n_items == 1) {
-      store_acc(out + (bh * Nq + rows[r].i) * Dv + col, val);
-      if (col == 0) lse[bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(l_sum)) * ln2<Acc>();
-    } else {
-      const long long ws = item * ROWS + r;
-      if (!empty) ws_out[ws * Dv + col] = val;
-      if (col == 0) ws_lse[ws] = empty ? NEG_INF : M + log2_acc(l_sum);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        store_acc(out + (bh * Nq + rows[r].i) * Dv + col + e, o[e] * inv);
+      }
+    } else if (sM[r] > NEG_INF) {
+      Acc* dst = ws_out + (item * ROWS + r) * Dv + col;
+      if constexpr (V == 4)
+        *reinterpret_cast<float4*>(dst) =
+            make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
+      else
+        dst[0] = o[0] * inv;
     }
   }
   if (n_items == 1 || !fused) return;
@@ -971,9 +1011,9 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   }
   __syncthreads();
   DECODE_MARK(7);
-  finish_item<T, float, ROWS>(out, lse, ws_out, ws_lse, counters, rows, red_acc, RED_STRIDE, red_m,
-                              red_l, sM, sInv, s_last, it.item, it.tile_id, it.first, it.n_items,
-                              Nq, Dv, fused);
+  finish_item<T, float, ROWS, 4>(out, lse, ws_out, ws_lse, counters, rows, red_acc, RED_STRIDE,
+                                 red_m, red_l, sM, sInv, s_last, it.item, it.tile_id, it.first,
+                                 it.n_items, Nq, Dv, fused);
 #ifdef DECODE_TRACE
   DECODE_MARK(4);
   unsigned smid;
