@@ -23,9 +23,13 @@ cuflash._gpu._on_device):
    choice uses DEFAULT_RULE ("balanced-fine", `split_size_balanced`): among such candidates (and,
    for uneven extents, every multiple of 8 block passes) the S whose list schedule, longest item
    first, ends first, so that uneven kv_lens share the SMs instead of the longest sequence setting
-   the time. kv_lens only changes the extents, so the invalid tail of
-   a sequence gets no blocks at all. A tile with an empty extent still gets one (empty) block,
-   which writes out = 0 and lse = -inf.
+   the time (each schedule's end is computed from the distinct extents, not by listing its
+   blocks: `_best_split`). kv_lens only changes the extents, so the invalid tail of a sequence
+   gets no blocks at all. A tile with an empty extent still gets one (empty) block, which writes
+   out = 0 and lse = -inf.
+
+A new kv_lens (each decoded token) re-plans only steps 1-4 and the table: `forward` keeps the
+rest (kernels, occupancy, offsets: `_Layout`) per layout.
 
 `supports(problem)` says when this path applies (see SUPPORT RULE below); `forward(problem)`
 returns (out (BH, Nq, Dv) of T, lse (BH, Nq) of the accumulator dtype) like cuflash._gpu.forward,
@@ -79,13 +83,12 @@ WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see
 # 3.65; with the L2 prefetch hint: 256 B 3.34 / 3.79 / 3.88 / 3.75 (slower), 128 B ("tc16s2h1")
 # 3.50 / 4.00 / 4.11 / 3.95 <- DEFAULT_TC. More waves only add per-block cost (about +20 us a
 # wave at the same slope), so the split rules stay at one wave of resident blocks.
+# Fourth session: decode_tc streams its ring across items and its blocks are persistent
+# (kernels_cu/decode.cu), which needs STAGES == 2; the STAGES 3 and 4 tiles above lost and were
+# removed (tc16s3, tc16s4, tc32s3, tc16s3h, and below tc16s3h1, tc16s4h1).
 TC_VARIANTS = {
     "tc16s2": (16, 2, 2, 0),     # 64-key stages, 2 blocks/SM, 1 stage in flight each (74 KB)
-    "tc16s3": (16, 3, 2, 0),     # 64-key stages, 2 blocks/SM (2 x 109 KB at D = 128)
-    "tc16s4": (16, 4, 1, 0),     # 64-key stages, 1 block/SM, 3 stages in flight
-    "tc32s3": (32, 3, 1, 0),     # 128-key stages, 1 block/SM
     "tc16s2h": (16, 2, 2, 256),  # tc16s2 with the 256-byte L2 prefetch hint
-    "tc16s3h": (16, 3, 2, 256),
     "tc16s2h1": (16, 2, 2, 128),
     # 2026-11-29 (third session), tools/decode_check.py timing, KV TB/s for the four shapes and
     # the uneven batch (tc16s2h1 in the same run): more bytes in flight did not help:
@@ -97,9 +100,7 @@ TC_VARIANTS = {
     # before each run: 3.26 / 3.63 / 3.67 / 3.59 / 3.27 against tc16s2h1's 3.50 / 3.97 / 4.02 /
     # 3.88 / 3.43 in the same process. decode_check's timing rotates two input sets without a
     # flush: it cannot judge cache policies. tc16s2h1 stays DEFAULT_TC.
-    "tc16s3h1": (16, 3, 2, 128),    # 2 stages in flight per block, 2 blocks/SM (2 x 109 KB)
     "tc16s2m3h1": (16, 2, 3, 128),  # 3 blocks/SM (3 x 74 KB)
-    "tc16s4h1": (16, 4, 1, 128),    # 1 block/SM, 3 stages in flight
     "tc16s2h1e": (16, 2, 2, 129),   # tc16s2h1 with an L2 evict-first policy
 }
 DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
@@ -116,8 +117,11 @@ TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
 # every multiple of 8 block passes (at most ~32 of them); the uneven batch gets S = 4608 instead
 # of 4096 (384 blocks instead of 424): bench.py 165.0 -> 158.9 us, 0.62 -> 0.59 of the full
 # batch's time; equal extents keep their S (the four full shapes unchanged). With a per-block cost
-# of 640 keys (the measured ~20 us a wave) it picks the same S. Host cost of the rule: ~4 ms for
-# that batch, ~125 ms for 16 sequences of up to 1M keys ("balanced": 146 ms), once per layout.
+# of 640 keys (the measured ~20 us a wave) it picks the same S. Host cost of the rule, once per
+# kv_lens: listing every block and running a heap schedule per candidate took ~4 ms for that
+# batch and ~125 ms for 16 sequences of up to 1M keys; _best_split finds the same S
+# (tests/test_decode_schedule.py) without listing blocks: 0.4 and 0.6 ms where the former took
+# 4.9 and 142 ms (side by side on a loaded 2-core CPU).
 # UNEVEN BATCH (bench.py's: B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0, 52.7 % of
 # the keys valid; 132 SMs x 2 blocks = 264 slots): with "waves" the full batch is 256 tiles -> 256
 # blocks of 8192 keys, one wave; the uneven batch gets S = 7680 -> 264 blocks, mean 4187 keys but
@@ -180,10 +184,10 @@ def tc_expression(dtype, bucket, variant):
 
 def tc_smem_bytes(bucket, variant):
     """decode_tc's dynamic shared memory: 16 Q rows and the K/V ring, padded rows of 16-bit
-    values (at least the warps' merge buffer, 4 x 16 x bucket floats)."""
+    values (the warps' merge buffer, 4 x 16 rows of bucket + 8 floats, fits in one ring slot)."""
     kw, stages = TC_VARIANTS[variant][:2]
     row = (bucket + 8) * 2
-    return max(16 * row + 2 * stages * WARPS * kw * row, WARPS * 16 * bucket * 4)
+    return 16 * row + 2 * stages * WARPS * kw * row
 
 
 def tc_fits(p):
@@ -272,8 +276,9 @@ def group_heads(k_map, v_map, lens, max_group=MAX_GROUP):
     starts = np.flatnonzero(change)
     runs = np.diff(np.append(starts, BH))
     if runs.size and np.all(runs == runs[0]) and runs[0] <= max_group:
-        # every run is a whole group iff no two runs have equal keys
-        if np.unique(keys[starts], axis=0).shape[0] == starts.size:
+        # every run is a whole group iff no two runs have equal keys (sorted: no two neighbours)
+        run_keys = keys[starts][np.lexsort(keys[starts].T)]
+        if np.all(np.any(run_keys[1:] != run_keys[:-1], axis=1)):
             G = int(runs[0])
             return np.arange(BH, dtype=np.int64).reshape(-1, G), G
     _, inverse, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
@@ -312,26 +317,48 @@ def tile_extents(group_lens, G, Nq, rows, left, right, bottom_right):
     return g, tt, lo.reshape(-1), hi.reshape(-1)
 
 
+def _distinct(extents):
+    """The positive extents as (distinct values ascending, multiplicities): all the split rules
+    depend on (tiles of equal extents cost the same), and far fewer than the tiles."""
+    ext = np.asarray(extents, dtype=np.int64).reshape(-1)
+    return np.unique(ext[ext > 0], return_counts=True)
+
+
+def _waves_splits(u, w, capacities, block_keys, min_keys, probes=1 << 14):
+    """split_size for each of `capacities` at once, from _distinct's (u, w), S in units of
+    block_keys. The block count n(S) = sum(w * ceil(u / S)) lies in [N / S, N / S + T) (N keys,
+    T tiles), which brackets the answer; a search vectorized over the capacities, probing up to
+    `probes` (capacity, S, extent) triples a step, closes the bracket in a step or two."""
+    cap = np.asarray(capacities, dtype=np.int64)
+    if u.size == 0:
+        return np.full(cap.shape, max(min_keys, block_keys), dtype=np.int64)
+    unit = block_keys
+    lo0 = -(-max(min_keys, 1) // unit)
+    hi0 = max(lo0, -(-int(u[-1]) // unit))  # the answer when even that does not fit
+    N, T = int((u * w).sum()), int(w.sum())
+    lo = np.minimum(np.maximum(-(-N // (np.maximum(cap, 1) * unit)), lo0), hi0)
+    hi = np.where(cap > T, np.minimum(np.maximum(-(-N // (np.maximum(cap - T, 1) * unit)), lo),
+                                      hi0), hi0)
+    uf = u.astype(np.float64)  # exact: ceil of a correctly rounded quotient below 2^53
+    rows = np.arange(cap.size)
+    while np.any(lo < hi):  # the answer is in [lo, hi]
+        span = hi - lo
+        K = int(min(span.max(), max(probes // (cap.size * u.size), 2)))
+        s = lo[:, None] + span[:, None] * np.arange(K) // K  # K probes in [lo, hi)
+        ok = np.ceil(uf / (s[:, :, None] * unit)) @ w <= cap[:, None]  # monotone in s
+        j = ok.argmax(axis=1)  # the first probe that fits (if any does)
+        fit = ok[rows, j] & (span > 0)
+        lo = np.where(fit, np.where(j > 0, s[rows, j - 1] + 1, lo),
+                      np.where(span > 0, s[:, -1] + 1, lo))
+        hi = np.where(fit, s[rows, j], hi)
+    return lo * unit
+
+
 def split_size(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS):
     """The one split rule: smallest S (multiple of block_keys, >= min_keys) with
     sum(ceil(extent / S)) <= capacity; the largest extent if even one block per tile exceeds it."""
-    ext = np.asarray(extents, dtype=np.int64)
-    ext = ext[ext > 0]
-    if ext.size == 0:
-        return max(min_keys, block_keys)
-    unit = block_keys
-    lo = -(-max(min_keys, 1) // unit)           # S in units of block_keys
-    hi = max(lo, -(-int(ext.max()) // unit))
-    count = lambda s: int(np.sum(-(-ext // (s * unit))))  # noqa: E731
-    if count(hi) > capacity:
-        return hi * unit
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if count(mid) <= capacity:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo * unit
+    u, w = _distinct(extents)
+    return int(_waves_splits(u, w, [capacity], block_keys, min_keys)[0])
 
 
 def list_schedule_end(costs, capacity):
@@ -370,11 +397,14 @@ def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
     first; ties go to the larger S (fewer partials). Equal extents that fit one wave keep the
     one-wave S; uneven extents get smaller splits, so that short and long sequences share the SMs
     instead of the longest block setting the time. `fine`: uneven extents also try every multiple
-    of 8 block passes below the longest extent (of a coarser step past 32 of them: the host cost
-    stays ~32 list schedules)."""
-    ext = np.asarray(extents, dtype=np.int64)
-    best = None
-    cands = {split_size(ext, int(w * capacity), block_keys, min_keys) for w in waves}
+    of 8 block passes below the longest extent (of a coarser step past 32 of them).
+
+    The end of each candidate's schedule is list_schedule_end of the block costs, longest first,
+    computed without listing the blocks, whose number grows with the keys (_best_split)."""
+    ext = np.asarray(extents, dtype=np.int64).reshape(-1)
+    u, w = _distinct(ext)
+    cands = set(_waves_splits(u, w, [int(x * capacity) for x in waves], block_keys,
+                              min_keys).tolist())
     top = int(ext.max(initial=0))
     S = max(min_keys, block_keys)
     while S < top:  # and powers of two times the block pass
@@ -383,18 +413,91 @@ def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
     if fine and ext.size and ext.min() < top:  # uneven extents: also every 8 block passes
         step = max(8 * block_keys, -(-top // (32 * block_keys)) * block_keys)
         cands.update(range(max(min_keys, step), top, step))
-    for S in sorted(cands):
-        e = ext[ext > 0]
-        n = -(-e // S)
-        # per tile: n - 1 blocks of S keys and one of the remainder
-        costs = np.repeat(np.full(e.size, S, dtype=np.int64), n)
-        last = np.cumsum(n) - 1
-        costs[last] = e - (n - 1) * S
-        costs = np.sort(costs)[::-1]  # launch_order
-        end = list_schedule_end(costs + overhead_keys, capacity) if costs.size else 0
-        if best is None or end < best[0] or (end == best[0] and S > best[1]):
-            best = (end, S)
+    return _best_split(u, w, np.array(sorted(cands), dtype=np.int64), capacity, overhead_keys)
+
+
+def _best_split(u, w, S, capacity, overhead_keys):
+    """The candidate S (ascending) whose schedule ends first, the larger on ties: exactly the
+    minimum over S of (list_schedule_end(costs), -S), costs = the blocks of the distinct extents u
+    (w tiles each) cut at S, plus overhead_keys, longest first; computed from the extents, not by
+    listing the blocks.
+
+    The schedule of S: its M blocks of S keys (cost c = S + overhead) come first and fill the slots
+    round by round: r = M % capacity slots end at a + c, the other m = capacity - r at
+    a = M // capacity * c. Then its k short last blocks (at most one per tile, each < c), longest
+    first: the first m take one slot each at a, ending at a + max(c if r else 0, the longest)
+    ("first"), the end when k <= m. Otherwise the other k - m (the tail) only ever go onto the
+    k - m least loaded slots (a slot taking the j-th would need every less loaded one to have taken
+    one before it). Each tail block goes onto a slot loaded at most these slots' mean, and at most
+    as much as the least loaded one still untouched: when that keeps every slot within `first`,
+    `first` is the end. The others, most promising lower bound first, get list_schedule_end's heap
+    on their tail (_schedule_tail) until no bound can beat the best end."""
+    if u.size == 0:
+        return int(S[-1])  # no blocks: every schedule ends at 0
+    C, T, rows = S.size, int(w.sum()), np.arange(S.size)
+    Sc = S[:, None]
+    n = -(-u // Sc)                              # blocks per extent (candidate x extent)
+    rem = u - (n - 1) * Sc                       # keys of the last one, in (0, S]
+    short = rem < Sc
+    blocks, k = n @ w, short @ w
+    c = S + overhead_keys
+    a, r = (blocks - k) // capacity * c, (blocks - k) % capacity
+    m = capacity - r
+    # Y[i]: candidate i's short blocks' costs, longest first, 0-padded to the T tiles
+    cost = np.where(short, rem + overhead_keys, 0)
+    order = np.argsort(-cost, axis=1)
+    cost = cost[rows[:, None], order]
+    Y = np.repeat(np.concatenate([cost, np.zeros((C, 1), dtype=np.int64)], axis=1).reshape(-1),
+                  np.concatenate([np.where(cost > 0, w[order], 0), (T - k)[:, None]],
+                                 axis=1).reshape(-1)).reshape(C, T)
+    P = np.zeros((C, T + 1), dtype=np.int64)   # P[i, j] = Y[i, :j].sum()
+    np.cumsum(Y, axis=1, out=P[:, 1:])
+    first = a + np.maximum((r > 0) * c, Y[:, 0])
+    # the tail (where rest > 0): blocks Y[m:k] onto `slots` slots that hold `load` before it; its
+    # j-th block (column J = m + j) finds a slot loaded at most their mean and, for j < m, at most
+    # Y[m - 1 - j] (one of the j + 1 least loaded is still untouched)
+    rest = k - m
+    slots = np.minimum(np.maximum(rest, 1), capacity)
+    lim = lambda i, top=T: np.minimum(np.maximum(i, 0), top)  # noqa: E731 (rows without a tail)
+    Pm = P[rows, lim(m)]
+    load = Pm - P[rows, lim(m - rest)] + c * np.minimum(np.maximum(rest - m, 0), r)
+    J, m2 = np.arange(T), m[:, None]
+    room = (first - a)[:, None] - Y              # the most a slot may hold before item J
+    by_pair = (J < 2 * m2) & (Y[rows[:, None], lim(2 * m2 - 1 - J, T - 1)] <= room)
+    by_mean = (load - Pm)[:, None] + P[:, :T] < (room + 1) * slots[:, None]
+    decided = (rest <= 0) | np.all(by_pair | by_mean | (J < m2) | (J >= k[:, None]), axis=1)
+    lower = np.maximum(-(-(load + P[rows, k] - Pm) // slots),
+                       Y[rows, lim(m - 1, T - 1)] + Y[rows, lim(m, T - 1)])
+    total = int(u @ w) + blocks * overhead_keys
+    bound = np.where(decided, first, np.maximum(np.maximum(first, a + lower),
+                                                -(-total // capacity)))
+    best = (np.inf, 0)
+    for i in np.lexsort((-S, bound)).tolist():   # most promising first
+        if bound[i] > best[0]:
+            break
+        if bound[i] == best[0] and S[i] < best[1]:
+            continue
+        end = int(first[i]) if decided[i] else max(
+            int(first[i]), int(a[i]) + _schedule_tail(Y[i, :k[i]], int(m[i]), int(r[i]),
+                                                      int(c[i])))
+        if end < best[0] or (end == best[0] and S[i] > best[1]):
+            best = (end, int(S[i]))
     return best[1]
+
+
+def _schedule_tail(y, m, r, c):
+    """_best_split's tail: the short blocks y (longest first, more than m of them) after y[:m]
+    went one per slot onto m slots at 0, with r more slots at c > y[0]; each goes onto the least
+    loaded slot (list_schedule_end). Returns the largest end of the slots that take the rest
+    (the len(y) - m least loaded ones)."""
+    import heapq
+
+    rest = y.size - m
+    h = y[max(m - rest, 0):m].tolist() + [c] * min(r, max(rest - m, 0))
+    heapq.heapify(h)
+    for x in y[m:].tolist():
+        heapq.heapreplace(h, h[0] + x)
+    return max(h)
 
 
 # name -> split function (extents, capacity, block_keys) -> S; every rule but "waves" also numbers
@@ -508,9 +611,75 @@ class Schedule:
                        if rule is None or rule == "waves" or split else launch_order(self.items))
 
     def items_x(self):
-        """The kernels' items table (n_items, 4): (tile, k0, k1, workspace slot), in launch
-        order."""
-        return np.concatenate([self.items[self.launch], self.launch[:, None]], axis=1)
+        """The kernels' items table (n_items, 6): (tile, k0, k1, workspace slot, k offset,
+        v offset), in launch order; the offsets (elements) are those of the tile's kv head, so
+        that decode_tc requests its first keys after one table load (kernels_cu/decode.cu
+        ITEM_COLS)."""
+        items = self.items[self.launch]
+        bh0 = self.groups[self.tiles[items[:, 0], 0], 0]  # every group's first member exists
+        return np.concatenate([items, self.launch[:, None], self.k_map[bh0][:, None],
+                               self.v_map[bh0][:, None]], axis=1)
+
+
+class _Layout:
+    """What a Plan takes from the layout alone, not from kv_lens: the kernel variant and split
+    rule, the table's offsets rows and the strides; and per ROWS (set by the grouping, which
+    kv_lens changes in broadcast layouts) the kernels, their occupancy and the split rule's
+    capacity. forward keeps one per layout, so that a new kv_lens (each decoded token) only
+    re-plans the split and the table. Arguments as Plan's."""
+
+    def __init__(self, p, fused=True, waves=WAVES, variant=None, split_rule=None):
+        self.dtype, self.fused, self.waves = p.dtype, bool(fused), waves
+        self.has_mb = p.mask is not None or p.bias is not None
+        self.aligned = _aligned(p)
+        self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
+        if variant is None:  # the automatic choice
+            variant = DEFAULT_TC if tc_fits(p) else "simt"
+            split_rule = split_rule or DEFAULT_RULE
+        elif variant != "simt" and not tc_fits(p):
+            raise ValueError(f"decode variant {variant!r} does not apply to this problem")
+        self.variant, self.split_rule = variant, split_rule
+        # decode_tc: 16 rows a block, its stage's keys a pass; decode_split: Schedule's defaults
+        tc = variant != "simt"
+        self.dyn_smem = tc_smem_bytes(self.bucket, variant) if tc else 0
+        self.sched_rows = 16 if tc else None
+        self.block_keys = TC_VARIANTS[variant][0] * WARPS if tc else None
+        BH = p.BH
+        self.offsets = np.zeros((5, BH), dtype=np.int64)
+        for row, mp in enumerate((p.q_map, p.k_map, p.v_map)):
+            self.offsets[row] = np.asarray(mp, dtype=np.int64).reshape(BH)
+        self.mask_rs = self.mask_cs = self.bias_rs = self.bias_cs = 0
+        if p.mask is not None:
+            st = element_strides(p.mask)
+            self.offsets[3] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
+            self.mask_rs, self.mask_cs = st[-2:]
+        if p.bias is not None:
+            st = element_strides(p.bias)
+            self.offsets[4] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
+            self.bias_rs, self.bias_cs = st[-2:]
+        self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
+        self._by_rows = {}
+
+    def rows(self, p):
+        """ROWS: decode_tc's 16, or decode_split's for p's grouping (which kv_lens can change)."""
+        if self.sched_rows:
+            return self.sched_rows
+        _, G = group_heads(p.k_map, p.v_map, _lens(p))
+        return rows_per_block(self.dtype, self.bucket, G * p.Nq, self.has_mb)
+
+    def kernels(self, rows):
+        """(expr, kernel, blocks per SM, combine kernel or None, capacity) on the current device
+        (forward's cache keys name it), compiled on first use."""
+        hit = self._by_rows.get(rows)
+        if hit is None:
+            expr = (name_expression(self.dtype, self.bucket, rows, self.has_mb, self.aligned)
+                    if self.variant == "simt" else tc_expression(self.dtype, self.bucket,
+                                                                 self.variant))
+            kernel, per_sm = _kernel(expr, self.dyn_smem)
+            combine = None if self.fused else _kernel(combine_expression(self.dtype, rows))[0]
+            capacity = max(1, int(self.waves * per_sm * _kernels.device_info().sm_count))
+            hit = self._by_rows[rows] = (expr, kernel, per_sm, combine, capacity)
+        return hit
 
 
 class Plan:
@@ -520,65 +689,33 @@ class Plan:
     `run()` alone, with the host preparation outside the timed region. `split` forces the split
     size (tests); `waves` scales the capacity of the split rule. `variant`: None chooses
     (DEFAULT_TC where tc_fits, else "simt", with DEFAULT_RULE), "simt" is decode_split, a name of
-    TC_VARIANTS that decode_tc tile; `split_rule` a rule of
-    SPLIT_RULES; both default to today's behaviour.
+    TC_VARIANTS that decode_tc tile; `split_rule` a rule of SPLIT_RULES; both default to today's
+    behaviour. `layout`: a _Layout of this layout to reuse (forward's cache); it then stands for
+    `fused`, `waves`, `variant` and `split_rule`.
     """
 
     def __init__(self, p, fused=True, waves=WAVES, poison=False, split=None, variant=None,
-                 split_rule=None):
+                 split_rule=None, layout=None):
         import cupy
 
         self.p = p
-        self.fused = bool(fused)
-        BH = p.BH
-        has_mb = p.mask is not None or p.bias is not None
-        aligned = _aligned(p)
-        bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         with p.q.device:
+            self.layout = lay = layout or _Layout(p, fused, waves, variant, split_rule)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
-            lens = _lens(p)
-            _, G = group_heads(p.k_map, p.v_map, lens)
-            rows = rows_per_block(p.dtype, bucket, G * p.Nq, has_mb)
-            if variant is None:  # the automatic choice
-                variant = DEFAULT_TC if tc_fits(p) else "simt"
-                split_rule = split_rule or DEFAULT_RULE
-            self.variant, self.dyn_smem = variant, 0
-            sched_rows = block_keys = None
-            if variant == "simt":
-                self.expr = name_expression(p.dtype, bucket, rows, has_mb, aligned)
-                self.kernel, per_sm = _kernel(self.expr)
-            else:
-                if not tc_fits(p):
-                    raise ValueError(f"decode variant {variant!r} does not apply to this problem")
-                self.expr = tc_expression(p.dtype, bucket, variant)
-                self.dyn_smem = tc_smem_bytes(bucket, variant)
-                self.kernel, per_sm = _kernel(self.expr, self.dyn_smem)
-                rows = sched_rows = 16
-                block_keys = TC_VARIANTS[variant][0] * WARPS
-            self.per_sm = per_sm
-            self.combine = None if self.fused else _kernel(combine_expression(p.dtype, rows))[0]
-            self.capacity = max(1, int(waves * per_sm * _kernels.device_info().sm_count))
-        sched = Schedule(p, self.capacity, split, split_rule, sched_rows, block_keys)
+            rows = lay.rows(p)
+            self.expr, self.kernel, self.per_sm, self.combine, self.capacity = lay.kernels(rows)
+        self.fused, self.variant, self.dyn_smem = lay.fused, lay.variant, lay.dyn_smem
+        sched = Schedule(p, self.capacity, split, lay.split_rule, lay.sched_rows, lay.block_keys)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
         self.n_items, self.n_tiles = sched.items.shape[0], sched.tiles.shape[0]
+        self.mask_rs, self.mask_cs, self.bias_rs, self.bias_cs = (lay.mask_rs, lay.mask_cs,
+                                                                  lay.bias_rs, lay.bias_cs)
+        self.q_rs, self.k_rs, self.v_rs = lay.q_rs, lay.k_rs, lay.v_rs
 
-        offsets = np.zeros((5, BH), dtype=np.int64)
-        offsets[0] = np.asarray(p.q_map, dtype=np.int64).reshape(BH)
-        offsets[1], offsets[2] = sched.k_map, sched.v_map
-        self.mask_rs = self.mask_cs = self.bias_rs = self.bias_cs = 0
-        if p.mask is not None:
-            st = element_strides(p.mask)
-            offsets[3] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
-            self.mask_rs, self.mask_cs = st[-2:]
-        if p.bias is not None:
-            st = element_strides(p.bias)
-            offsets[4] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
-            self.bias_rs, self.bias_cs = st[-2:]
-        items = sched.items_x()
-        parts = [offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
-                 sched.tiles.reshape(-1), items.reshape(-1)]
+        parts = [lay.offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
+                 sched.tiles.reshape(-1), sched.items_x().reshape(-1)]
         bounds = np.cumsum([0] + [x.size for x in parts])
         with p.q.device:
             host = np.concatenate(parts)
@@ -591,7 +728,6 @@ class Plan:
              self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
             self.table = table
             self.split_any = sched.split_any
-        self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
         self.poison = poison
 
     def _outputs(self):
@@ -636,8 +772,10 @@ class Plan:
                     i64(self.mask_cs), i64(self.bias_rs), i64(self.bias_cs), i32(p.BH),
                     i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G), sc(p.scale), i32(p.left),
                     i32(p.right), i32(bool(p.bottom_right)), i32(self.fused))
-            if self.dyn_smem:
-                self.kernel((self.n_items,), (THREADS,), args, shared_mem=self.dyn_smem)
+            if self.variant != "simt":  # persistent blocks, at most one wave (decode_tc)
+                grid = min(self.n_items, self.per_sm * _kernels.device_info().sm_count)
+                self.kernel((grid,), (THREADS,), args + (i32(self.n_items),),
+                            shared_mem=self.dyn_smem)
             else:
                 self.kernel((self.n_items,), (THREADS,), args)
             if self.split_any and not self.fused:
@@ -660,25 +798,35 @@ def forward(p, split=None, variant=None):
     the kernel (see Plan; tests force "simt" where decode_tc would run)."""
     from . import _gpu
 
-    key = _layout_key(p, split, _gpu.POISON) + (variant,)
+    layout_key = _layout_key(p, split, _gpu.POISON) + (variant,)
+    key = layout_key + (None if p.kv_lens is None else p.kv_lens.tobytes(),)
     plan = _plans.get(key)
     if plan is None:
-        if len(_plans) >= _PLAN_CACHE_SIZE:
-            _plans.pop(next(iter(_plans)))  # oldest first
-        plan = _plans[key] = Plan(p, poison=_gpu.POISON, split=split, variant=variant)
+        plan = Plan(p, poison=_gpu.POISON, split=split, variant=variant,
+                    layout=_layouts.get(layout_key))
+        _keep(_plans, key, plan)
+        _keep(_layouts, layout_key, plan.layout)
     out, lse = plan.run(p=p)
     plan.p = None  # the cache keeps the layout, not the caller's arrays
     return out, lse
 
 
-# Plans by layout: the schedule and its device table depend only on shapes, strides, options and
-# kv_lens, so repeated calls (decoding token after token) skip the host work (about 1 ms).
+# Plans by layout and kv_lens: the schedule and its device table depend only on shapes, strides,
+# options and kv_lens, so repeated calls skip the host work. A new kv_lens (decoding token after
+# token) reuses its layout's _Layout and re-plans only the split and the table.
 _PLAN_CACHE_SIZE = 64
 _plans = {}
+_layouts = {}
+
+
+def _keep(cache, key, value):
+    if key not in cache and len(cache) >= _PLAN_CACHE_SIZE:
+        cache.pop(next(iter(cache)))  # oldest first
+    cache[key] = value
 
 
 def _layout_key(p, split, poison):
-    """Everything a Plan is derived from, except the arrays' contents."""
+    """Everything a Plan is derived from, except the arrays' contents and kv_lens."""
     import cupy
 
     def strides(x):
@@ -687,7 +835,6 @@ def _layout_key(p, split, poison):
     return (cupy.cuda.Device().id, split, poison, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
             p.scale, p.left, p.right, p.bottom_right, _aligned(p),
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
-            None if p.kv_lens is None else p.kv_lens.tobytes(),
             p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())
 
 

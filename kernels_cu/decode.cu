@@ -494,9 +494,11 @@ __device__ __forceinline__ void finish_item(
 // ---- the split kernel --------------------------------------------------------------------------
 // Tables (int64): offsets (5, BH) rows q, k, v, mask, bias as in DESIGN.md "Kernel ABI";
 // lens (BH) valid keys per (batch, head); groups (n_groups, G); tiles (n_tiles, 4) =
-// (group, tile index, first item, item count); items (n_items, 4) = (row tile, k0, k1, item) in
-// launch order: block b runs row b of the table and writes workspace slot `item` (a tile's items
-// keep consecutive slots), so the host may launch long items first.
+// (group, tile index, first item, item count); items (n_items, ITEM_COLS) = (row tile, k0, k1,
+// item, k offset, v offset) in launch order: a block runs a row of the table (decode_split: row
+// b; decode_tc: the rows of its snake_row sequence) and writes workspace slot `item` (a tile's
+// items keep consecutive slots), so the host may launch long items first. The k and v offsets
+// (elements, of the group's kv head) let decode_tc request its first keys after one table load.
 // The kernel parameter list of decode_split and decode_tc (same ABI, same host arguments).
 #define DECODE_SPLIT_PARAMS                                                                  \
   const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
@@ -514,6 +516,7 @@ __device__ __forceinline__ void finish_item(
       right, bottom_right, fused
 
 // One block's work: row `launch_row` of the items table and its row tile.
+constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_x
 struct DecodeItem {
   long long tile_id, item, k0, k1, g, tile, first;
   int n_items;
@@ -522,10 +525,10 @@ __device__ __forceinline__ DecodeItem read_item(const long long* __restrict__ it
                                                 const long long* __restrict__ tiles,
                                                 long long launch_row) {
   DecodeItem it;
-  it.tile_id = items[4 * launch_row];
-  it.k0 = items[4 * launch_row + 1];
-  it.k1 = items[4 * launch_row + 2];
-  it.item = items[4 * launch_row + 3];
+  it.tile_id = items[ITEM_COLS * launch_row];
+  it.k0 = items[ITEM_COLS * launch_row + 1];
+  it.k1 = items[ITEM_COLS * launch_row + 2];
+  it.item = items[ITEM_COLS * launch_row + 3];
   it.g = tiles[4 * it.tile_id];
   it.tile = tiles[4 * it.tile_id + 1];
   it.first = tiles[4 * it.tile_id + 2];
@@ -786,17 +789,27 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 
 // ---- the tensor-core split kernel (float16 / bfloat16, Dk == Dv == HEAD_DIM, no mask or bias) --
 // The row tile is one m16n8k16 m-fragment: the group's G * Nq rows (16 per tile, padding rows
-// zero). Each stage of a STAGES-deep cp.async ring holds DECODE_WARPS * KW keys of K and of V in
+// zero). Each stage of a two-slot cp.async ring holds DECODE_WARPS * KW keys of K and of V in
 // padded shared rows (conflict-free ldmatrix, as fwd_sm80.cu); warp w computes keys
 // [w * KW, (w + 1) * KW) of every stage with its own online softmax state:
 //   S = Q K^T   A = Q (registers, from shared once), B = K (ldmatrix)
 //   softmax     exp2 with scale * log2(e) folded into one FFMA; masked by global position only in
 //               stages not entirely visible to every row
 //   O += P V    A = P packed from the S accumulators, B = V (ldmatrix.trans)
-// The warps' states are merged through shared memory (finish_item, reusing the ring), as in
-// decode_split. Dynamic shared memory: 16 Q rows + 2 * STAGES * DECODE_WARPS * KW K/V rows of
-// (HEAD_DIM + 8) * 2 bytes (cuflash/_decode.py tc_smem_bytes), at least the merge's
-// DECODE_WARPS * 16 * HEAD_DIM floats.
+// The warps' states are merged through shared memory (finish_item) in the ring slot the last
+// stage freed.
+// Blocks are persistent: the host launches min(n_launch, resident capacity) blocks and block b runs
+// launch rows snake_row(0, b), snake_row(1, b), ... (b, then 2 * grid - 1 - b, ...: the host's
+// longest-first order, dealt out so that the blocks with the shorter first items get the longer
+// second ones). The ring is one stream of stages across a block's items: the last stage of an item
+// requests the next item's first keys, so a second item does not wait for its first load (a new
+// block's first stage landed ~6-7 us after its start: tools/decode_check.py trace, 64 x 4096).
+// Dynamic shared memory: 16 Q rows + 2 slots of 2 * DECODE_WARPS * KW K/V rows of
+// (HEAD_DIM + 8) * 2 bytes (cuflash/_decode.py tc_smem_bytes).
+__device__ __forceinline__ long long snake_row(int round, int b, int grid) {
+  return static_cast<long long>(round) * grid + ((round & 1) ? grid - 1 - b : b);
+}
+
 template <typename T, int HEAD_DIM, int KW, int STAGES, int MINB, int HINT>
 __global__ void __launch_bounds__(DECODE_THREADS, MINB)
 decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -808,218 +821,249 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
           int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
-          int fused) {
+          int fused, int n_launch) {
   using namespace tc;
   constexpr int ROWS = 16;
   constexpr int BK = KW * DECODE_WARPS;           // keys per stage
   constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;   // padded shared row
   constexpr int TILE_BYTES = BK * ROW_BYTES;
+  constexpr int SLOT_BYTES = 2 * TILE_BYTES;      // a ring slot: K rows, then V rows
+  constexpr int RED_STRIDE = HEAD_DIM + 8;        // merge buffer row (floats), see below
   constexpr int KD = HEAD_DIM / 16;               // k-steps of Q K^T
   constexpr int NF = KW / 8;                      // score n-fragments (keys)
   constexpr int KN = KW / 16;                     // k-steps of P V
   constexpr int DF = HEAD_DIM / 8;                // output n-fragments (head dim)
-  static_assert(KW % 16 == 0 && HEAD_DIM % 16 == 0 && STAGES >= 2, "tile shape");
+  static_assert(KW % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+  static_assert(STAGES == 2, "the ring streams across items with one stage in flight");
+  static_assert(DECODE_WARPS * ROWS * RED_STRIDE * 4 <= SLOT_BYTES, "merge buffer in one slot");
   __shared__ DecodeRow rows[ROWS];
   __shared__ float red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
   __shared__ float sM[ROWS], sInv[ROWS];
   __shared__ int s_last;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
-  const u32 sK = sQ + ROWS * ROW_BYTES;
-  const u32 sV = sK + STAGES * TILE_BYTES;
-
-  DECODE_MARK(0);
-  const DecodeItem it = read_item(items, tiles, blockIdx.x);
-  const long long bh0 = groups[it.g * G];
+  const u32 sRing = sQ + ROWS * ROW_BYTES;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
+  const float NEG = -__int_as_float(0x7f800000);
+  const float sl2 = scale * LOG2E;
 
-  // The first STAGES - 1 stages are requested before anything else, so that their latency hides
-  // the set-up below. They cover the item's keys [k0, k1), a piece of the host's extent of the
-  // tile (the union of its rows' visible ranges: no key is read in vain; one that some row does
-  // not see is masked below like any other); keys >= k1 are zero-filled by cp_keys.
-  const int blo = static_cast<int>(it.k0);
-  const int limit = static_cast<int>(it.k1);
-  const int n_stages = limit > blo ? (limit - blo - 1) / BK + 1 : 0;
-  const T* kh = k + offsets[1 * BH + bh0];
-  const T* vh = v + offsets[2 * BH + bh0];
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_stages) {
-      cp_keys<BK, HEAD_DIM, HINT>(sK + s * TILE_BYTES, kh, k_rs, blo + s * BK, limit);
-      cp_keys<BK, HEAD_DIM, HINT>(sV + s * TILE_BYTES, vh, v_rs, blo + s * BK, limit);
-    }
+  // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
+  // piece of the host's extent of its tile (the union of its rows' visible ranges: no key is read
+  // in vain; one that some row does not see is masked below like any other); keys >= k1 are
+  // zero-filled by cp_keys.
+  auto request = [&](int gs, long long koff, long long voff, int key0, int limit) {
+    const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
+    cp_keys<BK, HEAD_DIM, HINT>(slot, k + koff, k_rs, key0, limit);
+    cp_keys<BK, HEAD_DIM, HINT>(slot + TILE_BYTES, v + voff, v_rs, key0, limit);
+  };
+  auto stages_of = [](long long k0, long long k1) {
+    return k1 > k0 ? static_cast<int>((k1 - k0 - 1) / BK + 1) : 0;
+  };
+
+  DECODE_MARK(0);
+  long long row = blockIdx.x;  // < n_launch: the host launches at most n_launch blocks
+  // The first item's first stage goes out after one table load, before anything else, so that
+  // its latency hides the set-up below.
+  int base = 0;  // stream number of the current item's first stage
+  {
+    const long long* ir = items + ITEM_COLS * row;
+    if (ir[2] > ir[1]) request(0, ir[4], ir[5], static_cast<int>(ir[1]), static_cast<int>(ir[2]));
     cp_async_commit();
   }
   DECODE_MARK(1);
 
-  const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
-  setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
-  const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
-
-  // Q rows (any alignment: scalar reads; padding rows 0) into the padded shared tile.
-  for (int idx = tid; idx < ROWS * HEAD_DIM; idx += DECODE_THREADS) {
-    const int r = idx / HEAD_DIM, col = idx % HEAD_DIM;
-    const long long bh = rows[r].bh;
-    const unsigned short x = bh >= 0 ? q[offsets[bh] + rows[r].i * q_rs + col].bits : 0;
-    reinterpret_cast<unsigned short*>(smem_raw)[r * (ROW_BYTES / 2) + col] = x;
-  }
-  __syncthreads();  // Q is in shared memory
-  u32 qa[KD][4];
-  {
-    const u32 q_lane = sQ + (lane % 16) * ROW_BYTES + (lane / 16) * 16;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) ldsm_x4(q_lane + kk * 32, qa[kk]);
-  }
-  // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to the item), in 32 bits
-  // relative to blo once a stage is known (the host keeps keys < 2^30 on this path).
-  long long row_lo[2], row_hi[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_lo[h] = rows[g + 8 * h].lo;
-    row_hi[h] = rows[g + 8 * h].hi;  // padding rows: hi < lo, nothing visible
-  }
-
-  const float NEG = -__int_as_float(0x7f800000);
-  const float sl2 = scale * LOG2E;
-  float m[2] = {NEG, NEG}, l[2] = {0.f, 0.f};
-  float acc[DF][4];
-#pragma unroll
-  for (int df = 0; df < DF; ++df)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[df][e] = 0.f;
-
-  for (int n = 0; n < n_stages; ++n) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
-    if (n == 0) DECODE_MARK(2);
-    {
-      const int nn = n + STAGES - 1;
-      if (nn < n_stages) {
-        const int buf = nn % STAGES;
-        cp_keys<BK, HEAD_DIM, HINT>(sK + buf * TILE_BYTES, kh, k_rs, blo + nn * BK, limit);
-        cp_keys<BK, HEAD_DIM, HINT>(sV + buf * TILE_BYTES, vh, v_rs, blo + nn * BK, limit);
-      }
-      cp_async_commit();
+  for (int round = 0;; ++round) {
+    const DecodeItem it = read_item(items, tiles, row);
+    const long long koff = items[ITEM_COLS * row + 4], voff = items[ITEM_COLS * row + 5];
+    const int blo = static_cast<int>(it.k0);
+    const int limit = static_cast<int>(it.k1);
+    const int n_stages = stages_of(it.k0, it.k1);
+    // The next item: its first stage is requested in this item's last stage.
+    const long long next = snake_row(round + 1, blockIdx.x, gridDim.x);
+    const bool has_next = next < n_launch;
+    long long nk0 = 0, nk1 = 0, nkoff = 0, nvoff = 0;
+    if (has_next) {
+      const long long* nr = items + ITEM_COLS * next;
+      nk0 = nr[1];
+      nk1 = nr[2];
+      nkoff = nr[4];
+      nvoff = nr[5];
     }
-    const int j0 = blo + n * BK + warp * KW;  // this warp's first key
-    if (j0 >= limit) continue;                // warp-uniform: nothing of this stage for it
-    const int buf = n % STAGES;
-    const u32 kbuf = sK + buf * TILE_BYTES + warp * KW * ROW_BYTES +
-                     (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
-    const u32 vbuf = sV + buf * TILE_BYTES + warp * KW * ROW_BYTES +
-                     (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
 
-    float s[NF][4];
+    const long long bh0 = groups[it.g * G];
+    const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
+    setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
+    const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
+
+    // Q rows (any alignment: scalar reads; padding rows 0) into the padded shared tile.
+    for (int idx = tid; idx < ROWS * HEAD_DIM; idx += DECODE_THREADS) {
+      const int r = idx / HEAD_DIM, col = idx % HEAD_DIM;
+      const long long bh = rows[r].bh;
+      const unsigned short x = bh >= 0 ? q[offsets[bh] + rows[r].i * q_rs + col].bits : 0;
+      reinterpret_cast<unsigned short*>(smem_raw)[r * (ROW_BYTES / 2) + col] = x;
+    }
+    __syncthreads();  // Q is in shared memory
+    u32 qa[KD][4];
+    {
+      const u32 q_lane = sQ + (lane % 16) * ROW_BYTES + (lane / 16) * 16;
 #pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
+      for (int kk = 0; kk < KD; ++kk) ldsm_x4(q_lane + kk * 32, qa[kk]);
+    }
+    // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to the item), in 32 bits
+    // relative to blo once a stage is known (the host keeps keys < 2^30 on this path).
+    long long row_lo[2], row_hi[2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nf][e] = 0.f;
+    for (int h = 0; h < 2; ++h) {
+      row_lo[h] = rows[g + 8 * h].lo;
+      row_hi[h] = rows[g + 8 * h].hi;  // padding rows: hi < lo, nothing visible
+    }
+
+    float m[2] = {NEG, NEG}, l[2] = {0.f, 0.f};
+    float acc[DF][4];
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk)
+    for (int df = 0; df < DF; ++df)
 #pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
-        u32 kb[4];
-        ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
-        Mma<T>::run(s[2 * p], qa[kk], kb[0], kb[1]);
-        Mma<T>::run(s[2 * p + 1], qa[kk], kb[2], kb[3]);
+      for (int e = 0; e < 4; ++e) acc[df][e] = 0.f;
+
+    for (int n = 0; n < n_stages; ++n) {
+      cp_async_wait<0>();
+      __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
+      if (round == 0 && n == 0) DECODE_MARK(2);
+      if (n + 1 < n_stages)
+        request(base + n + 1, koff, voff, blo + (n + 1) * BK, limit);
+      else if (has_next && nk1 > nk0)  // the last stage: the next item's first
+        request(base + n + 1, nkoff, nvoff, static_cast<int>(nk0), static_cast<int>(nk1));
+      cp_async_commit();
+      const int j0 = blo + n * BK + warp * KW;  // this warp's first key
+      if (j0 >= limit) continue;                // warp-uniform: nothing of this stage for it
+      const u32 slot = sRing + ((base + n) & 1) * SLOT_BYTES + warp * KW * ROW_BYTES;
+      const u32 kbuf =
+          slot + (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
+      const u32 vbuf = slot + TILE_BYTES + (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES +
+                       (lane / 16) * 16;
+
+      float s[NF][4];
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nf][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk)
+#pragma unroll
+        for (int p = 0; p < NF / 2; ++p) {
+          u32 kb[4];
+          ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
+          Mma<T>::run(s[2 * p], qa[kk], kb[0], kb[1]);
+          Mma<T>::run(s[2 * p + 1], qa[kk], kb[2], kb[3]);
+        }
+
+      // Mask by global position unless every row of the tile sees all KW keys.
+      if (j0 < bk.flo || j0 + KW - 1 > bk.fhi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
+          const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
+          const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int c = nf * 8 + 2 * t + e;
+              if (c < c_lo || c > c_hi) s[nf][2 * h + e] = NEG;
+            }
+        }
       }
 
-    // Mask by global position unless every row of the tile sees all KW keys.
-    if (j0 < bk.flo || j0 + KW - 1 > bk.fhi) {
+      // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_sm80.cu's
+      // rule: a row with nothing visible so far keeps m = -inf and uses 0 as its reference).
+      float alpha[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
-        const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
-        const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
+        float mx = NEG;
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[h], mx * sl2);
+        const float m_ref = (m_new == NEG) ? 0.f : m_new;
+        alpha[h] = ex2(m[h] - m_ref);
+        m[h] = m_new;
+        float mass = 0.f;
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int c = nf * 8 + 2 * t + e;
-            if (c < c_lo || c > c_hi) s[nf][2 * h + e] = NEG;
+            const float p = ex2(fmaf(s[nf][2 * h + e], sl2, -m_ref));
+            s[nf][2 * h + e] = p;
+            mass += p;
           }
+        l[h] = l[h] * alpha[h] + mass;
+      }
+#pragma unroll
+      for (int df = 0; df < DF; ++df)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[df][e] *= alpha[e / 2];
+#pragma unroll
+      for (int kk = 0; kk < KN; ++kk) {
+        u32 pa[4];
+        acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
+#pragma unroll
+        for (int p = 0; p < DF / 2; ++p) {
+          u32 vb[4];
+          ldsm_x4_t(vbuf + kk * 16 * ROW_BYTES + p * 32, vb);
+          Mma<T>::run(acc[2 * p], pa, vb[0], vb[1]);
+          Mma<T>::run(acc[2 * p + 1], pa, vb[2], vb[3]);
+        }
       }
     }
+    __syncthreads();  // every warp is done with the last stage: its slot is free
+    if (!has_next) DECODE_MARK(3);
 
-    // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_sm80.cu's rule:
-    // a row with nothing visible so far keeps m = -inf and uses 0 as its reference).
-    float alpha[2];
+    // Per warp: m (base 2, scaled), l summed over the quad, acc unnormalized -> the free slot
+    // (the one of stream stage base + n_stages - 1; the other may hold the next item's first
+    // stage), in rows of HEAD_DIM + 8 floats: the 8 row-groups of a fragment then fall on
+    // different banks (with HEAD_DIM floats, the 8 lanes of one column pair shared a bank).
+    float* const red_acc = reinterpret_cast<float*>(
+        smem_raw + ROWS * ROW_BYTES + ((base + n_stages + 1) & 1) * SLOT_BYTES);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = NEG;
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[h], mx * sl2);
-      const float m_ref = (m_new == NEG) ? 0.f : m_new;
-      alpha[h] = ex2(m[h] - m_ref);
-      m[h] = m_new;
-      float mass = 0.f;
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = ex2(fmaf(s[nf][2 * h + e], sl2, -m_ref));
-          s[nf][2 * h + e] = p;
-          mass += p;
-        }
-      l[h] = l[h] * alpha[h] + mass;
-    }
-#pragma unroll
-    for (int df = 0; df < DF; ++df)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[df][e] *= alpha[e / 2];
-#pragma unroll
-    for (int kk = 0; kk < KN; ++kk) {
-      u32 pa[4];
-      acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
-#pragma unroll
-      for (int p = 0; p < DF / 2; ++p) {
-        u32 vb[4];
-        ldsm_x4_t(vbuf + kk * 16 * ROW_BYTES + p * 32, vb);
-        Mma<T>::run(acc[2 * p], pa, vb[0], vb[1]);
-        Mma<T>::run(acc[2 * p + 1], pa, vb[2], vb[3]);
+      float l_row = l[h];
+      l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
+      l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+      const int r = g + 8 * h;
+      if (t == 0) {
+        red_m[warp][r] = m[h];
+        red_l[warp][r] = l_row;
       }
+#pragma unroll
+      for (int df = 0; df < DF; ++df)
+        *reinterpret_cast<float2*>(red_acc + (warp * ROWS + r) * RED_STRIDE + df * 8 + 2 * t) =
+            make_float2(acc[df][2 * h], acc[df][2 * h + 1]);
+    }
+    __syncthreads();
+    if (!has_next) DECODE_MARK(7);
+    finish_item<T, float, ROWS, 4>(out, lse, ws_out, ws_lse, counters, rows, red_acc, RED_STRIDE,
+                                   red_m, red_l, sM, sInv, s_last, it.item, it.tile_id, it.first,
+                                   it.n_items, Nq, Dv, fused);
+#ifdef DECODE_TRACE
+    if (!has_next) DECODE_MARK(6, it.n_items > 1 && fused && s_last ? 1ull : 0ull);
+#endif
+    if (!has_next) break;
+    __syncthreads();  // rows[], the merge buffer and sQ are free for the next item
+    base += n_stages;
+    row = next;
+    if (n_stages == 0) {  // nothing requested the next item's first stage yet
+      if (nk1 > nk0) request(base, nkoff, nvoff, static_cast<int>(nk0), static_cast<int>(nk1));
+      cp_async_commit();
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // the ring is free: it becomes the merge buffer
-  DECODE_MARK(3);
-
-  // Per warp: m (base 2, scaled), l summed over the quad, acc unnormalized -> shared memory, in
-  // rows of HEAD_DIM + 8 floats: the 8 row-groups of a fragment then fall on different banks (with
-  // HEAD_DIM floats, the 8 lanes of one column pair shared a bank: 8-way conflicts on every store).
-  constexpr int RED_STRIDE = HEAD_DIM + 8;
-  float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][RED_STRIDE]
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l_row = l[h];
-    l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
-    l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
-    const int r = g + 8 * h;
-    if (t == 0) {
-      red_m[warp][r] = m[h];
-      red_l[warp][r] = l_row;
-    }
-#pragma unroll
-    for (int df = 0; df < DF; ++df) {
-      *reinterpret_cast<float2*>(red_acc + (warp * ROWS + r) * RED_STRIDE + df * 8 + 2 * t) =
-          make_float2(acc[df][2 * h], acc[df][2 * h + 1]);
-    }
-  }
-  __syncthreads();
-  DECODE_MARK(7);
-  finish_item<T, float, ROWS, 4>(out, lse, ws_out, ws_lse, counters, rows, red_acc, RED_STRIDE,
-                                 red_m, red_l, sM, sInv, s_last, it.item, it.tile_id, it.first,
-                                 it.n_items, Nq, Dv, fused);
 #ifdef DECODE_TRACE
   DECODE_MARK(4);
   unsigned smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   DECODE_MARK(5, smid);
-  DECODE_MARK(6, it.n_items > 1 && fused && s_last ? 1ull : 0ull);
 #endif
 }
 

@@ -3,7 +3,8 @@ emulation runs the kernels' algorithm from the Schedule tables alone (every item
 writes its partial to its workspace slot, then the merge rule per row tile) and must reproduce the
 dense reference: every visible key in exactly one item, empty items and empty rows handled, for
 both kernels' layouts (decode_split's rows per block; decode_tc's 16 rows and 64-key stages) and
-every split rule."""
+every split rule. The split rules' closed forms must pick exactly the S of their first, GPU-tuned
+definitions (kept here as references: every block listed, one heap schedule per candidate)."""
 import importlib.util
 import pathlib
 import zlib
@@ -50,3 +51,116 @@ def test_split_rules_fill_one_wave():
             S = rule(np.array(ext), 264, 64)
             assert S % 64 == 0
             assert sum(-(-e // S) for e in ext) <= max(264, len(ext))
+
+
+# ---- the split rules against their definition ---------------------------------------------------
+
+def _reference_split_size(extents, capacity, block_keys, min_keys=_decode.SPLIT_MIN_KEYS):
+    """split_size as first written: a bisection on the block count of the whole extents."""
+    ext = np.asarray(extents, dtype=np.int64)
+    ext = ext[ext > 0]
+    if ext.size == 0:
+        return max(min_keys, block_keys)
+    unit = block_keys
+    lo = -(-max(min_keys, 1) // unit)
+    hi = max(lo, -(-int(ext.max()) // unit))
+    count = lambda s: int(np.sum(-(-ext // (s * unit))))  # noqa: E731
+    if count(hi) > capacity:
+        return hi * unit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(mid) <= capacity:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * unit
+
+
+def _reference_split_size_balanced(extents, capacity, block_keys, min_keys=_decode.SPLIT_MIN_KEYS,
+                                   overhead_keys=_decode.SPLIT_OVERHEAD_KEYS,
+                                   waves=(1, 2, 3, 4, 6, 8), fine=False):
+    """split_size_balanced as first written (and GPU-tuned): every block listed, one heap list
+    schedule per candidate."""
+    ext = np.asarray(extents, dtype=np.int64)
+    best = None
+    cands = {_reference_split_size(ext, int(w * capacity), block_keys, min_keys) for w in waves}
+    top = int(ext.max(initial=0))
+    S = max(min_keys, block_keys)
+    while S < top:
+        cands.add(S)
+        S *= 2
+    if fine and ext.size and ext.min() < top:
+        step = max(8 * block_keys, -(-top // (32 * block_keys)) * block_keys)
+        cands.update(range(max(min_keys, step), top, step))
+    for S in sorted(cands):
+        e = ext[ext > 0]
+        n = -(-e // S)
+        costs = np.repeat(np.full(e.size, S, dtype=np.int64), n)
+        last = np.cumsum(n) - 1
+        costs[last] = e - (n - 1) * S
+        costs = np.sort(costs)[::-1]
+        end = _decode.list_schedule_end(costs + overhead_keys, capacity) if costs.size else 0
+        if best is None or end < best[0] or (end == best[0] and S > best[1]):
+            best = (end, S)
+    return best[1]
+
+
+def _random_extents(rng):
+    """Tile extents like Schedule's: a few distinct lengths repeated over kv heads and row tiles,
+    some tiles empty, some batches equal; from tiny to ~2M keys."""
+    top = int(rng.choice([300, 2000, 9000, 40000, 300000, 2100000]))
+    kind = rng.integers(4)
+    B = int(rng.integers(1, 65 if top < 100000 else 9))  # the reference lists every block
+    if kind == 0:    # equal extents (the full bench shapes)
+        lens = np.full(B, int(rng.integers(1, top)))
+    elif kind == 1:  # uniform kv_lens (the uneven bench batch)
+        lens = rng.integers(1, top + 1, size=B)
+    elif kind == 2:  # a few long among many short, and empty tiles
+        lens = np.where(rng.random(B) < 0.1, top, rng.integers(0, top // 20 + 2, size=B))
+    else:            # a few distinct lengths
+        lens = rng.choice(rng.integers(0, top + 1, size=3), size=B)
+    return np.repeat(lens, int(rng.choice([1, 2, 8]))).astype(np.int64)
+
+
+def _block_keys():
+    """The layouts' block passes: decode_tc's 64 and decode_split's BLOCK_KEYS."""
+    out = {64}
+    for dt in ("float16", "float32", "float64"):
+        for bucket in (64, 128, 256):
+            for rows in (1, 2, 4, 8):
+                out.add(_decode.shape_constants(dt, bucket, rows)["BLOCK_KEYS"])
+    return sorted(out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_rules_match_reference(seed):
+    """The closed-form split rules pick exactly the S of the listed-block ones (GPU-tuned) and
+    of the bisection: uneven and equal extents, small and large capacities, all block passes."""
+    rng = np.random.default_rng(seed)
+    block_keys = _block_keys()
+    for _ in range(60):
+        ext = _random_extents(rng)
+        capacity = int(rng.choice([1, 7, 132, 264, 528, 1056, 4224]))
+        bk = int(rng.choice(block_keys))
+        assert _decode.split_size(ext, capacity, bk) == _reference_split_size(ext, capacity, bk)
+        for fine, overhead, waves in ((True, 256, (1, 2, 3, 4, 6, 8)),
+                                      (False, 256, (1, 2, 3, 4, 6, 8)),
+                                      (False, 64, (1, 2, 3, 4, 6, 8, 12, 16))):
+            got = _decode.split_size_balanced(ext, capacity, bk, overhead_keys=overhead,
+                                              waves=waves, fine=fine)
+            want = _reference_split_size_balanced(ext, capacity, bk, overhead_keys=overhead,
+                                                  waves=waves, fine=fine)
+            assert got == want, (ext.tolist(), capacity, bk, fine, overhead)
+
+
+def test_split_rule_bench_shapes():
+    """The GPU-tuned choices on bench.py's decode shapes (8 kv heads, decode_tc's layout, 264
+    slots): the uneven batch (B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0) gets
+    S = 4608, the four full shapes their one-wave S."""
+    rule = _decode.SPLIT_RULES["balanced-fine"]
+    lens = np.random.default_rng(0).integers(1, 8192 + 1, size=32)
+    assert rule(np.repeat(lens, 8), 264, 64) == 4608
+    for B, L in ((1, 131072), (8, 32768), (32, 8192), (64, 4096)):
+        ext = np.full(8 * B, L)
+        assert rule(ext, 264, 64) == _decode.split_size(ext, 264, 64) == \
+            _reference_split_size(ext, 264, 64)
