@@ -99,9 +99,10 @@ TC_VARIANTS = {
     # but lost 7-9 % in benchmarks/bench.py, which fills the L2 with dirty lines (its flush)
     # before each run: 3.26 / 3.63 / 3.67 / 3.59 / 3.27 against tc16s2h1's 3.50 / 3.97 / 4.02 /
     # 3.88 / 3.43 in the same process. decode_check's timing rotates two input sets without a
-    # flush: it cannot judge cache policies. tc16s2h1 stays DEFAULT_TC.
+    # flush: it cannot judge cache policies. tc16s2h1 stays DEFAULT_TC. (Fourth session: in the
+    # persistent kernel the evict-first copies (createpolicy + cp.async .L2::cache_hint) raised
+    # an illegal-instruction error; as they had lost, they were removed rather than debugged.)
     "tc16s2m3h1": (16, 2, 3, 128),  # 3 blocks/SM (3 x 74 KB)
-    "tc16s2h1e": (16, 2, 2, 129),   # tc16s2h1 with an L2 evict-first policy
 }
 DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
 DEFAULT_RULE = "balanced-fine"  # the split rule of the automatic choice (both kernels)

@@ -752,8 +752,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
 
 // decode_tc's stage copy: keys [row0, row0 + ROWS) of a (row stride rs) matrix into padded shared
 // rows (HEAD_DIM + 8 elements), 16 bytes per cp.async; keys >= limit become zeros. HINT: the L2
-// prefetch size hint of each copy (0: none, 128 or 256 bytes; 129: 128 bytes with an evict-first
-// L2 policy, a candidate).
+// prefetch size hint of each copy (0: none, 128 or 256 bytes).
 template <int ROWS, int HEAD_DIM, int HINT, typename T>
 __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src, long long rs,
                                         int row0, int limit) {
@@ -770,12 +769,7 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
     const bool ok = it * RPI < rem;
     const void* g = ok ? static_cast<const void*>(p + it * RPI * rs) : static_cast<const void*>(src);
     const int n = ok ? 16 : 0;
-    if (HINT == 129) {  // candidate: the 128-byte prefetch with an L2 evict-first policy
-      unsigned long long pol;
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-      asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;"
-                   ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n), "l"(pol) : "memory");
-    } else if (HINT == 256)
+    if (HINT == 256)
       asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;"
                    ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
     else if (HINT == 128)

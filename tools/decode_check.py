@@ -461,7 +461,7 @@ SHAPES = ((1, 131072), (8, 32768), (32, 8192), (64, 4096))
 # (label, fused, waves, variant of _decode.VARIANTS, split rule of _decode.SPLIT_RULES); the
 # first is today's default and the reference output of the others
 TIMING_VARIANTS = (
-    ("auto", True, 1, None, None), ("tc16s2h1e", True, 1, "tc16s2h1e", "balanced"),
+    ("auto", True, 1, None, None), ("tc16s2h1 sep", False, 1, "tc16s2h1", None),
 )
 # Timed before (the results are in cuflash/_decode.py's TC_VARIANTS comment): `timing all`.
 OLD_TIMING_VARIANTS = (  # (the STAGES 3 / 4 tiles are gone: decode_tc needs STAGES == 2)
