@@ -59,6 +59,18 @@ sm_90a / sm_80, bf16 and fp16 alike, dq_atomic:
       that one 8-warp block cannot, against half as many queries per K/V reuse step (twice the
       barriers and dQ reductions per FLOP). +5-15 % at D=64 if shared-memory bandwidth is not the
       limit; V4 should matter more here (32-row tiles double the dQ reduction count).
+    SWZ    K, V, Q, dO tiles in unpadded rows (HEAD_DIM * 2 bytes) with FA2's XOR swizzle of the
+      16-byte chunks (chunk c of row r stored at chunk c ^ (r % 8)); every ldmatrix address of
+      them XORs its column offset into a per-lane base (one LOP3 per distinct column offset:
+      12 per query tile in the bf16 sm_80 SASS, kernel 1504 instructions instead of 1472). ncu
+      on the H200 flagged the padded tiles' cp.async copies (144-byte rows straddle 128-byte
+      lines): 2.6x the ideal shared store wavefronts, 1.5x the ideal L2 sectors. DKDV_X_TILES;
+      shared memory 83 KiB instead of 91 (D=64).
+      D=64 64q x 128k 8w regs  dq_atomic | deterministic: sm_90a 245/0 | 249/0, sm_80 251/0 |
+      250/0; mask/bias sm_90a 248/0 | 245/0, sm_80 249/0 | 244/0 (plain tile: sm_90a 246 | 241,
+      sm_80 246 | 239). D=128 (K/V in shared memory) spills 8 B: not a candidate.
+      Prediction: +0-5 % at D=64 if the copies' shared / L2 traffic is on the critical path (the
+      copies overlap the previous tile's products, so possibly nothing).
   No D=128 tile reaches 2 blocks of 8 warps or 3 of 4 (168 cap: 32q x 64k 4w spills 224 B):
   dK + dV alone are 128 registers per thread. A D=128 gain has to come from fewer ldmatrix per mma
   (today ~0.6 x4 loads per mma per warp: each warp re-reads all of Q and dO, twice), e.g. 2 x 4
@@ -111,6 +123,9 @@ LSE_PAD = 128
 # opt: bwd_sm80_dkdv_x OPT bits (kernels_cu/bwd_sm80.cu tcb::DkdvOpt), 0 = the plain kernel.
 DkdvTile = namedtuple("DkdvTile", "block_m warps kv_in_regs min_blocks opt", defaults=(0,))
 OPT_BDEP, OPT_BCHAIN, OPT_DQ_V4, OPT_LANE_OPQ = 1, 2, 4, 8
+# OPT_SWZ: K, V, Q, dO tiles in unpadded rows with FA2's XOR swizzle of the 16-byte chunks
+# (tcb::DKDV_SWZ; head dims that are multiples of 64). Not combinable with OPT_GRID.
+OPT_SWZ = 32
 # OPT_GRID (host-side bit, not an OPT of bwd_sm80_dkdv_x): the FA2-style warp-grid kernel
 # bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, head dims 64 and
 # 128, no mask / bias: with a mask or bias launch_dkdv takes the DKDV_TILES_MB tile instead).
@@ -150,6 +165,12 @@ GRID_TILES = {
          DkdvTile(32, 8, False, 1, OPT_GRID)),
     128: (DkdvTile(64, 8, False, 1, OPT_GRID), DkdvTile(32, 8, False, 1, OPT_GRID)),
 }
+# Candidate tiles of bwd_sm80_dkdv_x (not used by default; timed by tools/tc_bwd_check.py
+# --variants, which also runs them with a mask / bias, so both HAS_MB forms are build-checked):
+# D=64's table tile with swizzled K, V, Q, dO (OPT_SWZ).
+DKDV_X_TILES = {
+    64: (DkdvTile(64, 8, True, 1, OPT_SWZ),),
+}
 
 
 def _b(x):
@@ -163,11 +184,14 @@ def prep_expr(dtype_name, head_dim):
 def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
     """bwd_sm80_dkdv<...> for opt == 0, else the candidate kernel bwd_sm80_dkdv_x<..., opt>."""
     if tile.opt & OPT_GRID:
-        if has_mb or tile.warps != 8 or tile.kv_in_regs or head_dim not in GRID_HEAD_DIMS:
+        if (has_mb or tile.warps != 8 or tile.kv_in_regs or head_dim not in GRID_HEAD_DIMS
+                or tile.opt & OPT_SWZ):
             raise ValueError(f"bwd_sm80_dkdv_g cannot take {tile} at head dim {head_dim}"
                              f"{' with mask/bias' if has_mb else ''}")
         return (f"bwd_sm80_dkdv_g<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
+    if tile.opt & OPT_SWZ and head_dim % 64:
+        raise ValueError(f"OPT_SWZ needs a head dim that is a multiple of 64, got {head_dim}")
     args = (f"{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
             f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}")
     if tile.opt:
@@ -183,12 +207,15 @@ def dq_expr(dtype_name, head_dim, tile, has_mb):
 def dkdv_smem_bytes(head_dim, tile):
     """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows padded by 8 elements; dS^T
     (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID: + P^T (as dS^T).
+    OPT_SWZ: K, V, Q, dO rows unpadded (head_dim * 2 bytes), plus one such row of slack: the kernel
+    rounds its shared base up to a row (its XOR addressing needs row-aligned tile bases).
     (OPT_GRID, D=128, BLOCK_M=64: 177152 B: over sm_80's 163 KiB, so sm_90 only.)"""
     block_n = 16 * tile.warps
-    row = (head_dim + 8) * 2
+    swz = bool(tile.opt & OPT_SWZ)  # (never with OPT_GRID: dkdv_expr refuses it)
+    row = head_dim * 2 if swz else (head_dim + 8) * 2
     ps = block_n * (tile.block_m + 8) * 2
     return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
-        + 4 * tile.block_m * 4
+        + 4 * tile.block_m * 4 + (row if swz else 0)
 
 
 def grid_tile_usable(tile, head_dim, has_mb):
@@ -225,9 +252,13 @@ def sm90_only_instantiations():
 
 
 def candidate_instantiations(dtypes=("float16", "bfloat16")):
-    """Name expressions of the GRID_TILES candidates (both dQ modes), for device-free build checks."""
-    return [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes for d, tiles in GRID_TILES.items()
-            for t in tiles for atomic in (True, False)]
+    """Name expressions of the GRID_TILES candidates (both dQ modes) and of the DKDV_X_TILES
+    candidates (both dQ modes, with and without mask / bias), for device-free build checks."""
+    grid = [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes
+            for d, tiles in GRID_TILES.items() for t in tiles for atomic in (True, False)]
+    x = [dkdv_expr(dt, d, t, atomic, mb) for dt in dtypes for d, tiles in DKDV_X_TILES.items()
+         for t in tiles for mb in (False, True) for atomic in (True, False)]
+    return grid + x
 
 
 _smem_set = {}

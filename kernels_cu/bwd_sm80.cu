@@ -92,9 +92,19 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                two .v2 (sm_90+; 4 scalar reductions on sm_80; tcb::red_frag_v4). Lost twice.
 //   DKDV_LANE_OPQ the ldmatrix lane offsets are recomputed per query tile from opaque(lane)
 //                (as fwd_sm80.cu) instead of staying live through the loop.
+//   DKDV_SWZ     K, V, Q and dO tiles unpadded (rows of HEAD_DIM * 2 bytes, a multiple of 128)
+//                with FA2's XOR swizzle of the 16-byte chunks (tc::chunk_offset): the padded rows
+//                straddle 128-byte lines, so their cp.async copies cost ~2.6x the ideal shared
+//                store wavefronts (ncu, D=64, H200). Every ldmatrix address of those tiles goes
+//                through tc::tile_addr (one XOR per distinct column offset); dS^T stays padded
+//                (its 4-byte stores and ldmatrix.trans are conflict-free as they are). The
+//                shared base is rounded up to a row (the XOR must not carry into it); the host
+//                reserves the extra row. HEAD_DIM % 64 == 0.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
 // (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
-enum DkdvOpt : int { DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8 };
+enum DkdvOpt : int {
+  DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8, DKDV_SWZ = 32
+};
 
 // p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
 __device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float c, float d) {
@@ -138,8 +148,9 @@ __device__ __forceinline__ u32 nan_dep(float x) { return x != x ? 16u : 0u; }
 
 // acc (this warp's 16 key rows x NQF*8 query columns) = A B^T over the head dim, A the key-side
 // fragments (K or V: from registers, or from shared memory at a_row), B the query-side rows (Q or
-// dO) in shared memory at b_row. S^T = K Q^T and dP^T = V dO^T are both this product.
-template <typename T, int NQF, int KD, bool KV_IN_REGS, int ROW_BYTES, int NA>
+// dO) in shared memory at b_row (a_row, b_row: lane addresses, tc::tile_addr; SWZ: swizzled
+// tiles). S^T = K Q^T and dP^T = V dO^T are both this product.
+template <typename T, int NQF, int KD, bool KV_IN_REGS, int ROW_BYTES, bool SWZ, int NA>
 __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u32 (&areg)[NA][4],
                                                    u32 a_row, u32 b_row) {
   using namespace tc;
@@ -154,12 +165,12 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[e] = areg[KV_IN_REGS ? kk : 0][e];
     } else {
-      ldsm_x4(a_row + kk * 32, a);
+      ldsm_x4(tile_addr<SWZ>(a_row, 0, kk * 32), a);
     }
 #pragma unroll
     for (int p = 0; p < NQF / 2; ++p) {
       u32 b[4];
-      ldsm_x4(b_row + p * 16 * ROW_BYTES + kk * 32, b);
+      ldsm_x4(tile_addr<SWZ>(b_row, p * 16 * ROW_BYTES, kk * 32), b);
       Mma<T>::run(acc[2 * p], a, b[0], b[1]);
       Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
     }
@@ -195,16 +206,17 @@ __device__ __forceinline__ void store_kv_rows(float* dk_acc, float* dv_acc, long
 
 // One query tile of the dK/dV kernels into ring slot `slot` (of two): Q and dO rows from i0 (zeros
 // past Nq; dO's rows are contiguous), lse2 and delta of those rows (their buffers are padded).
-template <int BLOCK_M, int HEAD_DIM, int THREADS, typename T>
+// SWZ: Q and dO tiles swizzled (tc::chunk_offset).
+template <int BLOCK_M, int HEAD_DIM, int THREADS, typename T, bool SWZ = false>
 __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD, int slot,
                                                 const T* qh, long long q_rs, const T* doh,
                                                 const float* l2h, const float* dh, int i0,
                                                 int Nq) {
   using namespace tc;
-  constexpr int QT_BYTES = BLOCK_M * (HEAD_DIM + 8) * 2;
+  constexpr int QT_BYTES = BLOCK_M * (SWZ ? HEAD_DIM : HEAD_DIM + 8) * 2;
   const int tid = threadIdx.x;
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sdO + slot * QT_BYTES, doh, HEAD_DIM, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sdO + slot * QT_BYTES, doh, HEAD_DIM, i0, Nq);
   if (tid < BLOCK_M / 4) {
     cp_async16(sL + slot * BLOCK_M * 4 + tid * 16, l2h + i0 + tid * 4, 16);
   } else if (tid < BLOCK_M / 2) {
@@ -277,7 +289,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   constexpr int DF = HEAD_DIM / 8;      // n-fragments of dK / dV (head dim)
   constexpr int KD = HEAD_DIM / 16;     // k-steps of K Q^T and V dO^T
   constexpr int KM = BLOCK_M / 16;      // k-steps of P^T dO and dS^T Q
-  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  constexpr bool SWZ = (OPT & tcb::DKDV_SWZ) != 0;  // K, V, Q, dO swizzled (tc::chunk_offset)
+  constexpr int ROW_BYTES = SWZ ? HEAD_DIM * 2 : (HEAD_DIM + 8) * 2;
   constexpr int DS_ROW = (BLOCK_M + 8) * 2;  // dS^T rows (keys) in shared memory, padded
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
@@ -285,6 +298,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   constexpr int WD = NWARPS / WM;
   constexpr int DQ_COLS = HEAD_DIM / (WD > 0 ? WD : 1);  // dQ columns per warp
   static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+  static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
+  static_assert(!SWZ || !(OPT & tcb::DKDV_LANE_OPQ), "DKDV_SWZ: not with DKDV_LANE_OPQ");
   static_assert(BLOCK_M <= LSE_PAD && LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
   static_assert(THREADS >= BLOCK_M / 2, "lse2/delta copies: one 16-byte chunk per thread");
   static_assert(!DQ_ATOMIC || (WD >= 1 && NWARPS % WM == 0 && DQ_COLS % 16 == 0 &&
@@ -316,9 +331,11 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
 
   // Shared layout (mirrored by _tc_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
-  // of ROW_BYTES; dS^T [BLOCK_N] rows of DS_ROW; lse2, delta [2][BLOCK_M] floats.
+  // of ROW_BYTES; dS^T [BLOCK_N] rows of DS_ROW; lse2, delta [2][BLOCK_M] floats. SWZ: from the
+  // first ROW_BYTES-aligned address (every tile base is then aligned: tc::tile_addr's XOR).
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sK = smem_u32(smem_raw);
+  const u32 sK = SWZ ? (smem_u32(smem_raw) + ROW_BYTES - 1) & ~static_cast<u32>(ROW_BYTES - 1)
+                     : smem_u32(smem_raw);
   const u32 sV = sK + BLOCK_N * ROW_BYTES;
   const u32 sQ = sV + BLOCK_N * ROW_BYTES;
   const u32 sdO = sQ + 2 * QT_BYTES;
@@ -326,30 +343,31 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const u32 sL = sdS + BLOCK_N * DS_ROW;
   const u32 sD = sL + 2 * BLOCK_M * 4;
 
-  // Per-lane ldmatrix offsets (mma_sm80.cuh layouts):
-  //  K, V as A (rows = this warp's keys, x4): row lane % 16, column 8 * (lane / 16)
+  // Per-lane ldmatrix offsets (mma_sm80.cuh layouts), as (row, 16-byte chunk) in
+  // tc::chunk_offset; the blocks a lane reads are then tc::tile_addr(tile base + offset, ...):
+  //  K, V as A (rows = this warp's keys, x4): row lane % 16, chunk lane / 16
   //  Q, dO as B of K Q^T / V dO^T (x4 over two query fragments): row (lane % 8) + 8 * (lane / 16),
-  //    column 8 * ((lane / 8) % 2)
+  //    chunk (lane / 8) % 2
   //  Q, dO, K as B of P^T dO, dS^T Q, dS K (x4.trans over two head-dim fragments):
-  //    row (lane % 8) + 8 * ((lane / 8) % 2), column 8 * (lane / 16)
-  //  dS as A of dS K, read transposed from dS^T (x4.trans): key row (lane % 8) + 8 * (lane / 16),
-  //    query column 8 * ((lane / 8) % 2)
+  //    row (lane % 8) + 8 * ((lane / 8) % 2), chunk lane / 16
+  //  dS as A of dS K, read transposed from dS^T (x4.trans, always padded): key row
+  //    (lane % 8) + 8 * (lane / 16), query chunk (lane / 8) % 2
   constexpr bool LANE_OPQ = (OPT & tcb::DKDV_LANE_OPQ) != 0;
-  const u32 a_lane0 = (warp * 16 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
-  const u32 bn_lane0 = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
-  const u32 bt_lane0 = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
+  const u32 a_lane0 = chunk_offset<SWZ, ROW_BYTES>(warp * 16 + lane % 16, lane / 16);
+  const u32 bn_lane0 = chunk_offset<SWZ, ROW_BYTES>(lane % 8 + 8 * (lane / 16), (lane / 8) % 2);
+  const u32 bt_lane0 = chunk_offset<SWZ, ROW_BYTES>(lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
   const u32 ds_lane0 = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
 
   // One query tile into ring slot `slot` (tcb::copy_query_tile).
   auto load_query_tile = [&](int slot, int i0) {
-    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, sdO, sL, sD, slot, qh, q_rs, doh, l2h, dh,
-                                                     i0, Nq);
+    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sQ, sdO, sL, sD, slot, qh, q_rs, doh,
+                                                             l2h, dh, i0, Nq);
   };
 
   // Prologue: K, V (zeros from key L on) with the first query tile, one commit group.
   if (n_mt > 0) {
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK, kh, k_rs, j0, static_cast<int>(L));
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV, vh, v_rs, j0, static_cast<int>(L));
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sK, kh, k_rs, j0, static_cast<int>(L));
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sV, vh, v_rs, j0, static_cast<int>(L));
     load_query_tile(0, m_first * BLOCK_M);
   }
   cp_async_commit();
@@ -375,7 +393,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
 
-    // Lane offsets (LANE_OPQ: recomputed here from an opaque lane index, a few integer ops).
+    // Lane offsets (LANE_OPQ: recomputed here from an opaque lane index, a few integer ops; the
+    // padded layout only: static_assert below).
     const int ln = LANE_OPQ ? opaque(lane) : lane;
     const u32 a_lane =
         LANE_OPQ ? (warp * 16 + ln % 16) * ROW_BYTES + (ln / 16) * 16 : a_lane0;
@@ -389,8 +408,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     if (KV_IN_REGS && it == 0) {
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) {
-        ldsm_x4(sK + a_lane + kk * 32, ka[KV_IN_REGS ? kk : 0]);
-        ldsm_x4(sV + a_lane + kk * 32, va[KV_IN_REGS ? kk : 0]);
+        ldsm_x4(tile_addr<SWZ>(sK + a_lane, 0, kk * 32), ka[KV_IN_REGS ? kk : 0]);
+        ldsm_x4(tile_addr<SWZ>(sV + a_lane, 0, kk * 32), va[KV_IN_REGS ? kk : 0]);
       }
     }
     const u32 qs = sQ + slot * QT_BYTES, dos = sdO + slot * QT_BYTES;
@@ -398,8 +417,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     // S^T = K Q^T (raw dot products).
     float s[NQF][4];
-    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES>(s, ka, sK + a_lane,
-                                                             qs + bn_lane);
+    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(s, ka, sK + a_lane,
+                                                                  qs + bn_lane);
 
     // Mask by global position (key = row, query = column), only where the tile is not entirely
     // visible. Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
@@ -455,7 +474,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(dos + vdep + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
+        ldsm_x4_t(tile_addr<SWZ>(dos + vdep + bt_lane, kk * 16 * ROW_BYTES, p * 32), b);
         Mma<T>::run(dv[2 * p], pa, b[0], b[1]);
         Mma<T>::run(dv[2 * p + 1], pa, b[2], b[3]);
       }
@@ -463,8 +482,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     // dP^T = V dO^T.
     float dp[NQF][4];
-    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES>(dp, va, sV + a_lane,
-                                                             dos + bn_lane);
+    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(dp, va, sV + a_lane,
+                                                                  dos + bn_lane);
 
     // dS^T = scale * P^T (dP^T - delta[query]), in dp.
 #pragma unroll
@@ -512,7 +531,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
         for (int p = 0; p < QF / 2; ++p) {
           u32 b[4];
-          ldsm_x4_t(sK + bt_lane + kk * 16 * ROW_BYTES + col0 * 2 + p * 32, b);
+          ldsm_x4_t(tile_addr<SWZ>(sK + bt_lane, kk * 16 * ROW_BYTES, col0 * 2 + p * 32), b);
           Mma<T>::run(acc[2 * p], a, b[0], b[1]);
           Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
         }
@@ -551,7 +570,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(qs + kdep + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
+        ldsm_x4_t(tile_addr<SWZ>(qs + kdep + bt_lane, kk * 16 * ROW_BYTES, p * 32), b);
         Mma<T>::run(dk[2 * p], da[kk], b[0], b[1]);
         Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
       }

@@ -95,23 +95,58 @@ __device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)
   a[3] = Mma<T>::pack(c1[2], c1[3]);
 }
 
-// Copy rows [row0, row0 + ROWS) of a (row stride rs, unit column stride) matrix into a padded
-// shared tile; rows >= limit become zeros (P = 0 times a stale NaN would not be 0). Thread t copies
-// chunk t % CPR of rows t / CPR + RPI * it: one base pointer per call, constant shared offsets.
-template <int ROWS, int HEAD_DIM, int THREADS, typename T>
+// ---- shared tile layouts ----------------------------------------------------------------------
+// A tile of 16-bit rows in shared memory, addressed in 16-byte chunks (8 elements), two layouts:
+//   padded (SWZ = false): rows of ROW = (cols + 8) * 2 bytes, chunk c of row r at r * ROW + 16 c.
+//     The pad shifts each row by 4 banks, so the 8 rows of an ldmatrix phase hit distinct banks,
+//     but rows straddle 128-byte lines: ncu flagged the cp.async stores of these tiles at ~2.6x
+//     the ideal shared store wavefronts, ~1.5x the ideal L2 sectors (bwd_sm80_dkdv D=64, H200).
+//   swizzled (SWZ = true, FA2's layout; cols a multiple of 64): unpadded rows of ROW = cols * 2
+//     bytes, chunk c of row r at chunk c ^ (r % 8) of its row. A row's stores fill whole 128-byte
+//     lines, and 8 consecutive rows at one logical chunk sit in 8 distinct 16-byte bank groups:
+//     the 8 addresses of an ldmatrix phase stay conflict-free.
+//     (For 16 chunks per row, c ^ (r % 8) keeps bit 3 of c: (c & 8) | ((c ^ r) & 7).)
+// stored_chunk: where chunk c of row r sits in its row; chunk_offset: its byte offset in the tile.
+template <bool SWZ>
+__host__ __device__ __forceinline__ constexpr int stored_chunk(int r, int c) {
+  return SWZ ? c ^ (r & 7) : c;
+}
+template <bool SWZ, int ROW>
+__host__ __device__ __forceinline__ constexpr int chunk_offset(int r, int c) {
+  return r * ROW + stored_chunk<SWZ>(r, c) * 16;
+}
+// ldmatrix address of the 8x8 block row_off bytes (a multiple of 8 rows) and col_off bytes (an even
+// number of chunks) past the lane's own address lane_addr = tile base + chunk_offset(lane's row,
+// lane's chunk), the lane's chunk being 0 or 1. Padded: a sum (col_off folds into ldmatrix's
+// immediate). Swizzled: the row offset keeps r % 8 and (lane chunk + even chunk) is their XOR, so
+// col_off XORs into the lane's swizzled chunk; that needs the tile base aligned to ROW (the XOR
+// stays in the row's offset bits) and costs one LOP3 per distinct col_off (it cannot fold).
+template <bool SWZ>
+__device__ __forceinline__ u32 tile_addr(u32 lane_addr, u32 row_off, u32 col_off) {
+  return SWZ ? (lane_addr ^ col_off) + row_off : lane_addr + row_off + col_off;
+}
+
+// Copy rows [row0, row0 + ROWS) of a (row stride rs, unit column stride) matrix into a shared tile
+// (padded, or swizzled with SWZ: chunk_offset); rows >= limit become zeros (P = 0 times a stale NaN
+// would not be 0). Thread t copies chunk t % CPR of rows t / CPR + RPI * it: one base pointer per
+// call, constant shared offsets (with SWZ, RPI % 8 == 0 keeps each thread's swizzle fixed).
+template <int ROWS, int HEAD_DIM, int THREADS, typename T, bool SWZ = false>
 __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long long rs, int row0,
                                         int limit) {
   constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
-  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  constexpr int ROW_BYTES = SWZ ? HEAD_DIM * 2 : (HEAD_DIM + 8) * 2;
+  static_assert(!SWZ || CPR % 8 == 0, "cp_tile: the swizzle needs a multiple of 8 chunks per row");
   // rs through an opaque move: otherwise the compiler hoists every row's 64-bit address out of the
   // key loop and keeps them all live (~24 registers).
   long long rs_o;
   asm volatile("mov.b64 %0, %1;" : "=l"(rs_o) : "l"(rs));
   if constexpr (THREADS % CPR == 0) {
     constexpr int RPI = THREADS / CPR;  // rows per iteration
+    static_assert(!SWZ || RPI % 8 == 0, "cp_tile: a thread's rows must share r % 8");
     const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
     const T* base = src + static_cast<long long>(row0 + r_thr) * rs_o + c_thr * 8;
-    const u32 d = dst + r_thr * ROW_BYTES + c_thr * 16;
+    // chunk_offset's terms, added to dst one by one (the padded form's PTX stays as it was)
+    const u32 d = dst + r_thr * ROW_BYTES + stored_chunk<SWZ>(r_thr, c_thr) * 16;
 #pragma unroll
     for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
       const int r = it * RPI + r_thr;
@@ -129,7 +164,7 @@ __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long
         const int r = idx / CPR, c = idx % CPR;
         const bool ok = row0 + r < limit;
         const T* gp = src + (ok ? static_cast<long long>(row0 + r) * rs_o : 0LL) + c * 8;
-        cp_async16(dst + r * ROW_BYTES + c * 16, gp, ok ? 16 : 0);
+        cp_async16(dst + r * ROW_BYTES + stored_chunk<SWZ>(r, c) * 16, gp, ok ? 16 : 0);
       }
     }
   }

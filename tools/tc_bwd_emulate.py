@@ -9,7 +9,8 @@ packing order, same tile walk, same predicate) and compared with dense float64 g
 awkward shapes (causal both alignments, window, kv_lens, padding rows). Precision is not modelled
 (values stay float64); only where each element goes.
 
-    python3 tools/tc_bwd_emulate.py [--grid-only]   (--grid-only: bwd_sm80_dkdv_g alone)
+    python3 tools/tc_bwd_emulate.py [--grid-only | --swz-only]
+        (--grid-only: bwd_sm80_dkdv_g alone; --swz-only: bwd_sm80_dkdv with DKDV_SWZ alone)
 """
 import itertools
 import math
@@ -26,10 +27,13 @@ G, T4 = LANE // 4, LANE % 4
 
 
 class Smem:
-    """Shared memory: element of any width at byte address a lives in self.m[a]."""
+    """Shared memory: element of any width at byte address a lives in self.m[a]. Counts the
+    ldmatrix phases (8 row addresses of one 8x8 matrix) whose rows share a 16-byte bank group
+    (a bank conflict) in ldsm_phases / ldsm_conflicts."""
 
     def __init__(self, nbytes):
         self.m = np.full(nbytes + 64, np.nan)
+        self.ldsm_phases = self.ldsm_conflicts = 0
 
     def store_tile(self, dst, row_bytes, mat):
         """Rows of a 16-bit matrix at dst + r * row_bytes + 2 c (as cp_tile / cp.async)."""
@@ -44,6 +48,8 @@ class Smem:
         regs = []
         for i in range(4):
             rows = addr[8 * i:8 * i + 8]
+            self.ldsm_phases += 1
+            self.ldsm_conflicts += len(set((rows % 128) // 16)) < 8
             M = np.array([[self.m[rows[r] + 2 * c] for c in range(8)] for r in range(8)])
             if trans:
                 M = M.T
@@ -56,6 +62,54 @@ class Smem:
 
     def ld_v2f(self, addr):
         return self.m[addr], self.m[addr + 4]
+
+
+# ---- shared tile layouts and the tile copy (mma_sm80.cuh), on scalars or lane arrays -------------
+def stored_chunk(swz, r, c):
+    """tc::stored_chunk: where chunk c of row r sits in its row (swz: FA2's XOR swizzle)."""
+    return c ^ (r & 7) if swz else c
+
+
+def chunk_offset(swz, row, r, c):
+    """tc::chunk_offset<SWZ, ROW>: byte offset of chunk c of row r in a tile of `row`-byte rows."""
+    return r * row + stored_chunk(swz, r, c) * 16
+
+
+def tile_addr(swz, lane_addr, row_off, col_off):
+    """tc::tile_addr<SWZ>: the 8x8 block row_off / col_off bytes past the lane's own address."""
+    return (lane_addr ^ col_off) + row_off if swz else lane_addr + row_off + col_off
+
+
+LINES = {}  # layout and row size -> [row copies, 128-byte shared lines they touch] (cp_tile)
+LDSM = {}  # layout -> [ldmatrix phases, phases with a bank conflict] (emulate_dkdv)
+
+
+def cp_tile(sm, dst, M, row0, rows, limit, D, threads, swz):
+    """tc::cp_tile<ROWS, HEAD_DIM, THREADS, T, SWZ>, thread by thread (the THREADS % CPR == 0
+    branch): thread t copies chunk t % CPR of rows t / CPR + RPI * it, zeros from row `limit` on.
+    Also counts the 128-byte shared lines each copied row touches (LINES)."""
+    CPR = D // 8
+    ROW = D * 2 if swz else (D + 8) * 2
+    assert threads % CPR == 0
+    RPI = threads // CPR
+    assert not swz or (CPR % 8 == 0 and RPI % 8 == 0), "the kernel's static_asserts"
+    tid = np.arange(threads)
+    r_thr, c_thr = tid // CPR, tid % CPR
+    d = dst + r_thr * ROW + stored_chunk(swz, r_thr, c_thr) * 16
+    stat = LINES.setdefault(f"{'swizzled' if swz else 'padded'}, rows of {ROW} B", [0, 0])
+    for it in range(-(-rows // RPI)):
+        r = it * RPI + r_thr
+        act = r < rows
+        src = np.zeros((threads, 8))
+        ok = act & (row0 + r < limit)
+        for t in np.nonzero(ok)[0]:
+            src[t] = M[row0 + r[t], 8 * c_thr[t]:8 * c_thr[t] + 8]
+        addr = d + it * RPI * ROW
+        for t in np.nonzero(act)[0]:
+            sm.m[addr[t] + 2 * np.arange(8)] = src[t]
+        for rr in np.unique(r[act]):
+            stat[0] += 1
+            stat[1] += len(set(addr[act & (r == rr)] // 128))
 
 
 def mma(c, a, b0, b1):
@@ -168,18 +222,22 @@ def check_forward_spec(rng):
 
 # ---- bwd_sm80_dkdv, transliterated --------------------------------------------------------------
 def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NWARPS,
-                 dq_out, dk_out, dv_out):
+                 dq_out, dk_out, dv_out, swz=False, kv_in_regs=False, smem_base=0):
+    """swz: DKDV_SWZ (K, V, Q, dO swizzled); kv_in_regs: K and V fragments loaded once (it == 0);
+    smem_base: the address of the dynamic shared memory (swz rounds it up to a row)."""
     Nq, Nk = Q.shape[0], K.shape[0]
     BN = 16 * NWARPS
+    THREADS = 32 * NWARPS
     NQF, DF, KD, KM = BM // 8, D // 8, D // 16, BM // 16
-    RB = (D + 8) * 2
+    RB = D * 2 if swz else (D + 8) * 2
     DS_ROW = (BM + 8) * 2
     QT = BM * RB
     WM = BM // 16
     WD = NWARPS // WM
     DQ_COLS = D // WD
     CH = DQ_COLS if DQ_COLS <= 64 else DQ_COLS // 2
-    sK = 0
+    assert not swz or CH == DQ_COLS, "the kernel has no dQ column chunks"
+    sK = (smem_base + RB - 1) & ~(RB - 1) if swz else smem_base
     sV = sK + BN * RB
     sQ = sV + BN * RB
     sdO = sQ + 2 * QT
@@ -188,33 +246,29 @@ def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NW
     sD = sL + 2 * BM * 4
     n_nt = -(-Nk // BN)
     sl2 = scale * LOG2E
+    sms = []  # each key tile's shared memory (for the ldmatrix bank-conflict count)
     for jt in range(n_nt):
         j0 = jt * BN
         sm = Smem(sD + 2 * BM * 4)
+        sms.append(sm)
         qlo, qhi = win.tile_query_range(j0, j0 + BN - 1, Nq)
         m_first = qlo // BM if qlo <= qhi else 0
         n_mt = qhi // BM - m_first + 1 if qlo <= qhi else 0
 
-        def rows(M, r0, n, limit):
-            out = np.zeros((n, M.shape[1]))
-            for r in range(n):
-                if r0 + r < limit:
-                    out[r] = M[r0 + r]
-            return out
-
         def load_query_tile(slot, i0):
-            sm.store_tile(sQ + slot * QT, RB, rows(Q, i0, BM, Nq))
-            sm.store_tile(sdO + slot * QT, RB, rows(dO, i0, BM, Nq))
+            cp_tile(sm, sQ + slot * QT, Q, i0, BM, Nq, D, THREADS, swz)
+            cp_tile(sm, sdO + slot * QT, dO, i0, BM, Nq, D, THREADS, swz)
             sm.store_f32(sL + slot * BM * 4, lse2_pad[i0:i0 + BM])
             sm.store_f32(sD + slot * BM * 4, delta_pad[i0:i0 + BM])
 
         if n_mt > 0:
-            sm.store_tile(sK, RB, rows(K, j0, BN, win.L))
-            sm.store_tile(sV, RB, rows(V, j0, BN, win.L))
+            cp_tile(sm, sK, K, j0, BN, win.L, D, THREADS, swz)
+            cp_tile(sm, sV, V, j0, BN, win.L, D, THREADS, swz)
         dk = [zeros_acc(DF) for _ in range(NWARPS)]
         dv = [zeros_acc(DF) for _ in range(NWARPS)]
-        bn_lane = (LANE % 8 + 8 * (LANE // 16)) * RB + ((LANE // 8) % 2) * 16
-        bt_lane = (LANE % 8 + 8 * ((LANE // 8) % 2)) * RB + (LANE // 16) * 16
+        ka, va = [None] * NWARPS, [None] * NWARPS
+        bn_lane = chunk_offset(swz, RB, LANE % 8 + 8 * (LANE // 16), (LANE // 8) % 2)
+        bt_lane = chunk_offset(swz, RB, LANE % 8 + 8 * ((LANE // 8) % 2), LANE // 16)
         ds_lane = (LANE % 8 + 8 * (LANE // 16)) * DS_ROW + ((LANE // 8) % 2) * 16
         for it in range(n_mt):
             i0 = (m_first + it) * BM
@@ -225,13 +279,19 @@ def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NW
             i_last = min(i0 + BM, Nq) - 1
             full = (max(i_last + win.dlo, 0) <= j0 and j0 + BN - 1 <= min(i0 + win.dhi, win.L_last))
             for warp in range(NWARPS):
-                a_lane = (warp * 16 + LANE % 16) * RB + (LANE // 16) * 16
+                a_lane = chunk_offset(swz, RB, warp * 16 + LANE % 16, LANE // 16)
                 jw = j0 + warp * 16 + G
+                if kv_in_regs and it == 0:
+                    ka[warp] = [sm.ldsm_x4(tile_addr(swz, sK + a_lane, 0, kk * 32))
+                                for kk in range(KD)]
+                    va[warp] = [sm.ldsm_x4(tile_addr(swz, sV + a_lane, 0, kk * 32))
+                                for kk in range(KD)]
                 s = zeros_acc(NQF)
                 for kk in range(KD):
-                    a = sm.ldsm_x4(sK + a_lane + kk * 32)
+                    a = ka[warp][kk] if kv_in_regs else sm.ldsm_x4(
+                        tile_addr(swz, sK + a_lane, 0, kk * 32))
                     for p in range(NQF // 2):
-                        b = sm.ldsm_x4(qs + bn_lane + p * 16 * RB + kk * 32)
+                        b = sm.ldsm_x4(tile_addr(swz, qs + bn_lane, p * 16 * RB, kk * 32))
                         mma(s[2 * p], a, b[0], b[1])
                         mma(s[2 * p + 1], a, b[2], b[3])
                 if not full:
@@ -253,14 +313,16 @@ def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NW
                           pack(s[2 * kk + 1][:, 0], s[2 * kk + 1][:, 1]),
                           pack(s[2 * kk + 1][:, 2], s[2 * kk + 1][:, 3])]
                     for p in range(DF // 2):
-                        b = sm.ldsm_x4(dos + bt_lane + kk * 16 * RB + p * 32, trans=True)
+                        b = sm.ldsm_x4(tile_addr(swz, dos + bt_lane, kk * 16 * RB, p * 32),
+                                       trans=True)
                         mma(dv[warp][2 * p], pa, b[0], b[1])
                         mma(dv[warp][2 * p + 1], pa, b[2], b[3])
                 dp = zeros_acc(NQF)
                 for kk in range(KD):
-                    a = sm.ldsm_x4(sV + a_lane + kk * 32)
+                    a = va[warp][kk] if kv_in_regs else sm.ldsm_x4(
+                        tile_addr(swz, sV + a_lane, 0, kk * 32))
                     for p in range(NQF // 2):
-                        b = sm.ldsm_x4(dos + bn_lane + p * 16 * RB + kk * 32)
+                        b = sm.ldsm_x4(tile_addr(swz, dos + bn_lane, p * 16 * RB, kk * 32))
                         mma(dp[2 * p], a, b[0], b[1])
                         mma(dp[2 * p + 1], a, b[2], b[3])
                 for nf in range(NQF):
@@ -279,7 +341,8 @@ def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NW
                     sm.st_b32(row + 16, da[2])
                     sm.st_b32(row + 8 * DS_ROW + 16, da[3])
                     for p in range(DF // 2):
-                        b = sm.ldsm_x4(qs + bt_lane + kk * 16 * RB + p * 32, trans=True)
+                        b = sm.ldsm_x4(tile_addr(swz, qs + bt_lane, kk * 16 * RB, p * 32),
+                                       trans=True)
                         mma(dk[warp][2 * p], da, b[0], b[1])
                         mma(dk[warp][2 * p + 1], da, b[2], b[3])
             # __syncthreads(); dQ
@@ -291,8 +354,8 @@ def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NW
                     for kk in range(BN // 16):
                         a = sm.ldsm_x4(sdS + ds_lane + kk * 16 * DS_ROW + wm * 32, trans=True)
                         for p in range(CH // 16):
-                            b = sm.ldsm_x4(sK + bt_lane + kk * 16 * RB + (col0 + c0) * 2 + p * 32,
-                                           trans=True)
+                            b = sm.ldsm_x4(tile_addr(swz, sK + bt_lane, kk * 16 * RB,
+                                                     (col0 + c0) * 2 + p * 32), trans=True)
                             mma(acc[2 * p], a, b[0], b[1])
                             mma(acc[2 * p + 1], a, b[2], b[3])
                     for h in range(2):
@@ -312,6 +375,10 @@ def emulate_dkdv(Q, K, V, dO, lse2_pad, delta_pad, Nq_pad, scale, win, D, BM, NW
                             c = df * 8 + 2 * T4[ln]
                             dk_out[j[ln], c:c + 2] = dk[warp][df][ln, 2 * h:2 * h + 2]
                             dv_out[j[ln], c:c + 2] = dv[warp][df][ln, 2 * h:2 * h + 2]
+    st = LDSM.setdefault("swizzled" if swz else "padded", [0, 0])
+    for sm in sms:
+        st[0] += sm.ldsm_phases
+        st[1] += sm.ldsm_conflicts
 
 
 # ---- bwd_sm80_dkdv_g (FA2-style warp grids), transliterated -------------------------------------
@@ -607,7 +674,9 @@ def dense(Q, K, V, dO, scale, vis):
     return lse, delta, scale * dS @ K, scale * dS.T @ Q, dV
 
 
-def run_case(rng, Nq, Nk, D, L, left, right, br, BM, NWARPS, BN_dq, NW_dq):
+def run_case(rng, Nq, Nk, D, L, left, right, br, BM, NWARPS, BN_dq, NW_dq, dq_det=True, **opt):
+    """opt: emulate_dkdv's layout options (swz, kv_in_regs, smem_base); dq_det=False skips
+    bwd_sm80_dq (its error reads 0)."""
     Q, K, V, dO = (rng.standard_normal((n, D)) for n in (Nq, Nk, Nk, Nq))
     scale = 1 / math.sqrt(D)
     vis = dense_visible(Nq, Nk, L, left, right, br)
@@ -622,9 +691,12 @@ def run_case(rng, Nq, Nk, D, L, left, right, br, BM, NWARPS, BN_dq, NW_dq):
     dq = np.zeros((Nq, D))
     dk = np.full((Nk, D), np.nan)
     dv = np.full((Nk, D), np.nan)
-    emulate_dkdv(Q, K, V, dO, lse2, dpad, Nq_pad, scale, win, D, BM, NWARPS, dq, dk, dv)
+    emulate_dkdv(Q, K, V, dO, lse2, dpad, Nq_pad, scale, win, D, BM, NWARPS, dq, dk, dv, **opt)
     dq2 = np.full((Nq, D), np.nan)
-    emulate_dq(Q, K, V, dO, lse2, dpad, scale, win, D, BN_dq, NW_dq, 2, dq2)
+    if dq_det:
+        emulate_dq(Q, K, V, dO, lse2, dpad, scale, win, D, BN_dq, NW_dq, 2, dq2)
+    else:
+        dq2 = dQ.copy()
     errs = [float(np.nanmax(np.abs(a - b), initial=0)) if a.size else 0.0
             for a, b in ((dq, dQ), (dk, dK), (dv, dV), (dq2, dQ))]
     nan = any(np.isnan(x).any() for x in (dq, dk, dv, dq2))
@@ -695,6 +767,63 @@ def main_g(quick=False):
     return fails
 
 
+def main_swz(rng, quick=False):
+    """bwd_sm80_dkdv with DKDV_SWZ: K, V, Q, dO in unpadded rows with the XOR swizzle, copied by
+    cp_tile and read through tile_addr as the kernel does, from a shared base that is 16-byte but
+    not row aligned (the kernel rounds it up). Then a negative control: the same copy read with
+    the padded layout's additive addresses must fail (else these checks could not see a bad
+    swizzle)."""
+    global tile_addr
+    big = 10 ** 6
+    fails = 0
+    cases = [
+        # (Nq, Nk, D, L, left, right, br), (BLOCK_M, NWARPS), kv_in_regs
+        ((37, 45, 64, 45, big, big, True), (32, 2), True),      # plain; dQ one warp column (WD 1)
+        ((45, 37, 64, 37, big, 0, True), (32, 4), True),        # causal br, Nq > Nk; WD 2: col0 32
+        ((45, 37, 64, 37, big, 0, False), (32, 4), True),       # causal top-left
+        ((20, 70, 64, 70, 9, 3, True), (32, 2), True),          # window
+        ((33, 50, 64, 21, big, 0, True), (32, 4), True),        # kv_lens < Nk, causal
+        ((33, 50, 64, 0, big, big, True), (32, 2), True),       # kv_lens = 0
+        ((1, 40, 64, 40, big, 0, True), (32, 4), True),         # one query
+        ((50, 1, 64, 1, big, big, False), (32, 2), True),       # one key
+        ((150, 140, 64, 140, big, 0, True), (64, 8), True),     # the candidate's tile, causal
+        ((70, 150, 64, 150, big, big, True), (64, 8), True),    # its tile, 2 key tiles, padding
+        ((40, 70, 64, 70, 30, 5, False), (32, 4), False),       # K, V A-fragments from shared
+        ((30, 45, 128, 40, big, 0, True), (32, 4), False),      # D = 128 (16 chunks per row)
+    ]
+    if quick:
+        cases = cases[:2] + cases[8:9]
+    for case, (bm, nw), regs in cases:
+        errs, nan = run_case(rng, *case, bm, nw, 16, 2, dq_det=False, swz=True, kv_in_regs=regs,
+                             smem_base=48)
+        ok = max(errs) < 1e-9 and not nan
+        fails += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} swz Nq={case[0]:3d} Nk={case[1]:3d} D={case[2]:3d} "
+              f"L={case[3]:3d} window=({case[4] if case[4] < big else None},"
+              f"{case[5] if case[5] < big else None}) br={case[6]} BM={bm} warps={nw} "
+              f"kv_regs={regs} err dq={errs[0]:.1e} dk={errs[1]:.1e} dv={errs[2]:.1e} nan={nan}",
+              flush=True)
+    good = tile_addr
+    tile_addr = lambda swz, lane_addr, row_off, col_off: lane_addr + row_off + col_off  # noqa
+    try:
+        errs, nan = run_case(rng, 45, 37, 64, 37, big, 0, True, 32, 4, 16, 2, dq_det=False,
+                             swz=True, kv_in_regs=True, smem_base=48)
+    finally:
+        tile_addr = good
+    caught = nan or max(errs) > 1e-3
+    fails += not caught
+    print(f"{'ok  ' if caught else 'FAIL'} swz negative control (additive reads of the swizzled "
+          f"tiles): err dq={errs[0]:.1e} dk={errs[1]:.1e} dv={errs[2]:.1e} nan={nan}")
+    for layout, (n, lines) in sorted(LINES.items()):
+        print(f"cp_tile {layout}: {n} row copies touch {lines / n:.3f} 128-byte shared lines each")
+    for layout, (n, bad) in sorted(LDSM.items()):
+        print(f"ldmatrix {layout}: {n} phases, {bad} with a bank conflict")
+    if LDSM.get("swizzled", [0, 0])[1]:
+        print("FAIL bank conflicts in the swizzled layout")
+        fails += 1
+    return fails
+
+
 def main():
     rng = np.random.default_rng(0)
     check_forward_spec(rng)
@@ -732,6 +861,7 @@ def main():
         fails += not ok
         print(f"{'ok  ' if ok else 'FAIL'} Nq={case[0]} Nk={case[1]} D={case[2]} cfg={cfg} "
               f"errs={['%.1e' % e for e in errs]} nan={nan}")
+    fails += main_swz(rng)
     fails += main_g()
     print("emulation:", "all ok" if not fails else f"{fails} FAILED")
     return 1 if fails else 0
@@ -740,4 +870,6 @@ def main():
 if __name__ == "__main__":
     if sys.argv[1:] == ["--grid-only"]:
         sys.exit(1 if main_g() else 0)
+    if sys.argv[1:] == ["--swz-only"]:
+        sys.exit(1 if main_swz(np.random.default_rng(3)) else 0)
     sys.exit(main())
