@@ -144,7 +144,8 @@ SM80_TILES = {
 SOURCES["fwd_sm80"] = "fwd_sm80.cu"
 _KERNEL_NAMES["fwd_sm80"] = "fwd_sm80"
 # The tensor-core backward kernels; their tiles are in cuflash/_tc_bwd.py.
-for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dkdv_g", "bwd_sm80_dq"):
+for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dkdv_x", "bwd_sm80_dkdv_g",
+           "bwd_sm80_dq"):
     SOURCES[_k] = "bwd_sm80.cu"
     _KERNEL_NAMES[_k] = _k
 del _k

@@ -64,13 +64,13 @@ sm_90a / sm_80, bf16 and fp16 alike, dq_atomic:
       them XORs its column offset into a per-lane base (one LOP3 per distinct column offset:
       12 per query tile in the bf16 sm_80 SASS, kernel 1504 instructions instead of 1472). ncu
       on the H200 flagged the padded tiles' cp.async copies (144-byte rows straddle 128-byte
-      lines): 2.6x the ideal shared store wavefronts, 1.5x the ideal L2 sectors. DKDV_X_TILES;
-      shared memory 83 KiB instead of 91 (D=64).
+      lines): 2.6x the ideal shared store wavefronts, 1.5x the ideal L2 sectors. Shared memory
+      83 KiB instead of 91 (D=64). MEASURED AND ADOPTED (fourth session): +2-5 % at D=64, now
+      DKDV_TILES[64]; the padded tile stays in DKDV_X_TILES for A/B timing.
       D=64 64q x 128k 8w regs  dq_atomic | deterministic: sm_90a 245/0 | 249/0, sm_80 251/0 |
       250/0; mask/bias sm_90a 248/0 | 245/0, sm_80 249/0 | 244/0 (plain tile: sm_90a 246 | 241,
       sm_80 246 | 239). D=128 (K/V in shared memory) spills 8 B: not a candidate.
-      Prediction: +0-5 % at D=64 if the copies' shared / L2 traffic is on the critical path (the
-      copies overlap the previous tile's products, so possibly nothing).
+      Predicted: +0-5 % at D=64 if the copies' shared / L2 traffic is on the critical path.
   No D=128 tile reaches 2 blocks of 8 warps or 3 of 4 (168 cap: 32q x 64k 4w spills 224 B):
   dK + dV alone are 128 registers per thread. A D=128 gain has to come from fewer ldmatrix per mma
   (today ~0.6 x4 loads per mma per warp: each warp re-reads all of Q and dO, twice), e.g. 2 x 4
@@ -134,15 +134,19 @@ DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
 # plus 2 x 4 x 2 dq and 2 x 4 prep.
+# D=64: swizzled K, V, Q, dO (OPT_SWZ), H200 2026-11-29 (fourth session), tools/tc_bwd_check.py
+# --variants, bf16 TFLOP/s incl. prep and casts at N = 1k / 4k / 16k, non-causal | causal: the
+# padded tile 170.7 / 226.4 / 254.7 | 116.7 / 199.7 / 249.6, swizzled 173.6 / 238.8 / 263.1 |
+# 119.0 / 206.2 / 256.7 (+2-5 %). The mask / bias tile took it too (correctness-tested, not timed).
 DKDV_TILES = {
     32: DkdvTile(64, 8, True, 1),
-    64: DkdvTile(64, 8, True, 1),
+    64: DkdvTile(64, 8, True, 1, OPT_SWZ),
     96: DkdvTile(64, 8, False, 1),
     128: DkdvTile(64, 8, False, 1),
 }
 DKDV_TILES_MB = {
     32: DkdvTile(64, 8, True, 1),
-    64: DkdvTile(64, 8, True, 1),
+    64: DkdvTile(64, 8, True, 1, OPT_SWZ),
     96: DkdvTile(64, 8, False, 1),
     128: DkdvTile(16, 8, False, 1),
 }
@@ -167,9 +171,9 @@ GRID_TILES = {
 }
 # Candidate tiles of bwd_sm80_dkdv_x (not used by default; timed by tools/tc_bwd_check.py
 # --variants, which also runs them with a mask / bias, so both HAS_MB forms are build-checked):
-# D=64's table tile with swizzled K, V, Q, dO (OPT_SWZ).
+# D=64's previous table tile, padded rows (the swizzled one replaced it), kept for A/B timing.
 DKDV_X_TILES = {
-    64: (DkdvTile(64, 8, True, 1, OPT_SWZ),),
+    64: (DkdvTile(64, 8, True, 1),),
 }
 
 

@@ -40,7 +40,7 @@ def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
     assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_sm80", "decode_split",
                        "decode_tc", "decode_combine", "bwd_sm80_prep", "bwd_sm80_dkdv",
-                       "bwd_sm80_dkdv_g", "bwd_sm80_dq"}
+                       "bwd_sm80_dkdv_x", "bwd_sm80_dkdv_g", "bwd_sm80_dq"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
 
 
@@ -84,8 +84,9 @@ def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tc_bwd_candidates_compile_without_spills(arch):
-    """The tensor-core backward's candidate kernels (cuflash._tc_bwd.GRID_TILES, timed by
-    tools/tc_bwd_check.py --variants) stay spill-free too: one NVRTC program per architecture."""
+    """The tensor-core backward's candidate kernels (cuflash._tc_bwd.GRID_TILES and DKDV_X_TILES,
+    timed by tools/tc_bwd_check.py --variants) stay spill-free too: one NVRTC program per
+    architecture."""
     from cuflash import _tc_bwd
 
     exprs = _tc_bwd.candidate_instantiations()

@@ -303,10 +303,9 @@ VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-
     # memory allows), 32.
     d: list(tiles) for d, tiles in _tc_bwd.GRID_TILES.items()
 }
-# OPT_SWZ: D=64's table tile (64q x 128k, 8 warps, K/V in registers) with K, V, Q, dO in unpadded
-# 128-byte rows and FA2's XOR swizzle of the 16-byte chunks (tcb::DKDV_SWZ): 83 KiB shared memory
-# instead of 91. _tc_bwd.DKDV_X_TILES[64].
-VARIANTS[64].append(_T(64, 8, True, 1, _tc_bwd.OPT_SWZ))
+# D=64's previous table tile: padded rows instead of the swizzled ones of OPT_SWZ, which replaced it
+# (+2-5 %, see _tc_bwd.DKDV_TILES); timed beside it for A/B. _tc_bwd.DKDV_X_TILES[64].
+VARIANTS[64].extend(_tc_bwd.DKDV_X_TILES[64])
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
