@@ -115,6 +115,11 @@ DECODE_CASES = [
     ("kv_lens-uneven", (4, 4), (4, 2), 1, 1100, 128, 96,
      dict(kv_lens=[[0], [1], [513], [1100]], causal=True)),
     ("head-dim-256", (2,), (2,), 1, 530, 256, 256, {}),
+    # 772 items at the forced split (three waves of blocks on an H200): decode_tc's
+    # persistent blocks run several items each, streaming the next item's first keys during the
+    # current one's last stage; kv_lens 0 makes empty items in the middle of a block's sequence
+    ("many-items-per-block", (4, 16), (4, 4), 1, 8192, 128, 128,
+     dict(kv_lens=[[0], [1], [4000], [8192]])),
 ]
 
 
