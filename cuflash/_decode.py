@@ -827,14 +827,16 @@ def _keep(cache, key, value):
 
 
 def _layout_key(p, split, poison):
-    """Everything a Plan is derived from, except the arrays' contents and kv_lens."""
+    """Everything a Plan is derived from, except the arrays' contents and kv_lens. (Not
+    `_aligned(p)`: forward only receives problems that `fits`, which requires it; it was NumPy work
+    on every call.)"""
     import cupy
 
     def strides(x):
         return None if x is None else element_strides(x)
 
     return (cupy.cuda.Device().id, split, poison, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
-            p.scale, p.left, p.right, p.bottom_right, _aligned(p),
+            p.scale, p.left, p.right, p.bottom_right,
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
             p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())
 
