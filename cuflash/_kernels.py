@@ -91,8 +91,10 @@ def get_kernel(kernel, dtype, bucket=None, path="generic"):
     return get_function(_config.SOURCES[kernel], _config.name_expression(kernel, dtype, bucket, path))
 
 
-def get_function(filename, expr):
-    """The compiled RawKernel `expr` of kernels_cu/<filename> on the current device (memoized)."""
+def get_function(filename, expr, arch=None):
+    """The compiled RawKernel `expr` of kernels_cu/<filename> on the current device (memoized).
+    arch: an NVRTC target to compile for instead of CuPy's default for the device ("sm_90a" for
+    kernels with wgmma; NVRTC takes the last -arch, and CuPy puts its own first)."""
     import cupy
 
     key = (cupy.cuda.Device().id, filename, expr)
@@ -100,7 +102,8 @@ def get_function(filename, expr):
         hit = _functions.get(key)
     if hit is not None:
         return hit[1]
-    module = cupy.RawModule(code=source(filename), options=OPTIONS, name_expressions=[expr])
+    options = OPTIONS + ((f"-arch={arch}",) if arch else ())
+    module = cupy.RawModule(code=source(filename), options=options, name_expressions=[expr])
     func = module.get_function(expr)
     if os.environ.get("CUFLASH_DEBUG", "") not in ("", "0"):
         a = func.attributes

@@ -130,6 +130,9 @@ OPT_SWZ = 32
 # bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, head dims 64 and
 # 128, no mask / bias: with a mask or bias launch_dkdv takes the DKDV_TILES_MB tile instead).
 OPT_GRID = 16
+# OPT_WG: sm_90a only. The four 64 x 64-per-warpgroup products on wgmma (tcb::DKDV_WGMMA, with
+# OPT_SWZ; D=64, BLOCK_M 64, 8 warps, K / V in shared memory). Compiled with -arch=sm_90a.
+OPT_WG = 64
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
@@ -218,8 +221,20 @@ def dkdv_smem_bytes(head_dim, tile):
     swz = bool(tile.opt & OPT_SWZ)  # (never with OPT_GRID: dkdv_expr refuses it)
     row = head_dim * 2 if swz else (head_dim + 8) * 2
     ps = block_n * (tile.block_m + 8) * 2
+    slack = (8 * row if tile.opt & OPT_WG else row) if swz else 0
     return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
-        + 4 * tile.block_m * 4 + (row if swz else 0)
+        + 4 * tile.block_m * 4 + slack
+
+
+def dkdv_arch(tile):
+    """The NVRTC target a dK/dV tile needs beyond CuPy's default (OPT_WG: sm_90a), or None."""
+    return "sm_90a" if tile.opt & OPT_WG else None
+
+
+def wg_tile_usable(tile, head_dim):
+    """Whether an OPT_WG tile can run on the current device: sm_90a code runs on compute
+    capability 9.0 only."""
+    return head_dim == 64 and _kernels.device_info().cc == 90
 
 
 def grid_tile_usable(tile, head_dim, has_mb):
@@ -268,9 +283,9 @@ def candidate_instantiations(dtypes=("float16", "bfloat16")):
 _smem_set = {}
 
 
-def _function(expr, smem):
+def _function(expr, smem, arch=None):
     """The RawKernel of one name expression on the current device (compiled once, by _kernels)."""
-    fn = _kernels.get_function(SOURCE, expr)
+    fn = _kernels.get_function(SOURCE, expr, arch)
     if smem > 48 * 1024 and _smem_set.get(id(fn), 0) < smem:
         fn.max_dynamic_shared_size_bytes = smem
         _smem_set[id(fn)] = smem
@@ -329,7 +344,8 @@ def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic
             tile = big
     tile = tile or (DKDV_TILES_MB if has_mb else DKDV_TILES)[D]
     smem = dkdv_smem_bytes(D, tile)
-    fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem)
+    fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem,
+                   dkdv_arch(tile))
     n_ntiles = -(-common["Nk"] // (16 * tile.warps))
     fn((n_ntiles * common["BH"],), (tile.warps * 32,),
        (q, k, v, dout, lse2, delta, dq_acc if dq_atomic else _NULL, dk_acc, dv_acc)

@@ -36,6 +36,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"
+#include "wgmma_sm90.cuh"
 
 // Every lse2 / delta buffer has Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head); LSE_PAD is a
 // multiple of every BLOCK_M (the host mirrors it in _tc_bwd.LSE_PAD).
@@ -100,10 +101,19 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                (its 4-byte stores and ldmatrix.trans are conflict-free as they are). The
 //                shared base is rounded up to a row (the XOR must not carry into it); the host
 //                reserves the extra row. HEAD_DIM % 64 == 0.
+//   DKDV_WGMMA   sm_90a (wgmma_sm90.cuh): the four products with a 64 x 64 result per warpgroup
+//                (S^T, dP^T, dV, dK) on wgmma instead of mma.sync; warpgroup h (warps 4h..4h+3)
+//                owns keys [64 h, 64 h + 64), so every register fragment is where the mma.sync
+//                form has it and the masking / softmax / dS code is shared. S^T and dP^T read K, V,
+//                Q, dO from shared memory (K-major), dV and dK take P^T, dS^T from registers and dO,
+//                Q MN-major. S^T and dP^T are issued together, dV runs under dS, dK under dQ (which
+//                stays on mma.sync). Needs DKDV_SWZ, HEAD_DIM 64 (one 128-byte swizzle atom per
+//                row), BLOCK_M 64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
 // (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
 enum DkdvOpt : int {
-  DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8, DKDV_SWZ = 32
+  DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8, DKDV_SWZ = 32,
+  DKDV_WGMMA = 64
 };
 
 // p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
@@ -300,6 +310,13 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
   static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
   static_assert(!SWZ || !(OPT & tcb::DKDV_LANE_OPQ), "DKDV_SWZ: not with DKDV_LANE_OPQ");
+  constexpr bool WG = (OPT & tcb::DKDV_WGMMA) != 0;  // four products on wgmma (sm_90a)
+  static_assert(!WG || (SWZ && HEAD_DIM == 64 && BLOCK_M == 64 && NWARPS == 8 && !KV_IN_REGS &&
+                        !(OPT & (tcb::DKDV_BDEP | tcb::DKDV_BCHAIN))),
+                "DKDV_WGMMA: swizzled 64-wide rows, 64 x 128 tile, K / V in shared memory");
+  // Shared tile bases: swizzled tiles start on a row (tc::tile_addr's XOR must not carry into the
+  // base), wgmma's 128-byte swizzle on 8 rows (it swizzles absolute addresses).
+  constexpr u32 BASE_ALIGN = WG ? 8 * ROW_BYTES : ROW_BYTES;
   static_assert(BLOCK_M <= LSE_PAD && LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
   static_assert(THREADS >= BLOCK_M / 2, "lse2/delta copies: one 16-byte chunk per thread");
   static_assert(!DQ_ATOMIC || (WD >= 1 && NWARPS % WM == 0 && DQ_COLS % 16 == 0 &&
@@ -334,7 +351,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   // of ROW_BYTES; dS^T [BLOCK_N] rows of DS_ROW; lse2, delta [2][BLOCK_M] floats. SWZ: from the
   // first ROW_BYTES-aligned address (every tile base is then aligned: tc::tile_addr's XOR).
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sK = SWZ ? (smem_u32(smem_raw) + ROW_BYTES - 1) & ~static_cast<u32>(ROW_BYTES - 1)
+  const u32 sK = SWZ ? (smem_u32(smem_raw) + BASE_ALIGN - 1) & ~(BASE_ALIGN - 1)
                      : smem_u32(smem_raw);
   const u32 sV = sK + BLOCK_N * ROW_BYTES;
   const u32 sQ = sV + BLOCK_N * ROW_BYTES;
@@ -389,6 +406,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const int i0 = (m_first + it) * BLOCK_M;
     const int slot = it & 1;
     cp_async_wait<0>();
+    if (WG) wg::fence_shared();  // the copies are read by wgmma (the async proxy)
     __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot and dS^T)
     if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
@@ -415,10 +433,18 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const u32 qs = sQ + slot * QT_BYTES, dos = sdO + slot * QT_BYTES;
     const u32 ls = sL + slot * BLOCK_M * 4, des = sD + slot * BLOCK_M * 4;
 
-    // S^T = K Q^T (raw dot products).
-    float s[NQF][4];
-    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(s, ka, sK + a_lane,
-                                                                  qs + bn_lane);
+    // S^T = K Q^T (raw dot products). WG: dP^T = V dO^T is issued with it.
+    float s[NQF][4], dp[NQF][4];
+    const u32 wg_rows = (warp / 4) * 64 * ROW_BYTES;  // WG: this warpgroup's K / V rows
+    if constexpr (WG) {
+      wg::rows_times_rows<T, KD>(s, sK + wg_rows, qs);
+      wg::rows_times_rows<T, KD>(dp, sV + wg_rows, dos);
+      wg::wait<1>();
+      wg::fence_acc(s);
+    } else {
+      tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(s, ka, sK + a_lane,
+                                                                    qs + bn_lane);
+    }
 
     // Mask by global position (key = row, query = column), only where the tile is not entirely
     // visible. Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
@@ -464,8 +490,16 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     }
 
     // dV += P^T dO: P^T packed straight from the accumulators (k = queries).
+    if constexpr (WG) {
+      u32 pa[KM][4];
 #pragma unroll
-    for (int kk = 0; kk < KM; ++kk) {
+      for (int kk = 0; kk < KM; ++kk) acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa[kk]);
+      wg::regs_times_tile<T, KM>(dv, pa, dos);
+      wg::wait<1>();  // dP^T landed (dV may still run)
+      wg::fence_acc(dp);
+    }
+#pragma unroll
+    for (int kk = 0; kk < (WG ? 0 : KM); ++kk) {
       u32 pa[4];
       acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
       u32 vdep = 0;
@@ -480,10 +514,10 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
       }
     }
 
-    // dP^T = V dO^T.
-    float dp[NQF][4];
-    tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(dp, va, sV + a_lane,
-                                                                  dos + bn_lane);
+    // dP^T = V dO^T (WG: issued with S^T).
+    if constexpr (!WG)
+      tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(dp, va, sV + a_lane,
+                                                                    dos + bn_lane);
 
     // dS^T = scale * P^T (dP^T - delta[query]), in dp.
 #pragma unroll
@@ -512,6 +546,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
         st_shared_b32(row + 8 * DS_ROW + 16, da[kk][3]);
       }
     }
+    if constexpr (WG) wg::regs_times_tile<T, KM>(dk, da, qs);  // dK += dS^T Q, under dQ
 
     // dQ[i0 + 16 wm .., col0 ..] = dS K over this block's BLOCK_N keys, into registers; its
     // red.global.add go out a few per k-step of dK below (tcb::dq_reductions_at).
@@ -555,9 +590,18 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
       }
     };
 
-    // dK += dS^T Q.
+    // dK += dS^T Q (WG: issued above; the dQ reductions go out here, then both products land).
+    if constexpr (WG) {
+      if (DQ_ATOMIC) {
 #pragma unroll
-    for (int kk = 0; kk < KM; ++kk) {
+        for (int r = 0; r < NR; ++r) dq_red(r);
+      }
+      wg::wait<0>();
+      wg::fence_acc(dv);
+      wg::fence_acc(dk);
+    }
+#pragma unroll
+    for (int kk = 0; kk < (WG ? 0 : KM); ++kk) {
       if (DQ_ATOMIC) {
 #pragma unroll
         for (int r = 0; r < NR; ++r)

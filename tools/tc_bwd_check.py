@@ -92,10 +92,10 @@ def build(combos, variants=None):
                 for t2 in variants.get(d, []):
                     for atomic in (True, False):
                         items.append((_tc_bwd.dkdv_expr(dt, d, t2, atomic, has_mb),
-                                      _tc_bwd.dkdv_smem_bytes(d, t2)))
-            for expr, smem in items:
+                                      _tc_bwd.dkdv_smem_bytes(d, t2), _tc_bwd.dkdv_arch(t2)))
+            for expr, smem, *arch in items:
                 t0 = time.perf_counter()
-                fn = _tc_bwd._function(expr, smem)
+                fn = _tc_bwd._function(expr, smem, *arch)
                 local = fn.local_size_bytes
                 bad += local > 0
                 print(f"{'FAIL' if local else 'ok  '} {expr}: {fn.num_regs} regs, {local} local B, "
@@ -306,6 +306,8 @@ VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-
 # D=64's previous table tile: padded rows instead of the swizzled ones of OPT_SWZ, which replaced it
 # (+2-5 %, see _tc_bwd.DKDV_TILES); timed beside it for A/B. _tc_bwd.DKDV_X_TILES[64].
 VARIANTS[64].extend(_tc_bwd.DKDV_X_TILES[64])
+# --wg: the sm_90a candidate, the four 64 x 64-per-warpgroup products on wgmma (_tc_bwd.OPT_WG).
+WG_VARIANTS = {64: [_T(64, 8, False, 1, _tc_bwd.OPT_SWZ | _tc_bwd.OPT_WG)]}
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
@@ -386,6 +388,9 @@ def main():
                     help="also build, check and time the VARIANTS dkdv tiles")
     ap.add_argument("--old-variants", action="store_true",
                     help="with --variants: also time OLD_VARIANTS (timed before, lost)")
+    ap.add_argument("--wg", action="store_true",
+                    help="the variants are WG_VARIANTS (wgmma, sm_90a) instead of VARIANTS")
+    ap.add_argument("--dims", default="64,128", help="head dims of the timing stage")
     ap.add_argument("--seqs", default="512,1024,2048,4096,8192,16384")
     a = ap.parse_args()
     t0 = time.perf_counter()
@@ -397,7 +402,7 @@ def main():
         print(f"FAIL device query\n{traceback.format_exc()}")
     variants = {}
     if a.variants:
-        variants = {d: list(VARIANTS.get(d, [])) for d in (64, 128)}
+        variants = {d: list((WG_VARIANTS if a.wg else VARIANTS).get(d, [])) for d in (64, 128)}
     timed = {d: v + (OLD_VARIANTS.get(d, []) if a.old_variants else [])
              for d, v in variants.items()}
     full = [("bfloat16", 128), ("float16", 64)]
@@ -409,7 +414,8 @@ def main():
         determinism([64, 128])
     rows = []
     if not a.skip_timing:
-        timing([64, 128], [int(x) for x in a.seqs.split(",")], timed, rows)
+        timing([int(x) for x in a.dims.split(",")], [int(x) for x in a.seqs.split(",")], timed,
+               rows)
     # ---- compact table, last ----
     if rows:
         print("\nbackward, bf16, TFLOP/s (FLOPs = 2.5 * 4*B*H*N^2*D, /2 causal); cuflash includes "

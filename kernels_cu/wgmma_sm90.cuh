@@ -1,0 +1,168 @@
+// wgmma_sm90.cuh: Hopper warpgroup products (wgmma.mma_async, sm_90a) for the tensor-core kernels.
+// No kernels.
+//
+// A warpgroup (4 consecutive warps, the first one's index a multiple of 4) computes D (64 x 64,
+// float32) += A (64 x 16k) B (16k x 64), 16-bit inputs. B is always in shared memory, A in shared
+// memory (ss) or in registers (rs). The register layouts are mma.sync's (mma_sm80.cuh), stacked:
+// warp w of the group holds rows 16 w .. 16 w + 15; its accumulator d[j][0..3] is the m16n8 C
+// fragment of columns 8 j .. 8 j + 7, and a register A operand is the m16n8k16 A fragment of its 16
+// rows (tc::acc_to_a). So code written for mma.sync fragments reads wgmma results unchanged.
+//
+// Shared operands are described by a 64-bit matrix descriptor. The only layout used here is the
+// 128-byte swizzle, which is tc::chunk_offset<true, 128>: rows of 128 bytes (64 elements), 16-byte
+// chunk c of row r stored at chunk c ^ (r % 8). The hardware applies the XOR to absolute shared
+// addresses, so every tile base must be 1024-byte aligned (8 rows). Two readings of such a tile:
+//   K-major (the reduction index runs along the row): rows are M (or N) indices; 8-row groups are
+//     SBO = 1024 bytes apart; k-step kk (16 elements) starts 32 kk bytes into the row.
+//   MN-major (imm-trans = 1; the reduction index runs down the rows): the 64 elements of a row are
+//     the M (or N) indices; k-step kk (16 rows) starts 2048 kk bytes into the tile, its two 8-row
+//     groups SBO = 1024 bytes apart (LBO, the stride between 64-wide column blocks, is unused for
+//     N = 64).
+// Ordering: shared memory written by the generic proxy (st.shared, cp.async) needs
+// fence.proxy.async.shared::cta in each writing thread before the barrier that precedes a wgmma
+// reading it (fence_shared). A product is fence() (registers written since the last wgmma), the
+// wgmmas, commit(), wait<0>(); the accumulators and register A operands are touched only after it.
+//
+// Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); any other target gets a trap, and the host
+// never launches such a kernel there (_tc_bwd.wgmma_usable).
+#pragma once
+#include "mma_sm80.cuh"
+
+namespace wg {
+using tc::u32;
+typedef unsigned long long u64;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CUFLASH_WGMMA 1
+#else
+#define CUFLASH_WGMMA 0
+#endif
+
+// 128-byte-swizzle descriptor of the operand starting at shared address addr (bits 0-13: addr / 16,
+// 16-29: LBO / 16, 32-45: SBO / 16, 62-63: swizzle mode 1 = 128 bytes).
+__device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo_bytes >> 4) << 16) |
+         (static_cast<u64>(sbo_bytes >> 4) << 32) | (1ull << 62);
+}
+constexpr u32 SW128_SBO = 1024;  // 8 rows of 128 bytes
+constexpr u32 SW128_KSTEP_K = 32;     // K-major: bytes per k-step of 16 elements along the row
+constexpr u32 SW128_KSTEP_MN = 2048;  // MN-major: bytes per k-step of 16 rows
+
+__device__ __forceinline__ void fence() {
+#if CUFLASH_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#if CUFLASH_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wait() {
+#if CUFLASH_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+__device__ __forceinline__ void fence_shared() {
+#if CUFLASH_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads or writes across a wait (registers the
+// tensor cores write asynchronously).
+template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+#define CUFLASH_WG_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define CUFLASH_WG_D32(d)                                                                    \
+  CUFLASH_WG_D4(d, 0), CUFLASH_WG_D4(d, 1), CUFLASH_WG_D4(d, 2), CUFLASH_WG_D4(d, 3),          \
+      CUFLASH_WG_D4(d, 4), CUFLASH_WG_D4(d, 5), CUFLASH_WG_D4(d, 6), CUFLASH_WG_D4(d, 7)
+#define CUFLASH_WG_DLIST                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+// d (= or += with ACC) A B, m64n64k16; A, B from descriptors; TB: B MN-major.
+#define CUFLASH_WG_SS(TY)                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " CUFLASH_WG_DLIST  \
+               ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                             \
+               : CUFLASH_WG_D32(d)                                                           \
+               : "l"(a), "l"(b), "r"(ACC), "n"(TB))
+// d (= or += with ACC) A B, m64n64k16; A from registers (a[0..3]), B from a descriptor.
+#define CUFLASH_WG_RS(TY)                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " CUFLASH_WG_DLIST  \
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                              \
+               : CUFLASH_WG_D32(d)                                                           \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(ACC), "n"(TB))
+
+template <typename T> struct Mma64;
+template <> struct Mma64<bf16_t> {
+  template <int ACC, int TB> static __device__ __forceinline__ void ss(float (&d)[8][4], u64 a, u64 b) {
+#if CUFLASH_WGMMA
+    CUFLASH_WG_SS("bf16");
+#else
+    __trap();
+#endif
+  }
+  template <int ACC, int TB>
+  static __device__ __forceinline__ void rs(float (&d)[8][4], const u32 (&a)[4], u64 b) {
+#if CUFLASH_WGMMA
+    CUFLASH_WG_RS("bf16");
+#else
+    __trap();
+#endif
+  }
+};
+template <> struct Mma64<half_t> {
+  template <int ACC, int TB> static __device__ __forceinline__ void ss(float (&d)[8][4], u64 a, u64 b) {
+#if CUFLASH_WGMMA
+    CUFLASH_WG_SS("f16");
+#else
+    __trap();
+#endif
+  }
+  template <int ACC, int TB>
+  static __device__ __forceinline__ void rs(float (&d)[8][4], const u32 (&a)[4], u64 b) {
+#if CUFLASH_WGMMA
+    CUFLASH_WG_RS("f16");
+#else
+    __trap();
+#endif
+  }
+};
+#undef CUFLASH_WG_SS
+#undef CUFLASH_WG_RS
+
+// d = A B^T over K = 16 KSTEPS, both operands K-major 128-byte-swizzled tiles: A's 64 rows from
+// shared address a (1024-aligned), B's 64 rows from b. (S^T = K Q^T and dP^T = V dO^T.)
+template <typename T, int KSTEPS>
+__device__ __forceinline__ void rows_times_rows(float (&d)[8][4], u32 a, u32 b) {
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const u64 da = desc_sw128(a + kk * SW128_KSTEP_K, 0, SW128_SBO);
+    const u64 db = desc_sw128(b + kk * SW128_KSTEP_K, 0, SW128_SBO);
+    if (kk == 0)
+      Mma64<T>::template ss<0, 0>(d, da, db);
+    else
+      Mma64<T>::template ss<1, 0>(d, da, db);
+  }
+  commit();
+}
+// d += A B over K = 16 KSTEPS: A from registers (a[kk], mma.sync A fragments), B a 128-byte-swizzled
+// tile of 16 KSTEPS rows of 64 columns at shared address b, read MN-major. (dV += P^T dO and
+// dK += dS^T Q.)
+template <typename T, int KSTEPS>
+__device__ __forceinline__ void regs_times_tile(float (&d)[8][4], const u32 (&a)[KSTEPS][4],
+                                                u32 b) {
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk)
+    Mma64<T>::template rs<1, 1>(d, a[kk], desc_sw128(b + kk * SW128_KSTEP_MN, 0, SW128_SBO));
+  commit();
+}
+}  // namespace wg
