@@ -107,6 +107,7 @@ Registers / spill bytes (NVRTC 13.0, dq_atomic | deterministic, bf16 = fp16), sh
   Rejected: D=64 BLOCK_M 32 at 2 blocks / SM (MIN_BLOCKS 2: 16 B spill with dQ atomics, 40 B with
   opaque lane offsets), D=64 BLOCK_M 64 at 2 blocks (328 B), D=128 BLOCK_M 128 (264 B, 274 KiB).
 """
+import itertools
 from collections import namedtuple
 
 import numpy as np
@@ -164,6 +165,15 @@ GRID_HEAD_DIMS = (64, 128)  # bwd_sm80_dkdv_g (OPT_GRID)
 # 216 / 235). At D=64 the grid kernel was slower (BLOCK_M 128: 159 / 214 / 237 vs 164 / 222 / 249
 # non-causal; BLOCK_M 64: 151 / 203 / 221; 32: 135 / 175 / 189): the table stays.
 DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID)}
+# Compute capability 9.0 (sm_90a code): the wgmma form of the swizzled tile (OPT_WG), with and
+# without mask / bias. H200 2026-11-29 (fifth session), tools/tc_bwd_check.py --variants --wg, bf16
+# TFLOP/s at N = 1k / 4k / 16k against the mma.sync table tile in the same run: non-causal
+# 177.7 / 254.7 / 286.3 vs 164.8 / 232.0 / 258.9 (+8-11 %), causal 121.6 / 217.2 / 278.5 vs
+# 111.9 / 199.6 / 250.0 (+9-11 %); 204-226 registers, no spills; every correctness case of the tool
+# (484, D=64 fp16 and bf16 among them, all mask modes) within the same error as the table tile.
+DKDV_TILES_WG = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG)}
+# Tests set this to False to run the mma.sync tiles on sm_90 devices too (tests/test_gpu.py).
+USE_WG = True
 # Candidate tiles of bwd_sm80_dkdv_g (not used by default; tools/tc_bwd_check.py --variants checks
 # and times them; tests/test_build.py compiles them): BLOCK_M 64 (FA2's hdim128 tile), 128 (FA2's
 # hdim64 tile), 32.
@@ -231,10 +241,18 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
-def wg_tile_usable(tile, head_dim):
-    """Whether an OPT_WG tile can run on the current device: sm_90a code runs on compute
-    capability 9.0 only."""
-    return head_dim == 64 and _kernels.device_info().cc == 90
+def table_tile(head_dim, has_mb):
+    """The dK/dV tile for a call on the current device: the wgmma tile on compute capability 9.0
+    (sm_90a code runs there only), else the warp-grid tile where shared memory allows it, else the
+    table's."""
+    info = _kernels.device_info()
+    if USE_WG and head_dim in DKDV_TILES_WG and info.cc == 90:
+        return DKDV_TILES_WG[head_dim]
+    if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:
+        big = DKDV_TILES_LARGE_SMEM[head_dim]
+        if dkdv_smem_bytes(head_dim, big) <= info.smem_optin:
+            return big
+    return (DKDV_TILES_MB if has_mb else DKDV_TILES)[head_dim]
 
 
 def grid_tile_usable(tile, head_dim, has_mb):
@@ -261,6 +279,9 @@ def all_instantiations(dtypes=("float16", "bfloat16")):
             if d in DKDV_TILES_LARGE_SMEM:
                 for atomic in (True, False):
                     out.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
+            if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
+                for atomic, mb in itertools.product((True, False), (False, True)):
+                    out.append(dkdv_expr(dt, d, DKDV_TILES_WG[d], atomic, mb))
     return out
 
 
@@ -338,11 +359,7 @@ def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic
     D = common["Dk"]
     if tile is not None and tile.opt & OPT_GRID and not grid_tile_usable(tile, D, has_mb):
         tile = None  # the grid kernel has no mask / bias: the table's tile
-    if tile is None and not has_mb and D in DKDV_TILES_LARGE_SMEM:
-        big = DKDV_TILES_LARGE_SMEM[D]
-        if dkdv_smem_bytes(D, big) <= _kernels.device_info().smem_optin:
-            tile = big
-    tile = tile or (DKDV_TILES_MB if has_mb else DKDV_TILES)[D]
+    tile = tile or table_tile(D, has_mb)
     smem = dkdv_smem_bytes(D, tile)
     fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem,
                    dkdv_arch(tile))

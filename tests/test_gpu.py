@@ -47,7 +47,7 @@ def randn(rng, shape, dtype):
     return to_device(rng.standard_normal(shape), _dtype(dtype))
 
 
-def check(q, k, v, rng, backward=True, **options):
+def check(q, k, v, rng, backward=True, deterministic=False, **options):
     """cuflash on CuPy inputs vs the reference, error within 2x a same-dtype naive baseline."""
     import cupy
     dtype = np.dtype(q.dtype)
@@ -67,7 +67,8 @@ def check(q, k, v, rng, backward=True, **options):
     if not backward:
         return out, lse
     dout = randn(rng, out.shape, dtype.name)
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                       **options)
     douth, outh, lseh = to_host(dout), to_host(out), to_host(lse)
     ref = reference.attention_backward(douth, qh, kh, vh, outh, lseh, **host_options)
     base = (naive_attention_backward(douth, qh, kh, vh, outh, lseh, **host_options) if low
@@ -102,6 +103,42 @@ def test_sweep(case, dtype, rng, path):
     k = randn(rng, lkv + (Nk, Dk), dtype)
     v = randn(rng, lkv + (Nk, Dv), dtype)
     check(q, k, v, rng, **options)
+
+
+# The tensor-core backward has two dK/dV kernels at D=64 on compute capability 9.0: the wgmma one
+# (what "auto" runs there) and the mma.sync one every other device runs. This runs both, both dQ
+# modes. (name, q lead, kv lead, Nq, Nk, options)
+TC_BWD_CASES = [
+    ("odd-causal-tl-gqa", (2, 4), (2, 2), 97, 200, dict(causal=True, align="top-left")),
+    ("causal-br-long", (1, 2), (1, 2), 300, 700, dict(causal=True)),
+    ("window-kv_lens", (2, 2), (2, 2), 130, 260, dict(window=(40, 3), kv_lens=[[250], [0]])),
+    ("mask-bias", (2, 2), (2, 2), 150, 190, "mask-bias"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16"] + (["bfloat16"] if BFLOAT16 is not None else []))
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+@pytest.mark.parametrize("case", TC_BWD_CASES, ids=[c[0] for c in TC_BWD_CASES])
+def test_tensor_core_backward_kernels(case, kernel, deterministic, dtype, rng, monkeypatch):
+    import cupy
+    from cuflash import _gpu, _kernels, _tc_bwd, _validate
+    if kernel == "wgmma" and _kernels.device_info().cc != 90:
+        pytest.skip("the wgmma kernel is sm_90a code: compute capability 9.0 only")
+    monkeypatch.setattr(_tc_bwd, "USE_WG", kernel == "wgmma")
+    _, lq, lkv, Nq, Nk, options = case
+    q = randn(rng, lq + (Nq, 64), dtype)
+    k, v = (randn(rng, lkv + (Nk, 64), dtype) for _ in range(2))
+    if options == "mask-bias":
+        mask = rng.random(lq + (Nq, Nk)) < 0.7
+        mask[0, 1, 5] = False  # an empty row
+        options = dict(causal=True, mask=cupy.asarray(mask),
+                       bias=cupy.asarray(rng.standard_normal((Nq, Nk)), np.float32))
+    p = _validate.make_problem(q, k, v, **options)
+    assert _gpu.backward_path(p) == "sm80"
+    has_mb = p.mask is not None or p.bias is not None
+    assert bool(_tc_bwd.table_tile(64, has_mb).opt & _tc_bwd.OPT_WG) == (kernel == "wgmma")
+    check(q, k, v, rng, deterministic=deterministic, **options)
 
 
 # Few queries against many keys: the split-KV path's territory. (name, q lead, kv lead, Nq, Nk,

@@ -306,8 +306,9 @@ VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-
 # D=64's previous table tile: padded rows instead of the swizzled ones of OPT_SWZ, which replaced it
 # (+2-5 %, see _tc_bwd.DKDV_TILES); timed beside it for A/B. _tc_bwd.DKDV_X_TILES[64].
 VARIANTS[64].extend(_tc_bwd.DKDV_X_TILES[64])
-# --wg: the sm_90a candidate, the four 64 x 64-per-warpgroup products on wgmma (_tc_bwd.OPT_WG).
-WG_VARIANTS = {64: [_T(64, 8, False, 1, _tc_bwd.OPT_SWZ | _tc_bwd.OPT_WG)]}
+# --wg: on compute capability 9.0 the default at D=64 is the wgmma tile (_tc_bwd.DKDV_TILES_WG);
+# this times the mma.sync table tile it replaced beside it.
+WG_VARIANTS = {64: [_tc_bwd.DKDV_TILES[64]]}
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
