@@ -231,7 +231,7 @@ def dkdv_smem_bytes(head_dim, tile):
     swz = bool(tile.opt & OPT_SWZ)  # (never with OPT_GRID: dkdv_expr refuses it)
     row = head_dim * 2 if swz else (head_dim + 8) * 2
     ps = block_n * (tile.block_m + 8) * 2
-    slack = (8 * row if tile.opt & OPT_WG else row) if swz else 0
+    slack = (1024 if tile.opt & OPT_WG else row) if swz else 0  # wgmma: 1024-byte aligned tiles
     return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
         + 4 * tile.block_m * 4 + slack
 

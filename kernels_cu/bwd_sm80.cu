@@ -300,7 +300,11 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   constexpr int KD = HEAD_DIM / 16;     // k-steps of K Q^T and V dO^T
   constexpr int KM = BLOCK_M / 16;      // k-steps of P^T dO and dS^T Q
   constexpr bool SWZ = (OPT & tcb::DKDV_SWZ) != 0;  // K, V, Q, dO swizzled (tc::chunk_offset)
-  constexpr int ROW_BYTES = SWZ ? HEAD_DIM * 2 : (HEAD_DIM + 8) * 2;
+  constexpr int ROW_BYTES = SWZ ? HEAD_DIM * 2 : (HEAD_DIM + 8) * 2;  // bytes per row of a tile
+  // Row pitch inside a tile: swizzled tiles are blocks of 64 columns (tc::cp_tile), rows of 128
+  // bytes; KBLK: bytes per block of the K tile when there are several (else 0, tc::tile_addr).
+  constexpr int LROW = SWZ ? 128 : ROW_BYTES;
+  constexpr u32 KBLK = SWZ && HEAD_DIM > 64 ? BLOCK_N * 128 : 0;
   constexpr int DS_ROW = (BLOCK_M + 8) * 2;  // dS^T rows (keys) in shared memory, padded
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
@@ -311,12 +315,15 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
   static_assert(!SWZ || !(OPT & tcb::DKDV_LANE_OPQ), "DKDV_SWZ: not with DKDV_LANE_OPQ");
   constexpr bool WG = (OPT & tcb::DKDV_WGMMA) != 0;  // four products on wgmma (sm_90a)
-  static_assert(!WG || (SWZ && HEAD_DIM == 64 && BLOCK_M == 64 && NWARPS == 8 && !KV_IN_REGS &&
+  static_assert(!WG || (SWZ && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
+                        (BLOCK_M == 32 || BLOCK_M == 64) && NWARPS == 8 && !KV_IN_REGS &&
                         !(OPT & (tcb::DKDV_BDEP | tcb::DKDV_BCHAIN))),
-                "DKDV_WGMMA: swizzled 64-wide rows, 64 x 128 tile, K / V in shared memory");
+                "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
+                "shared memory");
+  static_assert(!SWZ || HEAD_DIM == 64 || WG, "DKDV_SWZ's mma.sync products: one column block");
   // Shared tile bases: swizzled tiles start on a row (tc::tile_addr's XOR must not carry into the
   // base), wgmma's 128-byte swizzle on 8 rows (it swizzles absolute addresses).
-  constexpr u32 BASE_ALIGN = WG ? 8 * ROW_BYTES : ROW_BYTES;
+  constexpr u32 BASE_ALIGN = WG ? 8 * LROW : LROW;
   static_assert(BLOCK_M <= LSE_PAD && LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
   static_assert(THREADS >= BLOCK_M / 2, "lse2/delta copies: one 16-byte chunk per thread");
   static_assert(!DQ_ATOMIC || (WD >= 1 && NWARPS % WM == 0 && DQ_COLS % 16 == 0 &&
@@ -370,9 +377,9 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   //  dS as A of dS K, read transposed from dS^T (x4.trans, always padded): key row
   //    (lane % 8) + 8 * (lane / 16), query chunk (lane / 8) % 2
   constexpr bool LANE_OPQ = (OPT & tcb::DKDV_LANE_OPQ) != 0;
-  const u32 a_lane0 = chunk_offset<SWZ, ROW_BYTES>(warp * 16 + lane % 16, lane / 16);
-  const u32 bn_lane0 = chunk_offset<SWZ, ROW_BYTES>(lane % 8 + 8 * (lane / 16), (lane / 8) % 2);
-  const u32 bt_lane0 = chunk_offset<SWZ, ROW_BYTES>(lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
+  const u32 a_lane0 = chunk_offset<SWZ, LROW>(warp * 16 + lane % 16, lane / 16);
+  const u32 bn_lane0 = chunk_offset<SWZ, LROW>(lane % 8 + 8 * (lane / 16), (lane / 8) % 2);
+  const u32 bt_lane0 = chunk_offset<SWZ, LROW>(lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
   const u32 ds_lane0 = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
 
   // One query tile into ring slot `slot` (tcb::copy_query_tile).
@@ -435,14 +442,14 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     // S^T = K Q^T (raw dot products). WG: dP^T = V dO^T is issued with it.
     float s[NQF][4], dp[NQF][4];
-    const u32 wg_rows = (warp / 4) * 64 * ROW_BYTES;  // WG: this warpgroup's K / V rows
+    const u32 wg_rows = (warp / 4) * 64 * LROW;  // WG: this warpgroup's K / V rows
     if constexpr (WG) {
-      wg::rows_times_rows<T, KD>(s, sK + wg_rows, qs);
-      wg::rows_times_rows<T, KD>(dp, sV + wg_rows, dos);
+      wg::rows_times_rows<T, BLOCK_M, KD, BLOCK_N * 128, BLOCK_M * 128>(s, sK + wg_rows, qs);
+      wg::rows_times_rows<T, BLOCK_M, KD, BLOCK_N * 128, BLOCK_M * 128>(dp, sV + wg_rows, dos);
       wg::wait<1>();
       wg::fence_acc(s);
     } else {
-      tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(s, ka, sK + a_lane,
+      tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, LROW, SWZ>(s, ka, sK + a_lane,
                                                                     qs + bn_lane);
     }
 
@@ -494,7 +501,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
       u32 pa[KM][4];
 #pragma unroll
       for (int kk = 0; kk < KM; ++kk) acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa[kk]);
-      wg::regs_times_tile<T, KM>(dv, pa, dos);
+      wg::regs_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128>(dv, pa, dos);
       wg::wait<1>();  // dP^T landed (dV may still run)
       wg::fence_acc(dp);
     }
@@ -508,7 +515,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(tile_addr<SWZ>(dos + vdep + bt_lane, kk * 16 * ROW_BYTES, p * 32), b);
+        ldsm_x4_t(tile_addr<SWZ>(dos + vdep + bt_lane, kk * 16 * LROW, p * 32), b);
         Mma<T>::run(dv[2 * p], pa, b[0], b[1]);
         Mma<T>::run(dv[2 * p + 1], pa, b[2], b[3]);
       }
@@ -516,7 +523,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     // dP^T = V dO^T (WG: issued with S^T).
     if constexpr (!WG)
-      tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, ROW_BYTES, SWZ>(dp, va, sV + a_lane,
+      tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, LROW, SWZ>(dp, va, sV + a_lane,
                                                                     dos + bn_lane);
 
     // dS^T = scale * P^T (dP^T - delta[query]), in dp.
@@ -546,7 +553,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
         st_shared_b32(row + 8 * DS_ROW + 16, da[kk][3]);
       }
     }
-    if constexpr (WG) wg::regs_times_tile<T, KM>(dk, da, qs);  // dK += dS^T Q, under dQ
+    if constexpr (WG)  // dK += dS^T Q, under dQ
+      wg::regs_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128>(dk, da, qs);
 
     // dQ[i0 + 16 wm .., col0 ..] = dS K over this block's BLOCK_N keys, into registers; its
     // red.global.add go out a few per k-step of dK below (tcb::dq_reductions_at).
@@ -566,7 +574,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
         for (int p = 0; p < QF / 2; ++p) {
           u32 b[4];
-          ldsm_x4_t(tile_addr<SWZ>(sK + bt_lane, kk * 16 * ROW_BYTES, col0 * 2 + p * 32), b);
+          ldsm_x4_t(tile_addr<SWZ, KBLK>(sK + bt_lane, kk * 16 * LROW, col0 * 2 + p * 32), b);
           Mma<T>::run(acc[2 * p], a, b[0], b[1]);
           Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
         }
@@ -614,7 +622,7 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(tile_addr<SWZ>(qs + kdep + bt_lane, kk * 16 * ROW_BYTES, p * 32), b);
+        ldsm_x4_t(tile_addr<SWZ>(qs + kdep + bt_lane, kk * 16 * LROW, p * 32), b);
         Mma<T>::run(dk[2 * p], da[kk], b[0], b[1]);
         Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
       }

@@ -101,12 +101,14 @@ __device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)
 //     The pad shifts each row by 4 banks, so the 8 rows of an ldmatrix phase hit distinct banks,
 //     but rows straddle 128-byte lines: ncu flagged the cp.async stores of these tiles at ~2.6x
 //     the ideal shared store wavefronts, ~1.5x the ideal L2 sectors (bwd_sm80_dkdv D=64, H200).
-//   swizzled (SWZ = true, FA2's layout; cols a multiple of 64): unpadded rows of ROW = cols * 2
-//     bytes, chunk c of row r at chunk c ^ (r % 8) of its row. A row's stores fill whole 128-byte
-//     lines, and 8 consecutive rows at one logical chunk sit in 8 distinct 16-byte bank groups:
-//     the 8 addresses of an ldmatrix phase stay conflict-free.
-//     (For 16 chunks per row, c ^ (r % 8) keeps bit 3 of c: (c & 8) | ((c ^ r) & 7).)
-// stored_chunk: where chunk c of row r sits in its row; chunk_offset: its byte offset in the tile.
+//   swizzled (SWZ = true; cols a multiple of 64): blocks of 64 columns stored one after another,
+//     each a ROWS x 128-byte array; chunk c of row r sits in block c / 8, row r, at chunk
+//     (c % 8) ^ (r % 8) of that 128-byte row. For 64 columns (one block) this is FA2's layout; it is
+//     also wgmma's 128-byte swizzle (wgmma_sm90.cuh) at any width. A row's stores fill whole
+//     128-byte lines, and 8 consecutive rows at one logical chunk sit in 8 distinct 16-byte bank
+//     groups: the 8 addresses of an ldmatrix phase stay conflict-free.
+// stored_chunk: where chunk c (< 8) of row r sits in its 128-byte row; chunk_offset: its byte offset
+// in the tile (block 0; ROW = 128 when swizzled).
 template <bool SWZ>
 __host__ __device__ __forceinline__ constexpr int stored_chunk(int r, int c) {
   return SWZ ? c ^ (r & 7) : c;
@@ -121,8 +123,11 @@ __host__ __device__ __forceinline__ constexpr int chunk_offset(int r, int c) {
 // immediate). Swizzled: the row offset keeps r % 8 and (lane chunk + even chunk) is their XOR, so
 // col_off XORs into the lane's swizzled chunk; that needs the tile base aligned to ROW (the XOR
 // stays in the row's offset bits) and costs one LOP3 per distinct col_off (it cannot fold).
-template <bool SWZ>
+// BLK (swizzled tiles wider than 64 columns): bytes per 64-column block; col_off may then reach
+// past the first block.
+template <bool SWZ, u32 BLK = 0>
 __device__ __forceinline__ u32 tile_addr(u32 lane_addr, u32 row_off, u32 col_off) {
+  if (SWZ && BLK != 0) return (lane_addr ^ (col_off % 128)) + (col_off / 128) * BLK + row_off;
   return SWZ ? (lane_addr ^ col_off) + row_off : lane_addr + row_off + col_off;
 }
 
@@ -134,7 +139,8 @@ template <int ROWS, int HEAD_DIM, int THREADS, typename T, bool SWZ = false>
 __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long long rs, int row0,
                                         int limit) {
   constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
-  constexpr int ROW_BYTES = SWZ ? HEAD_DIM * 2 : (HEAD_DIM + 8) * 2;
+  constexpr int ROW_BYTES = SWZ ? 128 : (HEAD_DIM + 8) * 2;  // row pitch (of a block, swizzled)
+  constexpr int BLK = ROWS * 128;                           // swizzled: bytes per 64-column block
   static_assert(!SWZ || CPR % 8 == 0, "cp_tile: the swizzle needs a multiple of 8 chunks per row");
   // rs through an opaque move: otherwise the compiler hoists every row's 64-bit address out of the
   // key loop and keeps them all live (~24 registers).
@@ -146,7 +152,8 @@ __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long
     const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
     const T* base = src + static_cast<long long>(row0 + r_thr) * rs_o + c_thr * 8;
     // chunk_offset's terms, added to dst one by one (the padded form's PTX stays as it was)
-    const u32 d = dst + r_thr * ROW_BYTES + stored_chunk<SWZ>(r_thr, c_thr) * 16;
+    const u32 d = dst + (SWZ ? (c_thr / 8) * BLK : 0) + r_thr * ROW_BYTES +
+                  stored_chunk<SWZ>(r_thr, SWZ ? c_thr % 8 : c_thr) * 16;
 #pragma unroll
     for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
       const int r = it * RPI + r_thr;
@@ -164,7 +171,8 @@ __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long
         const int r = idx / CPR, c = idx % CPR;
         const bool ok = row0 + r < limit;
         const T* gp = src + (ok ? static_cast<long long>(row0 + r) * rs_o : 0LL) + c * 8;
-        cp_async16(dst + r * ROW_BYTES + stored_chunk<SWZ>(r, c) * 16, gp, ok ? 16 : 0);
+        cp_async16(dst + (SWZ ? (c / 8) * BLK : 0) + r * ROW_BYTES +
+                       stored_chunk<SWZ>(r, SWZ ? c % 8 : c) * 16, gp, ok ? 16 : 0);
       }
     }
   }

@@ -78,91 +78,104 @@ template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {
 }
 
 #define CUFLASH_WG_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define CUFLASH_WG_D32(d)                                                                    \
-  CUFLASH_WG_D4(d, 0), CUFLASH_WG_D4(d, 1), CUFLASH_WG_D4(d, 2), CUFLASH_WG_D4(d, 3),          \
-      CUFLASH_WG_D4(d, 4), CUFLASH_WG_D4(d, 5), CUFLASH_WG_D4(d, 6), CUFLASH_WG_D4(d, 7)
-#define CUFLASH_WG_DLIST                                                                     \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
-  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-// d (= or += with ACC) A B, m64n64k16; A, B from descriptors; TB: B MN-major.
-#define CUFLASH_WG_SS(TY)                                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                  \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " CUFLASH_WG_DLIST  \
-               ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                             \
-               : CUFLASH_WG_D32(d)                                                           \
-               : "l"(a), "l"(b), "r"(ACC), "n"(TB))
-// d (= or += with ACC) A B, m64n64k16; A from registers (a[0..3]), B from a descriptor.
-#define CUFLASH_WG_RS(TY)                                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " CUFLASH_WG_DLIST  \
-               ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                              \
-               : CUFLASH_WG_D32(d)                                                           \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(ACC), "n"(TB))
+#define CUFLASH_WG_DOPS16(d) \
+  CUFLASH_WG_D4(d, 0), CUFLASH_WG_D4(d, 1), CUFLASH_WG_D4(d, 2), CUFLASH_WG_D4(d, 3)
+#define CUFLASH_WG_DOPS32(d) CUFLASH_WG_DOPS16(d), \
+  CUFLASH_WG_D4(d, 4), CUFLASH_WG_D4(d, 5), CUFLASH_WG_D4(d, 6), CUFLASH_WG_D4(d, 7)
+#define CUFLASH_WG_DOPS64(d) CUFLASH_WG_DOPS32(d), \
+  CUFLASH_WG_D4(d, 8), CUFLASH_WG_D4(d, 9), CUFLASH_WG_D4(d, 10), CUFLASH_WG_D4(d, 11), \
+  CUFLASH_WG_D4(d, 12), CUFLASH_WG_D4(d, 13), CUFLASH_WG_D4(d, 14), CUFLASH_WG_D4(d, 15)
+#define CUFLASH_WG_DSTR16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define CUFLASH_WG_DSTR32 CUFLASH_WG_DSTR16 ", " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define CUFLASH_WG_DSTR64 CUFLASH_WG_DSTR32 ", " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+// The operands after R accumulators: A and B descriptors, the accumulate flag, B's transpose (ss);
+// four A registers, B's descriptor, the flag, B's transpose (rs).
+#define CUFLASH_WG_SS_TAIL16 ", %16, %17, p, 1, 1, 0, %19;\n}\n"
+#define CUFLASH_WG_SS_TAIL32 ", %32, %33, p, 1, 1, 0, %35;\n}\n"
+#define CUFLASH_WG_SS_TAIL64 ", %64, %65, p, 1, 1, 0, %67;\n}\n"
+#define CUFLASH_WG_SS_FLAG16 "setp.ne.b32 p, %18, 0;\n"
+#define CUFLASH_WG_SS_FLAG32 "setp.ne.b32 p, %34, 0;\n"
+#define CUFLASH_WG_SS_FLAG64 "setp.ne.b32 p, %66, 0;\n"
+#define CUFLASH_WG_RS_TAIL16 ", {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+#define CUFLASH_WG_RS_TAIL32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+#define CUFLASH_WG_RS_TAIL64 ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+#define CUFLASH_WG_RS_FLAG16 "setp.ne.b32 p, %21, 0;\n"
+#define CUFLASH_WG_RS_FLAG32 "setp.ne.b32 p, %37, 0;\n"
+#define CUFLASH_WG_RS_FLAG64 "setp.ne.b32 p, %69, 0;\n"
 
-template <typename T> struct Mma64;
-template <> struct Mma64<bf16_t> {
-  template <int ACC, int TB> static __device__ __forceinline__ void ss(float (&d)[8][4], u64 a, u64 b) {
+// Mma<T, N>::ss / rs: d (64 x N; = A B, or += with ACC) for one k-step of 16; TB: B MN-major.
+template <typename T, int N> struct Mma;
 #if CUFLASH_WGMMA
-    CUFLASH_WG_SS("bf16");
+#define CUFLASH_WG_MMA(TYPE, TY, N, R)                                                         \
+  template <> struct Mma<TYPE, N> {                                                            \
+    template <int ACC, int TB>                                                                 \
+    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {           \
+      asm volatile("{\n.reg .pred p;\n" CUFLASH_WG_SS_FLAG##R                                 \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {"            \
+                   CUFLASH_WG_DSTR##R "}" CUFLASH_WG_SS_TAIL##R                               \
+                   : CUFLASH_WG_DOPS##R(d)                                                     \
+                   : "l"(a), "l"(b), "r"(ACC), "n"(TB));                                       \
+    }                                                                                          \
+    template <int ACC, int TB>                                                                 \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) { \
+      asm volatile("{\n.reg .pred p;\n" CUFLASH_WG_RS_FLAG##R                                 \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {"            \
+                   CUFLASH_WG_DSTR##R "}" CUFLASH_WG_RS_TAIL##R                               \
+                   : CUFLASH_WG_DOPS##R(d)                                                     \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(ACC), "n"(TB));   \
+    }                                                                                          \
+  };
 #else
-    __trap();
+#define CUFLASH_WG_MMA(TYPE, TY, N, R)                                                         \
+  template <> struct Mma<TYPE, N> {                                                            \
+    template <int ACC, int TB>                                                                 \
+    static __device__ __forceinline__ void ss(float (&)[N / 8][4], u64, u64) { __trap(); }    \
+    template <int ACC, int TB>                                                                 \
+    static __device__ __forceinline__ void rs(float (&)[N / 8][4], const u32 (&)[4], u64) {   \
+      __trap();                                                                                \
+    }                                                                                          \
+  };
 #endif
-  }
-  template <int ACC, int TB>
-  static __device__ __forceinline__ void rs(float (&d)[8][4], const u32 (&a)[4], u64 b) {
-#if CUFLASH_WGMMA
-    CUFLASH_WG_RS("bf16");
-#else
-    __trap();
-#endif
-  }
-};
-template <> struct Mma64<half_t> {
-  template <int ACC, int TB> static __device__ __forceinline__ void ss(float (&d)[8][4], u64 a, u64 b) {
-#if CUFLASH_WGMMA
-    CUFLASH_WG_SS("f16");
-#else
-    __trap();
-#endif
-  }
-  template <int ACC, int TB>
-  static __device__ __forceinline__ void rs(float (&d)[8][4], const u32 (&a)[4], u64 b) {
-#if CUFLASH_WGMMA
-    CUFLASH_WG_RS("f16");
-#else
-    __trap();
-#endif
-  }
-};
-#undef CUFLASH_WG_SS
-#undef CUFLASH_WG_RS
+CUFLASH_WG_MMA(bf16_t, "bf16", 32, 16)
+CUFLASH_WG_MMA(bf16_t, "bf16", 64, 32)
+CUFLASH_WG_MMA(bf16_t, "bf16", 128, 64)
+CUFLASH_WG_MMA(half_t, "f16", 32, 16)
+CUFLASH_WG_MMA(half_t, "f16", 64, 32)
+CUFLASH_WG_MMA(half_t, "f16", 128, 64)
+#undef CUFLASH_WG_MMA
 
-// d = A B^T over K = 16 KSTEPS, both operands K-major 128-byte-swizzled tiles: A's 64 rows from
-// shared address a (1024-aligned), B's 64 rows from b. (S^T = K Q^T and dP^T = V dO^T.)
-template <typename T, int KSTEPS>
-__device__ __forceinline__ void rows_times_rows(float (&d)[8][4], u32 a, u32 b) {
+// d (64 x N) = A B^T over K = 16 KSTEPS, both operands K-major 128-byte-swizzled tiles (blocks of
+// 64 columns, tc::chunk_offset_swz): A's 64 rows from shared address a (1024-aligned), whose tile
+// has A_BLK bytes per column block; B's N rows from b, B_BLK bytes per block. (S^T = K Q^T and
+// dP^T = V dO^T.)
+template <typename T, int N, int KSTEPS, u32 A_BLK, u32 B_BLK>
+__device__ __forceinline__ void rows_times_rows(float (&d)[N / 8][4], u32 a, u32 b) {
   fence();
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
-    const u64 da = desc_sw128(a + kk * SW128_KSTEP_K, 0, SW128_SBO);
-    const u64 db = desc_sw128(b + kk * SW128_KSTEP_K, 0, SW128_SBO);
+    const u32 col = (kk % 4) * SW128_KSTEP_K;  // 4 k-steps per 64-column block
+    const u64 da = desc_sw128(a + (kk / 4) * A_BLK + col, 0, SW128_SBO);
+    const u64 db = desc_sw128(b + (kk / 4) * B_BLK + col, 0, SW128_SBO);
     if (kk == 0)
-      Mma64<T>::template ss<0, 0>(d, da, db);
+      Mma<T, N>::template ss<0, 0>(d, da, db);
     else
-      Mma64<T>::template ss<1, 0>(d, da, db);
+      Mma<T, N>::template ss<1, 0>(d, da, db);
   }
   commit();
 }
-// d += A B over K = 16 KSTEPS: A from registers (a[kk], mma.sync A fragments), B a 128-byte-swizzled
-// tile of 16 KSTEPS rows of 64 columns at shared address b, read MN-major. (dV += P^T dO and
-// dK += dS^T Q.)
-template <typename T, int KSTEPS>
-__device__ __forceinline__ void regs_times_tile(float (&d)[8][4], const u32 (&a)[KSTEPS][4],
+// d (64 x N) += A B over K = 16 KSTEPS: A from registers (a[kk], mma.sync A fragments), B a
+// 128-byte-swizzled tile of 16 KSTEPS rows and N columns at shared address b, read MN-major, with
+// B_BLK bytes per 64-column block (the descriptor's LBO). (dV += P^T dO and dK += dS^T Q.)
+template <typename T, int N, int KSTEPS, u32 B_BLK>
+__device__ __forceinline__ void regs_times_tile(float (&d)[N / 8][4], const u32 (&a)[KSTEPS][4],
                                                 u32 b) {
   fence();
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk)
-    Mma64<T>::template rs<1, 1>(d, a[kk], desc_sw128(b + kk * SW128_KSTEP_MN, 0, SW128_SBO));
+    Mma<T, N>::template rs<1, 1>(d, a[kk], desc_sw128(b + kk * SW128_KSTEP_MN, B_BLK, SW128_SBO));
   commit();
 }
 }  // namespace wg

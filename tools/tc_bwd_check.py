@@ -307,8 +307,10 @@ VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-
 # (+2-5 %, see _tc_bwd.DKDV_TILES); timed beside it for A/B. _tc_bwd.DKDV_X_TILES[64].
 VARIANTS[64].extend(_tc_bwd.DKDV_X_TILES[64])
 # --wg: on compute capability 9.0 the default at D=64 is the wgmma tile (_tc_bwd.DKDV_TILES_WG);
-# this times the mma.sync table tile it replaced beside it.
-WG_VARIANTS = {64: [_tc_bwd.DKDV_TILES[64]]}
+# this times the mma.sync table tile it replaced beside it, and the D=128 wgmma candidates (64 and
+# 32 queries per step) beside D=128's default there (the warp-grid kernel).
+_WG = _tc_bwd.OPT_SWZ | _tc_bwd.OPT_WG
+WG_VARIANTS = {64: [_tc_bwd.DKDV_TILES[64]], 128: [_T(64, 8, False, 1, _WG), _T(32, 8, False, 1, _WG)]}
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
