@@ -171,7 +171,16 @@ DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID)}
 # 177.7 / 254.7 / 286.3 vs 164.8 / 232.0 / 258.9 (+8-11 %), causal 121.6 / 217.2 / 278.5 vs
 # 111.9 / 199.6 / 250.0 (+9-11 %); 204-226 registers, no spills; every correctness case of the tool
 # (484, D=64 fp16 and bf16 among them, all mask modes) within the same error as the table tile.
-DKDV_TILES_WG = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG)}
+# D=128: the same kernel on blocked swizzled tiles (two 64-column blocks per tile), 64 queries per
+# step (tc_bwd_check --wg, same run, bf16 at N = 1k / 4k / 16k against the warp-grid default:
+# non-causal 206.3 / 305.9 / 349.7 vs 170.9 / 252.0 / 283.3, causal 129.5 / 239.0 / 337.5 vs
+# 114.7 / 213.7 / 274.6: +13-23 %; 32 queries per step: 182.2 / 266.7 / 305.8 and 128.1 / 215.6 /
+# 298.9). 248-255 registers, no spills, except with a mask / bias and deterministic=True (12 B): the
+# mask / bias tile is the 32-query one (231-244 registers).
+DKDV_TILES_WG = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG),
+                 128: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG)}
+DKDV_TILES_WG_MB = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG),
+                    128: DkdvTile(32, 8, False, 1, OPT_SWZ | OPT_WG)}
 # Tests set this to False to run the mma.sync tiles on sm_90 devices too (tests/test_gpu.py).
 USE_WG = True
 # Candidate tiles of bwd_sm80_dkdv_g (not used by default; tools/tc_bwd_check.py --variants checks
@@ -246,8 +255,9 @@ def table_tile(head_dim, has_mb):
     (sm_90a code runs there only), else the warp-grid tile where shared memory allows it, else the
     table's."""
     info = _kernels.device_info()
-    if USE_WG and head_dim in DKDV_TILES_WG and info.cc == 90:
-        return DKDV_TILES_WG[head_dim]
+    wg = DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG
+    if USE_WG and head_dim in wg and info.cc == 90:
+        return wg[head_dim]
     if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:
         big = DKDV_TILES_LARGE_SMEM[head_dim]
         if dkdv_smem_bytes(head_dim, big) <= info.smem_optin:
@@ -281,7 +291,8 @@ def all_instantiations(dtypes=("float16", "bfloat16")):
                     out.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
                 for atomic, mb in itertools.product((True, False), (False, True)):
-                    out.append(dkdv_expr(dt, d, DKDV_TILES_WG[d], atomic, mb))
+                    out.append(dkdv_expr(dt, d, (DKDV_TILES_WG_MB if mb else DKDV_TILES_WG)[d],
+                                         atomic, mb))
     return out
 
 

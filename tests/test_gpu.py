@@ -105,9 +105,10 @@ def test_sweep(case, dtype, rng, path):
     check(q, k, v, rng, **options)
 
 
-# The tensor-core backward has two dK/dV kernels at D=64 on compute capability 9.0: the wgmma one
-# (what "auto" runs there) and the mma.sync one every other device runs. This runs both, both dQ
-# modes. (name, q lead, kv lead, Nq, Nk, options)
+# The tensor-core backward has two dK/dV kernels at D=64 and 128 on compute capability 9.0: the
+# wgmma one (what "auto" runs there) and the mma.sync one every other device runs (at D=128 the
+# warp-grid kernel where shared memory allows). This runs both, both dQ modes.
+# (name, q lead, kv lead, Nq, Nk, options)
 TC_BWD_CASES = [
     ("odd-causal-tl-gqa", (2, 4), (2, 2), 97, 200, dict(causal=True, align="top-left")),
     ("causal-br-long", (1, 2), (1, 2), 300, 700, dict(causal=True)),
@@ -119,16 +120,18 @@ TC_BWD_CASES = [
 @pytest.mark.parametrize("dtype", ["float16"] + (["bfloat16"] if BFLOAT16 is not None else []))
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", TC_BWD_CASES, ids=[c[0] for c in TC_BWD_CASES])
-def test_tensor_core_backward_kernels(case, kernel, deterministic, dtype, rng, monkeypatch):
+def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dtype, rng,
+                                      monkeypatch):
     import cupy
     from cuflash import _gpu, _kernels, _tc_bwd, _validate
     if kernel == "wgmma" and _kernels.device_info().cc != 90:
         pytest.skip("the wgmma kernel is sm_90a code: compute capability 9.0 only")
     monkeypatch.setattr(_tc_bwd, "USE_WG", kernel == "wgmma")
     _, lq, lkv, Nq, Nk, options = case
-    q = randn(rng, lq + (Nq, 64), dtype)
-    k, v = (randn(rng, lkv + (Nk, 64), dtype) for _ in range(2))
+    q = randn(rng, lq + (Nq, head_dim), dtype)
+    k, v = (randn(rng, lkv + (Nk, head_dim), dtype) for _ in range(2))
     if options == "mask-bias":
         mask = rng.random(lq + (Nq, Nk)) < 0.7
         mask[0, 1, 5] = False  # an empty row
@@ -137,7 +140,7 @@ def test_tensor_core_backward_kernels(case, kernel, deterministic, dtype, rng, m
     p = _validate.make_problem(q, k, v, **options)
     assert _gpu.backward_path(p) == "sm80"
     has_mb = p.mask is not None or p.bias is not None
-    assert bool(_tc_bwd.table_tile(64, has_mb).opt & _tc_bwd.OPT_WG) == (kernel == "wgmma")
+    assert bool(_tc_bwd.table_tile(head_dim, has_mb).opt & _tc_bwd.OPT_WG) == (kernel == "wgmma")
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
