@@ -11,6 +11,14 @@ float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128). 
 `backward(problem, dout, out, lse)` returns dq, dk, dv per output (batch, head) in float32, like
 cuflash/_gpu.py's backward; the caller sums GQA / broadcast groups and casts.
 
+Which dK/dV tile a call gets (table_tile): on compute capability 9.0 at head dims 64 and 128, the
+wgmma form (DKDV_TILES_WG / _MB, OPT_WG: bwd_sm80_dkdv_x compiled for sm_90a, tcb::DKDV_WGMMA):
+warpgroup h owns keys [64 h, 64 h + 64) of the 128-key tile, S^T, dP^T, dV and dK are warpgroup
+products (wgmma_sm90.cuh) on 128-byte-swizzled tiles, dQ stays on mma.sync; measured on the H200
+(fifth session, bench.py): 1.03-1.10x FA2 at D=64, 1.11-1.17x at D=128, where the mma.sync tiles
+below were at 0.92-1.04x and 0.93-0.99x. Elsewhere: the warp-grid tile at D=128 where shared memory
+allows (DKDV_TILES_LARGE_SMEM), else DKDV_TILES / DKDV_TILES_MB.
+
 Tile table (ptxas of NVRTC 13.0 and 13.5, sm_90a and sm_80: registers / spill bytes; no H200
 measurement yet: tools/tc_bwd_check.py --variants times the alternatives beside the choice).
   dkdv: BLOCK_N = 16 * WARPS keys (warp w owns 16 keys), BLOCK_M queries per step, K and V

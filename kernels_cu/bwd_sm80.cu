@@ -1,4 +1,6 @@
 // bwd_sm80.cu: FlashAttention-2-class backward on tensor cores (mma.sync), float16 / bfloat16, sm_80+.
+// On sm_90a the dK/dV kernel has a wgmma form (tcb::DKDV_WGMMA, wgmma_sm90.cuh): the same body,
+// with its four key-row products as warpgroup instructions.
 //
 //   bwd_sm80_prep   per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for an
 //                   empty row), both float32 in (BH, Nq_pad) buffers padded with (+inf, 0) rows, so
@@ -355,8 +357,9 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
 
   // Shared layout (mirrored by _tc_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
-  // of ROW_BYTES; dS^T [BLOCK_N] rows of DS_ROW; lse2, delta [2][BLOCK_M] floats. SWZ: from the
-  // first ROW_BYTES-aligned address (every tile base is then aligned: tc::tile_addr's XOR).
+  // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
+  // lse2, delta [2][BLOCK_M] floats. SWZ: from the first BASE_ALIGN-aligned address (every tile
+  // base is then aligned: tc::tile_addr's XOR, wgmma's swizzle).
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sK = SWZ ? (smem_u32(smem_raw) + BASE_ALIGN - 1) & ~(BASE_ALIGN - 1)
                      : smem_u32(smem_raw);
