@@ -44,6 +44,17 @@ def device_info(device_id=None):
             info = _device_infos.setdefault(dev, info)
     return info
 _functions = {}  # (device id, file name, name expression) -> (RawModule, RawKernel)
+_nvrtc = []      # [NVRTC (major, minor)] once queried
+
+
+def nvrtc_version():
+    """The (major, minor) version of the NVRTC CuPy compiles with (cached). sm_90a targets (wgmma)
+    need 12.0 or newer."""
+    if not _nvrtc:
+        import cupy
+
+        _nvrtc.append(tuple(cupy.cuda.nvrtc.getVersion()))
+    return _nvrtc[0]
 
 
 def kernels_dir():

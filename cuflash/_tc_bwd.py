@@ -258,14 +258,21 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
+def wgmma_available():
+    """Whether the current device can run the OPT_WG tiles: sm_90a code runs on compute capability
+    9.0 only, and NVRTC builds it from 12.0 on."""
+    return _kernels.device_info().cc == 90 and _kernels.nvrtc_version() >= (12, 0)
+
+
 def table_tile(head_dim, has_mb):
     """The dK/dV tile for a call on the current device: the wgmma tile on compute capability 9.0
-    (sm_90a code runs there only), else the warp-grid tile where shared memory allows it, else the
-    table's."""
+    (sm_90a code runs there only; NVRTC 12.0+ builds it), else the warp-grid tile where shared
+    memory allows it, else the table's."""
     info = _kernels.device_info()
-    wg = DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG
-    if USE_WG and head_dim in wg and info.cc == 90:
-        return wg[head_dim]
+    wg = (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(head_dim)
+    if USE_WG and wg is not None and wgmma_available() and \
+            dkdv_smem_bytes(head_dim, wg) <= info.smem_optin:
+        return wg
     if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:
         big = DKDV_TILES_LARGE_SMEM[head_dim]
         if dkdv_smem_bytes(head_dim, big) <= info.smem_optin:
