@@ -103,14 +103,15 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                (its 4-byte stores and ldmatrix.trans are conflict-free as they are). The
 //                shared base is rounded up to a row (the XOR must not carry into it); the host
 //                reserves the extra row. HEAD_DIM % 64 == 0.
-//   DKDV_WGMMA   sm_90a (wgmma_sm90.cuh): the four products with a 64 x 64 result per warpgroup
-//                (S^T, dP^T, dV, dK) on wgmma instead of mma.sync; warpgroup h (warps 4h..4h+3)
-//                owns keys [64 h, 64 h + 64), so every register fragment is where the mma.sync
-//                form has it and the masking / softmax / dS code is shared. S^T and dP^T read K, V,
-//                Q, dO from shared memory (K-major), dV and dK take P^T, dS^T from registers and dO,
-//                Q MN-major. S^T and dP^T are issued together, dV runs under dS, dK under dQ (which
-//                stays on mma.sync). Needs DKDV_SWZ, HEAD_DIM 64 (one 128-byte swizzle atom per
-//                row), BLOCK_M 64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
+//   DKDV_WGMMA   sm_90a (wgmma_sm90.cuh): the four products whose rows are keys (S^T, dP^T, dV,
+//                dK) on wgmma instead of mma.sync; warpgroup h (warps 4h..4h+3) owns keys
+//                [64 h, 64 h + 64), so every register fragment is where the mma.sync form has it
+//                and the masking / softmax / dS code is shared. S^T and dP^T read K, V, Q, dO from
+//                shared memory (K-major), dV and dK take P^T, dS^T from registers and dO, Q
+//                MN-major. S^T and dP^T are issued together, dV runs under dS, dK under dQ (which
+//                stays on mma.sync) and the dQ reductions (issued together, while dK runs). Needs
+//                DKDV_SWZ, HEAD_DIM 64 or 128 (tiles stored as blocks of 64 columns), BLOCK_M 32 or
+//                64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
 // (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
 enum DkdvOpt : int {

@@ -17,10 +17,13 @@ Stages (each in its own try/except: a failing stage prints FAIL and its tracebac
                 outside. FLOPs = 2.5 * 4 * B * H * N^2 * D, halved for causal.
 
     PYTHONPATH=. python3 tools/tc_bwd_check.py [--skip-build] [--skip-correctness] [--skip-timing]
-        [--variants [--old-variants]] [--seqs 1024,4096,16384]
+        [--variants [--old-variants | --wg]] [--dims 64,128] [--seqs 1024,4096,16384]
   --variants: stages 1-2 also build and check every VARIANTS tile of head dims 64 / 128 (each
   correctness case run again with each tile, printed as v<i>), and stage 4 times them beside the
   table's choice (after comparing their gradients with the default tile's on the timing data).
+  --wg: the variants are WG_VARIANTS instead (on compute capability 9.0, where the defaults at D=64
+  and 128 are the wgmma tiles: the mma.sync tile at D=64 and the other wgmma tile at D=128).
+  --dims: the head dims of the timing stage.
 """
 import argparse
 import itertools
