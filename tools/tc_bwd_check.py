@@ -22,7 +22,7 @@ Stages (each in its own try/except: a failing stage prints FAIL and its tracebac
   correctness case run again with each tile, printed as v<i>), and stage 4 times them beside the
   table's choice (after comparing their gradients with the default tile's on the timing data).
   --wg: the variants are WG_VARIANTS instead (on compute capability 9.0, where the defaults at D=64
-  and 128 are the wgmma tiles: the mma.sync tile at D=64 and the other wgmma tile at D=128).
+  and 128 are the wgmma tiles: the tiles they replaced, and D=128's 32-query wgmma tile).
   --dims: the head dims of the timing stage.
 """
 import argparse
@@ -309,11 +309,12 @@ VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-
 # D=64's previous table tile: padded rows instead of the swizzled ones of OPT_SWZ, which replaced it
 # (+2-5 %, see _tc_bwd.DKDV_TILES); timed beside it for A/B. _tc_bwd.DKDV_X_TILES[64].
 VARIANTS[64].extend(_tc_bwd.DKDV_X_TILES[64])
-# --wg: on compute capability 9.0 the default at D=64 is the wgmma tile (_tc_bwd.DKDV_TILES_WG);
-# this times the mma.sync table tile it replaced beside it, and the D=128 wgmma candidates (64 and
-# 32 queries per step) beside D=128's default there (the warp-grid kernel).
-_WG = _tc_bwd.OPT_SWZ | _tc_bwd.OPT_WG
-WG_VARIANTS = {64: [_tc_bwd.DKDV_TILES[64]], 128: [_T(64, 8, False, 1, _WG), _T(32, 8, False, 1, _WG)]}
+# --wg: on compute capability 9.0 the defaults at D=64 and 128 are the wgmma tiles
+# (_tc_bwd.DKDV_TILES_WG); this times beside them the tiles they replaced (D=64's mma.sync table
+# tile, D=128's warp-grid tile) and, at D=128, the wgmma tile with 32 queries per step.
+WG_VARIANTS = {64: [_tc_bwd.DKDV_TILES[64]],
+               128: [_tc_bwd.DKDV_TILES_LARGE_SMEM[128],
+                     _T(32, 8, False, 1, _tc_bwd.OPT_SWZ | _tc_bwd.OPT_WG)]}
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
