@@ -142,6 +142,9 @@ OPT_GRID = 16
 # OPT_WG: sm_90a only. The four 64 x 64-per-warpgroup products on wgmma (tcb::DKDV_WGMMA, with
 # OPT_SWZ; D=64, BLOCK_M 64, 8 warps, K / V in shared memory). Compiled with -arch=sm_90a.
 OPT_WG = 64
+# OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64, dQ atomics: dQ on wgmma too (tcb::DKDV_WG_DQ).
+# A candidate, built and spill-checked but not yet run on a GPU (WG_CANDIDATES).
+OPT_WG_DQ = 128
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
@@ -317,14 +320,21 @@ def sm90_only_instantiations():
     return []
 
 
+# Candidate wgmma tiles (tools/tc_bwd_check.py --wg times them): with dQ atomics only, no mask / bias.
+WG_CANDIDATES = {128: (DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG | OPT_WG_DQ),)}
+
+
 def candidate_instantiations(dtypes=("float16", "bfloat16")):
-    """Name expressions of the GRID_TILES candidates (both dQ modes) and of the DKDV_X_TILES
-    candidates (both dQ modes, with and without mask / bias), for device-free build checks."""
+    """Name expressions of the GRID_TILES candidates (both dQ modes), of the DKDV_X_TILES
+    candidates (both dQ modes, with and without mask / bias) and of WG_CANDIDATES (dQ atomics, no
+    mask / bias), for device-free build checks."""
     grid = [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes
             for d, tiles in GRID_TILES.items() for t in tiles for atomic in (True, False)]
     x = [dkdv_expr(dt, d, t, atomic, mb) for dt in dtypes for d, tiles in DKDV_X_TILES.items()
          for t in tiles for mb in (False, True) for atomic in (True, False)]
-    return grid + x
+    wg = [dkdv_expr(dt, d, t, True, False) for dt in dtypes for d, tiles in WG_CANDIDATES.items()
+          for t in tiles]
+    return grid + x + wg
 
 
 _smem_set = {}
@@ -385,6 +395,8 @@ def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic
     D = common["Dk"]
     if tile is not None and tile.opt & OPT_GRID and not grid_tile_usable(tile, D, has_mb):
         tile = None  # the grid kernel has no mask / bias: the table's tile
+    if tile is not None and tile.opt & OPT_WG_DQ and (has_mb or not dq_atomic):
+        tile = None  # the candidate is built for dQ atomics without mask / bias only
     tile = tile or table_tile(D, has_mb)
     smem = dkdv_smem_bytes(D, tile)
     fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem,

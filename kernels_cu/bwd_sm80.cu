@@ -112,11 +112,17 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                stays on mma.sync) and the dQ reductions (issued together, while dK runs). Needs
 //                DKDV_SWZ, HEAD_DIM 64 or 128 (tiles stored as blocks of 64 columns), BLOCK_M 32 or
 //                64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
+//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (a candidate, not yet
+//                timed): dQ = dS K on wgmma too. dS^T goes to shared memory 128-byte-swizzled
+//                (rows = keys, 64 queries of 128 bytes), read as an MN-major A; warpgroup h takes
+//                dQ's columns [64 h, 64 h + 64) over all 128 keys with K's column block h as an
+//                MN-major B. Its fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the
+//                reductions are the same.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
 // (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
 enum DkdvOpt : int {
   DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8, DKDV_SWZ = 32,
-  DKDV_WGMMA = 64
+  DKDV_WGMMA = 64, DKDV_WG_DQ = 128
 };
 
 // p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
@@ -308,7 +314,9 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   // bytes; KBLK: bytes per block of the K tile when there are several (else 0, tc::tile_addr).
   constexpr int LROW = SWZ ? 128 : ROW_BYTES;
   constexpr u32 KBLK = SWZ && HEAD_DIM > 64 ? BLOCK_N * 128 : 0;
-  constexpr int DS_ROW = (BLOCK_M + 8) * 2;  // dS^T rows (keys) in shared memory, padded
+  constexpr bool WG_DQ = (OPT & tcb::DKDV_WG_DQ) != 0;  // dQ on wgmma (swizzled dS^T)
+  // dS^T rows (keys) in shared memory: padded, or 128-byte-swizzled rows of 64 queries (WG_DQ)
+  constexpr int DS_ROW = WG_DQ ? BLOCK_M * 2 : (BLOCK_M + 8) * 2;
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
   constexpr int WM = BLOCK_M / 16;
@@ -324,6 +332,9 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
                 "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
                 "shared memory");
   static_assert(!SWZ || HEAD_DIM == 64 || WG, "DKDV_SWZ's mma.sync products: one column block");
+  static_assert(!WG_DQ || (WG && HEAD_DIM == 128 && BLOCK_M == 64 && DQ_ATOMIC &&
+                           !(OPT & tcb::DKDV_DQ_V4)),
+                "DKDV_WG_DQ: the wgmma kernel at D=128, 64 queries per step, dQ atomics");
   // Shared tile bases: swizzled tiles start on a row (tc::tile_addr's XOR must not carry into the
   // base), wgmma's 128-byte swizzle on 8 rows (it swizzles absolute addresses).
   constexpr u32 BASE_ALIGN = WG ? 8 * LROW : LROW;
@@ -549,12 +560,24 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int kk = 0; kk < KM; ++kk) {
       acc_to_a<T>(dp[2 * kk], dp[2 * kk + 1], da[kk]);
       if (DQ_ATOMIC) {
-        // a0 = (key g, queries 16kk + 2t..), a1 = key g + 8, a2/a3 = queries + 8.
-        const u32 row = sdS + (warp * 16 + g) * DS_ROW + (kk * 16 + 2 * t) * 2;
-        st_shared_b32(row, da[kk][0]);
-        st_shared_b32(row + 8 * DS_ROW, da[kk][1]);
-        st_shared_b32(row + 16, da[kk][2]);
-        st_shared_b32(row + 8 * DS_ROW + 16, da[kk][3]);
+        // a0 = (key g, queries 16kk + 2t..), a1 = key g + 8, a2/a3 = queries + 8. WG_DQ: query
+        // chunk 2 kk (+1 for a2/a3) of key row r sits at chunk (2 kk) ^ (r % 8) (keys g and g + 8
+        // share r % 8): 8 rows x 4 words per store, conflict-free.
+        if constexpr (WG_DQ) {
+          const int key = warp * 16 + g;
+          const u32 row = sdS + key * DS_ROW + ((2 * kk) ^ (key & 7)) * 16 + 4 * t;
+          const u32 row8 = sdS + key * DS_ROW + ((2 * kk + 1) ^ (key & 7)) * 16 + 4 * t;
+          st_shared_b32(row, da[kk][0]);
+          st_shared_b32(row + 8 * DS_ROW, da[kk][1]);
+          st_shared_b32(row8, da[kk][2]);
+          st_shared_b32(row8 + 8 * DS_ROW, da[kk][3]);
+        } else {
+          const u32 row = sdS + (warp * 16 + g) * DS_ROW + (kk * 16 + 2 * t) * 2;
+          st_shared_b32(row, da[kk][0]);
+          st_shared_b32(row + 8 * DS_ROW, da[kk][1]);
+          st_shared_b32(row + 16, da[kk][2]);
+          st_shared_b32(row + 8 * DS_ROW + 16, da[kk][3]);
+        }
       }
     }
     if constexpr (WG)  // dK += dS^T Q, under dQ
@@ -565,7 +588,13 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
     float acc[QF][4];
     const int wm = warp % WM, col0 = (warp / WM) * DQ_COLS;
-    if (DQ_ATOMIC) {
+    if constexpr (WG_DQ) {
+      wg::fence_shared();  // dS^T is read by wgmma
+      __syncthreads();     // dS^T of every warp in shared memory
+      wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, sdS, sK + (warp / 4) * KBLK);
+      wg::wait<0>();  // (dV and dK land here too)
+      wg::fence_acc(acc);
+    } else if (DQ_ATOMIC) {
       __syncthreads();  // dS^T of every warp in shared memory
 #pragma unroll
       for (int nf = 0; nf < QF; ++nf)

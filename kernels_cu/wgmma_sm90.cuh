@@ -91,11 +91,12 @@ template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {
 #define CUFLASH_WG_DSTR64 CUFLASH_WG_DSTR32 ", " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-// The operands after R accumulators: A and B descriptors, the accumulate flag, B's transpose (ss);
+// The operands after R accumulators: A and B descriptors, the accumulate flag, B's and A's
+// transposes (ss);
 // four A registers, B's descriptor, the flag, B's transpose (rs).
-#define CUFLASH_WG_SS_TAIL16 ", %16, %17, p, 1, 1, 0, %19;\n}\n"
-#define CUFLASH_WG_SS_TAIL32 ", %32, %33, p, 1, 1, 0, %35;\n}\n"
-#define CUFLASH_WG_SS_TAIL64 ", %64, %65, p, 1, 1, 0, %67;\n}\n"
+#define CUFLASH_WG_SS_TAIL16 ", %16, %17, p, 1, 1, %20, %19;\n}\n"
+#define CUFLASH_WG_SS_TAIL32 ", %32, %33, p, 1, 1, %36, %35;\n}\n"
+#define CUFLASH_WG_SS_TAIL64 ", %64, %65, p, 1, 1, %68, %67;\n}\n"
 #define CUFLASH_WG_SS_FLAG16 "setp.ne.b32 p, %18, 0;\n"
 #define CUFLASH_WG_SS_FLAG32 "setp.ne.b32 p, %34, 0;\n"
 #define CUFLASH_WG_SS_FLAG64 "setp.ne.b32 p, %66, 0;\n"
@@ -106,18 +107,19 @@ template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {
 #define CUFLASH_WG_RS_FLAG32 "setp.ne.b32 p, %37, 0;\n"
 #define CUFLASH_WG_RS_FLAG64 "setp.ne.b32 p, %69, 0;\n"
 
-// Mma<T, N>::ss / rs: d (64 x N; = A B, or += with ACC) for one k-step of 16; TB: B MN-major.
+// Mma<T, N>::ss / rs: d (64 x N; = A B, or += with ACC) for one k-step of 16; TB: B MN-major,
+// TA: A MN-major (ss only).
 template <typename T, int N> struct Mma;
 #if CUFLASH_WGMMA
 #define CUFLASH_WG_MMA(TYPE, TY, N, R)                                                         \
   template <> struct Mma<TYPE, N> {                                                            \
-    template <int ACC, int TB>                                                                 \
+    template <int ACC, int TB, int TA = 0>                                                     \
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {           \
       asm volatile("{\n.reg .pred p;\n" CUFLASH_WG_SS_FLAG##R                                 \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {"            \
                    CUFLASH_WG_DSTR##R "}" CUFLASH_WG_SS_TAIL##R                               \
                    : CUFLASH_WG_DOPS##R(d)                                                     \
-                   : "l"(a), "l"(b), "r"(ACC), "n"(TB));                                       \
+                   : "l"(a), "l"(b), "r"(ACC), "n"(TB), "n"(TA));                              \
     }                                                                                          \
     template <int ACC, int TB>                                                                 \
     static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) { \
@@ -131,7 +133,7 @@ template <typename T, int N> struct Mma;
 #else
 #define CUFLASH_WG_MMA(TYPE, TY, N, R)                                                         \
   template <> struct Mma<TYPE, N> {                                                            \
-    template <int ACC, int TB>                                                                 \
+    template <int ACC, int TB, int TA = 0>                                                     \
     static __device__ __forceinline__ void ss(float (&)[N / 8][4], u64, u64) { __trap(); }    \
     template <int ACC, int TB>                                                                 \
     static __device__ __forceinline__ void rs(float (&)[N / 8][4], const u32 (&)[4], u64) {   \
@@ -176,6 +178,23 @@ __device__ __forceinline__ void regs_times_tile(float (&d)[N / 8][4], const u32 
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk)
     Mma<T, N>::template rs<1, 1>(d, a[kk], desc_sw128(b + kk * SW128_KSTEP_MN, B_BLK, SW128_SBO));
+  commit();
+}
+// d (64 x N) = A B over K = 16 KSTEPS, both operands 128-byte-swizzled tiles read MN-major: A
+// (64 wide) from shared address a, B (N wide, B_BLK bytes per 64-column block) from b; k-step kk is
+// rows 16 kk .. 16 kk + 15 of both. (dQ = dS K with dS^T stored: rows = keys.)
+template <typename T, int N, int KSTEPS, u32 B_BLK>
+__device__ __forceinline__ void tile_t_times_tile(float (&d)[N / 8][4], u32 a, u32 b) {
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const u64 da = desc_sw128(a + kk * SW128_KSTEP_MN, 0, SW128_SBO);
+    const u64 db = desc_sw128(b + kk * SW128_KSTEP_MN, B_BLK, SW128_SBO);
+    if (kk == 0)
+      Mma<T, N>::template ss<0, 1, 1>(d, da, db);
+    else
+      Mma<T, N>::template ss<1, 1, 1>(d, da, db);
+  }
   commit();
 }
 }  // namespace wg
