@@ -48,8 +48,7 @@ _nvrtc = []      # [NVRTC (major, minor)] once queried
 
 
 def nvrtc_version():
-    """The (major, minor) version of the NVRTC CuPy compiles with (cached). sm_90a targets (wgmma)
-    need 12.0 or newer."""
+    """The (major, minor) version of the NVRTC CuPy compiles with (cached)."""
     if not _nvrtc:
         import cupy
 
@@ -105,7 +104,8 @@ def get_kernel(kernel, dtype, bucket=None, path="generic"):
 def get_function(filename, expr, arch=None):
     """The compiled RawKernel `expr` of kernels_cu/<filename> on the current device (memoized).
     arch: an NVRTC target to compile for instead of CuPy's default for the device ("sm_90a" for
-    kernels with wgmma; NVRTC takes the last -arch, and CuPy puts its own first)."""
+    kernels with wgmma). CuPy appends its own -arch after it: NVRTC 12.9+ then builds sm_90a,
+    earlier versions refuse two (_tc_bwd.WG_MIN_NVRTC)."""
     import cupy
 
     key = (cupy.cuda.Device().id, filename, expr)

@@ -261,15 +261,21 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
+# NVRTC before 12.9 rejects a second -arch ("defined more than once"), and CuPy always appends
+# its own after ours (_kernels.get_function); from 12.9 on, sm_90a wins in either order (checked
+# with the libraries of nvidia-cuda-nvrtc-cu12 12.0-12.6, 12.8 and 12.9, and NVRTC 13.0).
+WG_MIN_NVRTC = (12, 9)
+
+
 def wgmma_available():
     """Whether the current device can run the OPT_WG tiles: sm_90a code runs on compute capability
-    9.0 only, and NVRTC builds it from 12.0 on."""
-    return _kernels.device_info().cc == 90 and _kernels.nvrtc_version() >= (12, 0)
+    9.0 only, and CuPy's NVRTC must build it (WG_MIN_NVRTC)."""
+    return _kernels.device_info().cc == 90 and _kernels.nvrtc_version() >= WG_MIN_NVRTC
 
 
 def table_tile(head_dim, has_mb):
     """The dK/dV tile for a call on the current device: the wgmma tile on compute capability 9.0
-    (sm_90a code runs there only; NVRTC 12.0+ builds it), else the warp-grid tile where shared
+    (sm_90a code runs there only; NVRTC 12.9+ builds it), else the warp-grid tile where shared
     memory allows it, else the table's."""
     info = _kernels.device_info()
     wg = (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(head_dim)

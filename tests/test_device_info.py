@@ -35,3 +35,31 @@ def test_device_info_reads_and_caches_per_device(monkeypatch):
     assert _kernels.device_info(1) is _kernels.device_info()   # cached, not queried again
     assert calls == [1, 0]
     assert isinstance(_kernels.device_info().cc, int)
+
+
+@pytest.mark.parametrize("cc,nvrtc,smem,eligible", [
+    (90, (13, 0), 232448, True),
+    (90, (12, 9), 232448, True),
+    (90, (12, 8), 232448, False),   # rejects CuPy's second -arch: the mma.sync tiles instead
+    (80, (13, 0), 166912, False),   # sm_90a code runs on compute capability 9.0 only
+    (100, (13, 0), 232448, False),
+    (90, (13, 0), 100 * 1024, True),  # D=64's wgmma tile fits, D=128's does not
+])
+def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, cc, nvrtc, smem, eligible):
+    """_tc_bwd.table_tile: the wgmma tiles only where the device runs sm_90a code, CuPy's NVRTC
+    builds it and shared memory holds them; otherwise the tile every other device gets."""
+    from cuflash import _tc_bwd
+
+    monkeypatch.setattr(_kernels, "device_info",
+                        lambda device_id=None: _kernels.DeviceInfo(cc, smem, 132))
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: nvrtc)
+    for head_dim, has_mb in ((64, False), (64, True), (128, False), (128, True)):
+        wg = (_tc_bwd.DKDV_TILES_WG_MB if has_mb else _tc_bwd.DKDV_TILES_WG)[head_dim]
+        want = eligible and _tc_bwd.dkdv_smem_bytes(head_dim, wg) <= smem
+        tile = _tc_bwd.table_tile(head_dim, has_mb)
+        assert (tile == wg) == want, (head_dim, has_mb, tile)
+        assert bool(tile.opt & _tc_bwd.OPT_WG) == want
+        if not want and not tile.opt & _tc_bwd.OPT_GRID:  # the table's tile, as elsewhere
+            assert tile == (_tc_bwd.DKDV_TILES_MB if has_mb else _tc_bwd.DKDV_TILES)[head_dim]
+    monkeypatch.setattr(_tc_bwd, "USE_WG", False)
+    assert not _tc_bwd.table_tile(64, False).opt & _tc_bwd.OPT_WG

@@ -127,7 +127,7 @@ def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dty
     import cupy
     from cuflash import _gpu, _tc_bwd, _validate
     if kernel == "wgmma" and not _tc_bwd.wgmma_available():
-        pytest.skip("the wgmma kernel is sm_90a code: compute capability 9.0 and NVRTC 12+ only")
+        pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
     monkeypatch.setattr(_tc_bwd, "USE_WG", kernel == "wgmma")
     _, lq, lkv, Nq, Nk, options = case
     q = randn(rng, lq + (Nq, head_dim), dtype)
