@@ -15,7 +15,7 @@ Which dK/dV tile a call gets (table_tile): on compute capability 9.0 at head dim
 wgmma form (DKDV_TILES_WG / _MB, OPT_WG: bwd_sm80_dkdv_x compiled for sm_90a, tcb::DKDV_WGMMA):
 warpgroup h owns keys [64 h, 64 h + 64) of the 128-key tile, S^T, dP^T, dV and dK are warpgroup
 products (wgmma_sm90.cuh) on 128-byte-swizzled tiles, dQ stays on mma.sync; measured on the H200
-(fifth session, bench.py): 1.03-1.10x FA2 at D=64, 1.11-1.17x at D=128, where the mma.sync tiles
+(fifth session, bench.py): 1.02-1.11x FA2 at D=64, 1.12-1.17x at D=128, where the mma.sync tiles
 below were at 0.92-1.04x and 0.93-0.99x. Elsewhere: the warp-grid tile at D=128 where shared memory
 allows (DKDV_TILES_LARGE_SMEM), else DKDV_TILES / DKDV_TILES_MB.
 
@@ -139,8 +139,9 @@ OPT_SWZ = 32
 # bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, head dims 64 and
 # 128, no mask / bias: with a mask or bias launch_dkdv takes the DKDV_TILES_MB tile instead).
 OPT_GRID = 16
-# OPT_WG: sm_90a only. The four 64 x 64-per-warpgroup products on wgmma (tcb::DKDV_WGMMA, with
-# OPT_SWZ; D=64, BLOCK_M 64, 8 warps, K / V in shared memory). Compiled with -arch=sm_90a.
+# OPT_WG: sm_90a only. The four products whose rows are keys on wgmma, 64 keys per warpgroup
+# (tcb::DKDV_WGMMA, with OPT_SWZ; D=64 or 128, BLOCK_M 32 or 64, 8 warps, K / V in shared
+# memory). Compiled with -arch=sm_90a (dkdv_arch).
 OPT_WG = 64
 # OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64, dQ atomics: dQ on wgmma too (tcb::DKDV_WG_DQ).
 # A candidate, built and spill-checked but not yet run on a GPU (WG_CANDIDATES).
