@@ -1,30 +1,30 @@
 // wgmma_sm90.cuh: Hopper warpgroup products (wgmma.mma_async, sm_90a) for the tensor-core kernels.
 // No kernels.
 //
-// A warpgroup (4 consecutive warps, the first one's index a multiple of 4) computes D (64 x 64,
-// float32) += A (64 x 16k) B (16k x 64), 16-bit inputs. B is always in shared memory, A in shared
+// A warpgroup (4 consecutive warps, the first one's index a multiple of 4) computes D (64 x N,
+// N = 32, 64 or 128, float32) += A (64 x 16k) B (16k x N), 16-bit inputs. B is always in shared memory, A in shared
 // memory (ss) or in registers (rs). The register layouts are mma.sync's (mma_sm80.cuh), stacked:
 // warp w of the group holds rows 16 w .. 16 w + 15; its accumulator d[j][0..3] is the m16n8 C
 // fragment of columns 8 j .. 8 j + 7, and a register A operand is the m16n8k16 A fragment of its 16
 // rows (tc::acc_to_a). So code written for mma.sync fragments reads wgmma results unchanged.
 //
 // Shared operands are described by a 64-bit matrix descriptor. The only layout used here is the
-// 128-byte swizzle, which is tc::chunk_offset<true, 128>: rows of 128 bytes (64 elements), 16-byte
-// chunk c of row r stored at chunk c ^ (r % 8). The hardware applies the XOR to absolute shared
-// addresses, so every tile base must be 1024-byte aligned (8 rows). Two readings of such a tile:
+// 128-byte swizzle of tc::cp_tile's swizzled tiles: blocks of 64 columns, each rows of 128 bytes,
+// 16-byte chunk c of row r stored at chunk c ^ (r % 8). The hardware applies the XOR to absolute
+// shared addresses, so every tile base must be 1024-byte aligned (8 rows). Two readings of a tile:
 //   K-major (the reduction index runs along the row): rows are M (or N) indices; 8-row groups are
-//     SBO = 1024 bytes apart; k-step kk (16 elements) starts 32 kk bytes into the row.
+//     SBO = 1024 bytes apart; k-step kk (16 elements) starts 32 (kk % 4) bytes into the row of
+//     column block kk / 4.
 //   MN-major (imm-trans = 1; the reduction index runs down the rows): the 64 elements of a row are
-//     the M (or N) indices; k-step kk (16 rows) starts 2048 kk bytes into the tile, its two 8-row
-//     groups SBO = 1024 bytes apart (LBO, the stride between 64-wide column blocks, is unused for
-//     N = 64).
+//     M (or N) indices; k-step kk (16 rows) starts 2048 kk bytes into the block, its two 8-row
+//     groups SBO = 1024 bytes apart; LBO is the stride between 64-wide column blocks (N = 128).
 // Ordering: shared memory written by the generic proxy (st.shared, cp.async) needs
 // fence.proxy.async.shared::cta in each writing thread before the barrier that precedes a wgmma
 // reading it (fence_shared). A product is fence() (registers written since the last wgmma), the
 // wgmmas, commit(), wait<0>(); the accumulators and register A operands are touched only after it.
 //
 // Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); any other target gets a trap, and the host
-// never launches such a kernel there (_tc_bwd.wgmma_usable).
+// never launches such a kernel there (_tc_bwd.wgmma_available).
 #pragma once
 #include "mma_sm80.cuh"
 
