@@ -7,6 +7,7 @@ no include path. CuPy is imported lazily: this module imports on machines withou
 ``CUFLASH_DEBUG=1`` prints registers, static shared memory and local (spill) bytes of each kernel
 the first time it is loaded on a device.
 """
+import functools
 import os
 import re
 import sys
@@ -44,16 +45,14 @@ def device_info(device_id=None):
             info = _device_infos.setdefault(dev, info)
     return info
 _functions = {}  # (device id, file name, name expression) -> (RawModule, RawKernel)
-_nvrtc = []      # [NVRTC (major, minor)] once queried
 
 
+@functools.cache
 def nvrtc_version():
     """The (major, minor) version of the NVRTC CuPy compiles with (cached)."""
-    if not _nvrtc:
-        import cupy
+    import cupy
 
-        _nvrtc.append(tuple(cupy.cuda.nvrtc.getVersion()))
-    return _nvrtc[0]
+    return tuple(cupy.cuda.nvrtc.getVersion())
 
 
 def kernels_dir():

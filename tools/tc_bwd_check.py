@@ -86,19 +86,21 @@ def build(combos, variants=None):
         for has_mb in (False, True):
             t = (_tc_bwd.DKDV_TILES_MB if has_mb else _tc_bwd.DKDV_TILES)[d]
             tq = (_tc_bwd.DQ_TILES_MB if has_mb else _tc_bwd.DQ_TILES)[d]
-            items = [(_tc_bwd.dkdv_expr(dt, d, t, True, has_mb), _tc_bwd.dkdv_smem_bytes(d, t)),
-                     (_tc_bwd.dkdv_expr(dt, d, t, False, has_mb), _tc_bwd.dkdv_smem_bytes(d, t)),
-                     (_tc_bwd.dq_expr(dt, d, tq, has_mb), _tc_bwd.dq_smem_bytes(d, tq))]
+            items = [(_tc_bwd.dkdv_expr(dt, d, t, True, has_mb), _tc_bwd.dkdv_smem_bytes(d, t),
+                      _tc_bwd.dkdv_arch(t)),
+                     (_tc_bwd.dkdv_expr(dt, d, t, False, has_mb), _tc_bwd.dkdv_smem_bytes(d, t),
+                      _tc_bwd.dkdv_arch(t)),
+                     (_tc_bwd.dq_expr(dt, d, tq, has_mb), _tc_bwd.dq_smem_bytes(d, tq), None)]
             if not has_mb:
-                items.append((_tc_bwd.prep_expr(dt, d), 0))
+                items.append((_tc_bwd.prep_expr(dt, d), 0, None))
             if not has_mb:
                 for t2 in variants.get(d, []):
                     for atomic in (True, False):
                         items.append((_tc_bwd.dkdv_expr(dt, d, t2, atomic, has_mb),
                                       _tc_bwd.dkdv_smem_bytes(d, t2), _tc_bwd.dkdv_arch(t2)))
-            for expr, smem, *arch in items:
+            for expr, smem, arch in items:
                 t0 = time.perf_counter()
-                fn = _tc_bwd._function(expr, smem, *arch)
+                fn = _tc_bwd._function(expr, smem, arch)
                 local = fn.local_size_bytes
                 bad += local > 0
                 print(f"{'FAIL' if local else 'ok  '} {expr}: {fn.num_regs} regs, {local} local B, "
