@@ -28,7 +28,12 @@ cuflash._gpu._on_device):
    gets no blocks at all. A tile with an empty extent still gets one (empty) block, which writes
    out = 0 and lse = -inf.
 
-A new kv_lens (each decoded token) re-plans only steps 1-4 and the table: `forward` keeps the
+5. Key pools (decode_tc, fused merge, `pool_items`): when every block of the call is resident at
+   once, each split tile keeps the last 1 / POOL_DIVISOR of its keys in a pool that its blocks
+   claim stage by stage at run time after their own (equal, whole-stage) keys, so that blocks on
+   SMs that stream slower do not set the time (kernels_cu/decode.cu, decode_tc).
+
+A new kv_lens (each decoded token) re-plans only steps 1-5 and the table: `forward` keeps the
 rest (kernels, occupancy, offsets: `_Layout`) per layout.
 
 `supports(problem)` says when this path applies (see SUPPORT RULE below); `forward(problem)`
@@ -102,7 +107,8 @@ TC_VARIANTS = {
     # flush: it cannot judge cache policies. tc16s2h1 stays DEFAULT_TC. (Fourth session: in the
     # persistent kernel the evict-first copies (createpolicy + cp.async .L2::cache_hint) raised
     # an illegal-instruction error; as they had lost, they were removed rather than debugged.)
-    "tc16s2m3h1": (16, 2, 3, 128),  # 3 blocks/SM (3 x 74 KB)
+    # (sixth session: "tc16s2m3h1" (16, 2, 3, 128), 3 blocks/SM, lost above and was removed when
+    # the key pools' loop spilled it at D = 128 under its 168-register cap)
 }
 DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
 DEFAULT_RULE = "balanced-fine"  # the split rule of the automatic choice (both kernels)
@@ -129,6 +135,13 @@ TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
 # max 7680 = 0.94 of 8192: all blocks run at once and the longest sets the time.
 # Target <= 1.1 x 0.527 = 0.58. `tools/decode_check.py host` prints the schedules.
 SPLIT_OVERHEAD_KEYS = 256  # the "balanced" rule's fixed cost of one block, in keys
+# Key pools (decode_tc, `pool_items`): a split tile's last 1 / POOL_DIVISOR keys are claimed a stage
+# at a time by its blocks (0: no pools). Only when the call's items fit in one wave of resident
+# blocks (a later block of the tile would find its pool drained) and each item keeps at least
+# POOL_MIN_STAGES own stages (the kernel claims the first pool stage during its own stage
+# n_own - 2).
+POOL_DIVISOR = 8
+POOL_MIN_STAGES = 2
 
 
 def _storage_size(dtype):
@@ -250,7 +263,8 @@ def _blocks_per_sm(func, dyn_smem=0):
 
 
 def _counter_buffer(n):
-    """Per (device, stream) zeroed counters; decode_split resets every counter it uses to 0."""
+    """Per (device, stream) zeroed counters; the kernels reset every counter they use to 0 (the
+    merge counters and decode_tc's pool counters: the last block of each split tile)."""
     import cupy
 
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
@@ -534,6 +548,36 @@ def make_items(lo, hi, S):
     return first, count, np.stack([tile_of, k0, k1], axis=1)
 
 
+def pool_items(first, count, items, lo, hi, block_keys, divisor):
+    """Give each split tile (count >= 2) a key pool: its items' own keys become equal runs of
+    whole stages, S_own = block_keys * floor(extent * (1 - 1 / divisor) / (count * block_keys)),
+    and the rest of the extent [lo + count * S_own, hi + 1) is the pool. A tile whose S_own would
+    be under POOL_MIN_STAGES stages keeps its items as they are.
+
+    Returns (items, pools): items (n, 3) = (tile id, k0, k1) with the new own ranges and pools
+    (n, 2) = (pool0, pool1) per item, (k1, k1) (empty) for items without a pool."""
+    items = items.copy()
+    pools = np.repeat(items[:, 2:3], 2, axis=1)
+    if divisor <= 0:
+        return items, pools
+    lo = np.asarray(lo, dtype=np.int64)
+    hi = np.asarray(hi, dtype=np.int64)
+    ext = np.maximum(hi - lo + 1, 0)
+    own = ext * (divisor - 1) // divisor // np.maximum(count, 1) // block_keys * block_keys
+    ok = (count >= 2) & (own >= POOL_MIN_STAGES * block_keys)
+    t = items[:, 0]
+    sel = ok[t]
+    if not np.any(sel):
+        return items, pools
+    idx = np.arange(items.shape[0], dtype=np.int64) - first[t]  # item index within its tile
+    k0 = lo[t] + idx * own[t]
+    items[sel, 1] = k0[sel]
+    items[sel, 2] = (k0 + own[t])[sel]
+    pools[sel, 0] = (lo + count * own)[t][sel]
+    pools[sel, 1] = (hi + 1)[t][sel]
+    return items, pools
+
+
 # ---- the Problem-facing API --------------------------------------------------------------------
 
 def _lens(p):
@@ -581,10 +625,14 @@ class Schedule:
     """The host-side decomposition of one Problem (pure NumPy; no device needed).
 
     groups (n_groups, G), rows (ROWS), tiles (n_tiles, 4) = (group, tile index, first item,
-    item count), items (n_items, 3) = (tile id, k0, k1 exclusive), split (keys per item), lens (BH).
+    item count), items (n_items, 3) = (tile id, k0, k1 exclusive), pools (n_items, 2) = the key
+    pool [pool0, pool1) of the item's tile (empty: k1, k1), split (keys per item), lens (BH).
+    `pool`: POOL_DIVISOR for pools where they apply (one wave: n_items <= capacity), a divisor to
+    force them on every split tile (tests), 0 for none (decode_split, separate combine).
     """
 
-    def __init__(self, p, capacity, split=None, rule=None, rows=None, block_keys=None):
+    def __init__(self, p, capacity, split=None, rule=None, rows=None, block_keys=None, pool=0,
+                 force_pool=False):
         BH = p.BH
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
@@ -604,7 +652,10 @@ class Schedule:
             self.split = SPLIT_RULES[rule](np.maximum(hi - lo + 1, 0), capacity, block_keys)
             order = lpt_order(np.maximum(hi - lo + 1, 0))  # tile ids follow the launch order
             g, t, lo, hi = g[order], t[order], lo[order], hi[order]
-        first, count, self.items = make_items(lo, hi, self.split)
+        first, count, items = make_items(lo, hi, self.split)
+        one_wave = items.shape[0] <= capacity
+        self.items, self.pools = pool_items(first, count, items, lo, hi, block_keys,
+                                            pool if (one_wave or force_pool) else 0)
         self.tiles = np.stack([g, t, first, count], axis=1)
         self.split_any = bool(np.any(count > 1))
         # launch order of the items (row r of the kernels' table = item launch[r])
@@ -612,14 +663,14 @@ class Schedule:
                        if rule is None or rule == "waves" or split else launch_order(self.items))
 
     def items_x(self):
-        """The kernels' items table (n_items, 6): (tile, k0, k1, workspace slot, k offset,
-        v offset), in launch order; the offsets (elements) are those of the tile's kv head, so
-        that decode_tc requests its first keys after one table load (kernels_cu/decode.cu
-        ITEM_COLS)."""
+        """The kernels' items table (n_items, 8): (tile, k0, k1, workspace slot, k offset,
+        v offset, pool0, pool1), in launch order; the offsets (elements) are those of the tile's
+        kv head, so that decode_tc requests its first keys after one table load
+        (kernels_cu/decode.cu ITEM_COLS)."""
         items = self.items[self.launch]
         bh0 = self.groups[self.tiles[items[:, 0], 0], 0]  # every group's first member exists
         return np.concatenate([items, self.launch[:, None], self.k_map[bh0][:, None],
-                               self.v_map[bh0][:, None]], axis=1)
+                               self.v_map[bh0][:, None], self.pools[self.launch]], axis=1)
 
 
 class _Layout:
@@ -629,7 +680,8 @@ class _Layout:
     capacity. forward keeps one per layout, so that a new kv_lens (each decoded token) only
     re-plans the split and the table. Arguments as Plan's."""
 
-    def __init__(self, p, fused=True, waves=WAVES, variant=None, split_rule=None):
+    def __init__(self, p, fused=True, waves=WAVES, variant=None, split_rule=None, pool=None,
+                 force_pool=False):
         self.dtype, self.fused, self.waves = p.dtype, bool(fused), waves
         self.has_mb = p.mask is not None or p.bias is not None
         self.aligned = _aligned(p)
@@ -642,6 +694,12 @@ class _Layout:
         self.variant, self.split_rule = variant, split_rule
         # decode_tc: 16 rows a block, its stage's keys a pass; decode_split: Schedule's defaults
         tc = variant != "simt"
+        # key pools: decode_tc with the fused merge (whose last block resets the pool counters)
+        if pool is None:
+            pool = POOL_DIVISOR if tc and self.fused else 0
+        elif pool and not (tc and self.fused):
+            raise ValueError("key pools need decode_tc and the fused merge")
+        self.pool, self.force_pool = int(pool), bool(force_pool)
         self.dyn_smem = tc_smem_bytes(self.bucket, variant) if tc else 0
         self.sched_rows = 16 if tc else None
         self.block_keys = TC_VARIANTS[variant][0] * WARPS if tc else None
@@ -691,22 +749,26 @@ class Plan:
     size (tests); `waves` scales the capacity of the split rule. `variant`: None chooses
     (DEFAULT_TC where tc_fits, else "simt", with DEFAULT_RULE), "simt" is decode_split, a name of
     TC_VARIANTS that decode_tc tile; `split_rule` a rule of SPLIT_RULES; both default to today's
-    behaviour. `layout`: a _Layout of this layout to reuse (forward's cache); it then stands for
-    `fused`, `waves`, `variant` and `split_rule`.
+    behaviour. `pool`: the key pools' divisor (None: POOL_DIVISOR on decode_tc with the fused
+    merge, else none; 0: none), `force_pool` gives every split tile one even when the items do not
+    fit one wave (tests). `layout`: a _Layout of this layout to reuse (forward's cache); it then
+    stands for `fused`, `waves`, `variant`, `split_rule`, `pool` and `force_pool`.
     """
 
     def __init__(self, p, fused=True, waves=WAVES, poison=False, split=None, variant=None,
-                 split_rule=None, layout=None):
+                 split_rule=None, layout=None, pool=None, force_pool=False):
         import cupy
 
         self.p = p
         with p.q.device:
-            self.layout = lay = layout or _Layout(p, fused, waves, variant, split_rule)
+            self.layout = lay = layout or _Layout(p, fused, waves, variant, split_rule, pool,
+                                                  force_pool)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
             rows = lay.rows(p)
             self.expr, self.kernel, self.per_sm, self.combine, self.capacity = lay.kernels(rows)
         self.fused, self.variant, self.dyn_smem = lay.fused, lay.variant, lay.dyn_smem
-        sched = Schedule(p, self.capacity, split, lay.split_rule, lay.sched_rows, lay.block_keys)
+        sched = Schedule(p, self.capacity, split, lay.split_rule, lay.sched_rows, lay.block_keys,
+                         lay.pool, lay.force_pool)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
@@ -765,7 +827,8 @@ class Plan:
             shape = (self.n_items, self.rows) if self.split_any else (1, 1)
             ws_out = cupy.empty(shape + (p.Dv,), dtype=p.acc_dtype)
             ws_lse = cupy.empty(shape, dtype=p.acc_dtype)
-            counters = _counter_buffer(self.n_tiles if self.split_any else 1)
+            # merge counters [0, n_tiles), decode_tc's pool counters [n_tiles, 2 n_tiles)
+            counters = _counter_buffer(2 * self.n_tiles if self.split_any else 2)
             args = (p.q, p.k, p.v, out, lse, ws_out, ws_lse, counters,
                     self.offsets, self.lens, self.groups, self.tiles, self.items,
                     null if p.mask is None else p.mask, null if p.bias is None else p.bias,
@@ -775,7 +838,8 @@ class Plan:
                     i32(p.right), i32(bool(p.bottom_right)), i32(self.fused))
             if self.variant != "simt":  # persistent blocks, at most one wave (decode_tc)
                 grid = min(self.n_items, self.per_sm * _kernels.device_info().sm_count)
-                self.kernel((grid,), (THREADS,), args + (i32(self.n_items),),
+                pools = counters[self.n_tiles:] if self.split_any else counters[1:]
+                self.kernel((grid,), (THREADS,), args + (i32(self.n_items), pools),
                             shared_mem=self.dyn_smem)
             else:
                 self.kernel((self.n_items,), (THREADS,), args)
@@ -787,24 +851,26 @@ class Plan:
         return out, lse
 
 
-def plan(p, fused=True, waves=WAVES, poison=False, split=None, variant=None, split_rule=None):
+def plan(p, fused=True, waves=WAVES, poison=False, split=None, variant=None, split_rule=None,
+         pool=None, force_pool=False):
     return Plan(p, fused=fused, waves=waves, poison=poison, split=split, variant=variant,
-                split_rule=split_rule)
+                split_rule=split_rule, pool=pool, force_pool=force_pool)
 
 
-def forward(p, split=None, variant=None):
+def forward(p, split=None, variant=None, pool=None, force_pool=False):
     """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream.
 
     ``split`` forces the keys per split (tests use a small one to exercise the merge), ``variant``
-    the kernel (see Plan; tests force "simt" where decode_tc would run)."""
+    the kernel (see Plan; tests force "simt" where decode_tc would run), ``pool`` and
+    ``force_pool`` the key pools (see Plan; tests force them)."""
     from . import _gpu
 
-    layout_key = _layout_key(p, split, _gpu.POISON) + (variant,)
+    layout_key = _layout_key(p, split, _gpu.POISON) + (variant, pool, force_pool)
     key = layout_key + (None if p.kv_lens is None else p.kv_lens.tobytes(),)
     plan = _plans.get(key)
     if plan is None:
-        plan = Plan(p, poison=_gpu.POISON, split=split, variant=variant,
-                    layout=_layouts.get(layout_key))
+        plan = Plan(p, poison=_gpu.POISON, split=split, variant=variant, pool=pool,
+                    force_pool=force_pool, layout=_layouts.get(layout_key))
         _keep(_plans, key, plan)
         _keep(_layouts, layout_key, plan.layout)
     out, lse = plan.run(p=p)

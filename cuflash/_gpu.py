@@ -56,7 +56,7 @@ def forward_path(p):
     it can run, with small splits."""
     if FORCE_PATH == "generic":
         return "generic"
-    if FORCE_PATH in ("split", "split-simt"):
+    if FORCE_PATH in ("split", "split-simt", "split-pool"):
         return "split" if _decode.fits(p) else "generic"
     if _decode.supports(p):
         return "split"
@@ -64,6 +64,9 @@ def forward_path(p):
 
 
 _FORCED_SPLIT_KEYS = 64
+# FORCE_PATH 'split-pool': splits of 512 keys, half of each split tile's keys in its pool, pools
+# also where the items take more than one wave (decode_tc only; decode_split has no pools)
+_FORCED_POOL = (512, 2)
 
 
 def _empty(shape, dtype):
@@ -132,7 +135,10 @@ def forward(p):
     path = forward_path(p)
     if path == "split":
         with p.q.device:
-            forced = FORCE_PATH in ("split", "split-simt")
+            if FORCE_PATH == "split-pool" and _decode.tc_fits(p):
+                split, divisor = _FORCED_POOL
+                return _decode.forward(p, split=split, pool=divisor, force_pool=True)
+            forced = FORCE_PATH in ("split", "split-simt", "split-pool")
             return _decode.forward(p, split=_FORCED_SPLIT_KEYS if forced else None,
                                    variant="simt" if FORCE_PATH == "split-simt" else None)
     with p.q.device:

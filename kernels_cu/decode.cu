@@ -253,8 +253,9 @@ __device__ __forceinline__ void setup_rows(DecodeRow* rows, const long long* __r
 }
 
 // Merge the row tile's partials (the merge rule of cuflash.merge, in base 2) and write out / lse.
-// rows[] is set up; sM, sInv are ROWS-entry shared scratch (double only).
-template <typename T, typename Acc, int ROWS>
+// rows[] is set up; sM, sInv are ROWS-entry shared scratch (double only). CHUNK: partials loaded
+// at once (float only; see below).
+template <typename T, typename Acc, int ROWS, int CHUNK = 16>
 __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
                                  const Acc* __restrict__ ws_out, const Acc* __restrict__ ws_lse,
                                  long long first, int n_items, const DecodeRow* rows, Acc* sM,
@@ -268,7 +269,8 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
     // and then a weighted-sum pass took 1 + ceil(33 / 8) = 6 (tools/decode_check.py trace: the
     // merge took 7-9 us of a 150-270 us call). An empty partial (lse -inf) has an unwritten ws_out
     // row that may hold anything: its terms are dropped by a select, never multiplied by 0.
-    constexpr int CHUNK = 16;
+    // CHUNK: 16 for decode_split and decode_combine (24 and 32 made decode_split spill on sm_80),
+    // 24 for decode_tc (B = 1: 33 partials in 2 round trips instead of 3).
     const int C4 = Dv / 4;
     for (int idx = threadIdx.x; idx < ROWS * C4; idx += DECODE_THREADS) {
       const int r = idx / C4;
@@ -402,7 +404,7 @@ __device__ __forceinline__ BlockKeys block_keys(const DecodeRow* rows, long long
 // aligned; the host's whole-vector rule, _decode.fits). Every element used to recompute its row's
 // max and weights, a chain of shared loads, exp2 and a division per element with 8 warps per SM
 // to hide it: 3.1-4.6 us per block at D = 128 (tools/decode_check.py trace).
-template <typename T, typename Acc, int ROWS, int V = 1>
+template <typename T, typename Acc, int ROWS, int V = 1, int CHUNK = 16>
 __device__ __forceinline__ void finish_item(
     T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,
     Acc* __restrict__ ws_lse, unsigned* __restrict__ counters, const DecodeRow* rows,
@@ -487,7 +489,8 @@ __device__ __forceinline__ void finish_item(
   }
   __syncthreads();
   if (!s_last) return;
-  combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv, Nq, Dv);
+  combine_partials<T, Acc, ROWS, CHUNK>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv,
+                                        Nq, Dv);
   if (threadIdx.x == 0) counters[tile_id] = 0u;  // ready for the next launch on this stream
 }
 
@@ -499,7 +502,11 @@ __device__ __forceinline__ void finish_item(
 // b; decode_tc: the rows of its snake_row sequence) and writes workspace slot `item` (a tile's
 // items keep consecutive slots), so the host may launch long items first. The k and v offsets
 // (elements, of the group's kv head) let decode_tc request its first keys after one table load.
-// The kernel parameter list of decode_split and decode_tc (same ABI, same host arguments).
+// Columns 6 and 7: the tile's key pool [pool0, pool1) that decode_tc's blocks of the tile claim
+// stage by stage after their own keys (empty, pool0 = pool1 = k1, for decode_split and for tiles
+// without a pool; see decode_tc).
+// The kernel parameter list of decode_split and decode_tc (which appends n_launch and
+// pool_counters).
 #define DECODE_SPLIT_PARAMS                                                                  \
   const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
       T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,                  \
@@ -516,7 +523,7 @@ __device__ __forceinline__ void finish_item(
       right, bottom_right, fused
 
 // One block's work: row `launch_row` of the items table and its row tile.
-constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_x
+constexpr int ITEM_COLS = 8;  // cuflash/_decode.py Schedule.items_x
 struct DecodeItem {
   long long tile_id, item, k0, k1, g, tile, first;
   int n_items;
@@ -798,6 +805,15 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 // second ones). The ring is one stream of stages across a block's items: the last stage of an item
 // requests the next item's first keys, so a second item does not wait for its first load (a new
 // block's first stage landed ~6-7 us after its start: tools/decode_check.py trace, 64 x 4096).
+// Key pools (split tiles, fused merge, host-chosen: cuflash/_decode.py pool_items): an item's own
+// keys [k0, k1) are whole stages, and the tile's last keys [pool0, pool1) are claimed one stage
+// at a time by whichever of its blocks gets there first (pool_counters[tile]: the next stage's
+// index), so that blocks which stream slower than their peers (the SMs do not get equal shares of
+// the bandwidth: loop ends spread ~6 us at B = 1, tools/decode_check.py trace) end together. A
+// block's partial then covers its own keys plus the stages it claimed: the merge does not care
+// which keys a partial holds. Thread 0 claims the stage after the next one while the current
+// stage is computed (the atomic's latency hides behind it) and leaves it in s_claim; a block
+// claims until it draws past pool1, once; the tile's merging block resets the counter to 0.
 // Dynamic shared memory: 16 Q rows + 2 slots of 2 * DECODE_WARPS * KW K/V rows of
 // (HEAD_DIM + 8) * 2 bytes (cuflash/_decode.py tc_smem_bytes).
 __device__ __forceinline__ long long snake_row(int round, int b, int grid) {
@@ -815,7 +831,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
           int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
-          int fused, int n_launch) {
+          int fused, int n_launch, unsigned* __restrict__ pool_counters) {
   using namespace tc;
   constexpr int ROWS = 16;
   constexpr int BK = KW * DECODE_WARPS;           // keys per stage
@@ -834,6 +850,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   __shared__ float red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
   __shared__ float sM[ROWS], sInv[ROWS];
   __shared__ int s_last;
+  __shared__ int s_claim[2];  // first key of a claimed pool stage, by the parity of its number
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
   const u32 sRing = sQ + ROWS * ROW_BYTES;
@@ -842,10 +859,10 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const float NEG = -__int_as_float(0x7f800000);
   const float sl2 = scale * LOG2E;
 
-  // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
-  // piece of the host's extent of its tile (the union of its rows' visible ranges: no key is read
-  // in vain; one that some row does not see is masked below like any other); keys >= k1 are
-  // zero-filled by cp_keys.
+  // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) and its
+  // tile's pool are pieces of the host's extent of the tile (the union of its rows' visible
+  // ranges: no key is read in vain; one that some row does not see is masked below like any
+  // other); keys >= limit (k1, or pool1 for a pool stage) are zero-filled by cp_keys.
   auto request = [&](int gs, long long koff, long long voff, int key0, int limit) {
     const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
     cp_keys<BK, HEAD_DIM, HINT>(slot, k + koff, k_rs, key0, limit);
@@ -871,8 +888,13 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     const DecodeItem it = read_item(items, tiles, row);
     const long long koff = items[ITEM_COLS * row + 4], voff = items[ITEM_COLS * row + 5];
     const int blo = static_cast<int>(it.k0);
-    const int limit = static_cast<int>(it.k1);
-    const int n_stages = stages_of(it.k0, it.k1);
+    const int k1 = static_cast<int>(it.k1);
+    const int n_own = stages_of(it.k0, it.k1);  // then pool stages while claims succeed
+    // The tile's pool (the host gives one only to items of >= 2 whole stages, fused merge)
+    const int pool0 = static_cast<int>(items[ITEM_COLS * row + 6]);
+    const int pool1 = static_cast<int>(items[ITEM_COLS * row + 7]);
+    const bool pooled = pool1 > pool0;
+    const long long kend = pooled ? pool1 : it.k1;  // the keys this block may read end here
     // The next item: its first stage is requested in this item's last stage.
     const long long next = snake_row(round + 1, blockIdx.x, gridDim.x);
     const bool has_next = next < n_launch;
@@ -887,8 +909,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     const long long bh0 = groups[it.g * G];
     const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
-    setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
-    const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
+    setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, kend);
+    const BlockKeys bk = block_keys<ROWS>(rows, it.k0, kend);
 
     // Q rows (any alignment: scalar reads; padding rows 0) into the padded shared tile.
     for (int idx = tid; idx < ROWS * HEAD_DIM; idx += DECODE_THREADS) {
@@ -904,8 +926,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) ldsm_x4(q_lane + kk * 32, qa[kk]);
     }
-    // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to the item), in 32 bits
-    // relative to blo once a stage is known (the host keeps keys < 2^30 on this path).
+    // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to [k0, kend)); the host
+    // keeps keys < 2^30 on this path.
     long long row_lo[2], row_hi[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -920,106 +942,127 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[df][e] = 0.f;
 
-    for (int n = 0; n < n_stages; ++n) {
+    // Stage n of the item: its first key `key`, its zero-fill limit `limit`.
+    int n = 0, key = blo, limit = k1;
+    for (bool more = n_own > 0; more; ++n) {
       cp_async_wait<0>();
       __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
       if (round == 0 && n == 0) DECODE_MARK(2);
-      if (n + 1 < n_stages)
-        request(base + n + 1, koff, voff, blo + (n + 1) * BK, limit);
+      int next_key = 0, next_limit = k1;
+      if (n + 1 < n_own) {
+        next_key = blo + (n + 1) * BK;
+      } else if (pooled) {
+        next_key = s_claim[(n + 1) & 1];  // claimed during stage n - 1
+        next_limit = pool1;
+      }
+      more = n + 1 < n_own || (pooled && next_key < pool1);
+      if (more)
+        request(base + n + 1, koff, voff, next_key, next_limit);
       else if (has_next && nk1 > nk0)  // the last stage: the next item's first
         request(base + n + 1, nkoff, nvoff, static_cast<int>(nk0), static_cast<int>(nk1));
       cp_async_commit();
-      const int j0 = blo + n * BK + warp * KW;  // this warp's first key
-      if (j0 >= limit) continue;                // warp-uniform: nothing of this stage for it
-      const u32 slot = sRing + ((base + n) & 1) * SLOT_BYTES + warp * KW * ROW_BYTES;
-      const u32 kbuf =
-          slot + (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
-      const u32 vbuf = slot + TILE_BYTES + (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES +
-                       (lane / 16) * 16;
+      // Claim stage n + 2 when it is a pool stage (stage n + 1 exists); read after compute.
+      const bool claim = pooled && more && n + 2 >= n_own && tid == 0;
+      unsigned ticket = 0u;
+      if (claim) ticket = atomicAdd(pool_counters + it.tile_id, 1u);
+      const int j0 = key + warp * KW;  // this warp's first key
+      if (j0 < limit) {                // warp-uniform: else nothing of this stage for it
+        const u32 slot = sRing + ((base + n) & 1) * SLOT_BYTES + warp * KW * ROW_BYTES;
+        const u32 kbuf =
+            slot + (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
+        const u32 vbuf = slot + TILE_BYTES + (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES +
+                         (lane / 16) * 16;
 
-      float s[NF][4];
+        float s[NF][4];
 #pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
+        for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nf][e] = 0.f;
+          for (int e = 0; e < 4; ++e) s[nf][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < KD; ++kk)
+        for (int kk = 0; kk < KD; ++kk)
 #pragma unroll
-        for (int p = 0; p < NF / 2; ++p) {
-          u32 kb[4];
-          ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
-          Mma<T>::run(s[2 * p], qa[kk], kb[0], kb[1]);
-          Mma<T>::run(s[2 * p + 1], qa[kk], kb[2], kb[3]);
+          for (int p = 0; p < NF / 2; ++p) {
+            u32 kb[4];
+            ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
+            Mma<T>::run(s[2 * p], qa[kk], kb[0], kb[1]);
+            Mma<T>::run(s[2 * p + 1], qa[kk], kb[2], kb[3]);
+          }
+
+        // Mask by global position unless every row of the tile sees all KW keys.
+        if (j0 < bk.flo || j0 + KW - 1 > bk.fhi) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
+            const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
+            const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int c = nf * 8 + 2 * t + e;
+                if (c < c_lo || c > c_hi) s[nf][2 * h + e] = NEG;
+              }
+          }
         }
 
-      // Mask by global position unless every row of the tile sees all KW keys.
-      if (j0 < bk.flo || j0 + KW - 1 > bk.fhi) {
+        // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_sm80.cu's
+        // rule: a row with nothing visible so far keeps m = -inf and uses 0 as its reference).
+        float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
-          const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
-          const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
+          float mx = NEG;
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m[h], mx * sl2);
+          const float m_ref = (m_new == NEG) ? 0.f : m_new;
+          alpha[h] = ex2(m[h] - m_ref);
+          m[h] = m_new;
+          float mass = 0.f;
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int c = nf * 8 + 2 * t + e;
-              if (c < c_lo || c > c_hi) s[nf][2 * h + e] = NEG;
+              const float p = ex2(fmaf(s[nf][2 * h + e], sl2, -m_ref));
+              s[nf][2 * h + e] = p;
+              mass += p;
             }
+          l[h] = l[h] * alpha[h] + mass;
         }
-      }
-
-      // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_sm80.cu's
-      // rule: a row with nothing visible so far keeps m = -inf and uses 0 as its reference).
-      float alpha[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = NEG;
+        for (int df = 0; df < DF; ++df)
 #pragma unroll
-        for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[h], mx * sl2);
-        const float m_ref = (m_new == NEG) ? 0.f : m_new;
-        alpha[h] = ex2(m[h] - m_ref);
-        m[h] = m_new;
-        float mass = 0.f;
+          for (int e = 0; e < 4; ++e) acc[df][e] *= alpha[e / 2];
 #pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
+        for (int kk = 0; kk < KN; ++kk) {
+          u32 pa[4];
+          acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = ex2(fmaf(s[nf][2 * h + e], sl2, -m_ref));
-            s[nf][2 * h + e] = p;
-            mass += p;
+          for (int p = 0; p < DF / 2; ++p) {
+            u32 vb[4];
+            ldsm_x4_t(vbuf + kk * 16 * ROW_BYTES + p * 32, vb);
+            Mma<T>::run(acc[2 * p], pa, vb[0], vb[1]);
+            Mma<T>::run(acc[2 * p + 1], pa, vb[2], vb[3]);
           }
-        l[h] = l[h] * alpha[h] + mass;
-      }
-#pragma unroll
-      for (int df = 0; df < DF; ++df)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[df][e] *= alpha[e / 2];
-#pragma unroll
-      for (int kk = 0; kk < KN; ++kk) {
-        u32 pa[4];
-        acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
-#pragma unroll
-        for (int p = 0; p < DF / 2; ++p) {
-          u32 vb[4];
-          ldsm_x4_t(vbuf + kk * 16 * ROW_BYTES + p * 32, vb);
-          Mma<T>::run(acc[2 * p], pa, vb[0], vb[1]);
-          Mma<T>::run(acc[2 * p + 1], pa, vb[2], vb[3]);
         }
       }
+      if (claim) {  // past the pool: any key >= pool1 ends the block's claims
+        const long long c = pool0 + static_cast<long long>(ticket) * BK;
+        s_claim[n & 1] = static_cast<int>(c < pool1 ? c : pool1);
+      }
+      key = next_key;
+      limit = next_limit;
     }
     __syncthreads();  // every warp is done with the last stage: its slot is free
     if (!has_next) DECODE_MARK(3);
 
     // Per warp: m (base 2, scaled), l summed over the quad, acc unnormalized -> the free slot
-    // (the one of stream stage base + n_stages - 1; the other may hold the next item's first
+    // (the one of stream stage base + n - 1; the other may hold the next item's first
     // stage), in rows of HEAD_DIM + 8 floats: the 8 row-groups of a fragment then fall on
     // different banks (with HEAD_DIM floats, the 8 lanes of one column pair shared a bank).
     float* const red_acc = reinterpret_cast<float*>(
-        smem_raw + ROWS * ROW_BYTES + ((base + n_stages + 1) & 1) * SLOT_BYTES);
+        smem_raw + ROWS * ROW_BYTES + ((base + n + 1) & 1) * SLOT_BYTES);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l_row = l[h];
@@ -1037,17 +1080,20 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     }
     __syncthreads();
     if (!has_next) DECODE_MARK(7);
-    finish_item<T, float, ROWS, 4>(out, lse, ws_out, ws_lse, counters, rows, red_acc, RED_STRIDE,
-                                   red_m, red_l, sM, sInv, s_last, it.item, it.tile_id, it.first,
-                                   it.n_items, Nq, Dv, fused);
+    finish_item<T, float, ROWS, 4, 24>(out, lse, ws_out, ws_lse, counters, rows, red_acc,
+                                       RED_STRIDE, red_m, red_l, sM, sInv, s_last, it.item,
+                                       it.tile_id, it.first, it.n_items, Nq, Dv, fused);
 #ifdef DECODE_TRACE
     if (!has_next) DECODE_MARK(6, it.n_items > 1 && fused && s_last ? 1ull : 0ull);
 #endif
+    // The merging block (s_last, set in finish_item: a pool implies a split tile, fused) resets
+    // the pool's counter: every block of the tile made its last claim before its merge count.
+    if (pooled && tid == 0 && s_last) pool_counters[it.tile_id] = 0u;
     if (!has_next) break;
     __syncthreads();  // rows[], the merge buffer and sQ are free for the next item
-    base += n_stages;
+    base += n;
     row = next;
-    if (n_stages == 0) {  // nothing requested the next item's first stage yet
+    if (n == 0) {  // nothing requested the next item's first stage yet
       if (nk1 > nk0) request(base, nkoff, nvoff, static_cast<int>(nk0), static_cast<int>(nk1));
       cp_async_commit();
     }

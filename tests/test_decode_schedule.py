@@ -20,8 +20,11 @@ _spec = importlib.util.spec_from_file_location(
 decode_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(decode_check)
 
-LAYOUTS = {"simt": dict(rows=None, block_keys=None), "tc": dict(rows=16, block_keys=64)}
-SPLITS = [None, 64, 40, "balanced", "balanced-fine"]
+# "tc-pool": decode_tc's layout with half of every split tile's keys in its key pool, the pool
+# stages dealt to random items of the tile (as run-time claims may deal them)
+LAYOUTS = {"simt": dict(rows=None, block_keys=None), "tc": dict(rows=16, block_keys=64),
+           "tc-pool": dict(rows=16, block_keys=64, pool=2, force_pool=True)}
+SPLITS = [None, 64, 40, 512, "balanced", "balanced-fine"]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -34,7 +37,7 @@ def test_schedule_reproduces_reference(case, split, layout):
     p = make_problem(q, k, v, **opts)
     rule = split if isinstance(split, str) else None
     out, lse, s = decode_check.emulate(p, split=None if rule else split, rule=rule,
-                                       **LAYOUTS[layout])
+                                       seed=zlib.crc32(name.encode()), **LAYOUTS[layout])
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-10)
     assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
@@ -42,6 +45,57 @@ def test_schedule_reproduces_reference(case, split, layout):
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=0, atol=1e-10)
     # the launch order is a permutation of the workspace slots
     assert sorted(s.launch.tolist()) == list(range(s.items.shape[0]))
+
+
+def _pooled(s):
+    return s.pools[:, 1] > s.pools[:, 0]
+
+
+@pytest.mark.parametrize("case", decode_check.CASES, ids=[c[0] for c in decode_check.CASES])
+def test_key_pools_partition_each_tile(case):
+    """Per split tile: the items' own ranges are equal runs of whole stages (at least
+    POOL_MIN_STAGES), back to back from the extent's start, and the pool is the rest of the
+    extent; tiles of one item, or too short, keep their items and get no pool."""
+    name, c = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    q, k, v, opts = decode_check.case_inputs(np, rng, dict(c, dtype="float64"))
+    p = make_problem(q, k, v, **opts)
+    bk = 64
+    plain = _decode.Schedule(p, 64, 512, None, 16, bk)
+    s = _decode.Schedule(p, 64, 512, None, 16, bk, pool=2, force_pool=True)
+    assert not _pooled(plain).any()
+    assert np.array_equal(s.tiles, plain.tiles)
+    n_pooled = 0
+    for tid, (g, t, first, count) in enumerate(s.tiles):
+        its, pools = s.items[first:first + count], s.pools[first:first + count]
+        lo0, hi1 = plain.items[first, 1], plain.items[first + count - 1, 2]  # the extent
+        assert np.all(its[:, 0] == tid)
+        if not _pooled(s)[first]:
+            assert np.array_equal(its, plain.items[first:first + count])
+            assert count == 1 or (hi1 - lo0) // 2 // count < 2 * bk
+            continue
+        n_pooled += 1
+        own = its[:, 2] - its[:, 1]
+        assert count >= 2 and np.all(own == own[0]) and own[0] % bk == 0 and own[0] >= 2 * bk
+        assert np.array_equal(its[:, 1], lo0 + own[0] * np.arange(count))
+        assert np.all(pools[:, 0] == its[-1, 2]) and np.all(pools[:, 1] == hi1)
+        assert hi1 - pools[0, 0] >= (hi1 - lo0) // 2  # at least 1 / divisor of the extent
+    assert n_pooled > 0 or not (plain.tiles[:, 3] > 1).any()
+
+
+def test_key_pools_only_in_one_wave():
+    """Automatic pools (POOL_DIVISOR) only when all items are resident at once: a block of a
+    later wave would find its tile's pool drained by the first."""
+    p = decode_check.timing_problem(1, 131072)
+    one = _decode.Schedule(p, 264, None, "balanced-fine", 16, 64, pool=_decode.POOL_DIVISOR)
+    assert one.items.shape[0] <= 264 and _pooled(one).all()
+    pool = one.pools[0]
+    assert pool[1] - pool[0] >= 131072 // _decode.POOL_DIVISOR
+    two = _decode.Schedule(p, 264, 1024, None, 16, 64, pool=_decode.POOL_DIVISOR)
+    assert two.items.shape[0] > 264 and not _pooled(two).any()
+    forced = _decode.Schedule(p, 264, 1024, None, 16, 64, pool=_decode.POOL_DIVISOR,
+                              force_pool=True)
+    assert _pooled(forced).all()
 
 
 def test_split_rules_fill_one_wave():

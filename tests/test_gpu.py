@@ -180,6 +180,39 @@ def test_decode_sweep(case, force, dtype, rng, monkeypatch):
     check(q, k, v, rng, **options)
 
 
+# decode_tc's key pools, forced (FORCE_PATH 'split-pool': 512-key splits, half of each split tile's
+# keys in its pool, also where the items take more than one wave): the DECODE_CASES decode_tc takes,
+# one of 512 items (two waves on an H200: blocks of the second find their tile's pool drained, or
+# partly), and a window with kv_lens (rows that see different keys of the pool, an empty tile).
+# (Not gqa-16-causal-tl: with top-left causal its 16 rows see at most 16 keys, no split, no pool.)
+POOL_CASES = [c for c in DECODE_CASES
+              if c[5] == c[6] and c[5] in (64, 128) and c[0] != "gqa-16-causal-tl"] + [
+    ("pool-two-waves", (8, 32), (8, 8), 1, 4096, 128, 128, {}),
+    ("pool-window-kv_lens", (3, 8), (3, 2), 2, 3000, 128, 128,
+     dict(window=(700, 0), kv_lens=[[0], [1500], [3000]])),
+]
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d in ("float16", "bfloat16")])
+@pytest.mark.parametrize("case", POOL_CASES, ids=[c[0] for c in POOL_CASES])
+def test_decode_key_pools(case, dtype, rng, monkeypatch):
+    """Blocks claim their tile's pool stages at run time: any dealing must give the reference
+    answer, and a second call (the same plan) finds the pool counters reset."""
+    from cuflash import _decode, _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", "split-pool")
+    _, lq, lkv, Nq, Nk, Dk, Dv, options = case
+    q = randn(rng, lq + (Nq, Dk), dtype)
+    k = randn(rng, lkv + (Nk, Dk), dtype)
+    v = randn(rng, lkv + (Nk, Dv), dtype)
+    p = _validate.make_problem(q, k, v, **options)
+    assert _gpu.forward_path(p) == "split" and _decode.tc_fits(p)
+    split, divisor = _gpu._FORCED_POOL
+    sched = _decode.Plan(p, split=split, pool=divisor, force_pool=True).sched
+    assert np.any(sched.pools[:, 1] > sched.pools[:, 0])
+    for _ in range(2):  # the dealing may differ between the calls; each must meet the reference
+        check(q, k, v, rng, backward=False, **options)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_split_path_takes_whole_vector_rows_only(dtype, rng, monkeypatch):
     """decode.cu's merge reads 4 float columns at a time: the split path must refuse rows that are

@@ -107,13 +107,24 @@ def check_build(archs=("sm_80", "sm_90a")):
 
 # ---- host emulation ----------------------------------------------------------------------------
 
-def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None):
+def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None, pool=0,
+            force_pool=False, seed=0):
     """The decode path's algorithm in float64 NumPy, from the Schedule tables alone (rows and
-    block_keys: decode_tc's layout, 16 rows and its stage keys; default decode_split's)."""
+    block_keys: decode_tc's layout, 16 rows and its stage keys; default decode_split's). With key
+    pools (`pool`, `force_pool` as Schedule's), each pool stage goes to a random item of its tile
+    (seeded; some items get none), as the run-time claims of decode_tc may deal them."""
     from cuflash import _decode
     from cuflash._validate import element_strides
 
-    s = _decode.Schedule(p, capacity, split, rule, rows, block_keys)
+    s = _decode.Schedule(p, capacity, split, rule, rows, block_keys, pool, force_pool)
+    claims = {}  # workspace slot -> the pool stages its block claims (first keys)
+    if np.any(s.pools[:, 1] > s.pools[:, 0]):
+        bk = block_keys or _decode.shape_constants(p.dtype, s.bucket, s.rows)["BLOCK_KEYS"]
+        rng = np.random.default_rng(seed)
+        for g_, tile, first, count in s.tiles:
+            pool0, pool1 = s.pools[first]
+            for key in range(int(pool0), int(pool1), bk):
+                claims.setdefault(int(first + rng.integers(count)), []).append(key)
     BH, Nq, Dv = p.BH, p.Nq, p.Dv
     flat = {}
     for name, x, mp in (("q", p.q, p.q_map), ("k", p.k, s.k_map), ("v", p.v, s.v_map)):
@@ -134,8 +145,11 @@ def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None):
     part_lse = np.full((n_items, s.rows), np.nan)
     # in launch order, with the workspace slot of the kernels' items table
     assert sorted(s.launch.tolist()) == list(range(n_items))
-    for tid, k0, k1, it, koff, voff in s.items_x():  # K / V where decode_tc reads them
+    for tid, k0, k1, it, koff, voff, pool0, pool1 in s.items_x():  # K / V as decode_tc reads
         g, tile, first, count = s.tiles[tid]
+        keys = np.arange(k0, k1)  # this block's keys: its own, then the pool stages it claims
+        if it in claims:
+            keys = np.concatenate([keys] + [np.arange(c, min(c + bk, pool1)) for c in claims[it]])
         L = int(s.lens[s.groups[g, 0]])
         K = mat("k", koff, p.Nk, p.Dk)
         V = mat("v", voff, p.Nk, p.Dv)
@@ -145,9 +159,9 @@ def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None):
             if rho >= s.G * Nq or s.groups[g, rho % s.G] < 0:
                 continue
             i, bh = rho // s.G, s.groups[g, rho % s.G]
-            lo = max(i + shift - p.left, 0, k0)
-            hi = min(i + shift + p.right, L - 1, k1 - 1)
-            j = np.arange(lo, hi + 1)
+            lo = max(i + shift - p.left, 0)
+            hi = min(i + shift + p.right, L - 1)
+            j = keys[(keys >= lo) & (keys <= hi)]
             qrow = mat("q", flat["q"][1][bh], Nq, p.Dk)[i]
             sc = (K[j] @ qrow) * p.scale
             vis = np.ones(j.size, dtype=bool)
@@ -460,15 +474,18 @@ def check_correct():
 SHAPES = ((1, 131072), (8, 32768), (32, 8192), (64, 4096))
 # (label, fused, waves, variant of _decode.VARIANTS, split rule of _decode.SPLIT_RULES); the
 # first is today's default and the reference output of the others
+# (label, fused, waves, variant, split rule, pool divisor: None = the automatic choice)
 TIMING_VARIANTS = (
-    ("auto", True, 1, None, None), ("tc16s2h1 sep", False, 1, "tc16s2h1", None),
+    ("auto", True, 1, None, None, None), ("no pool", True, 1, None, None, 0),
+    ("pool 1/4", True, 1, None, None, 4), ("pool 1/16", True, 1, None, None, 16),
+    ("tc16s2h1 sep", False, 1, "tc16s2h1", None, None),
 )
 # Timed before (the results are in cuflash/_decode.py's TC_VARIANTS comment): `timing all`.
 OLD_TIMING_VARIANTS = (  # (the STAGES 3 / 4 tiles are gone: decode_tc needs STAGES == 2)
-    ("simt", True, 1, "simt", None), ("simt bal", True, 1, "simt", "balanced"),
-    ("tc16s2", True, 1, "tc16s2", None), ("tc16s2 bal", True, 1, "tc16s2", "balanced"),
-    ("tc16s2 sep", False, 1, "tc16s2", None), ("tc16s2h", True, 1, "tc16s2h", "balanced"),
-    ("tc16s2m3h1", True, 1, "tc16s2m3h1", "balanced"),
+    ("simt", True, 1, "simt", None, None), ("simt bal", True, 1, "simt", "balanced", None),
+    ("tc16s2", True, 1, "tc16s2", None, None), ("tc16s2 bal", True, 1, "tc16s2", "balanced", None),
+    ("tc16s2 sep", False, 1, "tc16s2", None, None),
+    ("tc16s2h", True, 1, "tc16s2h", "balanced", None),
 )
 HQ, HKV, D = 32, 8, 128
 REPS, WARM = 20, 5
@@ -595,7 +612,7 @@ def check_timing():
         run()  # fails here if the backend refuses
         return run
 
-    # (label, fused, waves, variant, split rule): today's default first (the reference output)
+    # TIMING_VARIANTS' rows: today's default first (the reference output)
     variants = TIMING_VARIANTS + (OLD_TIMING_VARIANTS if "all" in sys.argv[1:] else ())
     for B, L in SHAPES + (("uneven", 8192),):
         uneven = B == "uneven"
@@ -606,12 +623,12 @@ def check_timing():
             kv_bytes = 2 * HKV * (int(lens.sum()) if uneven else Bn * L) * D * 2
             res = {}
             ref_out = None
-            for label, fused, waves, variant, rule in variants:
+            for label, fused, waves, variant, rule, pool in variants:
                 try:
                     plans = [_decode.plan(make_problem(q, k, v, kv_lens=None if lens is None
                                                        else lens.reshape(Bn, 1)),
                                           fused=fused, waves=waves, variant=variant,
-                                          split_rule=rule) for q, k, v in sets]
+                                          split_rule=rule, pool=pool) for q, k, v in sets]
                     outs = [pl._outputs() for pl in plans]
                     # check the candidate against today's kernel on the same inputs first
                     o0 = plans[0].run(*outs[0])[0].astype(cp.float32)
