@@ -14,9 +14,10 @@ cuflash/_gpu.py's backward; the caller sums GQA / broadcast groups and casts.
 Which dK/dV tile a call gets (table_tile): on compute capability 9.0 at head dims 64 and 128, the
 wgmma form (DKDV_TILES_WG / _MB, OPT_WG: bwd_sm80_dkdv_x compiled for sm_90a, tcb::DKDV_WGMMA):
 warpgroup h owns keys [64 h, 64 h + 64) of the 128-key tile, S^T, dP^T, dV and dK are warpgroup
-products (wgmma_sm90.cuh) on 128-byte-swizzled tiles, dQ stays on mma.sync; measured on the H200
-(fifth session, bench.py): 1.02-1.11x FA2 at D=64, 1.12-1.17x at D=128, where the mma.sync tiles
-below were at 0.92-1.04x and 0.93-0.99x. Elsewhere: the warp-grid tile at D=128 where shared memory
+products (wgmma_sm90.cuh) on 128-byte-swizzled tiles, dQ stays on mma.sync (at D=128 with dQ
+atomics and no mask / bias, dQ runs on wgmma too: DKDV_TILES_WG_DQ); measured on the H200 (fifth
+session, bench.py): 1.02-1.11x FA2 at D=64, 1.12-1.17x at D=128, where the mma.sync tiles below
+were at 0.92-1.04x and 0.93-0.99x. Elsewhere: the warp-grid tile at D=128 where shared memory
 allows (DKDV_TILES_LARGE_SMEM), else DKDV_TILES / DKDV_TILES_MB.
 
 Tile table (ptxas of NVRTC 13.0 and 13.5, sm_90a and sm_80: registers / spill bytes; no H200
@@ -143,8 +144,8 @@ OPT_GRID = 16
 # (tcb::DKDV_WGMMA, with OPT_SWZ; D=64 or 128, BLOCK_M 32 or 64, 8 warps, K / V in shared
 # memory). Compiled with -arch=sm_90a (dkdv_arch).
 OPT_WG = 64
-# OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64, dQ atomics: dQ on wgmma too (tcb::DKDV_WG_DQ).
-# A candidate, built and spill-checked but not yet run on a GPU (WG_CANDIDATES).
+# OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64, dQ atomics, no mask / bias: dQ on wgmma too
+# (tcb::DKDV_WG_DQ; DKDV_TILES_WG_DQ).
 OPT_WG_DQ = 128
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
@@ -193,6 +194,14 @@ DKDV_TILES_WG = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG),
                  128: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG)}
 DKDV_TILES_WG_MB = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG),
                     128: DkdvTile(32, 8, False, 1, OPT_SWZ | OPT_WG)}
+# With dQ atomics and no mask / bias, D=128 takes dQ on wgmma too (OPT_WG_DQ: dS^T stored
+# 128-byte swizzled, read as an MN-major A operand). H200 2026-11-30 (sixth session),
+# tools/tc_bwd_check.py --variants --wg --dims 128, bf16 TFLOP/s incl. prep and casts at N = 1k /
+# 4k / 16k against DKDV_TILES_WG[128] in the same run: non-causal 217.9 / 320.8 / 379.8 vs
+# 208.0 / 300.3 / 347.3 (+5-9 %), causal 143.3 / 259.6 / 369.7 vs 138.3 / 242.3 / 343.6 (+4-8 %);
+# every correctness case of the tool (928, fp16 and bf16) within the same error as the default.
+# deterministic=True keeps DKDV_TILES_WG[128] (its dkdv kernel has no dQ part).
+DKDV_TILES_WG_DQ = {128: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG | OPT_WG_DQ)}
 # Tests set this to False to run the mma.sync tiles on sm_90 devices too (tests/test_gpu.py).
 USE_WG = True
 # Candidate tiles of bwd_sm80_dkdv_g (not used by default; tools/tc_bwd_check.py --variants checks
@@ -274,14 +283,18 @@ def wgmma_available():
     return _kernels.device_info().cc == 90 and _kernels.nvrtc_version() >= WG_MIN_NVRTC
 
 
-def table_tile(head_dim, has_mb):
+def table_tile(head_dim, has_mb, dq_atomic=False):
     """The dK/dV tile for a call on the current device: the wgmma tile on compute capability 9.0
-    (sm_90a code runs there only; NVRTC 12.9+ builds it), else the warp-grid tile where shared
-    memory allows it, else the table's."""
+    (sm_90a code runs there only; NVRTC 12.9+ builds it; with dq_atomic and no mask / bias the one
+    with dQ on wgmma too where there is one), else the warp-grid tile where shared memory allows it,
+    else the table's."""
     info = _kernels.device_info()
     wg = (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(head_dim)
     if USE_WG and wg is not None and wgmma_available() and \
             dkdv_smem_bytes(head_dim, wg) <= info.smem_optin:
+        wg_dq = DKDV_TILES_WG_DQ.get(head_dim) if dq_atomic and not has_mb else None
+        if wg_dq is not None and dkdv_smem_bytes(head_dim, wg_dq) <= info.smem_optin:
+            return wg_dq
         return wg
     if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:
         big = DKDV_TILES_LARGE_SMEM[head_dim]
@@ -316,8 +329,10 @@ def all_instantiations(dtypes=("float16", "bfloat16")):
                     out.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
                 for atomic, mb in itertools.product((True, False), (False, True)):
-                    out.append(dkdv_expr(dt, d, (DKDV_TILES_WG_MB if mb else DKDV_TILES_WG)[d],
-                                         atomic, mb))
+                    tile = (DKDV_TILES_WG_MB if mb else DKDV_TILES_WG)[d]
+                    if atomic and not mb and d in DKDV_TILES_WG_DQ:
+                        tile = DKDV_TILES_WG_DQ[d]
+                    out.append(dkdv_expr(dt, d, tile, atomic, mb))
     return out
 
 
@@ -327,20 +342,17 @@ def sm90_only_instantiations():
     return []
 
 
-# Candidate wgmma tiles (tools/tc_bwd_check.py --wg times them): with dQ atomics only, no mask / bias.
-WG_CANDIDATES = {128: (DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG | OPT_WG_DQ),)}
-
-
 def candidate_instantiations(dtypes=("float16", "bfloat16")):
     """Name expressions of the GRID_TILES candidates (both dQ modes), of the DKDV_X_TILES
-    candidates (both dQ modes, with and without mask / bias) and of WG_CANDIDATES (dQ atomics, no
-    mask / bias), for device-free build checks."""
+    candidates (both dQ modes, with and without mask / bias) and of the wgmma tile that
+    DKDV_TILES_WG_DQ replaced with dQ atomics (tools/tc_bwd_check.py --wg times it), for
+    device-free build checks."""
     grid = [dkdv_expr(dt, d, t, atomic, False) for dt in dtypes
             for d, tiles in GRID_TILES.items() for t in tiles for atomic in (True, False)]
     x = [dkdv_expr(dt, d, t, atomic, mb) for dt in dtypes for d, tiles in DKDV_X_TILES.items()
          for t in tiles for mb in (False, True) for atomic in (True, False)]
-    wg = [dkdv_expr(dt, d, t, True, False) for dt in dtypes for d, tiles in WG_CANDIDATES.items()
-          for t in tiles]
+    wg = [dkdv_expr(dt, d, DKDV_TILES_WG[d], True, False) for dt in dtypes
+          for d in DKDV_TILES_WG_DQ]
     return grid + x + wg
 
 
@@ -403,8 +415,8 @@ def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic
     if tile is not None and tile.opt & OPT_GRID and not grid_tile_usable(tile, D, has_mb):
         tile = None  # the grid kernel has no mask / bias: the table's tile
     if tile is not None and tile.opt & OPT_WG_DQ and (has_mb or not dq_atomic):
-        tile = None  # the candidate is built for dQ atomics without mask / bias only
-    tile = tile or table_tile(D, has_mb)
+        tile = None  # OPT_WG_DQ is built for dQ atomics without mask / bias only
+    tile = tile or table_tile(D, has_mb, dq_atomic)
     smem = dkdv_smem_bytes(D, tile)
     fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem,
                    dkdv_arch(tile))

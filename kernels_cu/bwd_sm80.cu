@@ -112,9 +112,10 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                stays on mma.sync) and the dQ reductions (issued together, while dK runs). Needs
 //                DKDV_SWZ, HEAD_DIM 64 or 128 (tiles stored as blocks of 64 columns), BLOCK_M 32 or
 //                64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
-//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (a candidate, not yet
-//                timed): dQ = dS K on wgmma too. dS^T goes to shared memory 128-byte-swizzled
-//                (rows = keys, 64 queries of 128 bytes), read as an MN-major A; warpgroup h takes
+//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (the default there on
+//                sm_90a: _tc_bwd.DKDV_TILES_WG_DQ): dQ = dS K on wgmma too. dS^T goes to shared
+//                memory 128-byte-swizzled (rows = keys, 64 queries of 128 bytes), read as an
+//                MN-major A; warpgroup h takes
 //                dQ's columns [64 h, 64 h + 64) over all 128 keys with K's column block h as an
 //                MN-major B. Its fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the
 //                reductions are the same.

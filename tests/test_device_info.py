@@ -61,5 +61,12 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, cc, nvrtc, s
         assert bool(tile.opt & _tc_bwd.OPT_WG) == want
         if not want and not tile.opt & _tc_bwd.OPT_GRID:  # the table's tile, as elsewhere
             assert tile == (_tc_bwd.DKDV_TILES_MB if has_mb else _tc_bwd.DKDV_TILES)[head_dim]
+        # with dQ atomics and no mask / bias, D=128's wgmma tile with dQ on wgmma too
+        atomic = _tc_bwd.table_tile(head_dim, has_mb, dq_atomic=True)
+        wg_dq = _tc_bwd.DKDV_TILES_WG_DQ.get(head_dim) if not has_mb else None
+        if want and wg_dq is not None and _tc_bwd.dkdv_smem_bytes(head_dim, wg_dq) <= smem:
+            assert atomic == wg_dq and atomic.opt & _tc_bwd.OPT_WG_DQ
+        else:
+            assert atomic == tile
     monkeypatch.setattr(_tc_bwd, "USE_WG", False)
     assert not _tc_bwd.table_tile(64, False).opt & _tc_bwd.OPT_WG

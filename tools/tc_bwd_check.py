@@ -312,13 +312,13 @@ VARIANTS = {  # dkdv tiles timed beside the table's choice with --variants (non-
 # (+2-5 %, see _tc_bwd.DKDV_TILES); timed beside it for A/B. _tc_bwd.DKDV_X_TILES[64].
 VARIANTS[64].extend(_tc_bwd.DKDV_X_TILES[64])
 # --wg: on compute capability 9.0 the defaults at D=64 and 128 are the wgmma tiles
-# (_tc_bwd.DKDV_TILES_WG); this times beside them the tiles they replaced (D=64's mma.sync table
-# tile, D=128's warp-grid tile) and, at D=128, the wgmma tile with 32 queries per step.
-# Then the untimed wgmma candidates (_tc_bwd.WG_CANDIDATES: D=128 with dQ on wgmma).
+# (_tc_bwd.DKDV_TILES_WG, and at D=128 with dQ atomics _tc_bwd.DKDV_TILES_WG_DQ); this times beside
+# them the tiles they replaced (D=64's mma.sync table tile, D=128's warp-grid tile and the wgmma
+# tile with dQ on mma.sync) and, at D=128, the wgmma tile with 32 queries per step.
 WG_VARIANTS = {64: [_tc_bwd.DKDV_TILES[64]],
                128: [_tc_bwd.DKDV_TILES_LARGE_SMEM[128],
                      _T(32, 8, False, 1, _tc_bwd.OPT_SWZ | _tc_bwd.OPT_WG),
-                     *_tc_bwd.WG_CANDIDATES[128]]}
+                     _tc_bwd.DKDV_TILES_WG[128]]}
 OLD_VARIANTS = {  # timed on the H200 and lost (-8..+1 %): only with --old-variants
     # opt != 0: the bwd_sm80_dkdv_x candidates (see the _tc_bwd docstring for registers / spills)
     64: [_T(64, 8, False, 1), _T(64, 4, True, 2), _T(32, 4, True, 3),
