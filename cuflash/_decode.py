@@ -627,17 +627,18 @@ class Schedule:
     groups (n_groups, G), rows (ROWS), tiles (n_tiles, 4) = (group, tile index, first item,
     item count), items (n_items, 3) = (tile id, k0, k1 exclusive), pools (n_items, 2) = the key
     pool [pool0, pool1) of the item's tile (empty: k1, k1), split (keys per item), lens (BH).
-    `pool`: POOL_DIVISOR for pools where they apply (one wave: n_items <= capacity), a divisor to
-    force them on every split tile (tests), 0 for none (decode_split, separate combine).
+    `pool`: the key pools' divisor (0: none; decode_split and the separate combine have none).
+    Pools apply only when the items fit one wave (n_items <= capacity, at WAVES = 1), unless
+    `force_pool` (tests). `grouping`: group_heads' answer for p, when the caller has it.
     """
 
     def __init__(self, p, capacity, split=None, rule=None, rows=None, block_keys=None, pool=0,
-                 force_pool=False):
+                 force_pool=False, grouping=None):
         BH = p.BH
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
         self.v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
-        self.groups, self.G = group_heads(self.k_map, self.v_map, self.lens)
+        self.groups, self.G = grouping or group_heads(self.k_map, self.v_map, self.lens)
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         has_mb = p.mask is not None or p.bias is not None
         self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb)
@@ -719,12 +720,12 @@ class _Layout:
         self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
         self._by_rows = {}
 
-    def rows(self, p):
-        """ROWS: decode_tc's 16, or decode_split's for p's grouping (which kv_lens can change)."""
+    def rows(self, G, Nq):
+        """ROWS: decode_tc's 16, or decode_split's for a group of G heads (the grouping can change
+        with kv_lens) and Nq query rows."""
         if self.sched_rows:
             return self.sched_rows
-        _, G = group_heads(p.k_map, p.v_map, _lens(p))
-        return rows_per_block(self.dtype, self.bucket, G * p.Nq, self.has_mb)
+        return rows_per_block(self.dtype, self.bucket, G * Nq, self.has_mb)
 
     def kernels(self, rows):
         """(expr, kernel, blocks per SM, combine kernel or None, capacity) on the current device
@@ -764,11 +765,13 @@ class Plan:
             self.layout = lay = layout or _Layout(p, fused, waves, variant, split_rule, pool,
                                                   force_pool)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
-            rows = lay.rows(p)
+            grouping = group_heads(np.asarray(p.k_map, dtype=np.int64).reshape(p.BH),
+                                   np.asarray(p.v_map, dtype=np.int64).reshape(p.BH), _lens(p))
+            rows = lay.rows(grouping[1], p.Nq)
             self.expr, self.kernel, self.per_sm, self.combine, self.capacity = lay.kernels(rows)
         self.fused, self.variant, self.dyn_smem = lay.fused, lay.variant, lay.dyn_smem
         sched = Schedule(p, self.capacity, split, lay.split_rule, lay.sched_rows, lay.block_keys,
-                         lay.pool, lay.force_pool)
+                         lay.pool, lay.force_pool, grouping)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split

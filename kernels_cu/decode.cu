@@ -9,7 +9,8 @@
 //            -1 where a group is shorter than G;
 //   row tile ROWS of the group's G * Nq query rows, query-major (row rho -> i = rho / G, head
 //            gi = rho % G), so a tile's rows have neighbouring positions and key ranges;
-//   item     one block: a contiguous key range [k0, k1) of one row tile (its "split").
+//   item     one block: a contiguous key range [k0, k1) of one row tile (its "split"; decode_tc
+//            adds the stages of its tile's key pool that it claims, see decode_tc).
 // Each block reads its keys of one kv head ONCE for all of its rows, with 16-byte loads, and keeps
 // the online softmax per row in Acc (float; double for double). Scores are in the base-2 domain:
 // q is pre-multiplied by scale * log2(e), so p = exp2(t - m).
