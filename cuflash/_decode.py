@@ -831,7 +831,7 @@ class Plan:
             ws_out = cupy.empty(shape + (p.Dv,), dtype=p.acc_dtype)
             ws_lse = cupy.empty(shape, dtype=p.acc_dtype)
             # merge counters [0, n_tiles), decode_tc's pool counters [n_tiles, 2 n_tiles)
-            counters = _counter_buffer(2 * self.n_tiles if self.split_any else 2)
+            counters = _counter_buffer(2 * self.n_tiles)
             args = (p.q, p.k, p.v, out, lse, ws_out, ws_lse, counters,
                     self.offsets, self.lens, self.groups, self.tiles, self.items,
                     null if p.mask is None else p.mask, null if p.bias is None else p.bias,
@@ -841,8 +841,8 @@ class Plan:
                     i32(p.right), i32(bool(p.bottom_right)), i32(self.fused))
             if self.variant != "simt":  # persistent blocks, at most one wave (decode_tc)
                 grid = min(self.n_items, self.per_sm * _kernels.device_info().sm_count)
-                pools = counters[self.n_tiles:] if self.split_any else counters[1:]
-                self.kernel((grid,), (THREADS,), args + (i32(self.n_items), pools),
+                self.kernel((grid,), (THREADS,), args + (i32(self.n_items),
+                                                         counters[self.n_tiles:]),
                             shared_mem=self.dyn_smem)
             else:
                 self.kernel((self.n_items,), (THREADS,), args)

@@ -283,18 +283,22 @@ def wgmma_available():
     return _kernels.device_info().cc == 90 and _kernels.nvrtc_version() >= WG_MIN_NVRTC
 
 
+def wg_tile(head_dim, has_mb, dq_atomic):
+    """The wgmma dK/dV tile of a call kind, or None: with dQ atomics and no mask / bias the one
+    with dQ on wgmma too where there is one (DKDV_TILES_WG_DQ), else DKDV_TILES_WG / _MB."""
+    if dq_atomic and not has_mb and head_dim in DKDV_TILES_WG_DQ:
+        return DKDV_TILES_WG_DQ[head_dim]
+    return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(head_dim)
+
+
 def table_tile(head_dim, has_mb, dq_atomic=False):
-    """The dK/dV tile for a call on the current device: the wgmma tile on compute capability 9.0
-    (sm_90a code runs there only; NVRTC 12.9+ builds it; with dq_atomic and no mask / bias the one
-    with dQ on wgmma too where there is one), else the warp-grid tile where shared memory allows it,
-    else the table's."""
+    """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
+    capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it), else the warp-grid tile
+    where shared memory allows it, else the table's."""
     info = _kernels.device_info()
-    wg = (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(head_dim)
+    wg = wg_tile(head_dim, has_mb, dq_atomic)
     if USE_WG and wg is not None and wgmma_available() and \
             dkdv_smem_bytes(head_dim, wg) <= info.smem_optin:
-        wg_dq = DKDV_TILES_WG_DQ.get(head_dim) if dq_atomic and not has_mb else None
-        if wg_dq is not None and dkdv_smem_bytes(head_dim, wg_dq) <= info.smem_optin:
-            return wg_dq
         return wg
     if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:
         big = DKDV_TILES_LARGE_SMEM[head_dim]
@@ -329,10 +333,7 @@ def all_instantiations(dtypes=("float16", "bfloat16")):
                     out.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
                 for atomic, mb in itertools.product((True, False), (False, True)):
-                    tile = (DKDV_TILES_WG_MB if mb else DKDV_TILES_WG)[d]
-                    if atomic and not mb and d in DKDV_TILES_WG_DQ:
-                        tile = DKDV_TILES_WG_DQ[d]
-                    out.append(dkdv_expr(dt, d, tile, atomic, mb))
+                    out.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
     return out
 
 

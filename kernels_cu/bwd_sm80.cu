@@ -566,8 +566,8 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
         // share r % 8): 8 rows x 4 words per store, conflict-free.
         if constexpr (WG_DQ) {
           const int key = warp * 16 + g;
-          const u32 row = sdS + key * DS_ROW + ((2 * kk) ^ (key & 7)) * 16 + 4 * t;
-          const u32 row8 = sdS + key * DS_ROW + ((2 * kk + 1) ^ (key & 7)) * 16 + 4 * t;
+          const u32 row = sdS + chunk_offset<true, DS_ROW>(key, 2 * kk) + 4 * t;
+          const u32 row8 = sdS + chunk_offset<true, DS_ROW>(key, 2 * kk + 1) + 4 * t;
           st_shared_b32(row, da[kk][0]);
           st_shared_b32(row + 8 * DS_ROW, da[kk][1]);
           st_shared_b32(row8, da[kk][2]);
