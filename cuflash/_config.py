@@ -34,12 +34,18 @@ SOURCES = {
     "bwd_preprocess": "bwd_generic.cu",
     "bwd_dkdv": "bwd_generic.cu",
     "bwd_dq": "bwd_generic.cu",
+    "bwd_lost_rows": "lost_rows.cu",
+    "bwd_lost_keys": "lost_rows.cu",
+    "fwd_lost_rows": "lost_rows.cu",
 }
 _KERNEL_NAMES = {
     "fwd": "fwd_generic",
     "bwd_preprocess": "bwd_preprocess",
     "bwd_dkdv": "bwd_dkdv",
     "bwd_dq": "bwd_dq",
+    "bwd_lost_rows": "bwd_lost_rows",
+    "bwd_lost_keys": "bwd_lost_keys",
+    "fwd_lost_rows": "fwd_lost_rows",
 }
 # Kernels that have a head-dim bucket and tiles (the preprocess kernel has neither).
 TILED_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
@@ -203,6 +209,19 @@ def accumulator_dtype(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+# A row whose |lse| is at least this (in the accumulator dtype) cannot carry log(l) in its lse:
+# lse = m + log(l) rounds to within ulp(lse) / 2 of m, so P = exp(s - lse) would be off by up to
+# that much in the exponent (by the factor l itself once log(l) is lost entirely, e.g. a row
+# padded with an additive finfo.min bias). The backward recomputes such "lost" rows exactly
+# (their max and sum in float64) instead of trusting their lse. Below the limit the error of
+# exp(s - lse) is at most ulp(lse) / 2, no larger than the rounding of the logits themselves.
+LOST_LSE = {"float32": 2.0 ** 12, "float64": 2.0 ** 24}
+
+
+def lost_lse_limit(acc_dtype):
+    return LOST_LSE[np.dtype(acc_dtype).name]
+
+
 # dtype name -> (storage C type, accumulator C type); the C types are defined in common.cuh.
 _C_TYPES = {
     "float16": ("half_t", "float"),
@@ -271,9 +290,30 @@ def name_expression(kernel, dtype, bucket=None, path="generic"):
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}>"
 
 
+def lost_name_expressions(dtype, dk_is_input_dtype):
+    """The two kernels of bwd_lost.cu for inputs of ``dtype`` whose dk / dv buffers hold the
+    inputs' dtype (else the accumulator's)."""
+    t, acc = c_types(dtype)
+    return f"bwd_lost_rows<{t}, {acc}>", f"bwd_lost_keys<{t}, {acc}, {t if dk_is_input_dtype else acc}>"
+
+
+def fwd_lost_name_expression(dtype):
+    t, acc = c_types(dtype)
+    return f"fwd_lost_rows<{t}, {acc}>"
+
+
 def all_instantiations():
     """Every (kernel, dtype name, bucket or None, source file, name expression) the package can request."""
     out = []
+    for dt in supported_dtype_names():
+        rows, keys = lost_name_expressions(dt, False)
+        out.append(("bwd_lost_rows", dt, None, SOURCES["bwd_lost_rows"], rows))
+        out.append(("bwd_lost_keys", dt, None, SOURCES["bwd_lost_keys"], keys))
+        if dt in SM80_DTYPES:  # the tensor-core backward writes dk, dv in the inputs' dtype;
+            out.append(("bwd_lost_keys", dt, None, SOURCES["bwd_lost_keys"],  # its forward's fix
+                        lost_name_expressions(dt, True)[1]))
+            out.append(("fwd_lost_rows", dt, None, SOURCES["fwd_lost_rows"],
+                        fwd_lost_name_expression(dt)))
     for dt in supported_dtype_names():
         for kernel in TILED_KERNELS:
             for b in HEAD_DIM_BUCKETS:

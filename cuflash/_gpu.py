@@ -56,7 +56,7 @@ def forward_path(p):
     it can run, with small splits."""
     if FORCE_PATH == "generic":
         return "generic"
-    if FORCE_PATH in ("split", "split-simt", "split-pool"):
+    if FORCE_PATH in ("split", "split-simt"):
         return "split" if _decode.fits(p) else "generic"
     if _decode.supports(p):
         return "split"
@@ -64,9 +64,6 @@ def forward_path(p):
 
 
 _FORCED_SPLIT_KEYS = 64
-# FORCE_PATH 'split-pool': splits of 512 keys, half of each split tile's keys in its pool, pools
-# also where the items take more than one wave (decode_tc only; decode_split has no pools)
-_FORCED_POOL = (512, 2)
 
 
 def _empty(shape, dtype):
@@ -135,10 +132,7 @@ def forward(p):
     path = forward_path(p)
     if path == "split":
         with p.q.device:
-            if FORCE_PATH == "split-pool" and _decode.tc_fits(p):
-                split, divisor = _FORCED_POOL
-                return _decode.forward(p, split=split, pool=divisor, force_pool=True)
-            forced = FORCE_PATH in ("split", "split-simt", "split-pool")
+            forced = FORCE_PATH in ("split", "split-simt")
             return _decode.forward(p, split=_FORCED_SPLIT_KEYS if forced else None,
                                    variant="simt" if FORCE_PATH == "split-simt" else None)
     with p.q.device:
@@ -171,12 +165,14 @@ def backward(p, dout, out, lse, deterministic=False):
         dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
         out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
         lse = cupy.ascontiguousarray(lse.astype(p.acc_dtype, copy=False)).reshape(BH, p.Nq)
+        lse_eff = _empty((BH, p.Nq), dtype=p.acc_dtype)  # lost rows: +inf (skipped)
         delta = _empty((BH, p.Nq), dtype=p.acc_dtype)
-        _launch.launch_bwd_preprocess(dout, out, delta, BH * p.Nq, p.Dv)
+        _launch.launch_bwd_preprocess(dout, out, lse, lse_eff, delta, BH * p.Nq, p.Dv)
         dq = _empty((BH, p.Nq, p.Dk), dtype=p.acc_dtype)
         dk = _empty((BH, p.Nk, p.Dk), dtype=p.acc_dtype)
         dv = _empty((BH, p.Nk, p.Dv), dtype=p.acc_dtype)
         common = args.common(p)
-        _launch.launch_bwd_dkdv(p.q, p.k, p.v, dout, lse, delta, dk, dv, **common)
-        _launch.launch_bwd_dq(p.q, p.k, p.v, dout, lse, delta, dq, **common)
+        _launch.launch_bwd_dkdv(p.q, p.k, p.v, dout, lse_eff, delta, dk, dv, **common)
+        _launch.launch_bwd_dq(p.q, p.k, p.v, dout, lse_eff, delta, dq, **common)
+        _launch.launch_lost(p.q, p.k, p.v, dout, out, lse, dq, dk, dv, **common)
         return dq, dk, dv

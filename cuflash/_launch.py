@@ -95,16 +95,42 @@ def launch_fwd_sm80(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs,
         offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
         BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
     kern((blocks,), (tile.warps * 32,), args, shared_mem=smem)
+    if not has_mb:  # the folded scale's rounding on huge logits: kernels_cu/lost_rows.cu
+        launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs,
+                        mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left,
+                        right, bottom_right)
 
 
-def launch_bwd_preprocess(dout, out, delta, rows, Dv):
-    """bwd_preprocess: delta (rows,) = rowsum(dout * out); dout, out contiguous (rows, Dv)."""
+def launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
+                    mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
+                    bottom_right):
+    """fwd_lost_rows: recompute, in double, out and lse of the rows whose lse came out lost
+    (cuflash._config.LOST_LSE), NaN or +inf; a few blocks that only read lse otherwise."""
+    rows = BH * Nq
+    if rows == 0:
+        return
+    fn = _kernels.get_function(_config.SOURCES["fwd_lost_rows"],
+                               _config.fwd_lost_name_expression(q.dtype))
+    blocks = min(-(-rows // _config.GENERIC_THREADS), 2 * _kernels.device_info().sm_count)
+    i64, i32 = np.int64, np.int32
+    fn((blocks,), (_config.GENERIC_THREADS,),
+       (q, k, v, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens), i64(q_rs), i64(k_rs),
+        i64(v_rs), i64(mask_rs), i64(mask_cs), i64(bias_rs), i64(bias_cs), i32(BH), i32(Nq),
+        i32(Nk), i32(Dk), i32(Dv), np.float64(scale), i32(left), i32(right),
+        i32(bool(bottom_right)), np.float64(_config.lost_lse_limit(lse.dtype))))
+
+
+def launch_bwd_preprocess(dout, out, lse, lse_eff, delta, rows, Dv):
+    """bwd_preprocess: delta (rows,) = rowsum(dout * out) and lse_eff (rows,), the lse the main
+    kernels use (+inf, with delta 0, on lost rows); dout, out contiguous (rows, Dv)."""
     if rows == 0:
         return
     kern = _kernels.get_kernel("bwd_preprocess", dout.dtype)
     rows_per_block = _config.GENERIC_THREADS // 32  # one warp per row
     blocks = min(-(-rows // rows_per_block), _MAX_GRID_X)  # the kernel loops beyond that
-    kern((blocks,), (_config.GENERIC_THREADS,), (dout, out, delta, np.int64(rows), np.int32(Dv)))
+    lost = _scale(dout.dtype, _config.lost_lse_limit(delta.dtype))
+    kern((blocks,), (_config.GENERIC_THREADS,),
+         (dout, out, lse, lse_eff, delta, np.int64(rows), np.int32(Dv), lost))
 
 
 def launch_bwd_dkdv(q, k, v, dout, lse, delta, dk_acc, dv_acc, offsets, mask, bias, kv_lens,
@@ -135,3 +161,35 @@ def launch_bwd_dq(q, k, v, dout, lse, delta, dq_acc, offsets, mask, bias, kv_len
         offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
         BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
     kern(grid, (_config.GENERIC_THREADS,), args, shared_mem=smem)
+
+
+LOST_CHUNK = 32  # kernels_cu/bwd_lost.cu LOST_CHUNK: query rows per flag, keys per key block
+
+
+def launch_lost(q, k, v, dout, out, lse, dq, dk, dv, offsets, mask, bias, kv_lens, q_rs, k_rs,
+                v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
+                bottom_right, **_):
+    """bwd_lost.cu: add the exact gradients of the lost rows (cuflash._config.LOST_LSE) to dq,
+    dk, dv, which the main backward kernels wrote without them. dout, out contiguous
+    (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype; dq (BH, Nq, Dk) in it too;
+    dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. Costs two launches that read the
+    lse and return when no row is lost."""
+    import cupy
+
+    if BH == 0 or Nq == 0 or Nk == 0:
+        return
+    rows_expr, keys_expr = _config.lost_name_expressions(q.dtype, dk.dtype == q.dtype)
+    source = _config.SOURCES["bwd_lost_rows"]
+    n_chunks = -(-Nq // LOST_CHUNK)
+    stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
+    flags = cupy.empty((BH, n_chunks), dtype=np.int32)
+    i64, i32 = np.int64, np.int32
+    lost = _config.lost_lse_limit(lse.dtype)
+    args = (q, k, v, dout, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens),
+            i64(q_rs), i64(k_rs), i64(v_rs), i64(mask_rs), i64(mask_cs), i64(bias_rs),
+            i64(bias_cs), i32(BH), i32(Nq), i32(Nk), i32(Dk), i32(Dv), np.float64(scale),
+            i32(left), i32(right), i32(bool(bottom_right)), np.float64(lost), stats, flags)
+    threads = (_config.GENERIC_THREADS,)
+    _kernels.get_function(source, rows_expr)(_bh_grid(n_chunks, BH), threads, args + (dq,))
+    _kernels.get_function(source, keys_expr)(_bh_grid(-(-Nk // LOST_CHUNK), BH), threads,
+                                             args + (dk, dv))

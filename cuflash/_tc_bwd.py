@@ -121,7 +121,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _kernels
+from . import _config, _kernels, _launch
 from ._broadcast import _padded
 
 SOURCE = "bwd_sm80.cu"
@@ -402,8 +402,9 @@ def launch_prep(dout, out, lse, lse2, delta, BH, Nq, Nq_pad, D):
     """lse2, delta (BH, Nq_pad) float32 from dout, out (BH, Nq, D) and lse (BH, Nq) float32."""
     fn = _function(prep_expr(np.dtype(dout.dtype).name, D), 0)
     threads = BH * Nq_pad * 8
+    lost = np.float32(_config.lost_lse_limit(np.float32))
     fn((-(-threads // 256),), (256,),
-       (dout, out, lse, lse2, delta, np.int32(BH), np.int32(Nq), np.int32(Nq_pad)))
+       (dout, out, lse, lse2, delta, np.int32(BH), np.int32(Nq), np.int32(Nq_pad), lost))
 
 
 def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic, tile=None,
@@ -484,6 +485,7 @@ def make_backward(p, deterministic=False, dkdv_tile=None, dq_tile=None):
                         dq_atomic=not deterministic, tile=dkdv_tile, out16=out16, **common)
             if deterministic:
                 launch_dq(p.q, p.k, p.v, dout, lse2, delta, dq, tile=dq_tile, **common)
+            _launch.launch_lost(p.q, p.k, p.v, dout, out, lse, dq, dk, dv, **common)
             return dq, dk, dv
 
     return run

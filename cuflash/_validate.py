@@ -4,7 +4,12 @@
 normalized, and ready for any path (NumPy, generic CUDA, tensor cores). Nothing after it checks
 user input again, and nothing in it launches work on a GPU. ``kv_lens`` may be host data (an int,
 a sequence, a NumPy array) for either library; given as a CuPy array its values are copied to the
-host to be checked (one small synchronizing copy).
+host to be checked (one small synchronizing copy). No other value is read: array contents (NaN,
++-inf, a bias beyond the accumulator's range) are never checked, because for CuPy inputs that would
+need a device-to-host synchronization; what they give is the README's non-finite contract.
+
+Every message starts with the public function it is raised for (``fn``: "attention",
+"attention_backward", "attention_vjp", "merge") and names the argument.
 """
 import math
 import numbers
@@ -17,6 +22,7 @@ from . import _broadcast
 from ._config import MAX_HEAD_DIM, accumulator_dtype, supported_dtype_names
 
 ALIGNS = ("bottom-right", "top-left")
+LOG2E = math.log2(math.e)  # the kernels' exp2 folds scale * LOG2E
 
 
 @dataclass
@@ -77,29 +83,27 @@ def _xp_of(name):
     return cupy
 
 
-def _describe(x):
-    lib = _library(x)
-    if lib is None:
-        return type(x).__name__
-    return f"{lib}.ndarray"
+def _check_array(fn, name, x):
+    if _library(x) is None:
+        raise TypeError(f"{fn}: {name} must be a numpy.ndarray or cupy.ndarray, "
+                        f"got {type(x).__name__}")
 
 
-def _check_same_family(named, lib, device):
+def _check_same_family(fn, named, first, lib, device):
     """Every array argument must come from the same library (and, for CuPy, the same device)."""
     for name, x in named:
         if x is None:
             continue
+        _check_array(fn, name, x)
         other = _library(x)
-        if other is None:
-            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
         if other != lib:
             raise TypeError(
-                f"q, k, v and every array option must come from one library: q is a {lib}.ndarray "
-                f"but {name} is a {other}.ndarray")
+                f"{fn}: every array argument must come from one library: {first} is a "
+                f"{lib}.ndarray but {name} is a {other}.ndarray")
         if lib == "cupy" and x.device.id != device:
             raise ValueError(
-                f"all arrays must be on one device: q is on cuda device {device} but {name} is on "
-                f"cuda device {x.device.id}")
+                f"{fn}: all arrays must be on one device: {first} is on cuda device {device} but "
+                f"{name} is on cuda device {x.device.id}")
 
 
 def _dtype_name(dt):
@@ -109,40 +113,48 @@ def _dtype_name(dt):
 # ---------------------------------------------------------------------------------------------
 # scalar options
 
-def _check_scale(scale, Dk):
+def _check_scale(fn, scale, Dk, acc_dtype):
+    """A real number whose product with log2(e) is finite in the accumulator dtype.
+
+    The kernels fold scale * log2(e) into their exp2, so that product must not overflow; a scale
+    beyond it (1e39 for float32 accumulation) would turn every row into NaN. A tiny scale is
+    kept: where it rounds to 0 in the accumulator it changes no logit by more than about 2e-7
+    (|q.k| < 3.4e38), i.e. it is uniform attention up to rounding, as scale = 0 is.
+    """
     if scale is None:
         return 1.0 / math.sqrt(Dk)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        raise TypeError(f"{fn}: scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    limit = float(np.finfo(acc_dtype).max) / LOG2E
+    if abs(scale) > limit:
+        raise ValueError(
+            f"{fn}: scale must be at most {limit:.4g} in magnitude with {acc_dtype} accumulation "
+            f"(scale * log2(e) must be finite in {acc_dtype}), got {scale}")
     return scale
 
 
-def check_flag(name, value):
+def check_flag(name, value, fn="attention"):
     """A keyword flag must be a real bool (1/0 or None are more likely mistakes than intent)."""
-    return _check_bool(name, value)
-
-
-def _check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
 
 
-def _check_align(align):
+def _check_align(fn, align):
     if not isinstance(align, str) or align not in ALIGNS:
-        raise ValueError(f"align must be 'bottom-right' or 'top-left', got {align!r}")
+        raise ValueError(f"{fn}: align must be 'bottom-right' or 'top-left', got {align!r}")
     return align == "bottom-right"
 
 
-def _check_window(window, causal, unbounded):
+def _check_window(fn, window, causal, unbounded):
     """(left, right) as ints; None sides become ``unbounded``, and causal caps right at 0."""
     left = right = unbounded
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
+            raise ValueError(f"{fn}: window must be None or a pair (left, right), got {window!r}")
         sides = []
         for side, value in zip(("left", "right"), window):
             if value is None:
@@ -150,9 +162,9 @@ def _check_window(window, causal, unbounded):
                 continue
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
                 raise ValueError(
-                    f"window {side} must be a non-negative int or None, got {value!r}")
+                    f"{fn}: window {side} must be a non-negative int or None, got {value!r}")
             if value < 0:
-                raise ValueError(f"window {side} must be non-negative, got {value}")
+                raise ValueError(f"{fn}: window {side} must be non-negative, got {value}")
             sides.append(min(int(value), unbounded))
         left, right = sides
     if causal:
@@ -163,50 +175,53 @@ def _check_window(window, causal, unbounded):
 # ---------------------------------------------------------------------------------------------
 # array options
 
-def _check_mask(mask, full, lib):
+def _check_mask(fn, mask, full, lib):
     if mask is None:
         return None
     if mask.dtype != np.bool_:
-        raise TypeError(f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}")
+        raise TypeError(
+            f"{fn}: mask must be a boolean array (True = may attend), got dtype {mask.dtype}")
     if mask.ndim < 2 or not _broadcasts_to(mask.shape, full):
         raise ValueError(
-            f"mask must broadcast to (..., Nq, Nk) = {full}, got mask.shape={mask.shape}")
+            f"{fn}: mask must broadcast to (..., Nq, Nk) = {full}, got mask.shape={mask.shape}")
     return _xp_of(lib).broadcast_to(mask, full)
 
 
-def _check_bias(bias, full, lib, acc_dtype):
+def _check_bias(fn, bias, full, lib, acc_dtype):
+    """Cast to the accumulator dtype (values are not read: beyond its range they become +-inf)."""
     if bias is None:
         return None
     if _dtype_name(bias.dtype) not in supported_dtype_names():
         raise TypeError(
-            f"bias must be a floating array ({', '.join(supported_dtype_names())}), "
+            f"{fn}: bias must be a floating array ({', '.join(supported_dtype_names())}), "
             f"got dtype {bias.dtype}")
     if bias.ndim < 2 or not _broadcasts_to(bias.shape, full):
         raise ValueError(
-            f"bias must broadcast to (..., Nq, Nk) = {full}, got bias.shape={bias.shape}")
+            f"{fn}: bias must broadcast to (..., Nq, Nk) = {full}, got bias.shape={bias.shape}")
     return _xp_of(lib).broadcast_to(bias.astype(acc_dtype, copy=False), full)
 
 
-def _check_kv_lens(kv_lens, lead, Nk, lib):
+def _check_kv_lens(fn, kv_lens, lead, Nk, lib):
     if kv_lens is None:
         return None
     kind = _library(kv_lens)
     if kind == "cupy" and lib != "cupy":
-        raise TypeError("kv_lens must be an int, a sequence of ints or a numpy.ndarray for NumPy "
-                        "inputs, got a cupy.ndarray")
+        raise TypeError(f"{fn}: kv_lens must be an int, a sequence of ints or a numpy.ndarray "
+                        "for NumPy inputs, got a cupy.ndarray")
     host = kv_lens.get() if kind == "cupy" else kv_lens
     try:
         arr = np.asarray(host)
     except Exception:  # ragged sequences and the like
-        raise TypeError(f"kv_lens must be an int or an array of ints, got {type(kv_lens).__name__}")
+        raise TypeError(
+            f"{fn}: kv_lens must be an int or an array of ints, got {type(kv_lens).__name__}")
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"kv_lens must hold integers, got dtype {arr.dtype}")
+        raise TypeError(f"{fn}: kv_lens must hold integers, got dtype {arr.dtype}")
     if not _broadcasts_to(arr.shape, lead):
-        raise ValueError(
-            f"kv_lens must broadcast to the leading dims {lead}, got kv_lens.shape={arr.shape}")
+        raise ValueError(f"{fn}: kv_lens must broadcast to the leading dims {lead}, "
+                         f"got kv_lens.shape={arr.shape}")
     if arr.size and (arr.min() < 0 or arr.max() > Nk):
-        raise ValueError(
-            f"kv_lens must lie in [0, Nk] = [0, {Nk}], got values from {arr.min()} to {arr.max()}")
+        raise ValueError(f"{fn}: kv_lens must lie in [0, Nk] = [0, {Nk}], "
+                         f"got values from {arr.min()} to {arr.max()}")
     return np.ascontiguousarray(np.broadcast_to(arr.astype(np.int64), lead))
 
 
@@ -217,6 +232,11 @@ def _broadcasts_to(shape, target):
         if s != 1 and s != t:
             return False
     return True
+
+
+def _plain_broadcast(a, b):
+    """Do two shapes broadcast the NumPy way (every axis equal, or 1 on one side)?"""
+    return all(x == y or 1 in (x, y) for x, y in zip(reversed(a), reversed(b)))
 
 
 def _innermost_contiguous(xp, x):
@@ -235,60 +255,66 @@ def element_strides(x):
 # the entry points
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
-                 mask=None, bias=None, kv_lens=None):
+                 mask=None, bias=None, kv_lens=None, fn="attention"):
+    """Validate and normalize the arguments of ``fn`` (the public function, named in messages)."""
+    _check_array(fn, "q", q)
     lib = _library(q)
-    if lib is None:
-        raise TypeError(f"q must be a numpy.ndarray or cupy.ndarray, got {type(q).__name__}")
     device = q.device.id if lib == "cupy" else None
     for name, x in (("k", k), ("v", v)):
-        if _library(x) is None:
-            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
-    _check_same_family((("k", k), ("v", v), ("mask", mask), ("bias", bias)), lib, device)
+        _check_array(fn, name, x)
+    _check_same_family(fn, (("k", k), ("v", v), ("mask", mask), ("bias", bias)), "q", lib,
+                       device)
     xp = _xp_of(lib)
 
     names = supported_dtype_names()
     for name, x in (("q", q), ("k", k), ("v", v)):
         if _dtype_name(x.dtype) not in names:
-            raise TypeError(f"{name} must have dtype {', '.join(names)}, got {x.dtype}")
+            raise TypeError(f"{fn}: {name} must have dtype {', '.join(names)}, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
-            f"q, k and v must have one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+            f"{fn}: q, k and v must have one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
             f"v.dtype={v.dtype}")
     for name, x, shape in (("q", q, "(..., Nq, Dk)"), ("k", k, "(..., Nk, Dk)"),
                            ("v", v, "(..., Nk, Dv)")):
         if x.ndim < 2:
-            raise ValueError(f"{name} must have shape {shape} with at least 2 dims, "
+            raise ValueError(f"{fn}: {name} must have shape {shape} with at least 2 dims, "
                              f"got {name}.shape={x.shape}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"q and k must have the same head dim (axis -1), got q.shape={q.shape} and "
+            f"{fn}: q and k must have the same head dim (axis -1), got q.shape={q.shape} and "
             f"k.shape={k.shape}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
-            f"k and v must have the same number of keys (axis -2), got k.shape={k.shape} and "
-            f"v.shape={v.shape}")
+            f"{fn}: k and v must have the same number of keys (axis -2), got k.shape={k.shape} "
+            f"and v.shape={v.shape}")
     Nq, Dk = q.shape[-2:]
     Nk, Dv = v.shape[-2:]
     for name, d in (("Dk (q.shape[-1])", Dk), ("Dv (v.shape[-1])", Dv)):
         if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {d}")
+            raise ValueError(f"{fn}: head dim {name} must be in [1, {MAX_HEAD_DIM}], got {d}")
+    # k and v describe the same keys: their leading dims broadcast against each other the plain
+    # NumPy way (no grouping between them), and only then meet q's, with GQA on the head axis.
+    if not _plain_broadcast(k.shape[:-2], v.shape[:-2]):
+        raise ValueError(
+            f"{fn}: the leading dims of k and v must broadcast against each other (on axis -3: "
+            f"the same number of kv heads, or 1), got k.shape={k.shape} and v.shape={v.shape}")
     lead = _broadcast.broadcast_lead((q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     if lead is None:
         raise ValueError(
-            "the leading dims of q, k and v must broadcast (on axis -3 k and v may instead hold "
-            f"H/g heads, grouped-query attention), got q.shape={q.shape}, k.shape={k.shape}, "
-            f"v.shape={v.shape}")
+            f"{fn}: the leading dims of q, k and v must broadcast (on axis -3 k and v may "
+            f"instead hold H/g heads, grouped-query attention), got q.shape={q.shape}, "
+            f"k.shape={k.shape}, v.shape={v.shape}")
 
-    scale = _check_scale(scale, Dk)
-    causal = _check_bool("causal", causal)
-    bottom_right = _check_align(align)
-    left, right = _check_window(window, causal, unbounded=Nq + Nk)
     dtype = np.dtype(q.dtype)
     acc_dtype = accumulator_dtype(dtype)
+    scale = _check_scale(fn, scale, Dk, acc_dtype)
+    causal = check_flag("causal", causal, fn)
+    bottom_right = _check_align(fn, align)
+    left, right = _check_window(fn, window, causal, unbounded=Nq + Nk)
     full = lead + (Nq, Nk)
-    mask = _check_mask(mask, full, lib)
-    bias = _check_bias(bias, full, lib, acc_dtype)
-    kv_lens = _check_kv_lens(kv_lens, lead, Nk, lib)
+    mask = _check_mask(fn, mask, full, lib)
+    bias = _check_bias(fn, bias, full, lib, acc_dtype)
+    kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
 
     q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
     maps = [_broadcast.lead_offsets(lead, x.shape[:-2], element_strides(x)[:-2]) for x in (q, k, v)]
@@ -298,49 +324,49 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
                    q_map=maps[0], k_map=maps[1], v_map=maps[2])
 
 
-def check_backward_inputs(problem, dout, out, lse):
+def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):
     """dout and out must have the output's shape and dtype; lse the lse's shape, float dtype."""
     lib = "numpy" if problem.xp is np else "cupy"
     device = problem.q.device.id if lib == "cupy" else None
-    _check_same_family((("dout", dout), ("out", out), ("lse", lse)), lib, device)
+    _check_same_family(fn, (("dout", dout), ("out", out), ("lse", lse)), "q", lib, device)
     for name, x in (("dout", dout), ("out", out)):
         if x is None:
-            raise TypeError(f"{name} must be an array, got None")
+            raise TypeError(f"{fn}: {name} must be an array, got None")
         if tuple(x.shape) != problem.out_shape:
             raise ValueError(
-                f"{name} must have the output's shape (..., Nq, Dv) = {problem.out_shape}, "
+                f"{fn}: {name} must have the output's shape (..., Nq, Dv) = {problem.out_shape}, "
                 f"got {name}.shape={x.shape}")
         if x.dtype != problem.dtype:
-            raise TypeError(f"{name} must have q's dtype {problem.dtype}, got {x.dtype}")
+            raise TypeError(f"{fn}: {name} must have q's dtype {problem.dtype}, got {x.dtype}")
     if lse is None:
-        raise TypeError("lse must be an array, got None")
+        raise TypeError(f"{fn}: lse must be an array, got None")
     if tuple(lse.shape) != problem.lse_shape:
-        raise ValueError(
-            f"lse must have shape (..., Nq) = {problem.lse_shape}, got lse.shape={lse.shape}")
+        raise ValueError(f"{fn}: lse must have shape (..., Nq) = {problem.lse_shape}, "
+                         f"got lse.shape={lse.shape}")
     if lse.dtype not in (np.float32, np.float64):
-        raise TypeError(f"lse must be float32 or float64, got {lse.dtype}")
+        raise TypeError(f"{fn}: lse must be float32 or float64, got {lse.dtype}")
 
 
-def check_merge_inputs(out_a, lse_a, out_b, lse_b):
+def check_merge_inputs(out_a, lse_a, out_b, lse_b, fn="merge"):
     named = (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b))
+    _check_array(fn, "out_a", out_a)
     lib = _library(out_a)
-    if lib is None:
-        raise TypeError(f"out_a must be a numpy.ndarray or cupy.ndarray, got {type(out_a).__name__}")
     device = out_a.device.id if lib == "cupy" else None
-    _check_same_family(named, lib, device)
     for name, x in named:
         if x is None:
-            raise TypeError(f"{name} must be an array, got None")
+            raise TypeError(f"{fn}: {name} must be an array, got None")
+    _check_same_family(fn, named, "out_a", lib, device)
+    for name, x in named:
         if _dtype_name(x.dtype) not in supported_dtype_names():
-            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+            raise TypeError(f"{fn}: {name} must have a floating dtype, got {x.dtype}")
     if out_a.dtype != out_b.dtype:
-        raise TypeError(f"out_a and out_b must have one dtype, got {out_a.dtype} and {out_b.dtype}")
+        raise TypeError(
+            f"{fn}: out_a and out_b must have one dtype, got {out_a.dtype} and {out_b.dtype}")
     if out_a.ndim < 1 or out_a.shape != out_b.shape:
-        raise ValueError(
-            f"out_a and out_b must have one shape (..., Nq, Dv), got {out_a.shape} and "
-            f"{out_b.shape}")
+        raise ValueError(f"{fn}: out_a and out_b must have one shape (..., Nq, Dv), "
+                         f"got {out_a.shape} and {out_b.shape}")
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         if x.shape != out_a.shape[:-1]:
             raise ValueError(
-                f"{name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}")
+                f"{fn}: {name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}")
     return _xp_of(lib)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from cuflash import _validate
+from cuflash import _config, _validate
 
 __all__ = ["attention", "attention_backward"]
 
@@ -98,7 +98,7 @@ def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens):
     if mask is not None:
         visible = visible & mask
     if bias is not None:
-        visible = visible & (bias > -np.inf)  # exp(-inf) = 0: such a key carries no mass
+        visible = visible & (bias != -np.inf)  # a -inf bias hides the key; a NaN one does not
     return np.broadcast_to(visible, lead + (nq, nk))
 
 
@@ -125,6 +125,7 @@ class _Dense:
         if bias is not None:
             bias = np.broadcast_to(bias.astype(np.float64), self.lead + (nq, nk))
         self.bias = bias
+        self.lost_limit = _config.lost_lse_limit(_config.accumulator_dtype(q.dtype))
         self.visible = _visible(self.lead, nq, nk, causal, align, window,
                                 None if mask is None else mask.astype(bool), bias, _host(kv_lens))
 
@@ -149,16 +150,24 @@ class _Dense:
         with np.errstate(all="ignore"):
             return self._backward(dout, out, lse)
 
-    def _forward(self):
-        s = self.logits()
+    def _stats(self, s):
+        """Per row: whether it sees a key, its max m (NaN if a visible logit is NaN) and sum l."""
+        seen = self.visible.any(axis=-1, keepdims=True)
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-        nonempty = m > -np.inf
-        m0 = np.where(nonempty, m, 0)  # empty rows: shift by 0, so no -inf - (-inf)
+        m0 = np.where(m == -np.inf, 0, m)  # no finite logit: shift by 0, never -inf - (-inf)
         e = self.rnd(np.exp(s - m0))  # exp(-inf) = 0 on invisible keys
         l = self.rnd(e.sum(axis=-1, keepdims=True))
+        return seen, m0, e, l
+
+    def _forward(self):
+        # Only a row with no visible key is empty (out 0, lse -inf). A row that sees keys follows
+        # IEEE arithmetic: a NaN or +inf logit gives NaN, and so does a row whose every visible
+        # logit is -inf (l = 0: 0 / 0).
+        seen, m0, e, l = self._stats(self.logits())
         num = self.rnd(e @ self.v)
-        out = np.where(nonempty, self.rnd(num / np.where(nonempty, l, 1)), 0)
-        lse = np.where(nonempty, m0 + np.log(np.where(nonempty, l, 1)), -np.inf)
+        out = np.where(seen, self.rnd(num / np.where(seen, l, 1)), 0)
+        lse = np.where(l == 0, np.nan, m0 + np.log(np.where(l == 0, 1, l)))
+        lse = np.where(seen, lse, -np.inf)
         return out, lse[..., 0]
 
     def _backward(self, dout, out, lse):
@@ -166,8 +175,17 @@ class _Dense:
         lse = np.broadcast_to(self.rnd(_host(lse).astype(self.work)), s.shape[:-1])[..., None]
         dout = np.broadcast_to(self.rnd(_host(dout).astype(self.work)), self.out_shape)
         out = np.broadcast_to(self.rnd(_host(out).astype(self.work)), self.out_shape)
-        rows = lse > -np.inf
-        p = self.rnd(np.exp(np.where(rows, s - np.where(rows, lse, 0), -np.inf)))
+        # P = exp(s - lse) on visible keys of rows with lse > -inf (a NaN lse gives NaN). A
+        # "lost" row (finite |lse| >= the limit) cannot carry log(l) in its lse: its P is
+        # recomputed from its own max and sum instead.
+        empty = lse == -np.inf
+        z = np.where(self.visible & ~empty, s - np.where(empty, 0, lse), -np.inf)
+        p = np.exp(z)
+        lost = np.isfinite(lse) & (np.abs(lse) >= self.lost_limit)
+        if lost.any():
+            _, m0, e, l = self._stats(s)
+            p = np.where(lost, e / np.where(l == 0, 1, l), p)
+        p = self.rnd(p)
         delta = self.rnd((dout * out).sum(axis=-1, keepdims=True))
         dv = self.rnd(np.swapaxes(p, -1, -2) @ dout)
         dp = self.rnd(dout @ np.swapaxes(self.v, -1, -2))
@@ -195,7 +213,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``.
 
     Uses the same formula as the API, from the *passed* ``out`` and ``lse`` (not recomputed ones):
-    ``P = exp(S - lse)`` on visible keys of rows with finite ``lse`` (else 0),
+    ``P = exp(S - lse)`` on visible keys of rows with ``lse > -inf`` (a NaN ``lse`` gives NaN; 0 on
+    invisible keys and empty rows), except on "lost" rows, whose finite ``|lse|`` is at least
+    ``cuflash._config.LOST_LSE`` (2**12 in float32, 2**24 in float64) and so cannot carry
+    ``log(l)``: there ``P = softmax(S)`` from the row's own max and sum;
     ``D = rowsum(dout * out)``, ``dV = P^T dout``, ``dS = P * (dout V^T - D)``,
     ``dQ = scale dS K``, ``dK = scale dS^T Q``; gradients of broadcast or grouped inputs are summed
     into the input's own shape. Empty rows contribute nothing. Results are NumPy float64.

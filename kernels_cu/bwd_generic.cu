@@ -1,10 +1,13 @@
 // bwd_generic.cu: exact attention backward on CUDA cores (SIMT), any sm_70+.
 //
 // Two passes instead of atomics (deterministic by construction; DESIGN.md "Kernel ABI"):
-//   bwd_preprocess  delta = rowsum(dO * O)
+//   bwd_preprocess  delta = rowsum(dO * O), and the lse the main kernels use (lse_eff)
 //   bwd_dkdv        one block per key tile:   dV = P^T dO,  dK = scale * dS^T Q
 //   bwd_dq          one block per query tile: dQ = scale * dS K
-// with P = exp(s - lse) where visible and lse > -inf (else 0), dS = P * (dP - delta), dP = dO V^T.
+// with P = exp(s - lse) where visible and lse > -inf (else 0; a NaN lse gives NaN),
+// dS = P * (dP - delta), dP = dO V^T. Lost rows (finite |lse| >= lost, cuflash/_config.py
+// LOST_LSE) get lse_eff = +inf and delta = 0 here, so they contribute nothing; bwd_lost.cu adds
+// their exact gradients afterwards.
 // Every output element is written (zeros where nothing contributes): the host allocates with empty().
 // Thread layout as in fwd_generic.cu: a row (key row in dkdv, query row in dq) belongs to 8 lanes.
 #include "common.cuh"
@@ -13,8 +16,9 @@
 // delta[row] = sum_c dout[row, c] * out[row, c]; one warp per row, both inputs contiguous (rows, Dv).
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
-bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, Acc* __restrict__ delta,
-               long long rows, int Dv) {
+bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, const Acc* __restrict__ lse,
+               Acc* __restrict__ lse_eff, Acc* __restrict__ delta, long long rows, int Dv,
+               Acc lost) {
   constexpr int WARPS = NUM_THREADS / 32;
   const int lane = threadIdx.x % 32;
   const long long first = static_cast<long long>(blockIdx.x) * WARPS + threadIdx.x / 32;
@@ -26,7 +30,12 @@ bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, Acc* __res
     for (int c = lane; c < Dv; c += 32) sum += to_acc(d[c]) * to_acc(o[c]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, offset);
-    if (lane == 0) delta[row] = sum;
+    if (lane == 0) {
+      const Acc l = lse[row];
+      const bool is_lost = l - l == Acc(0) && (l >= lost || l <= -lost);  // finite, |l| >= lost
+      lse_eff[row] = is_lost ? -NEG_INF : l;
+      delta[row] = is_lost ? Acc(0) : sum;
+    }
   }
 }
 
@@ -64,13 +73,14 @@ __device__ __forceinline__ BwdHead<T, Acc> bwd_head(
   return h;
 }
 
-// P for one (query i, key j) pair from its unscaled score; 0 where invisible or the row is empty.
+// P for one (query i, key j) pair from its unscaled score; 0 where invisible or the row is empty
+// (lse = -inf), NaN where the lse is NaN.
 template <typename Acc>
 __device__ __forceinline__ Acc recompute_p(Acc s, Acc scale, long long i, long long j,
                                            const Window& w, Acc lse_i, const MaskBias<Acc>& mb) {
-  if (!(lse_i > NEG_INF)) return Acc(0);
-  const Acc x = masked_logit(s * scale, i, j, key_range(w, i), mb);
-  return (x > NEG_INF) ? acc_exp(x - lse_i) : Acc(0);
+  if (lse_i == NEG_INF) return Acc(0);
+  Acc x = s * scale;
+  return visible_logit(x, i, j, key_range(w, i), mb) ? acc_exp(x - lse_i) : Acc(0);
 }
 
 // Grid: x = key tile (BLOCK_N keys), (y, z) = batch*head. Each block walks only the query tiles

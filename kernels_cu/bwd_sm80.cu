@@ -250,7 +250,8 @@ __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD,
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
 bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
-              float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad) {
+              float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
+              float lost) {
   constexpr int LPR = 8;              // lanes per row
   constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
@@ -282,8 +283,11 @@ bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float
   if (valid && sub == 0) {
     const float l = real ? lse[bh * Nq + i] : -__int_as_float(0x7f800000);
     // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
-    lse2[row] = (l == -__int_as_float(0x7f800000)) ? __int_as_float(0x7f800000) : l * LOG2E;
-    delta[row] = real ? sum : 0.f;
+    // Lost rows (finite |lse| >= lost: lse cannot carry log(l)) likewise, with delta 0: they
+    // contribute nothing here, and bwd_lost.cu adds their exact gradients. A NaN lse stays NaN.
+    const bool skip = l == -__int_as_float(0x7f800000) || (l - l == 0.f && fabsf(l) >= lost);
+    lse2[row] = skip ? __int_as_float(0x7f800000) : l * LOG2E;
+    delta[row] = real && !skip ? sum : 0.f;
   }
 }
 

@@ -28,6 +28,12 @@ template <> __device__ __forceinline__ double neg_inf<double>() {
   return __longlong_as_double(0xfff0000000000000LL);
 }
 #define NEG_INF (neg_inf<Acc>())
+// The quiet NaN a row gets when it sees keys but its sum is 0 (every visible logit -inf: 0 / 0).
+template <typename Acc> __device__ __forceinline__ Acc quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ double quiet_nan<double>() {
+  return __longlong_as_double(0x7ff8000000000000LL);
+}
 
 // ---- conversions: storage -> Acc ---------------------------------------------------------------
 __device__ __forceinline__ float to_float(half_t h) {
@@ -84,6 +90,13 @@ template <typename Acc> __device__ __forceinline__ Acc row_max(Acc x) {
   for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2)
     x = acc_max(x, __shfl_xor_sync(FULL_WARP, x, offset, LANES_PER_ROW));
   return x;
+}
+__device__ __forceinline__ bool row_any(bool x) {
+  int v = x;
+#pragma unroll
+  for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2)
+    v |= __shfl_xor_sync(FULL_WARP, v, offset, LANES_PER_ROW);
+  return v != 0;
 }
 template <typename Acc> __device__ __forceinline__ Acc row_sum(Acc x) {
 #pragma unroll

@@ -59,6 +59,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // sum, reduced once at the end.
   KeyRange rows[ROWS];
   Acc m[ROWS], l[ROWS], acc[ROWS][COLS];
+  bool seen[ROWS];  // this lane saw a visible key of the row (an empty row writes 0 and -inf)
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const long long i = i0 + group + ROW_GROUPS * r;
@@ -70,6 +71,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     }
     m[r] = NEG_INF;
     l[r] = Acc(0);
+    seen[r] = false;
 #pragma unroll
     for (int c = 0; c < COLS; ++c) acc[r][c] = Acc(0);
   }
@@ -102,6 +104,8 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     }
 
     // Online softmax: mask by global position, new max, rescale BOTH l and acc, add this mass.
+    // A row with no finite logit so far keeps m = -inf and uses 0 as its reference, so no
+    // exp(-inf - (-inf)) is evaluated; NaN logits (dropped by the max) reach l through exp.
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const long long i = i0 + group + ROW_GROUPS * r;
@@ -109,28 +113,26 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 #pragma unroll
       for (int jj = 0; jj < KEYS; ++jj) {
         const long long j = j0 + lane + LANES_PER_ROW * jj;
-        s[r][jj] = masked_logit(s[r][jj] * scale, i, j, rows[r], mb);
+        Acc x = s[r][jj] * scale;
+        const bool vis = visible_logit(x, i, j, rows[r], mb);
+        seen[r] |= vis;
+        s[r][jj] = vis ? x : NEG_INF;
         tile_max = acc_max(tile_max, s[r][jj]);
       }
       tile_max = row_max(tile_max);
-      if (tile_max > NEG_INF) {
-        // A row with nothing visible in this tile is left untouched (never exp(-inf - (-inf))).
-        const Acc m_new = acc_max(m[r], tile_max);
-        const Acc alpha = (m[r] > NEG_INF) ? acc_exp(m[r] - m_new) : Acc(0);
-        Acc mass = Acc(0);
+      const Acc m_new = acc_max(m[r], tile_max);
+      const Acc m_ref = (m_new == NEG_INF) ? Acc(0) : m_new;
+      const Acc alpha = acc_exp(m[r] - m_ref);
+      Acc mass = Acc(0);
 #pragma unroll
-        for (int jj = 0; jj < KEYS; ++jj) {
-          s[r][jj] = (s[r][jj] > NEG_INF) ? acc_exp(s[r][jj] - m_new) : Acc(0);
-          mass += s[r][jj];
-        }
-        l[r] = l[r] * alpha + mass;
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
-        m[r] = m_new;
-      } else {
-#pragma unroll
-        for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = Acc(0);
+      for (int jj = 0; jj < KEYS; ++jj) {
+        s[r][jj] = acc_exp(s[r][jj] - m_ref);  // invisible: exp(-inf) = 0
+        mass += s[r][jj];
       }
+      l[r] = l[r] * alpha + mass;
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
+      m[r] = m_new;
 #pragma unroll
       for (int jj = 0; jj < KEYS; ++jj)
         Ps[(group + ROW_GROUPS * r) * LDP + lane + LANES_PER_ROW * jj] = s[r][jj];
@@ -156,20 +158,22 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     }
   }
 
-  // Normalize once. l == 0 means no visible key: out = 0, lse = -inf.
+  // Normalize once. A row with no visible key is empty: out = 0, lse = -inf. One that sees keys
+  // but has l = 0 (every visible logit -inf) is 0 / 0 = NaN, like a NaN l.
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const Acc l_row = row_sum(l[r]);
+    const bool empty = !row_any(seen[r]);
     const long long i = i0 + group + ROW_GROUPS * r;
     if (i >= i_end) continue;
-    const bool empty = !(l_row > Acc(0));
-    const Acc inv_l = empty ? Acc(0) : Acc(1) / l_row;
+    const Acc inv_l = empty ? Acc(0) : (l_row == Acc(0) ? quiet_nan<Acc>() : Acc(1) / l_row);
     T* out_row = out + (bh * Nq + i) * Dv;
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {
       const int col = lane + LANES_PER_ROW * c;
       if (col < Dv) store_acc(out_row + col, acc[r][c] * inv_l);
     }
-    if (lane == 0) lse[bh * Nq + i] = empty ? NEG_INF : m[r] + acc_log(l_row);
+    if (lane == 0)
+      lse[bh * Nq + i] = empty ? NEG_INF : (l_row == Acc(0) ? quiet_nan<Acc>() : m[r] + acc_log(l_row));
   }
 }

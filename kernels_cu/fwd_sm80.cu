@@ -163,13 +163,16 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   // Row state (DESIGN.md "Empty state"): m = -inf (log2 units, scaled), l = 0 (per-lane partial),
   // acc = 0. Thread owns rows g and g + 8 of each m-fragment (index h = 0, 1).
+  // With a mask or bias (HAS_MB) m is in natural units and `seen` records a visible key.
   float m[MF][2], l[MF][2], acc[MF][DF][4];
+  bool seen[MF][2];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       m[mf][h] = -__int_as_float(0x7f800000);
       l[mf][h] = 0.f;
+      seen[mf][h] = false;
     }
 #pragma unroll
     for (int df = 0; df < DF; ++df)
@@ -177,10 +180,13 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       for (int e = 0; e < 4; ++e) acc[mf][df][e] = 0.f;
   }
   const float NEG = -__int_as_float(0x7f800000);
-  // With a bias the logits are formed explicitly in log2 units (s * scale * log2e + bias * log2e);
-  // otherwise the scale is folded into the exponent's FFMA.
+  // With a mask or bias the logits are formed explicitly in natural units (fma(s, scale, bias):
+  // a finite bias as low as finfo.min must not overflow, as bias * log2e would) and the max too;
+  // p = exp2((x - m) * log2e). Otherwise the scale is folded into the exponent's FFMA, and the
+  // max is kept in log2 units.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
+  const float u2 = HAS_MB ? LOG2E : 1.f;  // state units -> log2 units
 
   const unsigned char* mh = (HAS_MB && mask) ? mask + offsets[3 * BH + bh] : nullptr;
   const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
@@ -297,11 +303,12 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
                   x = NEG;
                 } else if (HAS_MB) {
                   const long long j = static_cast<long long>(j0) + c;
-                  if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
-                    x = NEG;
+                  const float b = bhp != nullptr ? bhp[i * bias_rs + j * bias_cs] : 0.f;
+                  if ((mh != nullptr && !mh[i * mask_rs + j * mask_cs]) || b == NEG) {
+                    x = NEG;  // invisible (a NaN bias is visible: its logit is NaN)
                   } else {
-                    x *= scale_log2;
-                    if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
+                    x = fmaf(x, scale, b);
+                    seen[mf][h] = true;
                   }
                 }
                 s[mf][nf][2 * h + e] = x;
@@ -311,8 +318,9 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
       float alphas[MF][2];
       bool raised = false;  // some row of this thread changed its max (RESCALE >= 1)
-      // Online softmax: new max, rescale BOTH l and acc, add this step's mass. A row with nothing
-      // visible so far keeps m = -inf and uses 0 as its reference, so no exp(-inf - (-inf)).
+      // Online softmax: new max, rescale BOTH l and acc, add this step's mass. A row with no
+      // finite logit so far keeps m = -inf and uses 0 as its reference, so no
+      // exp(-inf - (-inf)); NaN logits (dropped by fmaxf) reach l through exp2.
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -330,7 +338,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           if (RESCALE == 2 && !(m_new > m_old + RESCALE_SLACK)) m_new = m_old;
           raised |= m_new != m_old;
           const float m_ref = (m_new == NEG) ? 0.f : m_new;
-          const float alpha = ex2(m_old - m_ref);
+          const float alpha = ex2((m_old - m_ref) * u2);
           m[mf][h] = m_new;
           const float neg_ref = -m_ref;
           float mass = 0.f;
@@ -338,7 +346,9 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
+              const float x = s[mf][nf][2 * h + e];
+              // HAS_MB: natural units, (x - m) * log2e (no overflow for finite x and m)
+              const float p = HAS_MB ? ex2((x + neg_ref) * LOG2E) : ex2(fmaf(x, sl2, neg_ref));
               s[mf][nf][2 * h + e] = p;
               mass += p;
             }
@@ -395,8 +405,10 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   cp_async_wait<0>();
   __syncthreads();
 
-  // Normalize once. l == 0: no visible key, out = 0 and lse = -inf. The warp stages its own rows
-  // of the output in its own rows of the Q tile, then writes them with 16-byte stores.
+  // Normalize once. A row with no visible key is empty: out = 0, lse = -inf. One that sees keys
+  // but has l = 0 (every visible logit -inf) is 0 / 0 = NaN, like a NaN l. The warp stages its
+  // own rows of the output in its own rows of the Q tile, then writes them with 16-byte stores.
+  const float QNAN = __int_as_float(0x7fc00000);
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -404,12 +416,23 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       float l_row = l[mf][h];
       l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
       l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
-      const bool empty = !(l_row > 0.f);
-      const float inv_l = empty ? 0.f : 1.f / l_row;
       const int r = warp_row0 + mf * 16 + g + 8 * h;
       const int i = i0 + r;
+      bool seen_row;
+      if constexpr (HAS_MB) {
+        int any = seen[mf][h];
+        any |= __shfl_xor_sync(0xffffffffu, any, 1);
+        any |= __shfl_xor_sync(0xffffffffu, any, 2);
+        seen_row = any != 0;
+      } else {
+        seen_row = i < Nq && max(i + dlo, 0) <= min(i + dhi, L_last);  // by position alone
+      }
+      const bool empty = !seen_row;
+      const float inv_l = empty ? 0.f : (l_row == 0.f ? QNAN : 1.f / l_row);
       if (t == 0 && i < Nq)
-        lse[bh * Nq + i] = empty ? NEG : m[mf][h] * LN2 + logf(l_row);
+        lse[bh * Nq + i] = empty ? NEG
+                           : l_row == 0.f ? QNAN
+                           : (HAS_MB ? m[mf][h] : m[mf][h] * LN2) + logf(l_row);
       const u32 row_addr = sQ + r * ROW_BYTES + 4 * t;
 #pragma unroll
       for (int df = 0; df < DF; ++df) {

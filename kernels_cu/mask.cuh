@@ -4,7 +4,7 @@
 // For one (batch, head) with L valid keys, query i sees key j iff
 //   p  = bottom_right ? i + (L - Nq) : i
 //   lo = max(p - left, 0),  hi = min(p + right, L - 1)
-//   lo <= j <= hi  and  mask[i, j]  and  bias[i, j] > -inf.
+//   lo <= j <= hi  and  mask[i, j]  and  bias[i, j] != -inf  (a NaN bias is visible).
 // `left`/`right` arrive from the host with None replaced by Nq + Nk and causal already applied
 // (right <= 0). Positions are int64: p + right can exceed int32 for long sequences.
 #pragma once
@@ -80,13 +80,26 @@ struct MaskBias {
   long long bias_rs, bias_cs;
 };
 
-// The per-element test. `s` is the scaled logit; on return it holds the biased logit when the key
-// is visible and -inf otherwise (a -inf biased logit is invisible by definition).
+// The per-element test: whether key j is visible to query i (position range, mask, and a bias
+// entry other than -inf; a NaN bias is visible and makes the logit NaN). When it is, `s` (the
+// scaled logit, natural units) becomes the biased logit; otherwise `s` is left unchanged.
+template <typename Acc>
+__device__ __forceinline__ bool visible_logit(Acc& s, long long i, long long j, const KeyRange& r,
+                                              const MaskBias<Acc>& mb) {
+  if (j < r.lo || j > r.hi) return false;
+  if (mb.mask != nullptr && !mb.mask[i * mb.mask_rs + j * mb.mask_cs]) return false;
+  if (mb.bias != nullptr) {
+    const Acc b = mb.bias[i * mb.bias_rs + j * mb.bias_cs];
+    if (b == NEG_INF) return false;
+    s += b;
+  }
+  return true;
+}
+
+// The biased logit where visible, -inf elsewhere (for code that needs no visibility bit: a
+// visible logit may itself be -inf, e.g. by overflow, which is not the same as invisible).
 template <typename Acc>
 __device__ __forceinline__ Acc masked_logit(Acc s, long long i, long long j, const KeyRange& r,
                                             const MaskBias<Acc>& mb) {
-  if (j < r.lo || j > r.hi) return NEG_INF;
-  if (mb.mask != nullptr && !mb.mask[i * mb.mask_rs + j * mb.mask_cs]) return NEG_INF;
-  if (mb.bias != nullptr) s += mb.bias[i * mb.bias_rs + j * mb.bias_cs];
-  return s;
+  return visible_logit(s, i, j, r, mb) ? s : NEG_INF;
 }

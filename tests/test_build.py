@@ -38,9 +38,10 @@ def _usage(filename, arch):
 
 def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
-    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_sm80", "decode_split",
+    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_sm80", "decode_split", "fwd_lost_rows",
                        "decode_tc", "decode_combine", "bwd_sm80_prep", "bwd_sm80_dkdv",
-                       "bwd_sm80_dkdv_x", "bwd_sm80_dkdv_g", "bwd_sm80_dq"}
+                       "bwd_sm80_dkdv_x", "bwd_sm80_dkdv_g", "bwd_sm80_dq",
+                       "bwd_lost_rows", "bwd_lost_keys"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
 
 

@@ -47,6 +47,46 @@ def test_empty_state_is_the_identity(rng):
     assert not np.isnan(both[0]).any()
 
 
+def test_empty_side_is_exactly_the_other_side_whatever_its_out_holds(rng):
+    """An empty part (lse = -inf) is the identity bit for bit, even if its out holds NaN."""
+    out, lse = rand_inputs(rng, [(5, 4), (5,)], np.float32)
+    garbage = np.full_like(out, np.nan)
+    empty = np.full_like(lse, -np.inf)
+    for merged in (cuflash.merge(out, lse, garbage, empty),
+                   cuflash.merge(garbage, empty, out, lse)):
+        assert np.array_equal(merged[0], out) and np.array_equal(merged[1], lse)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("other", ["valid", "empty"])
+def test_nan_or_inf_lse_propagates(rng, bad, other):
+    """Bug: a NaN lse on one side returned out 0 and lse -inf, dropping the valid other side.
+
+    A NaN (or +inf) lse on either side gives NaN out and NaN lse on that row, whatever the other
+    side is; the other rows are merged as usual.
+    """
+    out_a, lse_a, out_b, lse_b = rand_inputs(rng, [(2, 5, 4), (2, 5), (2, 5, 4), (2, 5)],
+                                             np.float32)
+    if other == "empty":
+        out_b[:, 1], lse_b[:, 1] = 0, -np.inf
+    lse_a[:, 1] = bad
+    expect_out, expect_lse = cuflash.merge(out_a[:, ::2], lse_a[:, ::2], out_b[:, ::2],
+                                           lse_b[:, ::2])
+    for merged in (cuflash.merge(out_a, lse_a, out_b, lse_b),
+                   cuflash.merge(out_b, lse_b, out_a, lse_a)):
+        out, lse = merged
+        assert np.isnan(out[:, 1]).all() and np.isnan(lse[:, 1]).all()
+        assert np.array_equal(out[:, ::2], expect_out) and np.array_equal(lse[:, ::2], expect_lse)
+        assert np.isfinite(out[:, ::2]).all() and np.isfinite(lse[:, ::2]).all()
+
+
+def test_nan_in_out_of_a_part_with_weight_propagates():
+    """NaN in a non-empty part's out (NaN in v) reaches the merge even if its weight underflows."""
+    out, lse = cuflash.merge(np.array([[np.nan]]), np.array([-1e4]), np.array([[2.0]]),
+                             np.array([0.0]))
+    assert np.isnan(out).all() and lse[0] == 0.0
+
+
 def test_rescales_numerator_and_denominator_alike():
     """The seed's counterexample: logits (0, log 3), values (1, 0) in two one-key parts -> 1/4."""
     out, lse = cuflash.merge(np.array([[1.0]]), np.array([0.0]), np.array([[0.0]]),

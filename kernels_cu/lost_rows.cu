@@ -1,0 +1,342 @@
+// lost_rows.cu: exact recomputation of "lost" rows, any dtype, any sm_70+.
+//
+// A row whose finite |lse| is at least `lost` (cuflash/_config.py LOST_LSE: 2^12 for a float32
+// lse, 2^24 for float64) cannot carry log(l) in its lse: lse = m + log(l) rounds to m once
+// ulp(m) / 2 exceeds log(l) (a row padded with an additive finfo.min bias; float16 logits near
+// 1e10), and P = exp(s - lse) would be off by up to the factor l.
+//
+// Forward (fwd_lost_rows, after the tensor-core forward without mask / bias): that kernel folds
+// the scale into one FFMA, p = exp2(fma(s, scale * log2e, -m)), whose rounding residual reaches
+// ulp(m) / 2 and overflows exp2 once |m| is huge (p = inf, then NaN). The rows it may have
+// computed wrongly are exactly those whose lse came out lost, NaN or +inf; this kernel recomputes
+// their out and lse in double (a NaN row stays NaN).
+//
+// Backward: the main kernels skip lost rows (their preprocess gives them lse = +inf and
+// delta = 0); these two kernels then ADD their exact gradients, recomputing each lost row's max
+// and sum from its own logits, in double:
+//   bwd_lost_rows  one block per 32 query rows: flags[bh][chunk] = "the chunk has a lost row";
+//                  per lost row (one warp): m, l, delta in `stats`, then dq += scale * dS K
+//   bwd_lost_keys  one block per 32 keys, after bwd_lost_rows: for each key (one warp) and each
+//                  lost row that sees it, in row order: dv += P^T dO, dk += scale * dS^T Q
+// A chunk without lost rows costs one lse read per row and one flag; a key block whose query
+// range holds no flagged chunk returns after reading the flags. No atomics: each dq row and each
+// dk / dv row has one owner, so the result is deterministic.
+//
+// A warp computes one (query, key) dot product at a time, lane c owning head-dim columns
+// c, c + 32, ... (summed in that order, then by a fixed shuffle tree), so every kernel computes
+// bitwise the same logits. out, dout are contiguous (BH, Nq, Dv); lse contiguous (BH, Nq).
+#include "common.cuh"
+#include "mask.cuh"
+
+constexpr int LOST_CHUNK = 32;                    // query rows per flag; keys per key block
+constexpr int LOST_COLS = 256 / 32;               // head-dim columns per lane (Dk, Dv <= 256)
+constexpr int LOST_WARPS = NUM_THREADS / 32;
+
+__device__ __forceinline__ bool is_lost(double lse, double lost) {
+  return lse - lse == 0.0 && (lse >= lost || lse <= -lost);  // finite and |lse| >= lost
+}
+
+__device__ __forceinline__ double warp_sum(double x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(FULL_WARP, x, offset);
+  return x;
+}
+
+// Row `r` of a row-major matrix, this lane's columns, as double (0 past ncols).
+template <typename T>
+__device__ __forceinline__ void load_row(double (&x)[LOST_COLS], const T* row, int ncols) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < LOST_COLS; ++c) {
+    const int col = lane + 32 * c;
+    x[c] = col < ncols ? static_cast<double>(to_acc(row[col])) : 0.0;
+  }
+}
+
+// a . row over the first ncols columns (a is 0 past them), reading row as it goes.
+template <typename T>
+__device__ __forceinline__ double dot(const double (&a)[LOST_COLS], const T* row, int ncols) {
+  const int lane = threadIdx.x % 32;
+  double s = 0.0;
+#pragma unroll
+  for (int c = 0; c < LOST_COLS; ++c) {
+    const int col = lane + 32 * c;
+    if (col < ncols) s = fma(a[c], static_cast<double>(to_acc(row[col])), s);
+  }
+  return warp_sum(s);
+}
+
+// acc += w * row (this lane's columns).
+template <typename T>
+__device__ __forceinline__ void axpy(double (&acc)[LOST_COLS], double w, const T* row, int ncols) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < LOST_COLS; ++c) {
+    const int col = lane + 32 * c;
+    if (col < ncols) acc[c] = fma(w, static_cast<double>(to_acc(row[col])), acc[c]);
+  }
+}
+
+// add_to: dst += x in dst's own type (the main kernels wrote dst before).
+__device__ __forceinline__ void add_to(half_t* p, double x) { *p = half_from_float(to_float(*p) + static_cast<float>(x)); }
+__device__ __forceinline__ void add_to(bf16_t* p, double x) { *p = bf16_from_float(to_float(*p) + static_cast<float>(x)); }
+__device__ __forceinline__ void add_to(float* p, double x) { *p = static_cast<float>(*p + x); }
+__device__ __forceinline__ void add_to(double* p, double x) { *p += x; }
+
+// Everything about one (batch, head) both kernels need.
+template <typename T, typename Acc>
+struct LostHead {
+  const T *q, *k, *v, *dout;
+  const Acc* lse;
+  MaskBias<Acc> mb;
+  Window w;
+  long long q_rs, k_rs, v_rs;
+  double scale;
+
+  // The logit of (i, j) in double, or false where j is not visible to i.
+  __device__ __forceinline__ bool logit(double& x, double qk, long long i, long long j) const {
+    const KeyRange r = key_range(w, i);
+    if (j < r.lo || j > r.hi) return false;
+    if (mb.mask != nullptr && !mb.mask[i * mb.mask_rs + j * mb.mask_cs]) return false;
+    x = qk * scale;
+    if (mb.bias != nullptr) {
+      const Acc b = mb.bias[i * mb.bias_rs + j * mb.bias_cs];
+      if (b == NEG_INF) return false;
+      x += static_cast<double>(b);
+    }
+    return true;
+  }
+};
+
+template <typename T, typename Acc>
+__device__ __forceinline__ LostHead<T, Acc> lost_head(
+    long long bh, const T* q, const T* k, const T* v, const T* dout, const Acc* lse,
+    const long long* offsets, const unsigned char* mask, const Acc* bias,
+    const long long* kv_lens, long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
+    long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk, int Dv,
+    double scale, int left, int right, int bottom_right) {
+  LostHead<T, Acc> h;
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  h.w = make_window(Nq, L, left, right, bottom_right);
+  h.q = q + offsets[0 * BH + bh];
+  h.k = k + offsets[1 * BH + bh];
+  h.v = v + offsets[2 * BH + bh];
+  h.dout = dout + bh * Nq * Dv;
+  h.lse = lse + bh * Nq;
+  h.mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  h.mb.mask_rs = mask_rs;
+  h.mb.mask_cs = mask_cs;
+  h.mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  h.mb.bias_rs = bias_rs;
+  h.mb.bias_cs = bias_cs;
+  h.q_rs = q_rs;
+  h.k_rs = k_rs;
+  h.v_rs = v_rs;
+  h.scale = scale;
+  return h;
+}
+
+#define LOST_PARAMS                                                                            \
+  const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                   \
+      const T *__restrict__ dout, const T *__restrict__ out, const Acc *__restrict__ lse,      \
+      const long long *__restrict__ offsets, const unsigned char *__restrict__ mask,           \
+      const Acc *__restrict__ bias, const long long *__restrict__ kv_lens, long long q_rs,     \
+      long long k_rs, long long v_rs, long long mask_rs, long long mask_cs, long long bias_rs, \
+      long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, double scale, int left,       \
+      int right, int bottom_right, double lost, double *__restrict__ stats,                    \
+      int *__restrict__ flags
+#define LOST_HEAD                                                                             \
+  lost_head<T, Acc>(bh, q, k, v, dout, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs,   \
+                    mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, scale, left, right,   \
+                    bottom_right)
+
+// Grid: x = chunk of LOST_CHUNK query rows, (y, z) = batch*head. stats: (BH, Nq, 3) = m, l, delta
+// of lost rows (others not written); flags: (BH, n_chunks), every entry written.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(NUM_THREADS)
+bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq) {
+  const long long bh = block_bh();
+  if (bh >= BH) return;
+  const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
+  const int i0 = blockIdx.x * LOST_CHUNK;
+  const int tid = threadIdx.x, warp = tid / 32;
+  const bool mine = tid < LOST_CHUNK && i0 + tid < Nq &&
+                    is_lost(static_cast<double>(lse[bh * Nq + i0 + tid]), lost);
+  const int any = __syncthreads_or(mine);
+  if (tid == 0) flags[bh * n_chunks + blockIdx.x] = any;
+  if (!any) return;
+  const LostHead<T, Acc> h = LOST_HEAD;
+
+  for (int r = warp; r < LOST_CHUNK && i0 + r < Nq; r += LOST_WARPS) {
+    const long long i = i0 + r;
+    if (!is_lost(static_cast<double>(h.lse[i]), lost)) continue;  // warp-uniform
+    double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
+    load_row(qi, h.q + i * h.q_rs, Dk);
+    load_row(doi, h.dout + i * Dv, Dv);
+    const double delta = dot(doi, out + (bh * Nq + i) * Dv, Dv);
+    const KeyRange kr = key_range(h.w, i);
+    // The row's max and sum, online (a -inf logit adds nothing).
+    const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
+    double m = neg_inf, l = 0.0;
+    for (long long j = kr.lo; j <= kr.hi; ++j) {
+      double x;
+      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+      if (!h.logit(x, qk, i, j) || x == neg_inf) continue;
+      if (x > m) {
+        l = l * exp(m - x) + 1.0;
+        m = x;
+      } else {
+        l += exp(x - m);
+      }
+    }
+    if (threadIdx.x % 32 == 0) {
+      stats[3 * (bh * Nq + i) + 0] = m;
+      stats[3 * (bh * Nq + i) + 1] = l;
+      stats[3 * (bh * Nq + i) + 2] = delta;
+    }
+    // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta).
+#pragma unroll
+    for (int c = 0; c < LOST_COLS; ++c) dqi[c] = 0.0;
+    for (long long j = kr.lo; j <= kr.hi; ++j) {
+      double x;
+      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+      if (!h.logit(x, qk, i, j)) continue;
+      const double p = exp(x - m) / l;
+      const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
+      axpy(dqi, ds, h.k + j * h.k_rs, Dk);
+    }
+    Acc* dq_row = dq + (bh * Nq + i) * Dk;
+#pragma unroll
+    for (int c = 0; c < LOST_COLS; ++c) {
+      const int col = threadIdx.x % 32 + 32 * c;
+      if (col < Dk) add_to(dq_row + col, h.scale * dqi[c]);
+    }
+  }
+}
+
+// Grid: x = block of LOST_CHUNK keys, (y, z) = batch*head; after bwd_lost_rows (stats, flags).
+// dk: (BH, Nk, Dk), dv: (BH, Nk, Dv) of DK (the main kernels' output type), added to.
+template <typename T, typename Acc, typename DK>
+__global__ void __launch_bounds__(NUM_THREADS)
+bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
+  const long long bh = block_bh();
+  if (bh >= BH) return;
+  const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
+  const LostHead<T, Acc> h = LOST_HEAD;
+  const long long j0 = static_cast<long long>(blockIdx.x) * LOST_CHUNK;
+  const long long j_last = j0 + LOST_CHUNK - 1 < Nk - 1 ? j0 + LOST_CHUNK - 1 : Nk - 1;
+  const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
+  int any = 0;
+  if (qr.lo <= qr.hi)
+    for (long long c = qr.lo / LOST_CHUNK + threadIdx.x; c <= qr.hi / LOST_CHUNK; c += NUM_THREADS)
+      any |= flags[bh * n_chunks + c];
+  if (!__syncthreads_or(any)) return;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  for (long long j = j0 + warp; j <= j_last; j += LOST_WARPS) {
+    const KeyRange rows = tile_query_range(h.w, j, j, Nq);
+    if (rows.lo > rows.hi) continue;
+    double kj[LOST_COLS], vj[LOST_COLS], dkj[LOST_COLS], dvj[LOST_COLS];
+    load_row(kj, h.k + j * h.k_rs, Dk);
+    load_row(vj, h.v + j * h.v_rs, Dv);
+#pragma unroll
+    for (int c = 0; c < LOST_COLS; ++c) dkj[c] = dvj[c] = 0.0;
+    bool touched = false;
+    for (long long c = rows.lo / LOST_CHUNK; c <= rows.hi / LOST_CHUNK; ++c) {
+      if (!flags[bh * n_chunks + c]) continue;
+      const long long i_end = (c + 1) * LOST_CHUNK - 1 < rows.hi ? (c + 1) * LOST_CHUNK - 1 : rows.hi;
+      for (long long i = c * LOST_CHUNK > rows.lo ? c * LOST_CHUNK : rows.lo; i <= i_end; ++i) {
+        if (!is_lost(static_cast<double>(h.lse[i]), lost)) continue;
+        double x;
+        const double qk = dot(kj, h.q + i * h.q_rs, Dk);
+        if (!h.logit(x, qk, i, j)) continue;
+        const double* st = stats + 3 * (bh * Nq + i);
+        const double p = exp(x - st[0]) / st[1];
+        const double ds = p * (dot(vj, h.dout + i * Dv, Dv) - st[2]);
+        axpy(dkj, ds, h.q + i * h.q_rs, Dk);
+        axpy(dvj, p, h.dout + i * Dv, Dv);
+        touched = true;
+      }
+    }
+    if (!touched) continue;
+    DK* dk_row = dk + (bh * Nk + j) * Dk;
+    DK* dv_row = dv + (bh * Nk + j) * Dv;
+#pragma unroll
+    for (int c = 0; c < LOST_COLS; ++c) {
+      const int col = lane + 32 * c;
+      if (col < Dk) add_to(dk_row + col, h.scale * dkj[c]);
+      if (col < Dv) add_to(dv_row + col, dvj[c]);
+    }
+  }
+}
+
+// Grid: a stride over chunks of NUM_THREADS rows of the flattened (BH, Nq). Rewrites out (T) and
+// lse (Acc) of the rows whose lse is lost, NaN or +inf.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(NUM_THREADS)
+fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              T* __restrict__ out, Acc* __restrict__ lse, const long long* __restrict__ offsets,
+              const unsigned char* __restrict__ mask, const Acc* __restrict__ bias,
+              const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
+              long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
+              int Nq, int Nk, int Dk, int Dv, double scale, int left, int right, int bottom_right,
+              double lost) {
+  __shared__ unsigned char redo[NUM_THREADS];
+  const long long rows = static_cast<long long>(BH) * Nq;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const double inf = __longlong_as_double(0x7ff0000000000000LL);
+  for (long long r0 = static_cast<long long>(blockIdx.x) * NUM_THREADS; r0 < rows;
+       r0 += static_cast<long long>(gridDim.x) * NUM_THREADS) {
+    bool mine = false;
+    if (r0 + threadIdx.x < rows) {
+      const double l = static_cast<double>(lse[r0 + threadIdx.x]);
+      mine = l != l || l == inf || is_lost(l, lost);
+    }
+    redo[threadIdx.x] = mine;
+    if (!__syncthreads_or(mine)) continue;
+    for (int t = warp; t < NUM_THREADS; t += LOST_WARPS) {
+      if (!redo[t]) continue;  // warp-uniform
+      const long long bh = (r0 + t) / Nq, i = (r0 + t) % Nq;
+      const LostHead<T, Acc> h = lost_head<T, Acc>(
+          bh, q, k, v, static_cast<const T*>(nullptr), lse, offsets, mask, bias, kv_lens, q_rs,
+          k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, scale, left, right,
+          bottom_right);
+      double qi[LOST_COLS], acc[LOST_COLS];
+      load_row(qi, h.q + i * h.q_rs, Dk);
+#pragma unroll
+      for (int c = 0; c < LOST_COLS; ++c) acc[c] = 0.0;
+      const KeyRange kr = key_range(h.w, i);
+      double m = -inf, l = 0.0;
+      bool seen = false;
+      for (long long j = kr.lo; j <= kr.hi; ++j) {
+        double x;
+        const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+        if (!h.logit(x, qk, i, j)) continue;
+        seen = true;
+        if (x == -inf) continue;  // no mass (the row is NaN if nothing else comes)
+        const double m_new = x > m ? x : m;  // a NaN x reaches l through p below
+        const double alpha = exp(m - m_new), p = exp(x - m_new);
+        l = l * alpha + p;
+#pragma unroll
+        for (int c = 0; c < LOST_COLS; ++c) acc[c] *= alpha;
+        axpy(acc, p, h.v + j * h.v_rs, Dv);
+        m = m_new;
+      }
+      // As every forward: empty -> 0 / -inf; l == 0 (all -inf) or an infinite logit -> NaN.
+      const double nan = __longlong_as_double(0x7ff8000000000000LL);
+      const double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
+      T* orow = out + (bh * Nq + i) * Dv;
+#pragma unroll
+      for (int c = 0; c < LOST_COLS; ++c) {
+        const int col = lane + 32 * c;
+        if (col < Dv) store_acc(orow + col, static_cast<Acc>(acc[c] * inv_l));
+      }
+      if (lane == 0)
+        lse[bh * Nq + i] = static_cast<Acc>(!seen ? -inf : (l == 0.0 || m == inf) ? nan
+                                                                               : m + log(l));
+    }
+    __syncthreads();  // redo[] is rewritten by the next chunk
+  }
+}
