@@ -3,7 +3,7 @@
 The kernels read each kv head's keys once for all the query rows that share it (GQA packing) and
 split the key axis across blocks; see the header of kernels_cu/decode.cu for the block layouts
 (decode_tc: tensor cores, 16-bit, Dk = Dv in {64, 128}, no mask / bias; decode_split: the rest) and
-the workspace format (normalized partial out, base-2 partial lse).
+the workspace format (normalized partial out, each partial's max and sum).
 
 Host side, per call (all NumPy, then ONE int64 table on the device, cached by content through
 cuflash._gpu._on_device):
@@ -28,12 +28,11 @@ cuflash._gpu._on_device):
    gets no blocks at all. A tile with an empty extent still gets one (empty) block, which writes
    out = 0 and lse = -inf.
 
-5. Key pools (decode_tc, fused merge, `pool_items`): when every block of the call is resident at
-   once, each split tile keeps the last 1 / POOL_DIVISOR of its keys in a pool that its blocks
-   claim stage by stage at run time after their own (equal, whole-stage) keys, so that blocks on
-   SMs that stream slower do not set the time (kernels_cu/decode.cu, decode_tc).
+Every item's keys are fixed by the table and the partials are merged in slot order, so a call's
+result is bitwise reproducible (issue 12 removed decode_tc's key pools, whose stages were claimed
+at run time).
 
-A new kv_lens (each decoded token) re-plans only steps 1-5 and the table: `forward` keeps the
+A new kv_lens (each decoded token) re-plans only steps 1-4 and the table: `forward` keeps the
 rest (kernels, occupancy, offsets: `_Layout`) per layout.
 
 `supports(problem)` says when this path applies (see SUPPORT RULE below); `forward(problem)`
@@ -135,13 +134,9 @@ TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
 # max 7680 = 0.94 of 8192: all blocks run at once and the longest sets the time.
 # Target <= 1.1 x 0.527 = 0.58. `tools/decode_check.py host` prints the schedules.
 SPLIT_OVERHEAD_KEYS = 256  # the "balanced" rule's fixed cost of one block, in keys
-# Key pools (decode_tc, `pool_items`): a split tile's last 1 / POOL_DIVISOR keys are claimed a stage
-# at a time by its blocks (0: no pools). Only when the call's items fit in one wave of resident
-# blocks (a later block of the tile would find its pool drained) and each item keeps at least
-# POOL_MIN_STAGES own stages (the kernel claims the first pool stage during its own stage
-# n_own - 2).
-POOL_DIVISOR = 8
-POOL_MIN_STAGES = 2
+# (Key pools, sixth session: each split tile's last 1/8 of keys claimed a stage at a time by its
+# decode_tc blocks, B = 1 -3 %; removed in issue 12 because the run-time dealing made the forward
+# non-reproducible bitwise.)
 
 
 def _storage_size(dtype):
@@ -205,9 +200,13 @@ def tc_smem_bytes(bucket, variant):
 
 
 def tc_fits(p):
-    """True when decode_tc can run this Problem (16-bit, Dk == Dv == 64 or 128, no mask / bias)."""
+    """True when decode_tc can run this Problem (16-bit, Dk == Dv == 64 or 128, no mask / bias,
+    scale > 0: it folds the scale into one FFMA on maxima of the unscaled scores, which a zero
+    scale (-inf * 0 = NaN on masked scores) or a negative one (the max becomes the min) breaks;
+    decode_split pre-multiplies q by the scale and takes any)."""
     return (p.dtype.name in ("float16", "bfloat16") and p.Dk == p.Dv and p.Dk in TC_HEAD_DIMS
-            and p.mask is None and p.bias is None and p.Nk < TC_MAX_KEYS and fits(p))
+            and p.mask is None and p.bias is None and p.scale > 0 and p.Nk < TC_MAX_KEYS
+            and fits(p))
 
 
 def combine_expression(dtype, rows):
@@ -264,7 +263,7 @@ def _blocks_per_sm(func, dyn_smem=0):
 
 def _counter_buffer(n):
     """Per (device, stream) zeroed counters; the kernels reset every counter they use to 0 (the
-    merge counters and decode_tc's pool counters: the last block of each split tile)."""
+    merge counter of each split tile: its last block)."""
     import cupy
 
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
@@ -548,36 +547,6 @@ def make_items(lo, hi, S):
     return first, count, np.stack([tile_of, k0, k1], axis=1)
 
 
-def pool_items(first, count, items, lo, hi, block_keys, divisor):
-    """Give each split tile (count >= 2) a key pool: its items' own keys become equal runs of
-    whole stages, S_own = block_keys * floor(extent * (1 - 1 / divisor) / (count * block_keys)),
-    and the rest of the extent [lo + count * S_own, hi + 1) is the pool. A tile whose S_own would
-    be under POOL_MIN_STAGES stages keeps its items as they are.
-
-    Returns (items, pools): items (n, 3) = (tile id, k0, k1) with the new own ranges and pools
-    (n, 2) = (pool0, pool1) per item, (k1, k1) (empty) for items without a pool."""
-    items = items.copy()
-    pools = np.repeat(items[:, 2:3], 2, axis=1)
-    if divisor <= 0:
-        return items, pools
-    lo = np.asarray(lo, dtype=np.int64)
-    hi = np.asarray(hi, dtype=np.int64)
-    ext = np.maximum(hi - lo + 1, 0)
-    own = ext * (divisor - 1) // divisor // np.maximum(count, 1) // block_keys * block_keys
-    ok = (count >= 2) & (own >= POOL_MIN_STAGES * block_keys)
-    t = items[:, 0]
-    sel = ok[t]
-    if not np.any(sel):
-        return items, pools
-    idx = np.arange(items.shape[0], dtype=np.int64) - first[t]  # item index within its tile
-    k0 = lo[t] + idx * own[t]
-    items[sel, 1] = k0[sel]
-    items[sel, 2] = (k0 + own[t])[sel]
-    pools[sel, 0] = (lo + count * own)[t][sel]
-    pools[sel, 1] = (hi + 1)[t][sel]
-    return items, pools
-
-
 # ---- the Problem-facing API --------------------------------------------------------------------
 
 def _lens(p):
@@ -625,15 +594,12 @@ class Schedule:
     """The host-side decomposition of one Problem (pure NumPy; no device needed).
 
     groups (n_groups, G), rows (ROWS), tiles (n_tiles, 4) = (group, tile index, first item,
-    item count), items (n_items, 3) = (tile id, k0, k1 exclusive), pools (n_items, 2) = the key
-    pool [pool0, pool1) of the item's tile (empty: k1, k1), split (keys per item), lens (BH).
-    `pool`: the key pools' divisor (0: none; decode_split and the separate combine have none).
-    Pools apply only when the items fit one wave (n_items <= capacity, at WAVES = 1), unless
-    `force_pool` (tests). `grouping`: group_heads' answer for p, when the caller has it.
+    item count), items (n_items, 3) = (tile id, k0, k1 exclusive), split (keys per item), lens
+    (BH). `grouping`: group_heads' answer for p, when the caller has it.
     """
 
-    def __init__(self, p, capacity, split=None, rule=None, rows=None, block_keys=None, pool=0,
-                 force_pool=False, grouping=None):
+    def __init__(self, p, capacity, split=None, rule=None, rows=None, block_keys=None,
+                 grouping=None):
         BH = p.BH
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
@@ -653,10 +619,7 @@ class Schedule:
             self.split = SPLIT_RULES[rule](np.maximum(hi - lo + 1, 0), capacity, block_keys)
             order = lpt_order(np.maximum(hi - lo + 1, 0))  # tile ids follow the launch order
             g, t, lo, hi = g[order], t[order], lo[order], hi[order]
-        first, count, items = make_items(lo, hi, self.split)
-        one_wave = items.shape[0] <= capacity
-        self.items, self.pools = pool_items(first, count, items, lo, hi, block_keys,
-                                            pool if (one_wave or force_pool) else 0)
+        first, count, self.items = make_items(lo, hi, self.split)
         self.tiles = np.stack([g, t, first, count], axis=1)
         self.split_any = bool(np.any(count > 1))
         # launch order of the items (row r of the kernels' table = item launch[r])
@@ -664,14 +627,14 @@ class Schedule:
                        if rule is None or rule == "waves" or split else launch_order(self.items))
 
     def items_x(self):
-        """The kernels' items table (n_items, 8): (tile, k0, k1, workspace slot, k offset,
-        v offset, pool0, pool1), in launch order; the offsets (elements) are those of the tile's
-        kv head, so that decode_tc requests its first keys after one table load
-        (kernels_cu/decode.cu ITEM_COLS)."""
+        """The kernels' items table (n_items, 6): (tile, k0, k1, workspace slot, k offset,
+        v offset), in launch order; the offsets (elements) are those of the tile's kv head, so
+        that decode_tc requests its first keys after one table load (kernels_cu/decode.cu
+        ITEM_COLS)."""
         items = self.items[self.launch]
         bh0 = self.groups[self.tiles[items[:, 0], 0], 0]  # every group's first member exists
         return np.concatenate([items, self.launch[:, None], self.k_map[bh0][:, None],
-                               self.v_map[bh0][:, None], self.pools[self.launch]], axis=1)
+                               self.v_map[bh0][:, None]], axis=1)
 
 
 class _Layout:
@@ -681,8 +644,7 @@ class _Layout:
     capacity. forward keeps one per layout, so that a new kv_lens (each decoded token) only
     re-plans the split and the table. Arguments as Plan's."""
 
-    def __init__(self, p, fused=True, waves=WAVES, variant=None, split_rule=None, pool=None,
-                 force_pool=False):
+    def __init__(self, p, fused=True, waves=WAVES, variant=None, split_rule=None):
         self.dtype, self.fused, self.waves = p.dtype, bool(fused), waves
         self.has_mb = p.mask is not None or p.bias is not None
         self.aligned = _aligned(p)
@@ -695,12 +657,6 @@ class _Layout:
         self.variant, self.split_rule = variant, split_rule
         # decode_tc: 16 rows a block, its stage's keys a pass; decode_split: Schedule's defaults
         tc = variant != "simt"
-        # key pools: decode_tc with the fused merge (whose last block resets the pool counters)
-        if pool is None:
-            pool = POOL_DIVISOR if tc and self.fused else 0
-        elif pool and not (tc and self.fused):
-            raise ValueError("key pools need decode_tc and the fused merge")
-        self.pool, self.force_pool = int(pool), bool(force_pool)
         self.dyn_smem = tc_smem_bytes(self.bucket, variant) if tc else 0
         self.sched_rows = 16 if tc else None
         self.block_keys = TC_VARIANTS[variant][0] * WARPS if tc else None
@@ -750,20 +706,17 @@ class Plan:
     size (tests); `waves` scales the capacity of the split rule. `variant`: None chooses
     (DEFAULT_TC where tc_fits, else "simt", with DEFAULT_RULE), "simt" is decode_split, a name of
     TC_VARIANTS that decode_tc tile; `split_rule` a rule of SPLIT_RULES; both default to today's
-    behaviour. `pool`: the key pools' divisor (None: POOL_DIVISOR on decode_tc with the fused
-    merge, else none; 0: none), `force_pool` gives every split tile one even when the items do not
-    fit one wave (tests). `layout`: a _Layout of this layout to reuse (forward's cache); it then
-    stands for `fused`, `waves`, `variant`, `split_rule`, `pool` and `force_pool`.
+    behaviour. `layout`: a _Layout of this layout to reuse (forward's cache); it then stands for
+    `fused`, `waves`, `variant` and `split_rule`.
     """
 
     def __init__(self, p, fused=True, waves=WAVES, poison=False, split=None, variant=None,
-                 split_rule=None, layout=None, pool=None, force_pool=False):
+                 split_rule=None, layout=None):
         import cupy
 
         self.p = p
         with p.q.device:
-            self.layout = lay = layout or _Layout(p, fused, waves, variant, split_rule, pool,
-                                                  force_pool)
+            self.layout = lay = layout or _Layout(p, fused, waves, variant, split_rule)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
             grouping = group_heads(np.asarray(p.k_map, dtype=np.int64).reshape(p.BH),
                                    np.asarray(p.v_map, dtype=np.int64).reshape(p.BH), _lens(p))
@@ -771,7 +724,7 @@ class Plan:
             self.expr, self.kernel, self.per_sm, self.combine, self.capacity = lay.kernels(rows)
         self.fused, self.variant, self.dyn_smem = lay.fused, lay.variant, lay.dyn_smem
         sched = Schedule(p, self.capacity, split, lay.split_rule, lay.sched_rows, lay.block_keys,
-                         lay.pool, lay.force_pool, grouping)
+                         grouping)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
@@ -829,10 +782,9 @@ class Plan:
             # per-call workspace (from CuPy's pool): concurrent calls on other streams never share
             shape = (self.n_items, self.rows) if self.split_any else (1, 1)
             ws_out = cupy.empty(shape + (p.Dv,), dtype=p.acc_dtype)
-            ws_lse = cupy.empty(shape, dtype=p.acc_dtype)
-            # merge counters [0, n_tiles), decode_tc's pool counters [n_tiles, 2 n_tiles)
-            counters = _counter_buffer(2 * self.n_tiles)
-            args = (p.q, p.k, p.v, out, lse, ws_out, ws_lse, counters,
+            ws_ml = cupy.empty(shape + (2,), dtype=p.acc_dtype)  # each partial's (max, sum)
+            counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
+            args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters,
                     self.offsets, self.lens, self.groups, self.tiles, self.items,
                     null if p.mask is None else p.mask, null if p.bias is None else p.bias,
                     i64(self.q_rs), i64(self.k_rs), i64(self.v_rs), i64(self.mask_rs),
@@ -841,39 +793,38 @@ class Plan:
                     i32(p.right), i32(bool(p.bottom_right)), i32(self.fused))
             if self.variant != "simt":  # persistent blocks, at most one wave (decode_tc)
                 grid = min(self.n_items, self.per_sm * _kernels.device_info().sm_count)
-                self.kernel((grid,), (THREADS,), args + (i32(self.n_items),
-                                                         counters[self.n_tiles:]),
+                self.kernel((grid,), (THREADS,), args + (i32(self.n_items),),
                             shared_mem=self.dyn_smem)
             else:
                 self.kernel((self.n_items,), (THREADS,), args)
             if self.split_any and not self.fused:
+                # the workspace's units: natural for decode_split with mask / bias, else base 2
+                natural = self.variant == "simt" and self.layout.has_mb
                 self.combine((self.n_tiles,), (THREADS,),
-                             (out, lse, ws_out, ws_lse, self.lens, self.groups,
+                             (out, lse, ws_out, ws_ml, self.lens, self.groups,
                               self.tiles, i32(p.Nq), i32(p.Dv), i32(self.G), i32(p.left),
-                              i32(p.right), i32(bool(p.bottom_right))))
+                              i32(p.right), i32(bool(p.bottom_right)), i32(natural)))
         return out, lse
 
 
-def plan(p, fused=True, waves=WAVES, poison=False, split=None, variant=None, split_rule=None,
-         pool=None, force_pool=False):
+def plan(p, fused=True, waves=WAVES, poison=False, split=None, variant=None, split_rule=None):
     return Plan(p, fused=fused, waves=waves, poison=poison, split=split, variant=variant,
-                split_rule=split_rule, pool=pool, force_pool=force_pool)
+                split_rule=split_rule)
 
 
-def forward(p, split=None, variant=None, pool=None, force_pool=False):
+def forward(p, split=None, variant=None):
     """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream.
 
     ``split`` forces the keys per split (tests use a small one to exercise the merge), ``variant``
-    the kernel (see Plan; tests force "simt" where decode_tc would run), ``pool`` and
-    ``force_pool`` the key pools (see Plan; tests force them)."""
+    the kernel (see Plan; tests force "simt" where decode_tc would run)."""
     from . import _gpu
 
-    layout_key = _layout_key(p, split, _gpu.POISON) + (variant, pool, force_pool)
+    layout_key = _layout_key(p, split, _gpu.POISON) + (variant,)
     key = layout_key + (None if p.kv_lens is None else p.kv_lens.tobytes(),)
     plan = _plans.get(key)
     if plan is None:
-        plan = Plan(p, poison=_gpu.POISON, split=split, variant=variant, pool=pool,
-                    force_pool=force_pool, layout=_layouts.get(layout_key))
+        plan = Plan(p, poison=_gpu.POISON, split=split, variant=variant,
+                    layout=_layouts.get(layout_key))
         _keep(_plans, key, plan)
         _keep(_layouts, layout_key, plan.layout)
     out, lse = plan.run(p=p)

@@ -111,7 +111,7 @@ def launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs,
         return
     fn = _kernels.get_function(_config.SOURCES["fwd_lost_rows"],
                                _config.fwd_lost_name_expression(q.dtype))
-    blocks = min(-(-rows // _config.GENERIC_THREADS), 2 * _kernels.device_info().sm_count)
+    blocks = -(-rows // (LOST_SEG * (_config.GENERIC_THREADS // 32)))
     i64, i32 = np.int64, np.int32
     fn((blocks,), (_config.GENERIC_THREADS,),
        (q, k, v, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens), i64(q_rs), i64(k_rs),
@@ -163,7 +163,8 @@ def launch_bwd_dq(q, k, v, dout, lse, delta, dq_acc, offsets, mask, bias, kv_len
     kern(grid, (_config.GENERIC_THREADS,), args, shared_mem=smem)
 
 
-LOST_CHUNK = 32  # kernels_cu/bwd_lost.cu LOST_CHUNK: query rows per flag, keys per key block
+# kernels_cu/lost_rows.cu: rows per flag; rows a warp checks, keys of a warp's item
+LOST_CHUNK, LOST_SEG = 32, 128
 
 
 def launch_lost(q, k, v, dout, out, lse, dq, dk, dv, offsets, mask, bias, kv_lens, q_rs, k_rs,
@@ -180,9 +181,8 @@ def launch_lost(q, k, v, dout, out, lse, dq, dk, dv, offsets, mask, bias, kv_len
         return
     rows_expr, keys_expr = _config.lost_name_expressions(q.dtype, dk.dtype == q.dtype)
     source = _config.SOURCES["bwd_lost_rows"]
-    n_chunks = -(-Nq // LOST_CHUNK)
     stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
-    flags = cupy.empty((BH, n_chunks), dtype=np.int32)
+    flags = cupy.empty(-(-BH * Nq // LOST_CHUNK), dtype=np.int32)
     i64, i32 = np.int64, np.int32
     lost = _config.lost_lse_limit(lse.dtype)
     args = (q, k, v, dout, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens),
@@ -190,6 +190,8 @@ def launch_lost(q, k, v, dout, out, lse, dq, dk, dv, offsets, mask, bias, kv_len
             i64(bias_cs), i32(BH), i32(Nq), i32(Nk), i32(Dk), i32(Dv), np.float64(scale),
             i32(left), i32(right), i32(bool(bottom_right)), np.float64(lost), stats, flags)
     threads = (_config.GENERIC_THREADS,)
-    _kernels.get_function(source, rows_expr)(_bh_grid(n_chunks, BH), threads, args + (dq,))
-    _kernels.get_function(source, keys_expr)(_bh_grid(-(-Nk // LOST_CHUNK), BH), threads,
-                                             args + (dk, dv))
+    warps = _config.GENERIC_THREADS // 32
+    row_blocks = -(-BH * Nq // (LOST_SEG * warps))
+    key_blocks = -(-BH * -(-Nk // LOST_SEG) // warps)
+    _kernels.get_function(source, rows_expr)((row_blocks,), threads, args + (dq,))
+    _kernels.get_function(source, keys_expr)((key_blocks,), threads, args + (dk, dv))

@@ -64,6 +64,10 @@ class _Tiles:
         self.v = _gather(p.v, p.v_map, self.acc)
         lengths = (np.full(bh, p.Nk, dtype=np.int64) if p.kv_lens is None
                    else np.asarray(p.kv_lens, dtype=np.int64).reshape(bh))
+        if p.kv_lens is not None:  # keys past kv_lens do not exist: their k, v may hold NaN
+            past = np.arange(p.Nk).reshape(1, p.Nk) >= lengths.reshape(bh, 1)
+            self.k[past] = 0
+            self.v[past] = 0
         rows = np.arange(p.Nq, dtype=np.int64).reshape(1, p.Nq)
         pos = rows + (lengths.reshape(bh, 1) - p.Nq) if p.bottom_right else rows + 0 * lengths[:, None]
         self.lo = np.maximum(pos - p.left, 0)                              # (BH, Nq)

@@ -9,11 +9,14 @@
 //            -1 where a group is shorter than G;
 //   row tile ROWS of the group's G * Nq query rows, query-major (row rho -> i = rho / G, head
 //            gi = rho % G), so a tile's rows have neighbouring positions and key ranges;
-//   item     one block: a contiguous key range [k0, k1) of one row tile (its "split"; decode_tc
-//            adds the stages of its tile's key pool that it claims, see decode_tc).
+//   item     one block: a contiguous key range [k0, k1) of one row tile (its "split").
 // Each block reads its keys of one kv head ONCE for all of its rows, with 16-byte loads, and keeps
-// the online softmax per row in Acc (float; double for double). Scores are in the base-2 domain:
-// q is pre-multiplied by scale * log2(e), so p = exp2(t - m).
+// the online softmax per row in Acc (float; double for double). Scores are in the base-2 domain
+// (q is pre-multiplied by scale * log2(e), so p = exp2(t - m)), except in decode_split with a
+// mask or bias: there the logits and the maxima (the workspace's too) stay in natural units
+// (q times scale, the bias added as it is, p = exp2((x - m) * log2(e))), because a finite bias
+// need not be finite in base 2 (finfo(float32).min * log2(e) overflows; a padding row made of
+// such a bias is a uniform softmax, not an empty row).
 //
 // decode_split's block layout: DECODE_WARPS warps stream disjoint warp chunks of keys (warp w takes chunks
 // w, w + DECODE_WARPS, ...). In a warp, LK consecutive lanes span one key row (16 bytes each, NV
@@ -25,15 +28,31 @@
 // accumulates P.V for its own columns. At the end slots merge by shuffles, warps through shared
 // memory.
 //
-// Results per item (DESIGN.md "Empty state" for the rules):
-//   * a row tile with one item writes out (T) and lse (natural log, Acc) directly;
+// Results per item (the non-finite contract: a row is empty only when it has no visible key;
+// otherwise it is the dense formula in IEEE arithmetic, NaN where that gives NaN):
+//   * a row tile with one item writes out (T) and lse (natural log, Acc) directly: a row with no
+//     visible key out 0, lse -inf; a row with visible keys but l == 0 (every visible logit -inf)
+//     out NaN, lse NaN; otherwise acc / l and m + log l (NaN logits make l NaN, and so both);
 //   * otherwise the item writes its partial to the workspace: ws_out (n_items, ROWS, Dv) holds the
-//     NORMALIZED partial output acc / l, ws_lse (n_items, ROWS) the partial lse in BASE 2
-//     (m + log2 l; -inf for an empty partial, whose ws_out row is then not written). The partials
-//     are merged with the rule of cuflash.merge (weights exp2(lse_i - max), an empty partial is
-//     the identity, all empty -> out 0, lse -inf) either by the last block of the row tile to
-//     finish (fused = 1: an atomic counter per row tile, reset to 0 by that block so the buffer
-//     can be reused without a memset) or by decode_combine (fused = 0).
+//     NORMALIZED partial output acc / l, ws_ml (n_items, ROWS, 2) the partial's max and sum
+//     (m, l), m in BASE 2 or, for decode_split with mask / bias, in natural units. (m, l) and not
+//     the partial lse m + log l: where |m| is huge (a padding row of finfo(float32).min biases)
+//     the lse rounds to m, and partials of different sizes would get equal weights. The m slot
+//     also carries the row's visibility, so that the merge knows whether an all-identity row is
+//     empty or NaN:
+//       (-inf, 0)  the row has no visible key in this item (identity in the merge);
+//       (+inf, 0)  the row has visible keys here but l == 0, every visible logit -inf (identity
+//                  in the merge too, but the row is not empty); a written m is always finite;
+//       (m, NaN)   a NaN reached l (propagates through the merge; m = 0 if the max was not
+//                  finite);
+//     ws_out is written for the finite and NaN partials only. The partials are merged with the
+//     rule of cuflash.merge on (m, l) (weights l_i exp2(m_i - max), in a fixed order: slot by
+//     slot, whichever block merges, so the result is bitwise reproducible) either by the last
+//     block of the row tile to finish (fused = 1: an atomic counter per row tile, reset to 0 by
+//     that block so the buffer can be reused without a memset) or by decode_combine (fused = 0).
+//     Merged row: every partial (-inf, 0) -> out 0, lse -inf; every partial an identity but one
+//     of them (+inf, 0) -> NaN, NaN; a NaN partial -> NaN, NaN; else the weighted mean and
+//     M + log L.
 #include "common.cuh"
 #include "mask.cuh"
 
@@ -94,6 +113,20 @@ __device__ __forceinline__ float exp2_acc(float x) {
 __device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_acc(double x) { return log2(x); }
+#define POS_INF (-neg_inf<Acc>())
+// Units of a block's logits and maxima (the workspace's m): base 2, or natural (NATURAL:
+// decode_split with mask / bias, see the header). exp2_diff: the weight exp2 of a difference
+// d = x - m of two of them (d = -inf gives 0; in natural units d * log2(e) may only overflow to
+// -inf, giving 0, the right limit). natural_lse: the lse m + log l in natural units (the
+// output's).
+template <bool NATURAL, typename Acc>
+__device__ __forceinline__ Acc exp2_diff(Acc d) {
+  return exp2_acc(NATURAL ? d * log2e<Acc>() : d);
+}
+template <bool NATURAL, typename Acc>
+__device__ __forceinline__ Acc natural_lse(Acc m, Acc l) {
+  return NATURAL ? m + log2_acc(l) * ln2<Acc>() : (m + log2_acc(l)) * ln2<Acc>();
+}
 
 // Workspace reads of partials written by other blocks of this launch: L2 only (.cg), never a
 // stale L1 line.
@@ -253,12 +286,17 @@ __device__ __forceinline__ void setup_rows(DecodeRow* rows, const long long* __r
   __syncthreads();
 }
 
-// Merge the row tile's partials (the merge rule of cuflash.merge, in base 2) and write out / lse.
-// rows[] is set up; sM, sInv are ROWS-entry shared scratch (double only). CHUNK: partials loaded
-// at once (float only; see below).
-template <typename T, typename Acc, int ROWS, int CHUNK = 16>
+// Merge the row tile's partials (the merge rule of cuflash.merge on the (m, l) pairs, in the
+// workspace's units: NATURAL as the kernel that wrote them) and write out / lse. rows[] is set
+// up; sM, sInv are ROWS-entry shared scratch (double only). CHUNK: partials loaded at once (float
+// only; see below). The partials are read in slot order first .. first + n_items - 1 by a thread
+// mapping that does not depend on the block, so the merge is bitwise the same whichever block
+// runs it. A partial (+inf, 0) (visible keys, l == 0) is an identity like (-inf, 0) but makes the
+// row visible: a row all of whose partials are identities is empty (0, -inf) only if none of
+// them is (+inf, 0), else NaN.
+template <typename T, typename Acc, int ROWS, bool NATURAL, int CHUNK = 16>
 __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
-                                 const Acc* __restrict__ ws_out, const Acc* __restrict__ ws_lse,
+                                 const Acc* __restrict__ ws_out, const Acc* __restrict__ ws_ml,
                                  long long first, int n_items, const DecodeRow* rows, Acc* sM,
                                  Acc* sInv, int Nq, int Dv) {
   if constexpr (sizeof(Acc) == 4) {
@@ -268,8 +306,10 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
     // after the last block of the row tile has finished its keys, so its L2 round trips are the
     // end of the kernel: ceil(n_items / CHUNK) of them (B = 1, 33 partials: 3), where a max pass
     // and then a weighted-sum pass took 1 + ceil(33 / 8) = 6 (tools/decode_check.py trace: the
-    // merge took 7-9 us of a 150-270 us call). An empty partial (lse -inf) has an unwritten ws_out
-    // row that may hold anything: its terms are dropped by a select, never multiplied by 0.
+    // merge took 7-9 us of a 150-270 us call). An identity partial (m = -inf or +inf) has an
+    // unwritten ws_out row that may hold anything: its terms are dropped by a select, never
+    // multiplied by 0. A NaN partial is kept: its weight (l = NaN) makes the row NaN; while every
+    // partial so far is an identity the reference is 0, so -inf - (-inf) is never formed.
     // CHUNK: 16 for decode_split and decode_combine (24 and 32 made decode_split spill on sm_80),
     // 24 for decode_tc (B = 1: 33 partials in 2 round trips instead of 3).
     const int C4 = Dv / 4;
@@ -278,29 +318,35 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
       const int col = (idx % C4) * 4;
       if (rows[r].bh < 0) continue;
       float M = NEG_INF, sum = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+      bool visible = false;  // some partial's m is not -inf: the row has a visible key
       for (int it0 = 0; it0 < n_items; it0 += CHUNK) {
-        float x[CHUNK];
+        float2 x[CHUNK];  // (m, l)
         float4 y[CHUNK];
 #pragma unroll
         for (int c = 0; c < CHUNK; ++c) {
           const long long slot = (first + it0 + c) * ROWS + r;
           const bool in = it0 + c < n_items;
-          x[c] = in ? ld_cg(ws_lse + slot) : NEG_INF;
+          x[c] = in ? __ldcg(reinterpret_cast<const float2*>(ws_ml) + slot)
+                    : make_float2(NEG_INF, 0.f);
           y[c] = in ? __ldcg(reinterpret_cast<const float4*>(ws_out + slot * Dv + col))
                     : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         float M_new = M;
 #pragma unroll
-        for (int c = 0; c < CHUNK; ++c) M_new = fmaxf(M_new, x[c]);
-        if (!(M_new > NEG_INF)) continue;  // every partial so far is empty
-        const float a = M > NEG_INF ? exp2_acc(M - M_new) : 0.f;
+        for (int c = 0; c < CHUNK; ++c) {
+          visible |= x[c].x != NEG_INF;
+          x[c].x = select(x[c].x == POS_INF, NEG_INF, x[c].x);  // +inf: an identity from here on
+          M_new = fmaxf(M_new, x[c].x);
+        }
+        const float M_ref = M_new == NEG_INF ? 0.f : M_new;
+        const float a = exp2_diff<NATURAL>(M - M_ref);  // 0 while M = -inf
         sum *= a;
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[e] *= a;
 #pragma unroll
         for (int c = 0; c < CHUNK; ++c) {
-          const bool ok = x[c] > NEG_INF;
-          const float w = select(ok, exp2_acc(x[c] - M_new), 0.f);
+          const bool ok = x[c].x != NEG_INF;
+          const float w = select(ok, x[c].y * exp2_diff<NATURAL>(x[c].x - M_ref), 0.f);
           sum += w;
           o[0] += select(ok, w * y[c].x, 0.f);
           o[1] += select(ok, w * y[c].y, 0.f);
@@ -309,31 +355,40 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
         }
         M = M_new;
       }
-      const bool empty = !(sum > 0.f);
-      const float inv = empty ? 0.f : 1.f / sum;
+      // sum == 0 with a visible key: every partial an identity, one of them (+inf, 0) (0 / 0)
+      const bool zero = sum == 0.f;
+      const float inv = !visible ? 0.f : (zero ? quiet_nan<float>() : 1.f / sum);
       const long long row_out = rows[r].bh * Nq + rows[r].i;
       T* dst = out + row_out * Dv + col;
 #pragma unroll
       for (int e = 0; e < 4; ++e) store_acc(dst + e, o[e] * inv);
-      if (col == 0) lse[row_out] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<float>();
+      if (col == 0)
+        lse[row_out] = !visible ? NEG_INF
+                                : (zero ? quiet_nan<float>() : natural_lse<NATURAL>(M, sum));
     }
   } else {
     // double: exp2 is a call, and values kept live across unrolled calls spill. Two passes: per
-    // row (one warp) the max M and sum of exp2(lse_i - M) (a running pair per lane, merged over
-    // the warp; empty partials never form -inf - (-inf)), then one column per thread, one item
-    // at a time; an empty partial's unwritten ws_out row is never read.
+    // row (one warp) the max M and sum of l_i exp2(m_i - M) over the non-identity partials (a
+    // running pair per lane, merged over the warp; identities never form -inf - (-inf)) and
+    // whether any partial is not (-inf, 0), then one column per thread, one item at a time; an
+    // identity partial's unwritten ws_out row is never read.
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     for (int r = warp; r < ROWS; r += DECODE_WARPS) {
       if (rows[r].bh < 0) continue;  // padding rows have no partials (warp-uniform)
       Acc M = NEG_INF, sum = Acc(0);
+      bool visible = false;
       for (int it = lane; it < n_items; it += 32) {
-        const Acc x = ld_cg(ws_lse + (first + it) * ROWS + r);
+        const long long slot = (first + it) * ROWS + r;
+        const Acc x = ld_cg(ws_ml + 2 * slot);
+        visible |= x != NEG_INF;
+        if (!(x > NEG_INF && x < POS_INF)) continue;  // an identity
+        const Acc l = ld_cg(ws_ml + 2 * slot + 1);  // NaN: propagates
         if (x > M) {
-          sum = (M > NEG_INF ? sum * exp2_acc(M - x) : Acc(0)) + Acc(1);
+          sum = (M > NEG_INF ? sum * exp2_diff<NATURAL>(M - x) : Acc(0)) + l;
           M = x;
-        } else if (x > NEG_INF) {
-          sum += exp2_acc(x - M);
+        } else {
+          sum += l * exp2_diff<NATURAL>(x - M);
         }
       }
 #pragma unroll
@@ -341,15 +396,17 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
         const Acc M_o = __shfl_xor_sync(FULL_WARP, M, o);
         const Acc s_o = __shfl_xor_sync(FULL_WARP, sum, o);
         const Acc M_n = acc_max(M, M_o);
-        sum = (M > NEG_INF ? sum * exp2_acc(M - M_n) : Acc(0)) +
-              (M_o > NEG_INF ? s_o * exp2_acc(M_o - M_n) : Acc(0));
+        sum = (M > NEG_INF ? sum * exp2_diff<NATURAL>(M - M_n) : Acc(0)) +
+              (M_o > NEG_INF ? s_o * exp2_diff<NATURAL>(M_o - M_n) : Acc(0));
         M = M_n;
       }
+      visible = __any_sync(FULL_WARP, visible);
       if (lane == 0) {
-        const bool empty = !(M > NEG_INF);
+        const bool zero = !(M > NEG_INF);  // no partial but identities (with a visible key: NaN)
         sM[r] = M;
-        sInv[r] = empty ? Acc(0) : Acc(1) / sum;
-        lse[rows[r].bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(sum)) * ln2<Acc>();
+        sInv[r] = !visible ? Acc(0) : (zero ? quiet_nan<Acc>() : Acc(1) / sum);
+        lse[rows[r].bh * Nq + rows[r].i] =
+            !visible ? NEG_INF : (zero ? quiet_nan<Acc>() : natural_lse<NATURAL>(M, sum));
       }
     }
     __syncthreads();
@@ -363,8 +420,10 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
 #pragma unroll 1
         for (int it = 0; it < n_items; ++it) {
           const long long slot = (first + it) * ROWS + r;
-          const Acc x = ld_cg(ws_lse + slot);
-          if (x > NEG_INF) o += exp2_acc(x - M) * ld_cg(ws_out + slot * Dv + col);
+          const Acc x = ld_cg(ws_ml + 2 * slot);
+          if (x > NEG_INF && x < POS_INF)
+            o += ld_cg(ws_ml + 2 * slot + 1) * exp2_diff<NATURAL>(x - M) *
+                 ld_cg(ws_out + slot * Dv + col);
         }
       }
       store_acc(out + (rows[r].bh * Nq + rows[r].i) * Dv + col, o * sInv[r]);
@@ -396,44 +455,61 @@ __device__ __forceinline__ BlockKeys block_keys(const DecodeRow* rows, long long
   return b;
 }
 
-// The end of every split block: merge the DECODE_WARPS warps' states (red_m, red_l: base-2 max
-// and sum per row; red_acc [warp][row][red_stride]: unnormalized output) and normalize once; write
-// the result (a row tile with one item) or this item's partial, and with `fused` let the last
-// block of the row tile merge the partials. Called after a __syncthreads.
+// The end of every split block: merge the DECODE_WARPS warps' states (red_m, red_l: max and sum
+// per row in the block's units, NATURAL as the kernel; red_acc [warp][row][red_stride]:
+// unnormalized output) and normalize once; write the result (a row tile with one item) or this
+// item's partial (the header's "Results per item"), and with `fused` let the last block of the
+// row tile merge the partials. Called after a __syncthreads. Row r has a visible key in this item
+// iff its position range (rows[r].lo <= rows[r].hi) is not empty and bit r of vis_mb is set:
+// decode_split with mask / bias passes the OR of visible_logit over the row's elements, the
+// kernels without pass ~0u. Emptiness is decided by that, never by l: l == 0 with a visible key
+// means every visible logit was -inf (NaN, or (+inf, 0) in the workspace), and a NaN l gives NaN.
 // First the per-row factors, once per row (red_m[w][r] becomes warp w's weight exp2(m_w - M)),
 // then V columns per thread (V = 4: red_acc rows, red_stride and Dv multiples of 4 floats, 16-byte
 // aligned; the host's whole-vector rule, _decode.fits). Every element used to recompute its row's
 // max and weights, a chain of shared loads, exp2 and a division per element with 8 warps per SM
 // to hide it: 3.1-4.6 us per block at D = 128 (tools/decode_check.py trace).
-template <typename T, typename Acc, int ROWS, int V = 1, int CHUNK = 16>
+// sKeep, sInv: ROWS-entry shared scratch (sKeep[r] = 1 where the row's output is o * sInv[r]; 0
+// where it is 0 (a result) or not written (an identity partial)).
+template <typename T, typename Acc, int ROWS, bool NATURAL, int V = 1, int CHUNK = 16>
 __device__ __forceinline__ void finish_item(
     T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,
-    Acc* __restrict__ ws_lse, unsigned* __restrict__ counters, const DecodeRow* rows,
+    Acc* __restrict__ ws_ml, unsigned* __restrict__ counters, const DecodeRow* rows,
     const Acc* red_acc, int red_stride, Acc (&red_m)[DECODE_WARPS][ROWS],
-    const Acc (&red_l)[DECODE_WARPS][ROWS], Acc (&sM)[ROWS], Acc (&sInv)[ROWS], int& s_last,
-    long long item, long long tile_id, long long first, int n_items, int Nq, int Dv, int fused) {
+    const Acc (&red_l)[DECODE_WARPS][ROWS], Acc (&sKeep)[ROWS], Acc (&sInv)[ROWS], int& s_last,
+    unsigned vis_mb, long long item, long long tile_id, long long first, int n_items, int Nq,
+    int Dv, int fused) {
   static_assert(V == 1 || (V == 4 && sizeof(Acc) == 4), "V: 1, or 4 floats");
   if (threadIdx.x < ROWS) {
     const int r = threadIdx.x;
     Acc M = NEG_INF;
 #pragma unroll
     for (int w = 0; w < DECODE_WARPS; ++w) M = acc_max(M, red_m[w][r]);
+    const Acc M_ref = M == NEG_INF ? Acc(0) : M;  // no warp saw a finite logit: no -inf - (-inf)
     Acc l_sum = Acc(0);
 #pragma unroll
     for (int w = 0; w < DECODE_WARPS; ++w) {
-      const Acc a = (M > NEG_INF && red_m[w][r] > NEG_INF) ? exp2_acc(red_m[w][r] - M) : Acc(0);
+      const Acc a = exp2_diff<NATURAL>(red_m[w][r] - M_ref);  // 0 for a warp with m = -inf
       red_m[w][r] = a;
       l_sum += a * red_l[w][r];
     }
-    const bool empty = !(l_sum > Acc(0));
-    sM[r] = empty ? NEG_INF : M;  // NEG_INF: an empty row (out 0; a partial row unwritten)
-    sInv[r] = empty ? Acc(0) : Acc(1) / l_sum;
+    const bool visible = rows[r].lo <= rows[r].hi && ((vis_mb >> r) & 1u);
+    const bool zero = l_sum == Acc(0);  // (with a visible key) every visible logit was -inf
+    sKeep[r] = (visible && (n_items == 1 || !zero)) ? Acc(1) : Acc(0);
+    sInv[r] = !visible ? Acc(0) : (zero ? quiet_nan<Acc>() : Acc(1) / l_sum);
     const long long bh = rows[r].bh;
     if (bh >= 0) {
-      if (n_items == 1)
-        lse[bh * Nq + rows[r].i] = empty ? NEG_INF : (M + log2_acc(l_sum)) * ln2<Acc>();
-      else
-        ws_lse[item * ROWS + r] = empty ? NEG_INF : M + log2_acc(l_sum);
+      if (n_items == 1) {
+        lse[bh * Nq + rows[r].i] =
+            !visible ? NEG_INF : (zero ? quiet_nan<Acc>() : natural_lse<NATURAL>(M, l_sum));
+      } else {
+        // m of a kept partial is finite: M, or 0 where l is NaN and M is not finite (+inf gives
+        // l = NaN; -inf with a visible key gives l = 0 or NaN)
+        const bool finite_m = M > NEG_INF && M < POS_INF;
+        Acc* ml = ws_ml + 2 * (item * ROWS + r);
+        ml[0] = !visible ? NEG_INF : (zero ? POS_INF : (finite_m ? M : Acc(0)));
+        ml[1] = visible && !zero ? l_sum : Acc(0);
+      }
     }
   }
   __syncthreads();
@@ -461,12 +537,14 @@ __device__ __forceinline__ void finish_item(
       }
     }
     const Acc inv = sInv[r];
+    const bool keep = sKeep[r] != Acc(0);
     if (n_items == 1) {
+      // a row with no visible key writes exactly 0 (o may hold 0 * NaN from a v it does not see)
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        store_acc(out + (bh * Nq + rows[r].i) * Dv + col + e, o[e] * inv);
+        store_acc(out + (bh * Nq + rows[r].i) * Dv + col + e, keep ? o[e] * inv : Acc(0));
       }
-    } else if (sM[r] > NEG_INF) {
+    } else if (keep) {
       Acc* dst = ws_out + (item * ROWS + r) * Dv + col;
       if constexpr (V == 4)
         *reinterpret_cast<float4*>(dst) =
@@ -480,7 +558,8 @@ __device__ __forceinline__ void finish_item(
   // Fused combine: the last block of the row tile to finish merges all of its partials. The
   // count is one acquire-release atomic of thread 0 after a barrier (the pattern of CUTLASS's
   // semaphores): the barrier orders the block's partial stores before the release, the acquire
-  // orders the other blocks' partials before the barrier that lets this block read them.
+  // orders the other blocks' partials before the barrier that lets this block read them. Which
+  // block merges does not change the result (combine_partials reads the slots in order).
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned done;
@@ -490,8 +569,8 @@ __device__ __forceinline__ void finish_item(
   }
   __syncthreads();
   if (!s_last) return;
-  combine_partials<T, Acc, ROWS, CHUNK>(out, lse, ws_out, ws_lse, first, n_items, rows, sM, sInv,
-                                        Nq, Dv);
+  combine_partials<T, Acc, ROWS, NATURAL, CHUNK>(out, lse, ws_out, ws_ml, first, n_items, rows,
+                                                 sKeep, sInv, Nq, Dv);
   if (threadIdx.x == 0) counters[tile_id] = 0u;  // ready for the next launch on this stream
 }
 
@@ -503,15 +582,11 @@ __device__ __forceinline__ void finish_item(
 // b; decode_tc: the rows of its snake_row sequence) and writes workspace slot `item` (a tile's
 // items keep consecutive slots), so the host may launch long items first. The k and v offsets
 // (elements, of the group's kv head) let decode_tc request its first keys after one table load.
-// Columns 6 and 7: the tile's key pool [pool0, pool1) that decode_tc's blocks of the tile claim
-// stage by stage after their own keys (empty, pool0 = pool1 = k1, for decode_split and for tiles
-// without a pool; see decode_tc).
-// The kernel parameter list of decode_split and decode_tc (which appends n_launch and
-// pool_counters).
+// The kernel parameter list of decode_split (decode_tc's repeats it and appends n_launch).
 #define DECODE_SPLIT_PARAMS                                                                  \
   const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
       T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,                  \
-      Acc* __restrict__ ws_lse, unsigned* __restrict__ counters,                             \
+      Acc* __restrict__ ws_ml, unsigned* __restrict__ counters,                              \
       const long long* __restrict__ offsets, const long long* __restrict__ lens,             \
       const long long* __restrict__ groups, const long long* __restrict__ tiles,             \
       const long long* __restrict__ items, const unsigned char* __restrict__ mask,           \
@@ -519,12 +594,12 @@ __device__ __forceinline__ void finish_item(
       long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
       int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right, int fused
 #define DECODE_SPLIT_ARGS                                                                    \
-  q, k, v, out, lse, ws_out, ws_lse, counters, offsets, lens, groups, tiles, items, mask, bias, \
+  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
       q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,     \
       right, bottom_right, fused
 
 // One block's work: row `launch_row` of the items table and its row tile.
-constexpr int ITEM_COLS = 8;  // cuflash/_decode.py Schedule.items_x
+constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_x
 struct DecodeItem {
   long long tile_id, item, k0, k1, g, tile, first;
   int n_items;
@@ -554,6 +629,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
   __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
   __shared__ Acc sM[ROWS], sInv[ROWS];
   __shared__ int s_last;
+  __shared__ unsigned red_vis[DECODE_WARPS];  // HAS_MB: per warp, bit r = row r saw a visible key
   using Shape = DecodeShape<T, HEAD_DIM, ROWS>;
   constexpr int VEC = Shape::VEC, LK = Shape::LK, NV = Shape::NV, COLS = Shape::COLS;
   constexpr int KPL = Shape::KPL, U = Shape::U, NS = Shape::NS, WC = Shape::WC;
@@ -571,9 +647,10 @@ decode_split(DECODE_SPLIT_PARAMS) {
   const int slot = lane / LK;  // which key of a warp load
   const int t = lane % LK;     // which 16-byte column vector(s) of it
 
-  // q rows, pre-scaled into the base-2 domain; padding rows and columns >= Dk are 0.
+  // q rows, pre-scaled into the base-2 domain (natural units with mask / bias, the header says
+  // why); padding rows and columns >= Dk are 0.
   Acc qr[ROWS][COLS];
-  const Acc qscale = scale * log2e<Acc>();
+  const Acc qscale = HAS_MB ? scale : scale * log2e<Acc>();
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const long long bh = rows[r].bh;
@@ -589,8 +666,11 @@ decode_split(DECODE_SPLIT_PARAMS) {
   const T* kh = k + offsets[1 * BH + bh0];
   const T* vh = v + offsets[2 * BH + bh0];
 
-  // Per-row state (DESIGN.md "Empty state"), per key slot: m = -inf, l = 0, acc = 0.
+  // Per-row state (DESIGN.md "Empty state"), per key slot: m = -inf, l = 0, acc = 0; with mask /
+  // bias also vis (bit r: row r has seen a visible key; m and l cannot tell, a visible logit may
+  // be -inf).
   Acc m[ROWS], l[ROWS], acc[ROWS][COLS];
+  unsigned vis = 0u;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     m[r] = NEG_INF;
@@ -659,37 +739,38 @@ decode_split(DECODE_SPLIT_PARAMS) {
         for (int u = 0; u < U; ++u) {
           const long long j = base + u * KPL + slot;
           Acc& x = s[u * ROWS + r];
-          if (HAS_MB)  // the bias is in natural units: leave the base-2 domain around it
-            x = masked_logit(x * ln2<Acc>(), rows[r].i, j, kr, mb) * log2e<Acc>();
-          else
+          if (HAS_MB) {  // natural units: the bias is added as it is
+            if (visible_logit(x, rows[r].i, j, kr, mb))
+              vis |= 1u << r;
+            else
+              x = NEG_INF;
+          } else {
             x = masked_logit(x, rows[r].i, j, kr, mb);  // range test only; x unchanged if visible
+          }
         }
       }
     }
 
-    // Online softmax per row: new max, rescale BOTH l and acc, add this chunk's mass.
+    // Online softmax per row: new max, rescale BOTH l and acc, add this chunk's mass. No test on
+    // the logits: an invisible key's -inf gives p = 0, a NaN logit reaches l (fmaxf leaves it out
+    // of the max), and while the row has no finite max its reference is 0 (no -inf - (-inf)).
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       Acc tile_max = s[r];
 #pragma unroll
       for (int u = 1; u < U; ++u) tile_max = acc_max(tile_max, s[u * ROWS + r]);
-      if (tile_max > NEG_INF) {
-        const Acc m_new = acc_max(m[r], tile_max);
-        const Acc alpha = (m[r] > NEG_INF) ? exp2_acc(m[r] - m_new) : Acc(0);
-        l[r] *= alpha;
+      const Acc m_new = acc_max(m[r], tile_max);
+      const Acc m_ref = m_new == NEG_INF ? Acc(0) : m_new;
+      const Acc alpha = exp2_diff<HAS_MB>(m[r] - m_ref);  // 0 while m = -inf
+      l[r] *= alpha;
 #pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
+      for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          s[u * ROWS + r] = exp2_acc(s[u * ROWS + r] - m_new);  // exp2(-inf) = 0: invisible keys
-          l[r] += s[u * ROWS + r];
-        }
-        m[r] = m_new;
-      } else {
-        // nothing visible for this row in this chunk: the row is left untouched
-#pragma unroll
-        for (int u = 0; u < U; ++u) s[u * ROWS + r] = Acc(0);
+      for (int u = 0; u < U; ++u) {
+        s[u * ROWS + r] = exp2_diff<HAS_MB>(s[u * ROWS + r] - m_ref);
+        l[r] += s[u * ROWS + r];
       }
+      m[r] = m_new;
     }
 
     // acc += P V over the chunk's keys (this lane's columns).
@@ -729,8 +810,8 @@ decode_split(DECODE_SPLIT_PARAMS) {
       const Acc m_o = __shfl_xor_sync(FULL_WARP, m[r], off);
       const Acc l_o = __shfl_xor_sync(FULL_WARP, l[r], off);
       const Acc m_new = acc_max(m[r], m_o);
-      const Acc a = (m[r] > NEG_INF) ? exp2_acc(m[r] - m_new) : Acc(0);
-      const Acc b = (m_o > NEG_INF) ? exp2_acc(m_o - m_new) : Acc(0);
+      const Acc a = (m[r] > NEG_INF) ? exp2_diff<HAS_MB>(m[r] - m_new) : Acc(0);
+      const Acc b = (m_o > NEG_INF) ? exp2_diff<HAS_MB>(m_o - m_new) : Acc(0);
       l[r] = l[r] * a + l_o * b;
 #pragma unroll
       for (int c = 0; c < COLS; ++c)
@@ -751,11 +832,21 @@ decode_split(DECODE_SPLIT_PARAMS) {
       }
     }
   }
+  if (HAS_MB) {
+    vis = __reduce_or_sync(FULL_WARP, vis);
+    if (lane == 0) red_vis[warp] = vis;
+  }
   __syncthreads();
+  unsigned vis_mb = ~0u;  // no mask / bias: the rows' position ranges decide (finish_item)
+  if (HAS_MB) {
+    vis_mb = 0u;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) vis_mb |= red_vis[w];
+  }
 
-  finish_item<T, Acc, ROWS>(out, lse, ws_out, ws_lse, counters, rows, &red_acc[0][0][0], HEAD_DIM,
-                            red_m, red_l, sM, sInv, s_last, it.item, it.tile_id, it.first,
-                            it.n_items, Nq, Dv, fused);
+  finish_item<T, Acc, ROWS, HAS_MB>(out, lse, ws_out, ws_ml, counters, rows, &red_acc[0][0][0],
+                                    HEAD_DIM, red_m, red_l, sM, sInv, s_last, vis_mb, it.item,
+                                    it.tile_id, it.first, it.n_items, Nq, Dv, fused);
 }
 
 // decode_tc's stage copy: keys [row0, row0 + ROWS) of a (row stride rs) matrix into padded shared
@@ -795,8 +886,9 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 // padded shared rows (conflict-free ldmatrix, as fwd_sm80.cu); warp w computes keys
 // [w * KW, (w + 1) * KW) of every stage with its own online softmax state:
 //   S = Q K^T   A = Q (registers, from shared once), B = K (ldmatrix)
-//   softmax     exp2 with scale * log2(e) folded into one FFMA; masked by global position only in
-//               stages not entirely visible to every row
+//   softmax     exp2 with scale * log2(e) folded into one FFMA on the unscaled scores (needs
+//               scale > 0: _decode.tc_fits); masked by global position only in stages not
+//               entirely visible to every row
 //   O += P V    A = P packed from the S accumulators, B = V (ldmatrix.trans)
 // The warps' states are merged through shared memory (finish_item) in the ring slot the last
 // stage freed.
@@ -806,15 +898,10 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 // second ones). The ring is one stream of stages across a block's items: the last stage of an item
 // requests the next item's first keys, so a second item does not wait for its first load (a new
 // block's first stage landed ~6-7 us after its start: tools/decode_check.py trace, 64 x 4096).
-// Key pools (split tiles, fused merge, host-chosen: cuflash/_decode.py pool_items): an item's own
-// keys [k0, k1) are whole stages, and the tile's last keys [pool0, pool1) are claimed one stage
-// at a time by whichever of its blocks gets there first (pool_counters[tile]: the next stage's
-// index), so that blocks which stream slower than their peers (the SMs do not get equal shares of
-// the bandwidth: loop ends spread ~6 us at B = 1, tools/decode_check.py trace) end together. A
-// block's partial then covers its own keys plus the stages it claimed: the merge does not care
-// which keys a partial holds. Thread 0 claims the stage after the next one while the current
-// stage is computed (the atomic's latency hides behind it) and leaves it in s_claim; a block
-// claims until it draws past pool1, once; the tile's merging block resets the counter to 0.
+// An item's keys and its partial do not depend on which block runs it, and the merge reads the
+// partials in slot order, so the result is bitwise reproducible. (Key pools, whose stages were
+// claimed at run time by atomic tickets, made the partials depend on the dealing and were
+// removed for that: issue 12.)
 // Dynamic shared memory: 16 Q rows + 2 slots of 2 * DECODE_WARPS * KW K/V rows of
 // (HEAD_DIM + 8) * 2 bytes (cuflash/_decode.py tc_smem_bytes).
 __device__ __forceinline__ long long snake_row(int round, int b, int grid) {
@@ -825,14 +912,14 @@ template <typename T, int HEAD_DIM, int KW, int STAGES, int MINB, int HINT>
 __global__ void __launch_bounds__(DECODE_THREADS, MINB)
 decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,
-          float* __restrict__ ws_lse, unsigned* __restrict__ counters,
+          float* __restrict__ ws_ml, unsigned* __restrict__ counters,
           const long long* __restrict__ offsets, const long long* __restrict__ lens,
           const long long* __restrict__ groups, const long long* __restrict__ tiles,
           const long long* __restrict__ items, const unsigned char* __restrict__ mask,
           const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
           int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
-          int fused, int n_launch, unsigned* __restrict__ pool_counters) {
+          int fused, int n_launch) {
   using namespace tc;
   constexpr int ROWS = 16;
   constexpr int BK = KW * DECODE_WARPS;           // keys per stage
@@ -851,7 +938,6 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   __shared__ float red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
   __shared__ float sM[ROWS], sInv[ROWS];
   __shared__ int s_last;
-  __shared__ int s_claim[2];  // first key of a claimed pool stage, by the parity of its number
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
   const u32 sRing = sQ + ROWS * ROW_BYTES;
@@ -860,10 +946,10 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const float NEG = -__int_as_float(0x7f800000);
   const float sl2 = scale * LOG2E;
 
-  // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) and its
-  // tile's pool are pieces of the host's extent of the tile (the union of its rows' visible
-  // ranges: no key is read in vain; one that some row does not see is masked below like any
-  // other); keys >= limit (k1, or pool1 for a pool stage) are zero-filled by cp_keys.
+  // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
+  // piece of the host's extent of the tile (the union of its rows' visible ranges: no key is read
+  // in vain; one that some row does not see is masked below like any other); keys >= limit (k1)
+  // are zero-filled by cp_keys.
   auto request = [&](int gs, long long koff, long long voff, int key0, int limit) {
     const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
     cp_keys<BK, HEAD_DIM, HINT>(slot, k + koff, k_rs, key0, limit);
@@ -890,12 +976,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     const long long koff = items[ITEM_COLS * row + 4], voff = items[ITEM_COLS * row + 5];
     const int blo = static_cast<int>(it.k0);
     const int k1 = static_cast<int>(it.k1);
-    const int n_own = stages_of(it.k0, it.k1);  // then pool stages while claims succeed
-    // The tile's pool (the host gives one only to items of >= 2 whole stages, fused merge)
-    const int pool0 = static_cast<int>(items[ITEM_COLS * row + 6]);
-    const int pool1 = static_cast<int>(items[ITEM_COLS * row + 7]);
-    const bool pooled = pool1 > pool0;
-    const long long kend = pooled ? pool1 : it.k1;  // the keys this block may read end here
+    const int n_own = stages_of(it.k0, it.k1);
     // The next item: its first stage is requested in this item's last stage.
     const long long next = snake_row(round + 1, blockIdx.x, gridDim.x);
     const bool has_next = next < n_launch;
@@ -910,8 +991,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 
     const long long bh0 = groups[it.g * G];
     const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
-    setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, kend);
-    const BlockKeys bk = block_keys<ROWS>(rows, it.k0, kend);
+    setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
+    const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
 
     // Q rows (any alignment: scalar reads; padding rows 0) into the padded shared tile.
     for (int idx = tid; idx < ROWS * HEAD_DIM; idx += DECODE_THREADS) {
@@ -927,7 +1008,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) ldsm_x4(q_lane + kk * 32, qa[kk]);
     }
-    // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to [k0, kend)); the host
+    // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to [k0, k1)); the host
     // keeps keys < 2^30 on this path.
     long long row_lo[2], row_hi[2];
 #pragma unroll
@@ -943,31 +1024,20 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[df][e] = 0.f;
 
-    // Stage n of the item: its first key `key`, its zero-fill limit `limit`.
-    int n = 0, key = blo, limit = k1;
+    // Stage n of the item: its first key `key` (keys >= k1 are zero-filled).
+    int n = 0, key = blo;
     for (bool more = n_own > 0; more; ++n) {
       cp_async_wait<0>();
       __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
       if (round == 0 && n == 0) DECODE_MARK(2);
-      int next_key = 0, next_limit = k1;
-      if (n + 1 < n_own) {
-        next_key = blo + (n + 1) * BK;
-      } else if (pooled) {
-        next_key = s_claim[(n + 1) & 1];  // claimed during stage n - 1
-        next_limit = pool1;
-      }
-      more = n + 1 < n_own || (pooled && next_key < pool1);
+      more = n + 1 < n_own;
       if (more)
-        request(base + n + 1, koff, voff, next_key, next_limit);
+        request(base + n + 1, koff, voff, key + BK, k1);
       else if (has_next && nk1 > nk0)  // the last stage: the next item's first
         request(base + n + 1, nkoff, nvoff, static_cast<int>(nk0), static_cast<int>(nk1));
       cp_async_commit();
-      // Claim stage n + 2 when it is a pool stage (stage n + 1 exists); read after compute.
-      const bool claim = pooled && more && n + 2 >= n_own && tid == 0;
-      unsigned ticket = 0u;
-      if (claim) ticket = atomicAdd(pool_counters + it.tile_id, 1u);
       const int j0 = key + warp * KW;  // this warp's first key
-      if (j0 < limit) {                // warp-uniform: else nothing of this stage for it
+      if (j0 < k1) {                   // warp-uniform: else nothing of this stage for it
         const u32 slot = sRing + ((base + n) & 1) * SLOT_BYTES + warp * KW * ROW_BYTES;
         const u32 kbuf =
             slot + (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
@@ -1007,8 +1077,15 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         }
 
         // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_sm80.cu's
-        // rule: a row with nothing visible so far keeps m = -inf and uses 0 as its reference).
-        float alpha[2];
+        // rule: a row with nothing visible so far keeps m = -inf and uses 0 as its reference; no
+        // test on the logits: a masked -inf gives p = 0, a NaN one reaches l). m is the rounded
+        // max of s * sl2 (rounding is monotone), p = exp2(fma(s, sl2, -m)) one FFMA; the FFMA is
+        // exact, so the max's own term is exp2 of its rounding residual, up to ulp(m) / 2: fine
+        // for |m| <= HUGE_M (p <= 2^(2^-8)), but overflowing exp2 for huge finite logits
+        // (float16 near 6e4: |q.k| ~ 1e10). A step where some row of the warp has |m| > HUGE_M
+        // (warp-uniform) takes the rounded logits x = s * sl2 instead: p = exp2(x - m) <= 1.
+        constexpr float HUGE_M = 65536.f;  // 2^16, base-2 units
+        float alpha[2], m_ref[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float mx = NEG;
@@ -1017,15 +1094,26 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(m[h], mx * sl2);
-          const float m_ref = (m_new == NEG) ? 0.f : m_new;
-          alpha[h] = ex2(m[h] - m_ref);
+          m_ref[h] = (m_new == NEG) ? 0.f : m_new;
+          alpha[h] = ex2(m[h] - m_ref[h]);
           m[h] = m_new;
+        }
+        float sl = sl2;
+        if (__any_sync(0xffffffffu, fabsf(m_ref[0]) > HUGE_M || fabsf(m_ref[1]) > HUGE_M)) {
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nf][e] = __fmul_rn(s[nf][e], sl2);  // never contracted
+          sl = 1.f;  // fma(x, 1, -m) = x - m, rounded
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
           float mass = 0.f;
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float p = ex2(fmaf(s[nf][2 * h + e], sl2, -m_ref));
+              const float p = ex2(fmaf(s[nf][2 * h + e], sl, -m_ref[h]));
               s[nf][2 * h + e] = p;
               mass += p;
             }
@@ -1048,12 +1136,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           }
         }
       }
-      if (claim) {  // past the pool: any key >= pool1 ends the block's claims
-        const long long c = pool0 + static_cast<long long>(ticket) * BK;
-        s_claim[n & 1] = static_cast<int>(c < pool1 ? c : pool1);
-      }
-      key = next_key;
-      limit = next_limit;
+      key += BK;
     }
     __syncthreads();  // every warp is done with the last stage: its slot is free
     if (!has_next) DECODE_MARK(3);
@@ -1081,15 +1164,13 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     }
     __syncthreads();
     if (!has_next) DECODE_MARK(7);
-    finish_item<T, float, ROWS, 4, 24>(out, lse, ws_out, ws_lse, counters, rows, red_acc,
-                                       RED_STRIDE, red_m, red_l, sM, sInv, s_last, it.item,
-                                       it.tile_id, it.first, it.n_items, Nq, Dv, fused);
+    finish_item<T, float, ROWS, false, 4, 24>(out, lse, ws_out, ws_ml, counters, rows, red_acc,
+                                              RED_STRIDE, red_m, red_l, sM, sInv, s_last, ~0u,
+                                              it.item, it.tile_id, it.first, it.n_items, Nq, Dv,
+                                              fused);
 #ifdef DECODE_TRACE
     if (!has_next) DECODE_MARK(6, it.n_items > 1 && fused && s_last ? 1ull : 0ull);
 #endif
-    // The merging block (s_last, set in finish_item: a pool implies a split tile, fused) resets
-    // the pool's counter: every block of the tile made its last claim before its merge count.
-    if (pooled && tid == 0 && s_last) pool_counters[it.tile_id] = 0u;
     if (!has_next) break;
     __syncthreads();  // rows[], the merge buffer and sQ are free for the next item
     base += n;
@@ -1109,12 +1190,13 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 }
 
 // ---- the stand-alone combine (fused = 0): one block per row tile -------------------------------
+// natural: the workspace's units (1: natural, decode_split with mask / bias; 0: base 2).
 template <typename T, typename Acc, int ROWS>
 __global__ void __launch_bounds__(DECODE_THREADS)
 decode_combine(T* __restrict__ out, Acc* __restrict__ lse, const Acc* __restrict__ ws_out,
-               const Acc* __restrict__ ws_lse, const long long* __restrict__ lens,
+               const Acc* __restrict__ ws_ml, const long long* __restrict__ lens,
                const long long* __restrict__ groups, const long long* __restrict__ tiles, int Nq,
-               int Dv, int G, int left, int right, int bottom_right) {
+               int Dv, int G, int left, int right, int bottom_right, int natural) {
   __shared__ DecodeRow rows[ROWS];
   __shared__ Acc sM[ROWS], sInv[ROWS];
   const long long tile_id = blockIdx.x;
@@ -1123,6 +1205,11 @@ decode_combine(T* __restrict__ out, Acc* __restrict__ lse, const Acc* __restrict
   const long long g = tiles[4 * tile_id];
   const Window win = make_window(Nq, lens[groups[g * G]], left, right, bottom_right);
   setup_rows<ROWS>(rows, groups, g, tiles[4 * tile_id + 1], G, Nq, win, 0, 0);
-  combine_partials<T, Acc, ROWS>(out, lse, ws_out, ws_lse, tiles[4 * tile_id + 2], n_items, rows,
-                                 sM, sInv, Nq, Dv);
+  const long long first = tiles[4 * tile_id + 2];
+  if (natural)
+    combine_partials<T, Acc, ROWS, true>(out, lse, ws_out, ws_ml, first, n_items, rows, sM, sInv,
+                                         Nq, Dv);
+  else
+    combine_partials<T, Acc, ROWS, false>(out, lse, ws_out, ws_ml, first, n_items, rows, sM,
+                                          sInv, Nq, Dv);
 }

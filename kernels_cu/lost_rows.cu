@@ -14,13 +14,13 @@
 // Backward: the main kernels skip lost rows (their preprocess gives them lse = +inf and
 // delta = 0); these two kernels then ADD their exact gradients, recomputing each lost row's max
 // and sum from its own logits, in double:
-//   bwd_lost_rows  one block per 32 query rows: flags[bh][chunk] = "the chunk has a lost row";
-//                  per lost row (one warp): m, l, delta in `stats`, then dq += scale * dS K
-//   bwd_lost_keys  one block per 32 keys, after bwd_lost_rows: for each key (one warp) and each
-//                  lost row that sees it, in row order: dv += P^T dO, dk += scale * dS^T Q
-// A chunk without lost rows costs one lse read per row and one flag; a key block whose query
-// range holds no flagged chunk returns after reading the flags. No atomics: each dq row and each
-// dk / dv row has one owner, so the result is deterministic.
+//   bwd_lost_rows  one warp per 128 rows of the flattened (BH, Nq): flags[c] = "rows
+//                  [32 c, 32 c + 32) hold a lost row", always written; per lost row: m, l, delta
+//                  in `stats`, then dq += scale * dS K
+//   bwd_lost_keys  one warp per 128 keys of one (batch, head), after bwd_lost_rows: for each key
+//                  and each lost row that sees it, in row order: dv += P^T dO, dk += scale dS^T Q
+// Without lost rows a warp reads its rows' lse (or the flags of its keys' query range) and
+// returns. No atomics: each dq row and each dk / dv row has one owner: deterministic.
 //
 // A warp computes one (query, key) dot product at a time, lane c owning head-dim columns
 // c, c + 32, ... (summed in that order, then by a fixed shuffle tree), so every kernel computes
@@ -28,8 +28,9 @@
 #include "common.cuh"
 #include "mask.cuh"
 
-constexpr int LOST_CHUNK = 32;                    // query rows per flag; keys per key block
-constexpr int LOST_COLS = 256 / 32;               // head-dim columns per lane (Dk, Dv <= 256)
+constexpr int LOST_CHUNK = 32;   // rows of the flattened (BH, Nq) per flag (one per lane)
+constexpr int LOST_SEG = 128;    // rows a warp checks at once (4 chunks); keys of a key item
+constexpr int LOST_COLS = 256 / 32;  // head-dim columns per lane (Dk, Dv <= 256)
 constexpr int LOST_WARPS = NUM_THREADS / 32;
 
 __device__ __forceinline__ bool is_lost(double lse, double lost) {
@@ -151,91 +152,109 @@ __device__ __forceinline__ LostHead<T, Acc> lost_head(
                     mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, scale, left, right,   \
                     bottom_right)
 
-// Grid: x = chunk of LOST_CHUNK query rows, (y, z) = batch*head. stats: (BH, Nq, 3) = m, l, delta
-// of lost rows (others not written); flags: (BH, n_chunks), every entry written.
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(NUM_THREADS)
-bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq) {
-  const long long bh = block_bh();
-  if (bh >= BH) return;
-  const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
-  const int i0 = blockIdx.x * LOST_CHUNK;
-  const int tid = threadIdx.x, warp = tid / 32;
-  const bool mine = tid < LOST_CHUNK && i0 + tid < Nq &&
-                    is_lost(static_cast<double>(lse[bh * Nq + i0 + tid]), lost);
-  const int any = __syncthreads_or(mine);
-  if (tid == 0) flags[bh * n_chunks + blockIdx.x] = any;
-  if (!any) return;
-  const LostHead<T, Acc> h = LOST_HEAD;
+// A warp's 128 rows of the flattened (BH, Nq), as four chunks of 32: lane e < 4 gets the ballot
+// of chunk e (bit l: row row0 + 32 e + l satisfies pred), the other lanes 0.
+template <typename Acc, typename Pred>
+__device__ __forceinline__ unsigned scan_rows(const Acc* lse, long long row0, long long rows,
+                                              Pred pred) {
+  const int lane = threadIdx.x % 32;
+  unsigned mine = 0u;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const long long r = row0 + 32 * e + lane;
+    const unsigned bits = __ballot_sync(FULL_WARP, r < rows && pred(static_cast<double>(lse[r])));
+    if (lane == e) mine = bits;
+  }
+  return mine;
+}
 
-  for (int r = warp; r < LOST_CHUNK && i0 + r < Nq; r += LOST_WARPS) {
-    const long long i = i0 + r;
-    if (!is_lost(static_cast<double>(h.lse[i]), lost)) continue;  // warp-uniform
-    double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
-    load_row(qi, h.q + i * h.q_rs, Dk);
-    load_row(doi, h.dout + i * Dv, Dv);
-    const double delta = dot(doi, out + (bh * Nq + i) * Dv, Dv);
-    const KeyRange kr = key_range(h.w, i);
-    // The row's max and sum, online (a -inf logit adds nothing).
-    const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
-    double m = neg_inf, l = 0.0;
-    for (long long j = kr.lo; j <= kr.hi; ++j) {
-      double x;
-      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-      if (!h.logit(x, qk, i, j) || x == neg_inf) continue;
-      if (x > m) {
-        l = l * exp(m - x) + 1.0;
-        m = x;
-      } else {
-        l += exp(x - m);
+// Grid: ceil(BH * Nq / (LOST_SEG * LOST_WARPS)) blocks. stats: (BH, Nq, 3) = m, l, delta of lost
+// rows (others not written); flags: (ceil(BH * Nq / LOST_CHUNK),), every entry written.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(NUM_THREADS, 1)
+bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq) {
+  const long long rows = static_cast<long long>(BH) * Nq;
+  const long long row0 = (static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32) *
+                         LOST_SEG;
+  if (row0 >= rows) return;
+  const int lane = threadIdx.x % 32;
+  const unsigned bits = scan_rows(lse, row0, rows, [lost](double l) { return is_lost(l, lost); });
+  if (lane < 4 && row0 + 32 * lane < rows) flags[row0 / LOST_CHUNK + lane] = bits != 0u;
+  const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
+#pragma unroll 1
+  for (int e = 0; e < 4; ++e) {
+#pragma unroll 1
+    for (unsigned b = __shfl_sync(FULL_WARP, bits, e); b != 0u; b &= b - 1u) {  // warp-uniform
+      const long long row = row0 + 32 * e + (__ffs(b) - 1);
+      const long long bh = row / Nq, i = row % Nq;
+      const LostHead<T, Acc> h = LOST_HEAD;
+      double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
+      load_row(qi, h.q + i * h.q_rs, Dk);
+      load_row(doi, h.dout + i * Dv, Dv);
+      const double delta = dot(doi, out + (bh * Nq + i) * Dv, Dv);
+      const KeyRange kr = key_range(h.w, i);
+      // The row's max and sum, online (a -inf logit adds nothing).
+      double m = neg_inf, l = 0.0;
+      for (long long j = kr.lo; j <= kr.hi; ++j) {
+        double x;
+        const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+        if (!h.logit(x, qk, i, j) || x == neg_inf) continue;
+        if (x > m) {
+          l = l * exp(m - x) + 1.0;
+          m = x;
+        } else {
+          l += exp(x - m);
+        }
       }
-    }
-    if (threadIdx.x % 32 == 0) {
-      stats[3 * (bh * Nq + i) + 0] = m;
-      stats[3 * (bh * Nq + i) + 1] = l;
-      stats[3 * (bh * Nq + i) + 2] = delta;
-    }
-    // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta).
+      if (lane == 0) {
+        stats[3 * row + 0] = m;
+        stats[3 * row + 1] = l;
+        stats[3 * row + 2] = delta;
+      }
+      // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta).
 #pragma unroll
-    for (int c = 0; c < LOST_COLS; ++c) dqi[c] = 0.0;
-    for (long long j = kr.lo; j <= kr.hi; ++j) {
-      double x;
-      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-      if (!h.logit(x, qk, i, j)) continue;
-      const double p = exp(x - m) / l;
-      const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
-      axpy(dqi, ds, h.k + j * h.k_rs, Dk);
-    }
-    Acc* dq_row = dq + (bh * Nq + i) * Dk;
+      for (int c = 0; c < LOST_COLS; ++c) dqi[c] = 0.0;
+      for (long long j = kr.lo; j <= kr.hi; ++j) {
+        double x;
+        const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+        if (!h.logit(x, qk, i, j)) continue;
+        const double p = exp(x - m) / l;
+        const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
+        axpy(dqi, ds, h.k + j * h.k_rs, Dk);
+      }
+      Acc* dq_row = dq + row * Dk;
 #pragma unroll
-    for (int c = 0; c < LOST_COLS; ++c) {
-      const int col = threadIdx.x % 32 + 32 * c;
-      if (col < Dk) add_to(dq_row + col, h.scale * dqi[c]);
+      for (int c = 0; c < LOST_COLS; ++c) {
+        const int col = lane + 32 * c;
+        if (col < Dk) add_to(dq_row + col, h.scale * dqi[c]);
+      }
     }
   }
 }
 
-// Grid: x = block of LOST_CHUNK keys, (y, z) = batch*head; after bwd_lost_rows (stats, flags).
-// dk: (BH, Nk, Dk), dv: (BH, Nk, Dv) of DK (the main kernels' output type), added to.
+// Grid: ceil(BH * ceil(Nk / LOST_SEG) / LOST_WARPS) blocks, after bwd_lost_rows (stats, flags):
+// warp item = LOST_SEG keys of one (batch, head). dk: (BH, Nk, Dk), dv: (BH, Nk, Dv) of DK (the
+// main kernels' output type), added to.
 template <typename T, typename Acc, typename DK>
-__global__ void __launch_bounds__(NUM_THREADS)
+__global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
-  const long long bh = block_bh();
-  if (bh >= BH) return;
-  const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
-  const LostHead<T, Acc> h = LOST_HEAD;
-  const long long j0 = static_cast<long long>(blockIdx.x) * LOST_CHUNK;
-  const long long j_last = j0 + LOST_CHUNK - 1 < Nk - 1 ? j0 + LOST_CHUNK - 1 : Nk - 1;
-  const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
-  int any = 0;
-  if (qr.lo <= qr.hi)
-    for (long long c = qr.lo / LOST_CHUNK + threadIdx.x; c <= qr.hi / LOST_CHUNK; c += NUM_THREADS)
-      any |= flags[bh * n_chunks + c];
-  if (!__syncthreads_or(any)) return;
-  const int warp = threadIdx.x / 32;
+  const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
+  const long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
+  if (item >= BH * n_items) return;
+  const long long bh = item / n_items;
   const int lane = threadIdx.x % 32;
+  const LostHead<T, Acc> h = LOST_HEAD;
+  const long long j0 = (item % n_items) * LOST_SEG;
+  const long long j_last = j0 + LOST_SEG - 1 < Nk - 1 ? j0 + LOST_SEG - 1 : Nk - 1;
+  const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
+  if (qr.lo > qr.hi) return;
+  // the flags of the chunks that hold this item's query rows
+  const long long c0 = (bh * Nq + qr.lo) / LOST_CHUNK, c1 = (bh * Nq + qr.hi) / LOST_CHUNK;
+  bool any = false;
+  for (long long c = c0 + lane; c <= c1; c += 32) any |= flags[c] != 0;
+  if (!__any_sync(FULL_WARP, any)) return;
 
-  for (long long j = j0 + warp; j <= j_last; j += LOST_WARPS) {
+  for (long long j = j0; j <= j_last; ++j) {
     const KeyRange rows = tile_query_range(h.w, j, j, Nq);
     if (rows.lo > rows.hi) continue;
     double kj[LOST_COLS], vj[LOST_COLS], dkj[LOST_COLS], dvj[LOST_COLS];
@@ -244,15 +263,17 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) dkj[c] = dvj[c] = 0.0;
     bool touched = false;
-    for (long long c = rows.lo / LOST_CHUNK; c <= rows.hi / LOST_CHUNK; ++c) {
-      if (!flags[bh * n_chunks + c]) continue;
-      const long long i_end = (c + 1) * LOST_CHUNK - 1 < rows.hi ? (c + 1) * LOST_CHUNK - 1 : rows.hi;
-      for (long long i = c * LOST_CHUNK > rows.lo ? c * LOST_CHUNK : rows.lo; i <= i_end; ++i) {
-        if (!is_lost(static_cast<double>(h.lse[i]), lost)) continue;
+    const long long r_lo = bh * Nq + rows.lo, r_hi = bh * Nq + rows.hi;  // flattened rows
+    for (long long c = r_lo / LOST_CHUNK; c <= r_hi / LOST_CHUNK; ++c) {
+      if (!flags[c]) continue;  // warp-uniform
+      const long long r_end = (c + 1) * LOST_CHUNK - 1 < r_hi ? (c + 1) * LOST_CHUNK - 1 : r_hi;
+      for (long long r = c * LOST_CHUNK > r_lo ? c * LOST_CHUNK : r_lo; r <= r_end; ++r) {
+        if (!is_lost(static_cast<double>(lse[r]), lost)) continue;
+        const long long i = r - bh * Nq;
         double x;
         const double qk = dot(kj, h.q + i * h.q_rs, Dk);
         if (!h.logit(x, qk, i, j)) continue;
-        const double* st = stats + 3 * (bh * Nq + i);
+        const double* st = stats + 3 * r;
         const double p = exp(x - st[0]) / st[1];
         const double ds = p * (dot(vj, h.dout + i * Dv, Dv) - st[2]);
         axpy(dkj, ds, h.q + i * h.q_rs, Dk);
@@ -272,10 +293,10 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
   }
 }
 
-// Grid: a stride over chunks of NUM_THREADS rows of the flattened (BH, Nq). Rewrites out (T) and
-// lse (Acc) of the rows whose lse is lost, NaN or +inf.
+// Grid: ceil(BH * Nq / (LOST_SEG * LOST_WARPS)) blocks, a warp per 128 rows of the flattened
+// (BH, Nq). Rewrites out (T) and lse (Acc) of the rows whose lse is lost, NaN or +inf.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(NUM_THREADS)
+__global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ out, Acc* __restrict__ lse, const long long* __restrict__ offsets,
               const unsigned char* __restrict__ mask, const Acc* __restrict__ bias,
@@ -283,22 +304,21 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
               long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
               int Nq, int Nk, int Dk, int Dv, double scale, int left, int right, int bottom_right,
               double lost) {
-  __shared__ unsigned char redo[NUM_THREADS];
   const long long rows = static_cast<long long>(BH) * Nq;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long row0 = (static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32) *
+                         LOST_SEG;
+  if (row0 >= rows) return;
+  const int lane = threadIdx.x % 32;
   const double inf = __longlong_as_double(0x7ff0000000000000LL);
-  for (long long r0 = static_cast<long long>(blockIdx.x) * NUM_THREADS; r0 < rows;
-       r0 += static_cast<long long>(gridDim.x) * NUM_THREADS) {
-    bool mine = false;
-    if (r0 + threadIdx.x < rows) {
-      const double l = static_cast<double>(lse[r0 + threadIdx.x]);
-      mine = l != l || l == inf || is_lost(l, lost);
-    }
-    redo[threadIdx.x] = mine;
-    if (!__syncthreads_or(mine)) continue;
-    for (int t = warp; t < NUM_THREADS; t += LOST_WARPS) {
-      if (!redo[t]) continue;  // warp-uniform
-      const long long bh = (r0 + t) / Nq, i = (r0 + t) % Nq;
+  const unsigned bits = scan_rows(static_cast<const Acc*>(lse), row0, rows, [lost, inf](double l) {
+    return l != l || l == inf || is_lost(l, lost);
+  });
+#pragma unroll 1
+  for (int e = 0; e < 4; ++e) {
+#pragma unroll 1
+    for (unsigned b = __shfl_sync(FULL_WARP, bits, e); b != 0u; b &= b - 1u) {  // warp-uniform
+      const long long row = row0 + 32 * e + (__ffs(b) - 1);
+      const long long bh = row / Nq, i = row % Nq;
       const LostHead<T, Acc> h = lost_head<T, Acc>(
           bh, q, k, v, static_cast<const T*>(nullptr), lse, offsets, mask, bias, kv_lens, q_rs,
           k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, scale, left, right,
@@ -327,16 +347,14 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       // As every forward: empty -> 0 / -inf; l == 0 (all -inf) or an infinite logit -> NaN.
       const double nan = __longlong_as_double(0x7ff8000000000000LL);
       const double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
-      T* orow = out + (bh * Nq + i) * Dv;
+      T* orow = out + row * Dv;
 #pragma unroll
       for (int c = 0; c < LOST_COLS; ++c) {
         const int col = lane + 32 * c;
         if (col < Dv) store_acc(orow + col, static_cast<Acc>(acc[c] * inv_l));
       }
       if (lane == 0)
-        lse[bh * Nq + i] = static_cast<Acc>(!seen ? -inf : (l == 0.0 || m == inf) ? nan
-                                                                               : m + log(l));
+        lse[row] = static_cast<Acc>(!seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l));
     }
-    __syncthreads();  // redo[] is rewritten by the next chunk
   }
 }

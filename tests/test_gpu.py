@@ -180,39 +180,6 @@ def test_decode_sweep(case, force, dtype, rng, monkeypatch):
     check(q, k, v, rng, **options)
 
 
-# decode_tc's key pools, forced (FORCE_PATH 'split-pool': 512-key splits, half of each split tile's
-# keys in its pool, also where the items take more than one wave): the DECODE_CASES decode_tc takes,
-# one of 512 items (two waves on an H200: blocks of the second find their tile's pool drained, or
-# partly), and a window with kv_lens (rows that see different keys of the pool, an empty tile).
-# (Not gqa-16-causal-tl: with top-left causal its 16 rows see at most 16 keys, no split, no pool.)
-POOL_CASES = [c for c in DECODE_CASES
-              if c[5] == c[6] and c[5] in (64, 128) and c[0] != "gqa-16-causal-tl"] + [
-    ("pool-two-waves", (8, 32), (8, 8), 1, 4096, 128, 128, {}),
-    ("pool-window-kv_lens", (3, 8), (3, 2), 2, 3000, 128, 128,
-     dict(window=(700, 0), kv_lens=[[0], [1500], [3000]])),
-]
-
-
-@pytest.mark.parametrize("dtype", [d for d in DTYPES if d in ("float16", "bfloat16")])
-@pytest.mark.parametrize("case", POOL_CASES, ids=[c[0] for c in POOL_CASES])
-def test_decode_key_pools(case, dtype, rng, monkeypatch):
-    """Blocks claim their tile's pool stages at run time: any dealing must give the reference
-    answer, and a second call (the same plan) finds the pool counters reset."""
-    from cuflash import _decode, _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", "split-pool")
-    _, lq, lkv, Nq, Nk, Dk, Dv, options = case
-    q = randn(rng, lq + (Nq, Dk), dtype)
-    k = randn(rng, lkv + (Nk, Dk), dtype)
-    v = randn(rng, lkv + (Nk, Dv), dtype)
-    p = _validate.make_problem(q, k, v, **options)
-    assert _gpu.forward_path(p) == "split" and _decode.tc_fits(p)
-    split, divisor = _gpu._FORCED_POOL
-    sched = _decode.Plan(p, split=split, pool=divisor, force_pool=True).sched
-    assert np.any(sched.pools[:, 1] > sched.pools[:, 0])
-    for _ in range(2):  # the dealing may differ between the calls; each must meet the reference
-        check(q, k, v, rng, backward=False, **options)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_split_path_takes_whole_vector_rows_only(dtype, rng, monkeypatch):
     """decode.cu's merge reads 4 float columns at a time: the split path must refuse rows that are
@@ -359,3 +326,178 @@ def test_deterministic_backward_is_bitwise_reproducible(dtype, rng):
     for a, b in zip(first, second):
         assert np.array_equal(to_host(a).view(np.uint16), to_host(b).view(np.uint16))
     check(q, k, v, rng, causal=True)
+
+
+# ---- the split-KV decode path and issue 12 ------------------------------------------------------
+
+def _bits(x):
+    """The raw bits of a device array, on the host (a bitwise comparison, NaN included)."""
+    h = to_host(x)
+    return h.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[h.dtype.itemsize])
+
+
+# (name, q lead, kv lead, Nq, Nk, D, options): both split into many partials on the automatic
+# choice (decode_tc for 16-bit, decode_split for float32) and with FORCE_PATH "split"
+REPRO_CASES = [
+    ("gqa-4-long", (1, 32), (1, 8), 1, 16384, 128, {}),
+    ("gqa-4-nq3-causal", (2, 8), (2, 2), 3, 3000, 64, dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32"] + (["bfloat16"] if BFLOAT16 is not None else []))
+@pytest.mark.parametrize("force", ["auto", "split"])
+@pytest.mark.parametrize("case", REPRO_CASES, ids=[c[0] for c in REPRO_CASES])
+def test_decode_forward_is_bitwise_reproducible(case, force, dtype, rng, monkeypatch):
+    """Issue 12, hole 6: decode_tc's key pools handed out stages by atomic tickets, so the
+    partials (and the merge) changed from call to call: 19 of 19 repeated calls differed bitwise
+    from the first. The pools are gone; ten calls of one problem must give identical bits."""
+    from cuflash import _decode, _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    _, lq, lkv, Nq, Nk, D, options = case
+    q = randn(rng, lq + (Nq, D), dtype)
+    k, v = (randn(rng, lkv + (Nk, D), dtype) for _ in range(2))
+    p = _validate.make_problem(q, k, v, **options)
+    assert _gpu.forward_path(p) == "split"
+    split = None if force == "auto" else _gpu._FORCED_SPLIT_KEYS
+    assert _decode.Plan(p, split=split).split_any  # the merge runs
+    first = [_bits(x) for x in cuflash.attention(q, k, v, return_lse=True, **options)]
+    for _ in range(9):
+        again = cuflash.attention(q, k, v, return_lse=True, **options)
+        for a, b in zip(first, again):
+            assert np.array_equal(a, _bits(b))
+    check(q, k, v, rng, backward=False, **options)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+@pytest.mark.parametrize("force", ["auto", "split"])
+def test_decode_zero_and_negative_scale(scale, force, rng, monkeypatch):
+    """Issue 12, hole 5: decode_tc folds the scale into one FFMA on maxima of the unscaled
+    scores, which needs scale > 0 (scale 0: a masked -inf score times 0 is NaN; a negative scale
+    makes the max the min). bf16, Nq = 5, Nk = 604, GQA 6/2, causal gave output errors of 0.08
+    (automatic) and 0.029 (forced small splits), 10x the tolerance. _decode.tc_fits now refuses
+    scale <= 0, and decode_split (q pre-multiplied by the scale) answers."""
+    from cuflash import _decode, _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    dtype = "bfloat16" if BFLOAT16 is not None else "float16"
+    q = randn(rng, (2, 6, 5, 128), dtype)
+    k, v = (randn(rng, (2, 2, 604, 128), dtype) for _ in range(2))
+    p = _validate.make_problem(q, k, v, scale=scale, causal=True)
+    assert _gpu.forward_path(p) == "split" and not _decode.tc_fits(p)
+    check(q, k, v, rng, backward=False, scale=scale, causal=True)
+
+
+def _compare_rows(out, lse, ref, naive, rows, dtype):
+    """out / lse of the selected (batch, head, query) rows against the float64 reference, within
+    2x the same-dtype naive baseline (assert_close_to_reference)."""
+    floor = FLOORS[np.dtype(dtype).name]
+    for name, got, r, n in (("out", out, ref[0], naive[0]), ("lse", lse, ref[1], naive[1])):
+        assert_close_to_reference(to_host(got).astype(np.float64)[rows], r[rows], n[rows], floor,
+                                  name)
+
+
+@pytest.mark.parametrize("dtype", ["float32"] + (["bfloat16"] if BFLOAT16 is not None else []))
+@pytest.mark.parametrize("force", ["auto", "split", "split-simt"])
+def test_decode_non_finite_rows(force, dtype, rng, monkeypatch):
+    """Issue 12, hole 2 on the decode path: non-finite values came out as empty rows (out 0, lse
+    -inf): a block decided "empty" by !(l > 0) (NaN l included) or dropped a row's chunk whose
+    max was not > -inf, and the merge dropped NaN partials. Now only a row with no visible key is
+    empty. Rows: a NaN in one key (its kv head's rows: NaN out and lse); float32 logits that
+    overflow to -inf on the first 300 keys, finite after (those partials are identities: the
+    finite answer); every visible logit -inf (NaN, NaN, not empty); q = 0 (uniform); kv_lens 0
+    (empty); keys past kv_lens all NaN (never read)."""
+    from cuflash import _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    B, H, Hkv, Nk, D = 3, 8, 2, 1500, 128   # query heads 0-3 read kv head 0, heads 4-7 kv head 1
+    qh = rng.standard_normal((B, H, 1, D))
+    kh, vh = rng.standard_normal((B, Hkv, Nk, D)), rng.standard_normal((B, Hkv, Nk, D))
+    kv_lens = np.array([[Nk], [1200], [0]])
+    kh[1, :, 1200:] = vh[1, :, 1200:] = np.nan
+    kh[2] = vh[2] = np.nan
+    kh[0, 0, 700, 5] = np.nan                 # batch 0, heads 0-3: NaN
+    kh[0, 1, :300] = -3e38                    # batch 0, heads 4-5: q.k = -inf, then finite
+    qh[0, 4:6] = 1.0
+    qh[0, 6:8] = 0.0                          # batch 0, heads 6-7: uniform
+    kh[1, 0, :1200] = -3e38                   # batch 1, heads 0-1: every logit -inf
+    qh[1, 0:2] = 1.0
+    qh[1, 2:4] = 0.0                          # batch 1, heads 2-3: uniform
+    q, k, v = (to_device(x, _dtype(dtype)) for x in (qh, kh, vh))
+    assert _gpu.forward_path(_validate.make_problem(q, k, v, kv_lens=kv_lens)) == "split"
+    out, lse = cuflash.attention(q, k, v, kv_lens=kv_lens, return_lse=True)
+    nan = np.zeros((B, H, 1), dtype=bool)
+    nan[0, 0:4] = nan[1, 0:2] = True
+    o64, l64 = to_host(out).astype(np.float64), to_host(lse).astype(np.float64)
+    assert np.isnan(o64[nan]).all() and np.isnan(l64[nan]).all()
+    # the other rows against the reference on inputs with the NaNs (never seen by them) zeroed
+    kc, vc = (np.nan_to_num(to_host(x).astype(np.float64), nan=0.0).astype(to_host(x).dtype)
+              for x in (k, v))
+    ref = reference.attention(to_host(q), kc, vc, kv_lens=kv_lens, return_lse=True)
+    naive = naive_attention(to_host(q), kc, vc, kv_lens=kv_lens)
+    _compare_rows(out, lse, ref, naive, ~nan, dtype)
+    assert np.all(o64[2] == 0) and np.all(l64[2] == -np.inf)
+
+
+@pytest.mark.parametrize("dtype", ["float32"] + (["bfloat16"] if BFLOAT16 is not None else []))
+@pytest.mark.parametrize("force", ["auto", "split"])
+def test_decode_padding_bias_is_uniform_not_empty(force, dtype, rng, monkeypatch):
+    """Issue 12 on decode_split with a bias: logits went to base 2 as bias * log2(e), which is
+    -inf for a finite bias of finfo(float32).min, so a padding row made of such a bias (every
+    logit finfo.min) came out empty (0, -inf) instead of a uniform softmax over its visible keys
+    (out = their mean, lse finite). The bias path now works in natural units and merges the
+    partials' (max, sum) pairs, which keeps the keys' counts where lse = m + log l rounds to m.
+    Also: a NaN bias entry on a visible key makes its row NaN; a row whose every bias is -inf
+    is empty."""
+    import cupy
+    from cuflash import _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    q = randn(rng, (2, 4, 2, 64), dtype)
+    k, v = (randn(rng, (2, 2, 900, 64), dtype) for _ in range(2))
+    bias = rng.standard_normal((2, 4, 2, 900)).astype(np.float32)
+    bias[0, 1, 0] = np.finfo(np.float32).min  # the padding row
+    bias[0, 1, 0, ::7] = -np.inf              # ... over a subset of the keys
+    bias[1, 2, 1, 450] = np.nan               # a NaN row
+    bias[1, 3, 0] = -np.inf                   # an empty row
+    p = _validate.make_problem(q, k, v, bias=cupy.asarray(bias))
+    assert _gpu.forward_path(p) == "split"
+    out, lse = cuflash.attention(q, k, v, bias=cupy.asarray(bias), return_lse=True)
+    o64, l64 = to_host(out).astype(np.float64), to_host(lse).astype(np.float64)
+    assert np.isnan(o64[1, 2, 1]).all() and np.isnan(l64[1, 2, 1])
+    assert np.all(o64[1, 3, 0] == 0) and l64[1, 3, 0] == -np.inf
+    qh, kh, vh = (to_host(x) for x in (q, k, v))
+    seen = bias[0, 1, 0] > -np.inf
+    assert np.isfinite(l64[0, 1, 0])
+    np.testing.assert_allclose(o64[0, 1, 0], vh[0, 0][seen].astype(np.float64).mean(0),
+                               rtol=0, atol=2 * FLOORS[np.dtype(dtype).name])
+    rows = np.ones((2, 4, 2), dtype=bool)
+    rows[1, 2, 1] = False
+    clean = np.where(np.isnan(bias), 0.0, bias).astype(np.float32)
+    ref = reference.attention(qh, kh, vh, bias=clean, return_lse=True)
+    naive = naive_attention(qh, kh, vh, bias=clean)
+    _compare_rows(out, lse, ref, naive, rows, dtype)
+
+
+@pytest.mark.parametrize("force", ["auto", "split"])
+def test_decode_huge_float16_logits(force, rng, monkeypatch):
+    """Issue 12, hole 4 on decode_tc: its exp2(fma(s, scale * log2(e), -m)) has a residual up to
+    ulp(m) / 2 where m is the rounded max: with float16 entries of magnitude 2^15 the logits
+    reach ~1e9 in base 2, the residual exceeds 128 and exp2 overflows (inf, then NaN). A step
+    where some row's |m| > 2^16 now takes explicitly rounded logits (p <= 1). Entries are
+    +-2^15, so every product (2^30) and every dot product on the tensor cores is exact, and the
+    keys that tie at the max share the softmax (the rest are ~1e8 below it). (decode_split has no
+    fold; its pre-scaled q would round these dot products and break the ties at random.)"""
+    from cuflash import _decode, _gpu, _validate
+    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    sign = lambda shape: np.where(rng.random(shape) < 0.5, -1.0, 1.0)  # noqa: E731
+    q = to_device(sign((2, 8, 2, 128)) * 2.0 ** 15, np.float16)
+    k = to_device(sign((2, 2, 1500, 128)) * 2.0 ** 15, np.float16)
+    v = randn(rng, (2, 2, 1500, 128), "float16")
+    p = _validate.make_problem(q, k, v)
+    assert _gpu.forward_path(p) == "split" and _decode.tc_fits(p)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    qh, kh, vh = (to_host(x) for x in (q, k, v))
+    ref_out, ref_lse = reference.attention(qh, kh, vh, return_lse=True)
+    # the baseline: the exact result rounded to float16 (a naive float16 computation overflows)
+    rounded = ref_out.astype(np.float16).astype(np.float64)
+    assert_close_to_reference(out, ref_out, rounded, FLOORS["float16"], "out")
+    # lse ~ 1e9: float32 holds it to a relative 2^-24 per rounding
+    lse64 = to_host(lse).astype(np.float64)
+    assert np.all(np.abs(lse64 - ref_lse) <= 2.0 ** -20 * np.abs(ref_lse))

@@ -5,7 +5,8 @@ Stages (each in try/except; a failure prints FAIL and its traceback and the next
   build    NVRTC compile for sm_80 and sm_90a with the ptxas report: registers / stack / spills
            of the hot instantiations (no GPU needed).
   host     NumPy emulation of the schedule (grouping, row tiles, extents, split items) plus the
-           per-item online softmax and the merge rule, against cuflash.reference (no GPU needed).
+           per-item softmax and the merge rule (with the kernels' workspace encoding of visibility
+           and non-finite partials), against cuflash.reference (no GPU needed).
   correct  GPU: the kernels (fused and separate combine) on poisoned outputs against
            cuflash.reference (float64), all four dtypes, GQA / MQA / MHA, Nq in {1, 3, 16}, causal
            with both alignments, window, kv_lens (0 and uneven), mask, bias, strided K/V,
@@ -107,24 +108,18 @@ def check_build(archs=("sm_80", "sm_90a")):
 
 # ---- host emulation ----------------------------------------------------------------------------
 
-def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None, pool=0,
-            force_pool=False, seed=0):
+def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None):
     """The decode path's algorithm in float64 NumPy, from the Schedule tables alone (rows and
-    block_keys: decode_tc's layout, 16 rows and its stage keys; default decode_split's). With key
-    pools (`pool`, `force_pool` as Schedule's), each pool stage goes to a random item of its tile
-    (seeded; some items get none), as the run-time claims of decode_tc may deal them."""
+    block_keys: decode_tc's layout, 16 rows and its stage keys; default decode_split's), with the
+    kernels' workspace encoding (kernels_cu/decode.cu "Results per item"): each partial's (max,
+    sum) = (-inf, 0) for a row with no visible key in the item, (+inf, 0) for visible keys whose
+    logits are all -inf (l == 0), (m, NaN) when a NaN reached l; the merge treats the first two
+    as identities, and a row all of whose partials are identities is empty (0, -inf) unless one
+    of them is (+inf, 0) (NaN, NaN)."""
     from cuflash import _decode
     from cuflash._validate import element_strides
 
-    s = _decode.Schedule(p, capacity, split, rule, rows, block_keys, pool, force_pool)
-    claims = {}  # workspace slot -> the pool stages its block claims (first keys)
-    if np.any(s.pools[:, 1] > s.pools[:, 0]):
-        bk = block_keys or _decode.shape_constants(p.dtype, s.bucket, s.rows)["BLOCK_KEYS"]
-        rng = np.random.default_rng(seed)
-        for g_, tile, first, count in s.tiles:
-            pool0, pool1 = s.pools[first]
-            for key in range(int(pool0), int(pool1), bk):
-                claims.setdefault(int(first + rng.integers(count)), []).append(key)
+    s = _decode.Schedule(p, capacity, split, rule, rows, block_keys)
     BH, Nq, Dv = p.BH, p.Nq, p.Dv
     flat = {}
     for name, x, mp in (("q", p.q, p.q_map), ("k", p.k, s.k_map), ("v", p.v, s.v_map)):
@@ -142,14 +137,14 @@ def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None, p
     bias = None if p.bias is None else np.asarray(p.bias, dtype=np.float64).reshape(BH, Nq, p.Nk)
     n_items = s.items.shape[0]
     part_o = np.full((n_items, s.rows, Dv), np.nan)
-    part_lse = np.full((n_items, s.rows), np.nan)
+    part_m = np.full((n_items, s.rows), np.nan)
+    part_l = np.full((n_items, s.rows), np.nan)
+    written = np.zeros((n_items, s.rows), dtype=bool)
     # in launch order, with the workspace slot of the kernels' items table
     assert sorted(s.launch.tolist()) == list(range(n_items))
-    for tid, k0, k1, it, koff, voff, pool0, pool1 in s.items_x():  # K / V as decode_tc reads
+    for tid, k0, k1, it, koff, voff in s.items_x():  # K / V as decode_tc reads
         g, tile, first, count = s.tiles[tid]
-        keys = np.arange(k0, k1)  # this block's keys: its own, then the pool stages it claims
-        if it in claims:
-            keys = np.concatenate([keys] + [np.arange(c, min(c + bk, pool1)) for c in claims[it]])
+        keys = np.arange(k0, k1)  # this block's keys
         L = int(s.lens[s.groups[g, 0]])
         K = mat("k", koff, p.Nk, p.Dk)
         V = mat("v", voff, p.Nk, p.Dv)
@@ -159,25 +154,35 @@ def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None, p
             if rho >= s.G * Nq or s.groups[g, rho % s.G] < 0:
                 continue
             i, bh = rho // s.G, s.groups[g, rho % s.G]
+            written[it, r] = True
             lo = max(i + shift - p.left, 0)
             hi = min(i + shift + p.right, L - 1)
             j = keys[(keys >= lo) & (keys <= hi)]
             qrow = mat("q", flat["q"][1][bh], Nq, p.Dk)[i]
-            sc = (K[j] @ qrow) * p.scale
+            with np.errstate(invalid="ignore", over="ignore"):
+                sc = (K[j] @ qrow) * p.scale
             vis = np.ones(j.size, dtype=bool)
             if mask is not None:
                 vis &= mask[bh, i, j]
             if bias is not None:
                 sc = sc + bias[bh, i, j]
-                vis &= bias[bh, i, j] > -np.inf
-            sc = np.where(vis, sc, -np.inf)
-            m = sc.max(initial=-np.inf)
-            if m == -np.inf:
-                part_lse[it, r] = -np.inf
+                vis &= bias[bh, i, j] != -np.inf  # a NaN bias is visible
+            if not vis.any():
+                part_m[it, r], part_l[it, r] = -np.inf, 0.0  # identity; the row sees nothing here
                 continue
-            e = np.exp(sc - m)
-            part_o[it, r] = e @ V[j] / e.sum()
-            part_lse[it, r] = m + np.log(e.sum())
+            sc = np.where(vis, sc, -np.inf)
+            fin = sc[~np.isnan(sc)]  # fmaxf leaves NaN out of the max; it reaches l below
+            m = fin.max(initial=-np.inf)
+            m_ref = 0.0 if m == -np.inf else m
+            with np.errstate(invalid="ignore"):
+                e = np.exp(sc - m_ref)
+                l = e.sum()
+                if l == 0:
+                    part_m[it, r], part_l[it, r] = np.inf, 0.0  # identity, but the row sees keys
+                    continue
+                part_o[it, r] = e @ V[j] / l
+            part_m[it, r] = m_ref if np.isfinite(m_ref) else 0.0
+            part_l[it, r] = l
     out = np.full((BH, Nq, Dv), np.nan)
     lse = np.full((BH, Nq), np.nan)
     for tid, (g, tile, first, count) in enumerate(s.tiles):
@@ -186,14 +191,18 @@ def emulate(p, capacity=64, split=None, rule=None, rows=None, block_keys=None, p
             if rho >= s.G * Nq or s.groups[g, rho % s.G] < 0:
                 continue
             i, bh = rho // s.G, s.groups[g, rho % s.G]
-            ls = part_lse[first:first + count, r]
-            assert not np.any(np.isnan(ls)), "a partial was never written"
-            M = ls.max()
-            if M == -np.inf:
+            ms, ls = part_m[first:first + count, r], part_l[first:first + count, r]
+            assert written[first:first + count, r].all(), "a partial was never written"
+            if np.all(ms == -np.inf):
                 out[bh, i], lse[bh, i] = 0.0, -np.inf
                 continue
-            w = np.exp(ls - M)
-            o = sum(w[k] * part_o[first + k, r] for k in range(count) if w[k] > 0)
+            kept = np.isfinite(ms)  # not an identity
+            if np.isnan(ls[kept]).any() or not kept.any():  # NaN, or visible keys but l == 0
+                out[bh, i], lse[bh, i] = np.nan, np.nan
+                continue
+            M = ms[kept].max()
+            w = np.where(kept, ls * np.exp(np.where(kept, ms, M) - M), 0.0)
+            o = sum(w[k] * part_o[first + k, r] for k in range(count) if kept[k] and w[k] > 0)
             out[bh, i] = o / w.sum()
             lse[bh, i] = M + np.log(w.sum())
     return out.reshape(p.out_shape), lse.reshape(p.lse_shape), s
@@ -472,20 +481,18 @@ def check_correct():
 # ---- timing ------------------------------------------------------------------------------------
 
 SHAPES = ((1, 131072), (8, 32768), (32, 8192), (64, 4096))
-# (label, fused, waves, variant of _decode.VARIANTS, split rule of _decode.SPLIT_RULES); the
-# first is today's default and the reference output of the others
-# (label, fused, waves, variant, split rule, pool divisor: None = the automatic choice)
+# (label, fused, waves, variant of _decode.TC_VARIANTS or "simt", split rule of
+# _decode.SPLIT_RULES); the first is today's default and the reference output of the others
 TIMING_VARIANTS = (
-    ("auto", True, 1, None, None, None), ("no pool", True, 1, None, None, 0),
-    ("pool 1/4", True, 1, None, None, 4), ("pool 1/16", True, 1, None, None, 16),
-    ("tc16s2h1 sep", False, 1, "tc16s2h1", None, None),
+    ("auto", True, 1, None, None),
+    ("tc16s2h1 sep", False, 1, "tc16s2h1", None),
 )
 # Timed before (the results are in cuflash/_decode.py's TC_VARIANTS comment): `timing all`.
 OLD_TIMING_VARIANTS = (  # (the STAGES 3 / 4 tiles are gone: decode_tc needs STAGES == 2)
-    ("simt", True, 1, "simt", None, None), ("simt bal", True, 1, "simt", "balanced", None),
-    ("tc16s2", True, 1, "tc16s2", None, None), ("tc16s2 bal", True, 1, "tc16s2", "balanced", None),
-    ("tc16s2 sep", False, 1, "tc16s2", None, None),
-    ("tc16s2h", True, 1, "tc16s2h", "balanced", None),
+    ("simt", True, 1, "simt", None), ("simt bal", True, 1, "simt", "balanced"),
+    ("tc16s2", True, 1, "tc16s2", None), ("tc16s2 bal", True, 1, "tc16s2", "balanced"),
+    ("tc16s2 sep", False, 1, "tc16s2", None),
+    ("tc16s2h", True, 1, "tc16s2h", "balanced"),
 )
 HQ, HKV, D = 32, 8, 128
 REPS, WARM = 20, 5
@@ -623,12 +630,12 @@ def check_timing():
             kv_bytes = 2 * HKV * (int(lens.sum()) if uneven else Bn * L) * D * 2
             res = {}
             ref_out = None
-            for label, fused, waves, variant, rule, pool in variants:
+            for label, fused, waves, variant, rule in variants:
                 try:
                     plans = [_decode.plan(make_problem(q, k, v, kv_lens=None if lens is None
                                                        else lens.reshape(Bn, 1)),
                                           fused=fused, waves=waves, variant=variant,
-                                          split_rule=rule, pool=pool) for q, k, v in sets]
+                                          split_rule=rule) for q, k, v in sets]
                     outs = [pl._outputs() for pl in plans]
                     # check the candidate against today's kernel on the same inputs first
                     o0 = plans[0].run(*outs[0])[0].astype(cp.float32)
