@@ -95,17 +95,19 @@ def launch_fwd_sm80(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs,
         offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
         BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
     kern((blocks,), (tile.warps * 32,), args, shared_mem=smem)
-    if not has_mb:  # the folded scale's rounding on huge logits: kernels_cu/lost_rows.cu
-        launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs,
-                        mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left,
-                        right, bottom_right)
+    # Rows the kernel cannot settle (kernels_cu/lost_rows.cu): without mask / bias the ones whose
+    # huge logits the folded scale rounds too coarsely (lost lse); with them, NaN rows, which
+    # may be all-masked (empty) rows the kernel cannot tell from all -inf (NaN) ones.
+    launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
+                    mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
+                    bottom_right, lost=np.inf if has_mb else None)
 
 
 def launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
                     mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
-                    bottom_right):
-    """fwd_lost_rows: recompute, in double, out and lse of the rows whose lse came out lost
-    (cuflash._config.LOST_LSE), NaN or +inf; a few blocks that only read lse otherwise."""
+                    bottom_right, lost=None):
+    """fwd_lost_rows: recompute, in double, out and lse of the rows whose lse came out NaN, +inf
+    or lost (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads lse."""
     rows = BH * Nq
     if rows == 0:
         return
@@ -117,7 +119,8 @@ def launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs,
        (q, k, v, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens), i64(q_rs), i64(k_rs),
         i64(v_rs), i64(mask_rs), i64(mask_cs), i64(bias_rs), i64(bias_cs), i32(BH), i32(Nq),
         i32(Nk), i32(Dk), i32(Dv), np.float64(scale), i32(left), i32(right),
-        i32(bool(bottom_right)), np.float64(_config.lost_lse_limit(lse.dtype))))
+        i32(bool(bottom_right)),
+        np.float64(_config.lost_lse_limit(lse.dtype) if lost is None else lost)))
 
 
 def launch_bwd_preprocess(dout, out, lse, lse_eff, delta, rows, Dv):

@@ -163,16 +163,14 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   // Row state (DESIGN.md "Empty state"): m = -inf (log2 units, scaled), l = 0 (per-lane partial),
   // acc = 0. Thread owns rows g and g + 8 of each m-fragment (index h = 0, 1).
-  // With a mask or bias (HAS_MB) m is in natural units and `seen` records a visible key.
+  // With a mask or bias (HAS_MB) m is in natural units.
   float m[MF][2], l[MF][2], acc[MF][DF][4];
-  bool seen[MF][2];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       m[mf][h] = -__int_as_float(0x7f800000);
       l[mf][h] = 0.f;
-      seen[mf][h] = false;
     }
 #pragma unroll
     for (int df = 0; df < DF; ++df)
@@ -302,14 +300,12 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
                 if (c < c_lo || c > c_hi) {
                   x = NEG;
                 } else if (HAS_MB) {
+                  // natural units; a -inf bias gives x = -inf, no mass (a NaN bias NaN)
                   const long long j = static_cast<long long>(j0) + c;
-                  const float b = bhp != nullptr ? bhp[i * bias_rs + j * bias_cs] : 0.f;
-                  if ((mh != nullptr && !mh[i * mask_rs + j * mask_cs]) || b == NEG) {
-                    x = NEG;  // invisible (a NaN bias is visible: its logit is NaN)
-                  } else {
-                    x = fmaf(x, scale, b);
-                    seen[mf][h] = true;
-                  }
+                  if (mh != nullptr && !mh[i * mask_rs + j * mask_cs])
+                    x = NEG;
+                  else
+                    x = fmaf(x, scale, bhp != nullptr ? bhp[i * bias_rs + j * bias_cs] : 0.f);
                 }
                 s[mf][nf][2 * h + e] = x;
               }
@@ -406,8 +402,11 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   __syncthreads();
 
   // Normalize once. A row with no visible key is empty: out = 0, lse = -inf. One that sees keys
-  // but has l = 0 (every visible logit -inf) is 0 / 0 = NaN, like a NaN l. The warp stages its
-  // own rows of the output in its own rows of the Q tile, then writes them with 16-byte stores.
+  // but has l = 0 (every visible logit -inf) is 0 / 0 = NaN, like a NaN l. With a mask or bias
+  // "sees keys" is known by position only: a row with l = 0 there may also be one whose keys are
+  // all masked (empty), so it is written NaN and fwd_lost_rows (kernels_cu/lost_rows.cu), which
+  // rechecks every NaN row, tells the two apart. The warp stages its own rows of the output in
+  // its own rows of the Q tile, then writes them with 16-byte stores.
   const float QNAN = __int_as_float(0x7fc00000);
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
@@ -418,16 +417,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
       const int r = warp_row0 + mf * 16 + g + 8 * h;
       const int i = i0 + r;
-      bool seen_row;
-      if constexpr (HAS_MB) {
-        int any = seen[mf][h];
-        any |= __shfl_xor_sync(0xffffffffu, any, 1);
-        any |= __shfl_xor_sync(0xffffffffu, any, 2);
-        seen_row = any != 0;
-      } else {
-        seen_row = i < Nq && max(i + dlo, 0) <= min(i + dhi, L_last);  // by position alone
-      }
-      const bool empty = !seen_row;
+      const bool empty = !(i < Nq && max(i + dlo, 0) <= min(i + dhi, L_last));  // by position
       const float inv_l = empty ? 0.f : (l_row == 0.f ? QNAN : 1.f / l_row);
       if (t == 0 && i < Nq)
         lse[bh * Nq + i] = empty ? NEG

@@ -94,17 +94,20 @@ struct LostHead {
   long long q_rs, k_rs, v_rs;
   double scale;
 
-  // The logit of (i, j) in double, or false where j is not visible to i.
-  __device__ __forceinline__ bool logit(double& x, double qk, long long i, long long j) const {
+  // Whether j is visible to i, and then its bias (0 without one).
+  __device__ __forceinline__ bool visible(double& b, long long i, long long j) const {
     const KeyRange r = key_range(w, i);
     if (j < r.lo || j > r.hi) return false;
     if (mb.mask != nullptr && !mb.mask[i * mb.mask_rs + j * mb.mask_cs]) return false;
-    x = qk * scale;
-    if (mb.bias != nullptr) {
-      const Acc b = mb.bias[i * mb.bias_rs + j * mb.bias_cs];
-      if (b == NEG_INF) return false;
-      x += static_cast<double>(b);
-    }
+    b = mb.bias != nullptr ? static_cast<double>(mb.bias[i * mb.bias_rs + j * mb.bias_cs]) : 0.0;
+    return b != -__longlong_as_double(0x7ff0000000000000LL);
+  }
+
+  // The logit of (i, j) in double, or false where j is not visible to i.
+  __device__ __forceinline__ bool logit(double& x, double qk, long long i, long long j) const {
+    double b;
+    if (!visible(b, i, j)) return false;
+    x = qk * scale + b;
     return true;
   }
 };
@@ -330,10 +333,15 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       const KeyRange kr = key_range(h.w, i);
       double m = -inf, l = 0.0;
       bool seen = false;
-      for (long long j = kr.lo; j <= kr.hi; ++j) {
-        double x;
-        const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-        if (!h.logit(x, qk, i, j)) continue;
+      // 32 keys at a time: each lane tests one (mask, bias), then the visible ones, in order
+      for (long long j0 = kr.lo; j0 <= kr.hi; j0 += 32) {
+        double b_lane = 0.0;
+        const bool vis = j0 + lane <= kr.hi && h.visible(b_lane, i, j0 + lane);
+        for (unsigned vb = __ballot_sync(FULL_WARP, vis); vb != 0u; vb &= vb - 1u) {
+        const int sl = __ffs(vb) - 1;
+        const long long j = j0 + sl;
+        const double x = dot(qi, h.k + j * h.k_rs, Dk) * h.scale +
+                         __shfl_sync(FULL_WARP, b_lane, sl);
         seen = true;
         if (x == -inf) continue;  // no mass (the row is NaN if nothing else comes)
         const double m_new = x > m ? x : m;  // a NaN x reaches l through p below
@@ -343,6 +351,7 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         for (int c = 0; c < LOST_COLS; ++c) acc[c] *= alpha;
         axpy(acc, p, h.v + j * h.v_rs, Dv);
         m = m_new;
+        }
       }
       // As every forward: empty -> 0 / -inf; l == 0 (all -inf) or an infinite logit -> NaN.
       const double nan = __longlong_as_double(0x7ff8000000000000LL);

@@ -130,11 +130,20 @@ def main():
     ap.add_argument("base")
     ap.add_argument("--cases", default="dense,options,decode")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated substrings of case names")
+    ap.add_argument("--no-fixup", action="store_true",
+                    help="also time the new tree with its lost-row launches stubbed out")
     args = ap.parse_args()
     trees = {"base": load("cuflash_base", args.base), "new": load("cuflash", REPO)}
+    if args.no_fixup:
+        nofix = load("cuflash_nofix", REPO)
+        nofix._launch.launch_fwd_lost = lambda *a, **k: None
+        nofix._launch.launch_lost = lambda *a, **k: None
+        trees["new-nofix"] = nofix
     kinds = args.cases.split(",")
     cases = [c for kind, gen in (("dense", dense_cases), ("options", option_cases),
-                                 ("decode", decode_cases)) if kind in kinds for c in gen()]
+                                 ("decode", decode_cases)) if kind in kinds for c in gen()
+             if not args.only or any(o in c[0] for o in args.only.split(","))]
     rng = np.random.default_rng(0)
     results = []
     for name, case in cases:
@@ -157,8 +166,10 @@ def main():
             ratio = med["new"] / med["base"]
             results.append(dict(case=name, kind=kind, base_us=med["base"], new_us=med["new"],
                                 ratio=ratio))
+            extra = "".join(f"  {t} {med[t] / med['base']:.3f}" for t in trees
+                            if t not in ("base", "new"))
             print(f"{name:32s} {kind}  base {med['base']:9.1f} us  new {med['new']:9.1f} us  "
-                  f"new/base {ratio:.3f}", flush=True)
+                  f"new/base {ratio:.3f}{extra}", flush=True)
         del q, k, v, opts
         cupy.get_default_memory_pool().free_all_blocks()
     worst = max(results, key=lambda r: r["ratio"])
