@@ -91,36 +91,40 @@ def launch_fwd_sm80(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs,
     blocks = -(-Nq // tile.block_m) * BH
     if blocks > _MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
+    import cupy
+
+    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_sm80
     args = (q, k, v, out, lse) + _main_args(
         offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs,
-        BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype)
+        BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, q.dtype) + (fix,)
     kern((blocks,), (tile.warps * 32,), args, shared_mem=smem)
-    # Rows the kernel cannot settle (kernels_cu/lost_rows.cu): without mask / bias the ones whose
-    # huge logits the folded scale rounds too coarsely (lost lse); with them, NaN rows, which
-    # may be all-masked (empty) rows the kernel cannot tell from all -inf (NaN) ones.
+    # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
+    # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
+    # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
     launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
                     mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
-                    bottom_right, lost=np.inf if has_mb else None)
+                    bottom_right, fix=fix, block_m=tile.block_m,
+                    lost=np.inf if has_mb else None)
 
 
 def launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
                     mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
-                    bottom_right, lost=None):
-    """fwd_lost_rows: recompute, in double, out and lse of the rows whose lse came out NaN, +inf
-    or lost (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads lse."""
-    rows = BH * Nq
-    if rows == 0:
-        return
+                    bottom_right, fix, block_m, lost=None):
+    """fwd_lost_rows: in the blocks of the tensor-core forward flagged in ``fix`` (its launch
+    order), recompute in double out and lse of the rows whose lse came out NaN, +inf or lost
+    (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags."""
     fn = _kernels.get_function(_config.SOURCES["fwd_lost_rows"],
                                _config.fwd_lost_name_expression(q.dtype))
-    blocks = -(-rows // (LOST_SEG * (_config.GENERIC_THREADS // 32)))
+    warps = _config.GENERIC_THREADS // 32
+    blocks = min(-(-fix.size // (32 * warps)), _kernels.device_info().sm_count)
     i64, i32 = np.int64, np.int32
     fn((blocks,), (_config.GENERIC_THREADS,),
        (q, k, v, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens), i64(q_rs), i64(k_rs),
         i64(v_rs), i64(mask_rs), i64(mask_cs), i64(bias_rs), i64(bias_cs), i32(BH), i32(Nq),
         i32(Nk), i32(Dk), i32(Dv), np.float64(scale), i32(left), i32(right),
         i32(bool(bottom_right)),
-        np.float64(_config.lost_lse_limit(lse.dtype) if lost is None else lost)))
+        np.float64(_config.lost_lse_limit(lse.dtype) if lost is None else lost), fix,
+        i32(block_m)))
 
 
 def launch_bwd_preprocess(dout, out, lse, lse_eff, delta, rows, Dv):
@@ -172,12 +176,13 @@ LOST_CHUNK, LOST_SEG = 32, 128
 
 def launch_lost(q, k, v, dout, out, lse, dq, dk, dv, offsets, mask, bias, kv_lens, q_rs, k_rs,
                 v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
-                bottom_right, **_):
-    """bwd_lost.cu: add the exact gradients of the lost rows (cuflash._config.LOST_LSE) to dq,
+                bottom_right, flags=None, **_):
+    """kernels_cu/lost_rows.cu: add the exact gradients of the lost rows (_config.LOST_LSE) to dq,
     dk, dv, which the main backward kernels wrote without them. dout, out contiguous
     (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype; dq (BH, Nq, Dk) in it too;
-    dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. Costs two launches that read the
-    lse and return when no row is lost."""
+    dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. ``flags`` (BH, ceil(Nq / 32)):
+    the lost-row flags, if the preprocess wrote them (else made here from lse). Two small
+    launches that only read flags (and lse) when no row is lost."""
     import cupy
 
     if BH == 0 or Nq == 0 or Nk == 0:
@@ -185,7 +190,9 @@ def launch_lost(q, k, v, dout, out, lse, dq, dk, dv, offsets, mask, bias, kv_len
     rows_expr, keys_expr = _config.lost_name_expressions(q.dtype, dk.dtype == q.dtype)
     source = _config.SOURCES["bwd_lost_rows"]
     stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
-    flags = cupy.empty(-(-BH * Nq // LOST_CHUNK), dtype=np.int32)
+    prewritten = flags is not None  # by the tensor-core preprocess; else written from lse here
+    if flags is None:
+        flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
     i64, i32 = np.int64, np.int32
     lost = _config.lost_lse_limit(lse.dtype)
     args = (q, k, v, dout, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens),
@@ -194,7 +201,9 @@ def launch_lost(q, k, v, dout, out, lse, dq, dk, dv, offsets, mask, bias, kv_len
             i32(left), i32(right), i32(bool(bottom_right)), np.float64(lost), stats, flags)
     threads = (_config.GENERIC_THREADS,)
     warps = _config.GENERIC_THREADS // 32
-    row_blocks = -(-BH * Nq // (LOST_SEG * warps))
-    key_blocks = -(-BH * -(-Nk // LOST_SEG) // warps)
-    _kernels.get_function(source, rows_expr)((row_blocks,), threads, args + (dq,))
+    cap = 4 * _kernels.device_info().sm_count  # grid-stride beyond: a few flags per warp
+    row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
+    key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
+    _kernels.get_function(source, rows_expr)((row_blocks,), threads,
+                                             args + (dq, i32(prewritten)))
     _kernels.get_function(source, keys_expr)((key_blocks,), threads, args + (dk, dv))

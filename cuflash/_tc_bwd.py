@@ -398,13 +398,15 @@ def _main_args(offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs,
             i32(left), i32(right), i32(bool(bottom_right)), i32(Nq_pad))
 
 
-def launch_prep(dout, out, lse, lse2, delta, BH, Nq, Nq_pad, D):
-    """lse2, delta (BH, Nq_pad) float32 from dout, out (BH, Nq, D) and lse (BH, Nq) float32."""
+def launch_prep(dout, out, lse, lse2, delta, lost_flags, BH, Nq, Nq_pad, D):
+    """lse2, delta (BH, Nq_pad) float32 from dout, out (BH, Nq, D) and lse (BH, Nq) float32, and
+    lost_flags (BH, ceil(Nq / 32)) int32 for kernels_cu/lost_rows.cu."""
     fn = _function(prep_expr(np.dtype(dout.dtype).name, D), 0)
     threads = BH * Nq_pad * 8
     lost = np.float32(_config.lost_lse_limit(np.float32))
     fn((-(-threads // 256),), (256,),
-       (dout, out, lse, lse2, delta, np.int32(BH), np.int32(Nq), np.int32(Nq_pad), lost))
+       (dout, out, lse, lse2, delta, np.int32(BH), np.int32(Nq), np.int32(Nq_pad), lost,
+        lost_flags))
 
 
 def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic, tile=None,
@@ -474,7 +476,8 @@ def make_backward(p, deterministic=False, dkdv_tile=None, dq_tile=None):
             lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)
             lse2 = _gpu._empty((BH, Nq_pad), dtype=np.float32)  # every row written by prep
             delta = _gpu._empty((BH, Nq_pad), dtype=np.float32)
-            launch_prep(dout, out, lse, lse2, delta, BH, Nq, Nq_pad, D)
+            lost_flags = cupy.empty((BH, -(-Nq // 32)), dtype=np.int32)  # all written by prep
+            launch_prep(dout, out, lse, lse2, delta, lost_flags, BH, Nq, Nq_pad, D)
             if deterministic:
                 dq = _gpu._empty((BH, Nq, D), dtype=np.float32)
             else:
@@ -485,7 +488,8 @@ def make_backward(p, deterministic=False, dkdv_tile=None, dq_tile=None):
                         dq_atomic=not deterministic, tile=dkdv_tile, out16=out16, **common)
             if deterministic:
                 launch_dq(p.q, p.k, p.v, dout, lse2, delta, dq, tile=dq_tile, **common)
-            _launch.launch_lost(p.q, p.k, p.v, dout, out, lse, dq, dk, dv, **common)
+            _launch.launch_lost(p.q, p.k, p.v, dout, out, lse, dq, dk, dv, flags=lost_flags,
+                                **common)
             return dq, dk, dv
 
     return run

@@ -251,7 +251,7 @@ template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
 bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
               float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
-              float lost) {
+              float lost, int* __restrict__ lost_flags) {
   constexpr int LPR = 8;              // lanes per row
   constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
@@ -280,15 +280,20 @@ bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float
   }
 #pragma unroll
   for (int off = LPR / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off, LPR);
+  const float l = real ? lse[bh * Nq + i] : -__int_as_float(0x7f800000);
+  // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
+  // Lost rows (finite |lse| >= lost: lse cannot carry log(l)) likewise, with delta 0: they
+  // contribute nothing here, and lost_rows.cu adds their exact gradients; this block's 32 rows
+  // (one (batch, head): Nq_pad is a multiple of 32) share one flag there. A NaN lse stays NaN.
+  const bool is_lost = l - l == 0.f && fabsf(l) >= lost;
+  const bool skip = l == -__int_as_float(0x7f800000) || is_lost;
   if (valid && sub == 0) {
-    const float l = real ? lse[bh * Nq + i] : -__int_as_float(0x7f800000);
-    // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
-    // Lost rows (finite |lse| >= lost: lse cannot carry log(l)) likewise, with delta 0: they
-    // contribute nothing here, and bwd_lost.cu adds their exact gradients. A NaN lse stays NaN.
-    const bool skip = l == -__int_as_float(0x7f800000) || (l - l == 0.f && fabsf(l) >= lost);
     lse2[row] = skip ? __int_as_float(0x7f800000) : l * LOG2E;
     delta[row] = real && !skip ? sum : 0.f;
   }
+  const int any = __syncthreads_or(is_lost);
+  const int i0 = static_cast<int>((static_cast<long long>(blockIdx.x) * (256 / LPR)) % Nq_pad);
+  if (threadIdx.x == 0 && i0 < Nq) lost_flags[bh * ((Nq + 31) / 32) + i0 / 32] = any;
 }
 
 // Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile: the blocks of one (batch, head) run together

@@ -98,6 +98,25 @@ __device__ __forceinline__ bool row_any(bool x) {
     v |= __shfl_xor_sync(FULL_WARP, v, offset, LANES_PER_ROW);
   return v != 0;
 }
+// max that propagates NaN (fmax drops it); sm_80+ has it as one instruction for float.
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+__device__ __forceinline__ double max_nan(double a, double b) {
+  return (a != a || b != b) ? a + b : fmax(a, b);
+}
+template <typename Acc> __device__ __forceinline__ Acc row_max_nan(Acc x) {
+#pragma unroll
+  for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2)
+    x = max_nan(x, __shfl_xor_sync(FULL_WARP, x, offset, LANES_PER_ROW));
+  return x;
+}
 template <typename Acc> __device__ __forceinline__ Acc row_sum(Acc x) {
 #pragma unroll
   for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2)

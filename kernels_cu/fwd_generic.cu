@@ -59,7 +59,10 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // sum, reduced once at the end.
   KeyRange rows[ROWS];
   Acc m[ROWS], l[ROWS], acc[ROWS][COLS];
-  bool seen[ROWS];  // this lane saw a visible key of the row (an empty row writes 0 and -inf)
+  // With a mask or bias, bit r: this lane saw a visible key of row r (without them, visibility
+  // is the position range alone); a row that saw none is empty (0 and -inf).
+  const bool has_mb = mb.mask != nullptr || mb.bias != nullptr;
+  unsigned seen = 0u;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const long long i = i0 + group + ROW_GROUPS * r;
@@ -71,7 +74,6 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     }
     m[r] = NEG_INF;
     l[r] = Acc(0);
-    seen[r] = false;
 #pragma unroll
     for (int c = 0; c < COLS; ++c) acc[r][c] = Acc(0);
   }
@@ -104,8 +106,8 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     }
 
     // Online softmax: mask by global position, new max, rescale BOTH l and acc, add this mass.
-    // A row with no finite logit so far keeps m = -inf and uses 0 as its reference, so no
-    // exp(-inf - (-inf)) is evaluated; NaN logits (dropped by the max) reach l through exp.
+    // The max propagates NaN (a NaN logit makes the row NaN); a row with nothing visible in
+    // this tile is left untouched (never exp(-inf - (-inf))).
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const long long i = i0 + group + ROW_GROUPS * r;
@@ -114,25 +116,34 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       for (int jj = 0; jj < KEYS; ++jj) {
         const long long j = j0 + lane + LANES_PER_ROW * jj;
         Acc x = s[r][jj] * scale;
-        const bool vis = visible_logit(x, i, j, rows[r], mb);
-        seen[r] |= vis;
-        s[r][jj] = vis ? x : NEG_INF;
-        tile_max = acc_max(tile_max, s[r][jj]);
+        if (has_mb) {
+          const bool vis = visible_logit(x, i, j, rows[r], mb);
+          seen |= static_cast<unsigned>(vis) << r;
+          x = vis ? x : NEG_INF;
+        } else if (j < rows[r].lo || j > rows[r].hi) {
+          x = NEG_INF;
+        }
+        s[r][jj] = x;
+        tile_max = max_nan(tile_max, x);
       }
-      tile_max = row_max(tile_max);
-      const Acc m_new = acc_max(m[r], tile_max);
-      const Acc m_ref = (m_new == NEG_INF) ? Acc(0) : m_new;
-      const Acc alpha = acc_exp(m[r] - m_ref);
-      Acc mass = Acc(0);
+      tile_max = row_max_nan(tile_max);
+      if (!(tile_max == NEG_INF)) {
+        const Acc m_new = max_nan(m[r], tile_max);
+        const Acc alpha = (m[r] > NEG_INF) ? acc_exp(m[r] - m_new) : Acc(0);
+        Acc mass = Acc(0);
 #pragma unroll
-      for (int jj = 0; jj < KEYS; ++jj) {
-        s[r][jj] = acc_exp(s[r][jj] - m_ref);  // invisible: exp(-inf) = 0
-        mass += s[r][jj];
+        for (int jj = 0; jj < KEYS; ++jj) {
+          s[r][jj] = (s[r][jj] > NEG_INF) ? acc_exp(s[r][jj] - m_new) : Acc(0);
+          mass += s[r][jj];
+        }
+        l[r] = l[r] * alpha + mass;
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
+        m[r] = m_new;
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = Acc(0);
       }
-      l[r] = l[r] * alpha + mass;
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
-      m[r] = m_new;
 #pragma unroll
       for (int jj = 0; jj < KEYS; ++jj)
         Ps[(group + ROW_GROUPS * r) * LDP + lane + LANES_PER_ROW * jj] = s[r][jj];
@@ -163,7 +174,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const Acc l_row = row_sum(l[r]);
-    const bool empty = !row_any(seen[r]);
+    const bool empty = has_mb ? !row_any((seen >> r) & 1u) : rows[r].lo > rows[r].hi;
     const long long i = i0 + group + ROW_GROUPS * r;
     if (i >= i_end) continue;
     const Acc inv_l = empty ? Acc(0) : (l_row == Acc(0) ? quiet_nan<Acc>() : Acc(1) / l_row);

@@ -20,6 +20,9 @@
 
 namespace tc {
 constexpr float RESCALE_SLACK = 8.f;  // RESCALE 2: a row's reference max may lag by 2^8
+// Beyond this |max| (log2 units) the folded exp2(fma(s, scale * log2e, -m)) is off by more than
+// its rounding residual ulp(m) / 2 = 2^-12 allows: such rows are recomputed (fwd_lost_rows).
+constexpr float FOLD_LIMIT = 4096.f;
 }  // namespace tc
 
 // One K or V tile copy of the variants: cp_tile, or cp_tile_inc with OPT_CHEAP_ADDR.
@@ -64,7 +67,8 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
          const unsigned char* __restrict__ mask, const float* __restrict__ bias,
          const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
          long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
-         int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right) {
+         int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right,
+         int* __restrict__ fix) {
   using namespace tc;
   constexpr int RESCALE = RESCALE_OPT & 3;
   constexpr int OPT = RESCALE_OPT >> 2;
@@ -336,15 +340,19 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           const float m_ref = (m_new == NEG) ? 0.f : m_new;
           const float alpha = ex2((m_old - m_ref) * u2);
           m[mf][h] = m_new;
-          const float neg_ref = -m_ref;
+          // HAS_MB: natural units; exp2(fma(x, log2e, -m * log2e)) while |m| is small enough for
+          // the fold (FOLD_LIMIT), else (warp-uniform, rare: e.g. a finfo.min padding row, whose
+          // m * log2e overflows) exp2((x - m) * log2e).
+          const bool unfold = HAS_MB && __any_sync(0xffffffffu, fabsf(m_ref) > FOLD_LIMIT * LN2);
+          const float fold = HAS_MB ? (unfold ? 1.f : LOG2E) : sl2;
+          const float neg_ref = HAS_MB && !unfold ? -m_ref * LOG2E : -m_ref;
           float mass = 0.f;
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float x = s[mf][nf][2 * h + e];
-              // HAS_MB: natural units, (x - m) * log2e (no overflow for finite x and m)
-              const float p = HAS_MB ? ex2((x + neg_ref) * LOG2E) : ex2(fmaf(x, sl2, neg_ref));
+              const float p = unfold ? ex2((x + neg_ref) * LOG2E) : ex2(fmaf(x, fold, neg_ref));
               s[mf][nf][2 * h + e] = p;
               mass += p;
             }
@@ -408,6 +416,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // rechecks every NaN row, tells the two apart. The warp stages its own rows of the output in
   // its own rows of the Q tile, then writes them with 16-byte stores.
   const float QNAN = __int_as_float(0x7fc00000);
+  bool refix = false;  // a row fwd_lost_rows must settle (fix[block], see there)
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -419,6 +428,9 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       const int i = i0 + r;
       const bool empty = !(i < Nq && max(i + dlo, 0) <= min(i + dhi, L_last));  // by position
       const float inv_l = empty ? 0.f : (l_row == 0.f ? QNAN : 1.f / l_row);
+      // HAS_MB: l = 0 may be an all-masked row; else a max beyond the folded FFMA's accuracy
+      refix |= HAS_MB ? !empty && l_row == 0.f
+                      : fabsf(m[mf][h]) > FOLD_LIMIT && fabsf(m[mf][h]) < __int_as_float(0x7f800000);
       if (t == 0 && i < Nq)
         lse[bh * Nq + i] = empty ? NEG
                            : l_row == 0.f ? QNAN
@@ -445,4 +457,6 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       *reinterpret_cast<uint4*>(out + (bh * Nq + i) * HEAD_DIM + c * 8) = val;
     }
   }
+  const int any = __syncthreads_or(refix);
+  if (threadIdx.x == 0) fix[blockIdx.x] = any;
 }

@@ -171,18 +171,31 @@ __device__ __forceinline__ unsigned scan_rows(const Acc* lse, long long row0, lo
   return mine;
 }
 
-// Grid: ceil(BH * Nq / (LOST_SEG * LOST_WARPS)) blocks. stats: (BH, Nq, 3) = m, l, delta of lost
-// rows (others not written); flags: (ceil(BH * Nq / LOST_CHUNK),), every entry written.
+// Grid: a stride of warps over items of 128 rows of one (batch, head). flags: (BH, ceil(Nq / 32)),
+// one per 32 rows of a (batch, head): read when `prewritten` (the tensor-core preprocess wrote
+// them), else written here from lse. stats: (BH, Nq, 3) = m, l, delta of lost rows only.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
-bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq) {
-  const long long rows = static_cast<long long>(BH) * Nq;
-  const long long row0 = (static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32) *
-                         LOST_SEG;
-  if (row0 >= rows) return;
+bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
+  const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
+  const long long n_items = static_cast<long long>(BH) * ((Nq + LOST_SEG - 1) / LOST_SEG);
   const int lane = threadIdx.x % 32;
-  const unsigned bits = scan_rows(lse, row0, rows, [lost](double l) { return is_lost(l, lost); });
-  if (lane < 4 && row0 + 32 * lane < rows) flags[row0 / LOST_CHUNK + lane] = bits != 0u;
+  for (long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
+       item < n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
+  const long long bh = item / ((Nq + LOST_SEG - 1) / LOST_SEG);
+  const int c_first = static_cast<int>(item % ((Nq + LOST_SEG - 1) / LOST_SEG)) * (LOST_SEG / LOST_CHUNK);
+  unsigned bits = 0u;  // lane e < 4: the lost rows of chunk c_first + e
+#pragma unroll
+  for (int e = 0; e < LOST_SEG / LOST_CHUNK; ++e) {
+    const int c = c_first + e;
+    if (c >= n_chunks || (prewritten && !flags[bh * n_chunks + c])) continue;  // warp-uniform
+    const int i = c * LOST_CHUNK + lane;
+    const unsigned b = __ballot_sync(
+        FULL_WARP, i < Nq && is_lost(static_cast<double>(lse[bh * Nq + i]), lost));
+    if (!prewritten && lane == 0) flags[bh * n_chunks + c] = b != 0u;
+    if (lane == e) bits = b;
+  }
+  const long long row0 = bh * Nq + static_cast<long long>(c_first) * LOST_CHUNK;
   const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
 #pragma unroll 1
   for (int e = 0; e < 4; ++e) {
@@ -233,6 +246,7 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq) {
       }
     }
   }
+  }  // items
 }
 
 // Grid: ceil(BH * ceil(Nk / LOST_SEG) / LOST_WARPS) blocks, after bwd_lost_rows (stats, flags):
@@ -242,20 +256,21 @@ template <typename T, typename Acc, typename DK>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
-  const long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
-  if (item >= BH * n_items) return;
-  const long long bh = item / n_items;
+  const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
   const int lane = threadIdx.x % 32;
+  for (long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
+       item < BH * n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
+  const long long bh = item / n_items;
   const LostHead<T, Acc> h = LOST_HEAD;
   const long long j0 = (item % n_items) * LOST_SEG;
   const long long j_last = j0 + LOST_SEG - 1 < Nk - 1 ? j0 + LOST_SEG - 1 : Nk - 1;
   const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
-  if (qr.lo > qr.hi) return;
+  if (qr.lo > qr.hi) continue;
   // the flags of the chunks that hold this item's query rows
-  const long long c0 = (bh * Nq + qr.lo) / LOST_CHUNK, c1 = (bh * Nq + qr.hi) / LOST_CHUNK;
+  const int* fl = flags + bh * n_chunks;
   bool any = false;
-  for (long long c = c0 + lane; c <= c1; c += 32) any |= flags[c] != 0;
-  if (!__any_sync(FULL_WARP, any)) return;
+  for (long long c = qr.lo / LOST_CHUNK + lane; c <= qr.hi / LOST_CHUNK; c += 32) any |= fl[c] != 0;
+  if (!__any_sync(FULL_WARP, any)) continue;
 
   for (long long j = j0; j <= j_last; ++j) {
     const KeyRange rows = tile_query_range(h.w, j, j, Nq);
@@ -266,13 +281,12 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) dkj[c] = dvj[c] = 0.0;
     bool touched = false;
-    const long long r_lo = bh * Nq + rows.lo, r_hi = bh * Nq + rows.hi;  // flattened rows
-    for (long long c = r_lo / LOST_CHUNK; c <= r_hi / LOST_CHUNK; ++c) {
-      if (!flags[c]) continue;  // warp-uniform
-      const long long r_end = (c + 1) * LOST_CHUNK - 1 < r_hi ? (c + 1) * LOST_CHUNK - 1 : r_hi;
-      for (long long r = c * LOST_CHUNK > r_lo ? c * LOST_CHUNK : r_lo; r <= r_end; ++r) {
+    for (long long c = rows.lo / LOST_CHUNK; c <= rows.hi / LOST_CHUNK; ++c) {
+      if (!fl[c]) continue;  // warp-uniform
+      const long long i_end = (c + 1) * LOST_CHUNK - 1 < rows.hi ? (c + 1) * LOST_CHUNK - 1 : rows.hi;
+      for (long long i = c * LOST_CHUNK > rows.lo ? c * LOST_CHUNK : rows.lo; i <= i_end; ++i) {
+        const long long r = bh * Nq + i;
         if (!is_lost(static_cast<double>(lse[r]), lost)) continue;
-        const long long i = r - bh * Nq;
         double x;
         const double qk = dot(kj, h.q + i * h.q_rs, Dk);
         if (!h.logit(x, qk, i, j)) continue;
@@ -294,10 +308,13 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
       if (col < Dv) add_to(dv_row + col, dvj[c]);
     }
   }
+  }  // items
 }
 
-// Grid: ceil(BH * Nq / (LOST_SEG * LOST_WARPS)) blocks, a warp per 128 rows of the flattened
-// (BH, Nq). Rewrites out (T) and lse (Acc) of the rows whose lse is lost, NaN or +inf.
+// Grid: a stride of warps over the tensor-core forward's blocks (fix: one flag per block, in its
+// 1-D launch order bh * n_mtiles + reversed query tile, as fwd_sm80.cu writes it). A flagged
+// block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T) and lse (Acc)
+// recomputed in double.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -306,12 +323,19 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
               const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
               long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
               int Nq, int Nk, int Dk, int Dv, double scale, int left, int right, int bottom_right,
-              double lost) {
-  const long long rows = static_cast<long long>(BH) * Nq;
-  const long long row0 = (static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32) *
-                         LOST_SEG;
-  if (row0 >= rows) return;
+              double lost, const int* __restrict__ fix, int block_m) {
+  const int n_mtiles = (Nq + block_m - 1) / block_m;
+  const long long n_blocks = static_cast<long long>(BH) * n_mtiles;
+  const long long warps = static_cast<long long>(gridDim.x) * LOST_WARPS;
   const int lane = threadIdx.x % 32;
+  for (long long f0 = (static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32) * 32;
+       f0 < n_blocks; f0 += warps * 32) {
+  for (unsigned fb = __ballot_sync(FULL_WARP, f0 + lane < n_blocks && fix[f0 + lane] != 0);
+       fb != 0u; fb &= fb - 1u) {
+  const long long blk = f0 + __ffs(fb) - 1;
+  const long long bh = blk / n_mtiles;
+  const long long row0 = bh * Nq + (n_mtiles - 1 - blk % n_mtiles) * static_cast<long long>(block_m);
+  const long long rows = bh * Nq + Nq;  // this block's rows end at its (batch, head)'s end
   const double inf = __longlong_as_double(0x7ff0000000000000LL);
   const unsigned bits = scan_rows(static_cast<const Acc*>(lse), row0, rows, [lost, inf](double l) {
     return l != l || l == inf || is_lost(l, lost);
@@ -366,4 +390,6 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         lse[row] = static_cast<Acc>(!seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l));
     }
   }
+  }  // flagged blocks
+  }  // flag words
 }

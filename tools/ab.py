@@ -100,32 +100,7 @@ def make(case, rng):
     return q, k, v, opts
 
 
-def overhead():
-    """Device time of the lost-row fix-ups alone (no lost row) at the dense grid's shapes."""
-    from cuflash import _gpu, _launch, _validate
-    rng = np.random.default_rng(0)
-    for name, case in dense_cases():
-        if "causal" in name:
-            continue
-        q, k, v, opts = make(case, rng)
-        p = _validate.make_problem(q, k, v, **opts)
-        args = _gpu._Args(p)
-        common = args.common(p)
-        out = cupy.zeros((p.BH, p.Nq, p.Dv), q.dtype)
-        lse = cupy.zeros((p.BH, p.Nq), np.float32)
-        dq = cupy.zeros((p.BH, p.Nq, p.Dk), np.float32)
-        dk, dv = (cupy.zeros((p.BH, p.Nk, p.Dk), q.dtype) for _ in range(2))
-        fwd = statistics.median(time_call(lambda: _launch.launch_fwd_lost(
-            q, k, v, out, lse, **{n: c for n, c in common.items()})) for _ in range(ROUNDS))
-        bwd = statistics.median(time_call(lambda: _launch.launch_lost(
-            q, k, v, out, out, lse, dq, dk, dv, **common)) for _ in range(ROUNDS))
-        print(f"{name:32s} fix-up alone: forward {fwd:6.1f} us, backward {bwd:6.1f} us",
-              flush=True)
-
-
 def main():
-    if sys.argv[1:2] == ["--overhead"]:
-        return overhead()
     ap = argparse.ArgumentParser()
     ap.add_argument("base")
     ap.add_argument("--cases", default="dense,options,decode")
@@ -137,8 +112,9 @@ def main():
     trees = {"base": load("cuflash_base", args.base), "new": load("cuflash", REPO)}
     if args.no_fixup:
         nofix = load("cuflash_nofix", REPO)
-        nofix._launch.launch_fwd_lost = lambda *a, **k: None
-        nofix._launch.launch_lost = lambda *a, **k: None
+        launch = importlib.import_module("cuflash_nofix._launch")
+        launch.launch_fwd_lost = lambda *a, **k: None
+        launch.launch_lost = lambda *a, **k: None
         trees["new-nofix"] = nofix
     kinds = args.cases.split(",")
     cases = [c for kind, gen in (("dense", dense_cases), ("options", option_cases),
