@@ -115,8 +115,8 @@ def launch_fwd_lost(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs,
     (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags."""
     fn = _kernels.get_function(_config.SOURCES["fwd_lost_rows"],
                                _config.fwd_lost_name_expression(q.dtype))
-    warps = _config.GENERIC_THREADS // 32
-    blocks = min(-(-fix.size // (32 * warps)), _kernels.device_info().sm_count)
+    per_block = _config.GENERIC_THREADS // 32
+    blocks = min(-(-fix.size // (32 * per_block)), _kernels.device_info().sm_count)
     i64, i32 = np.int64, np.int32
     fn((blocks,), (_config.GENERIC_THREADS,),
        (q, k, v, out, lse, offsets, _ptr(mask), _ptr(bias), _ptr(kv_lens), i64(q_rs), i64(k_rs),

@@ -182,16 +182,18 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       for (int e = 0; e < 4; ++e) acc[mf][df][e] = 0.f;
   }
   const float NEG = -__int_as_float(0x7f800000);
-  // With a mask or bias the logits are formed explicitly in natural units (fma(s, scale, bias):
-  // a finite bias as low as finfo.min must not overflow, as bias * log2e would) and the max too;
-  // p = exp2((x - m) * log2e). Otherwise the scale is folded into the exponent's FFMA, and the
-  // max is kept in log2 units.
+  // With a bias the logits are formed explicitly in natural units (fma(s, scale, bias): a finite
+  // bias as low as finfo.min must not overflow, as bias * log2e would) and the max too;
+  // p = exp2((x - m) * log2e). With a mask only they are formed in log2 units; otherwise the
+  // scale is folded into the exponent's FFMA, and the max is kept in log2 units.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  const float u2 = HAS_MB ? LOG2E : 1.f;  // state units -> log2 units
 
   const unsigned char* mh = (HAS_MB && mask) ? mask + offsets[3 * BH + bh] : nullptr;
   const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
+  const bool natural = HAS_MB && bhp != nullptr;  // m, x in natural units (else log2 units)
+  const float lscale = natural ? scale : scale_log2;  // HAS_MB: the logits' multiplier
+  const float u2 = natural ? LOG2E : 1.f;  // state units -> log2 units
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
@@ -304,12 +306,13 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
                 if (c < c_lo || c > c_hi) {
                   x = NEG;
                 } else if (HAS_MB) {
-                  // natural units; a -inf bias gives x = -inf, no mass (a NaN bias NaN)
+                  // with a bias natural units (a -inf bias gives x = -inf, no mass; a NaN bias
+                  // NaN), with a mask only log2 units
                   const long long j = static_cast<long long>(j0) + c;
                   if (mh != nullptr && !mh[i * mask_rs + j * mask_cs])
                     x = NEG;
                   else
-                    x = fmaf(x, scale, bhp != nullptr ? bhp[i * bias_rs + j * bias_cs] : 0.f);
+                    x = fmaf(x, lscale, bhp != nullptr ? bhp[i * bias_rs + j * bias_cs] : 0.f);
                 }
                 s[mf][nf][2 * h + e] = x;
               }
@@ -340,22 +343,27 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           const float m_ref = (m_new == NEG) ? 0.f : m_new;
           const float alpha = ex2((m_old - m_ref) * u2);
           m[mf][h] = m_new;
-          // HAS_MB: natural units; exp2(fma(x, log2e, -m * log2e)) while |m| is small enough for
-          // the fold (FOLD_LIMIT), else (warp-uniform, rare: e.g. a finfo.min padding row, whose
-          // m * log2e overflows) exp2((x - m) * log2e).
-          const bool unfold = HAS_MB && __any_sync(0xffffffffu, fabsf(m_ref) > FOLD_LIMIT * LN2);
-          const float fold = HAS_MB ? (unfold ? 1.f : LOG2E) : sl2;
-          const float neg_ref = HAS_MB && !unfold ? -m_ref * LOG2E : -m_ref;
+          const float neg_ref = -m_ref;
           float mass = 0.f;
+          if (natural) {  // natural units: (x - m) * log2e, no overflow
 #pragma unroll
-          for (int nf = 0; nf < NF; ++nf)
+            for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x = s[mf][nf][2 * h + e];
-              const float p = unfold ? ex2((x + neg_ref) * LOG2E) : ex2(fmaf(x, fold, neg_ref));
-              s[mf][nf][2 * h + e] = p;
-              mass += p;
-            }
+              for (int e = 0; e < 2; ++e) {
+                const float p = ex2((s[mf][nf][2 * h + e] + neg_ref) * LOG2E);
+                s[mf][nf][2 * h + e] = p;
+                mass += p;
+              }
+          } else {  // log2 units (the scale folded in, or applied with a mask only)
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
+                s[mf][nf][2 * h + e] = p;
+                mass += p;
+              }
+          }
           l[mf][h] = l[mf][h] * alpha + mass;
           alphas[mf][h] = alpha;
         }
@@ -434,7 +442,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       if (t == 0 && i < Nq)
         lse[bh * Nq + i] = empty ? NEG
                            : l_row == 0.f ? QNAN
-                           : (HAS_MB ? m[mf][h] : m[mf][h] * LN2) + logf(l_row);
+                           : (natural ? m[mf][h] : m[mf][h] * LN2) + logf(l_row);
       const u32 row_addr = sQ + r * ROW_BYTES + 4 * t;
 #pragma unroll
       for (int df = 0; df < DF; ++df) {

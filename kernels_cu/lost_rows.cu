@@ -312,9 +312,9 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
 }
 
 // Grid: a stride of warps over the tensor-core forward's blocks (fix: one flag per block, in its
-// 1-D launch order bh * n_mtiles + reversed query tile, as fwd_sm80.cu writes it). A flagged
-// block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T) and lse (Acc)
-// recomputed in double.
+// 1-D launch order bh * n_mtiles + reversed query tile, as fwd_sm80.cu writes it; block_m <= 128
+// rows each). A flagged block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T)
+// and lse (Acc) recomputed in double.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -334,8 +334,9 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
        fb != 0u; fb &= fb - 1u) {
   const long long blk = f0 + __ffs(fb) - 1;
   const long long bh = blk / n_mtiles;
-  const long long row0 = bh * Nq + (n_mtiles - 1 - blk % n_mtiles) * static_cast<long long>(block_m);
-  const long long rows = bh * Nq + Nq;  // this block's rows end at its (batch, head)'s end
+  const long long i0 = (n_mtiles - 1 - blk % n_mtiles) * static_cast<long long>(block_m);
+  const long long row0 = bh * Nq + i0;
+  const long long rows = bh * Nq + (i0 + block_m < Nq ? i0 + block_m : Nq);
   const double inf = __longlong_as_double(0x7ff0000000000000LL);
   const unsigned bits = scan_rows(static_cast<const Acc*>(lse), row0, rows, [lost, inf](double l) {
     return l != l || l == inf || is_lost(l, lost);
