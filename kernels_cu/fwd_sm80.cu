@@ -167,7 +167,6 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   // Row state (DESIGN.md "Empty state"): m = -inf (log2 units, scaled), l = 0 (per-lane partial),
   // acc = 0. Thread owns rows g and g + 8 of each m-fragment (index h = 0, 1).
-  // With a mask or bias (HAS_MB) m is in natural units.
   float m[MF][2], l[MF][2], acc[MF][DF][4];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
@@ -182,18 +181,13 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       for (int e = 0; e < 4; ++e) acc[mf][df][e] = 0.f;
   }
   const float NEG = -__int_as_float(0x7f800000);
-  // With a bias the logits are formed explicitly in natural units (fma(s, scale, bias): a finite
-  // bias as low as finfo.min must not overflow, as bias * log2e would) and the max too;
-  // p = exp2((x - m) * log2e). With a mask only they are formed in log2 units; otherwise the
-  // scale is folded into the exponent's FFMA, and the max is kept in log2 units.
+  // With a mask or bias the logits are formed explicitly in log2 units (s * scale * log2e +
+  // bias * log2e); otherwise the scale is folded into the exponent's FFMA.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
 
   const unsigned char* mh = (HAS_MB && mask) ? mask + offsets[3 * BH + bh] : nullptr;
   const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
-  const bool natural = HAS_MB && bhp != nullptr;  // m, x in natural units (else log2 units)
-  const float lscale = natural ? scale : scale_log2;  // HAS_MB: the logits' multiplier
-  const float u2 = natural ? LOG2E : 1.f;  // state units -> log2 units
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
@@ -306,13 +300,16 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
                 if (c < c_lo || c > c_hi) {
                   x = NEG;
                 } else if (HAS_MB) {
-                  // with a bias natural units (a -inf bias gives x = -inf, no mass; a NaN bias
-                  // NaN), with a mask only log2 units
+                  // log2 units; a -inf bias gives x = -inf (no mass), a NaN bias NaN. A bias
+                  // below -FLT_MAX / log2e (finfo.min padding) overflows to -inf: a row of only
+                  // such keys gets l = 0 and is settled by fwd_lost_rows (see the end).
                   const long long j = static_cast<long long>(j0) + c;
-                  if (mh != nullptr && !mh[i * mask_rs + j * mask_cs])
+                  if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
                     x = NEG;
-                  else
-                    x = fmaf(x, lscale, bhp != nullptr ? bhp[i * bias_rs + j * bias_cs] : 0.f);
+                  } else {
+                    x *= scale_log2;
+                    if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
+                  }
                 }
                 s[mf][nf][2 * h + e] = x;
               }
@@ -341,29 +338,18 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           if (RESCALE == 2 && !(m_new > m_old + RESCALE_SLACK)) m_new = m_old;
           raised |= m_new != m_old;
           const float m_ref = (m_new == NEG) ? 0.f : m_new;
-          const float alpha = ex2((m_old - m_ref) * u2);
+          const float alpha = ex2(m_old - m_ref);
           m[mf][h] = m_new;
           const float neg_ref = -m_ref;
           float mass = 0.f;
-          if (natural) {  // natural units: (x - m) * log2e, no overflow
 #pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
+          for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float p = ex2((s[mf][nf][2 * h + e] + neg_ref) * LOG2E);
-                s[mf][nf][2 * h + e] = p;
-                mass += p;
-              }
-          } else {  // log2 units (the scale folded in, or applied with a mask only)
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
-                s[mf][nf][2 * h + e] = p;
-                mass += p;
-              }
-          }
+            for (int e = 0; e < 2; ++e) {
+              const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
+              s[mf][nf][2 * h + e] = p;
+              mass += p;
+            }
           l[mf][h] = l[mf][h] * alpha + mass;
           alphas[mf][h] = alpha;
         }
@@ -436,13 +422,14 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       const int i = i0 + r;
       const bool empty = !(i < Nq && max(i + dlo, 0) <= min(i + dhi, L_last));  // by position
       const float inv_l = empty ? 0.f : (l_row == 0.f ? QNAN : 1.f / l_row);
-      // HAS_MB: l = 0 may be an all-masked row; else a max beyond the folded FFMA's accuracy
-      refix |= HAS_MB ? !empty && l_row == 0.f
+      // HAS_MB: l = 0 may be an all-masked row, and l = 0, NaN or inf a bias that overflowed in
+      // log2 units (|bias| > FLT_MAX / log2e); else a max beyond the folded FFMA's accuracy
+      refix |= HAS_MB ? !empty && !(l_row > 0.f && l_row < __int_as_float(0x7f800000))
                       : fabsf(m[mf][h]) > FOLD_LIMIT && fabsf(m[mf][h]) < __int_as_float(0x7f800000);
       if (t == 0 && i < Nq)
         lse[bh * Nq + i] = empty ? NEG
                            : l_row == 0.f ? QNAN
-                           : (natural ? m[mf][h] : m[mf][h] * LN2) + logf(l_row);
+                           : m[mf][h] * LN2 + logf(l_row);
       const u32 row_addr = sQ + r * ROW_BYTES + 4 * t;
 #pragma unroll
       for (int df = 0; df < DF; ++df) {
