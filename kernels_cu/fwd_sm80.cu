@@ -135,6 +135,10 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // (K and V offsets are formed inside the key loop, see there.)
   const u32 q_lane = sQ + (warp_row0 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
 
+  // The block's fix-up flag (fwd_lost_rows): 0 now, set at the end by a thread with a row to
+  // fix; the barriers in between order the two stores.
+  if (tid == 0) fix[blockIdx.x] = 0;
+
   // Prologue: Q with the first key tile, then STAGES - 2 more tiles, one commit group each.
   cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
   if constexpr (OPT == 0) {
@@ -452,6 +456,5 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       *reinterpret_cast<uint4*>(out + (bh * Nq + i) * HEAD_DIM + c * 8) = val;
     }
   }
-  const int any = __syncthreads_or(refix);
-  if (threadIdx.x == 0) fix[blockIdx.x] = any;
+  if (refix) fix[blockIdx.x] = 1;  // cleared at the start (no barrier at the end)
 }

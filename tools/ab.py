@@ -106,10 +106,13 @@ def main():
     ap.add_argument("--cases", default="dense,options,decode")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="comma-separated substrings of case names")
+    ap.add_argument("--also", default=None, help="a third tree (like BASE_DIR), timed too")
     ap.add_argument("--no-fixup", action="store_true",
                     help="also time the new tree with its lost-row launches stubbed out")
     args = ap.parse_args()
     trees = {"base": load("cuflash_base", args.base), "new": load("cuflash", REPO)}
+    if args.also:
+        trees["also"] = load("cuflash_also", args.also)
     if args.no_fixup:
         nofix = load("cuflash_nofix", REPO)
         launch = importlib.import_module("cuflash_nofix._launch")
