@@ -235,8 +235,12 @@ def _broadcasts_to(shape, target):
 
 
 def _plain_broadcast(a, b):
-    """Do two shapes broadcast the NumPy way (every axis equal, or 1 on one side)?"""
-    return all(x == y or 1 in (x, y) for x, y in zip(reversed(a), reversed(b)))
+    """Do two shapes broadcast the NumPy way?"""
+    try:
+        np.broadcast_shapes(a, b)
+    except ValueError:
+        return False
+    return True
 
 
 def _innermost_contiguous(xp, x):

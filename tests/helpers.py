@@ -106,3 +106,46 @@ def assert_close_to_reference(got, ref64, naive_same_dtype, floor, name="out"):
     assert err.max() <= limit, (
         f"{name}: max error {err.max():.3e} (mean {err.mean():.3e}) exceeds "
         f"2 x naive max error {base.max():.3e} (mean {base.mean():.3e}) + floor {floor:.1e}")
+
+
+def to_array(xp, host, dtype):
+    """A NumPy or CuPy (``xp``) array of ``dtype`` holding ``host`` (bfloat16 goes to CuPy
+    through its bits)."""
+    host = np.asarray(host).astype(dtype)
+    if xp is np:
+        return host
+    if dtype == BFLOAT16:
+        return xp.asarray(host.view(np.uint16)).view(dtype)
+    return xp.asarray(host)
+
+
+def _host_options(options):
+    return {name: to_host(x) if hasattr(x, "shape") else x for name, x in options.items()}
+
+
+def check_forward(out, lse, q, k, v, **options):
+    """cuflash's ``out``, ``lse`` against the float64 reference, within 2x a same-dtype naive
+    baseline; returns the reference lse."""
+    dtype = np.dtype(q.dtype)
+    low = dtype != np.float64
+    qh, kh, vh = (to_host(x) for x in (q, k, v))
+    host_options = _host_options(options)
+    ref_out, ref_lse = reference.attention(qh, kh, vh, return_lse=True, **host_options)
+    naive = naive_attention(qh, kh, vh, **host_options) if low else (None, None)
+    assert_close_to_reference(out, ref_out, naive[0], FLOORS[dtype.name], "out")
+    assert_close_to_reference(lse, ref_lse, naive[1], FLOORS[dtype.name], "lse")
+    return ref_lse
+
+
+def check_backward(grads, dout, q, k, v, out, lse, **options):
+    """cuflash's (dq, dk, dv) against the float64 reference's for the same dout, out and lse,
+    within 2x a same-dtype naive baseline (floor 4x the forward's)."""
+    dtype = np.dtype(q.dtype)
+    low = dtype != np.float64
+    qh, kh, vh, douth, outh, lseh = (to_host(x) for x in (q, k, v, dout, out, lse))
+    host_options = _host_options(options)
+    ref = reference.attention_backward(douth, qh, kh, vh, outh, lseh, **host_options)
+    base = (naive_attention_backward(douth, qh, kh, vh, outh, lseh, **host_options) if low
+            else (None,) * 3)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, base):
+        assert_close_to_reference(g, r, n, FLOORS[dtype.name] * 4, name)
