@@ -85,89 +85,49 @@ del _bucket, _f, _d
 
 # ---- tensor-core forward (kernels_cu/fwd_sm80.cu): float16 / bfloat16, sm_80+, Dk == Dv --------
 #
-# Sm80Tile: BLOCK_M = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp:
-# 2 when Q is re-read from shared memory by ldmatrix, 1 when Q sits in registers), BLOCK_N keys per
-# tile, a STAGES-deep cp.async ring for K and V, and the __launch_bounds__ minimum blocks per SM.
-# Chosen by ptxas reports and H200 measurements (bf16, tools/tc_fwd_check.py --variants; TFLOP/s
-# at N=16k non-causal / causal; torch SDPA flash 352 / 320 at D=128, 301 / 292 at D=64):
-#   D=128 128x32  4 warps Q smem 2 stages  255 regs / 0 spill  325 / 300   (first choice)
-#   D=128 128x32  4 warps Q smem 3 stages  255 / 0             318 / 297
-#   D=128 128x64  4 warps Q smem           255 / 48 spill (FA2's tile)     rejected at first;
-#     spill-free (NVRTC 13.0, 255 regs) once the masking branch recomputes its row bounds:
-#     tools/tc_fwd_check.py --variants, H200 2026-11-29, TFLOP/s (ratio to SDPA flash, same run):
-#     N=1k 312 (0.95) / 242 (0.99), 4k 336 (0.97) / 293 (0.98), 16k 345 (0.99) / 317 (1.01)
-#     vs 128x32: 286 (0.87) / 224 (0.91), 303 (0.88) / 272 (0.90), 316 (0.91) / 290 (0.93)
-#                                                                          <- chosen
-#   D=128 128x64 as 2x32-key steps, skip-rescale / lagged max: 0.83-0.94 (slower than 128x64)
-#   D=128 128x64  8 warps Q regs 2-3 stg.  209 / 0             251-273 / 257-277 (1 block/SM)
-#   D=128  64x64  4 warps Q regs           209 / 0             267 / 278
-#   D=64  128x64  4 warps Q smem 2 stages  233 / 0             311 / 296   <- chosen
-#     (re-measured 2026-11-29: 0.99-1.04 of flash at N=1k-16k; skip-rescale and 128x128 as
-#     2x64-key steps were 0.88-0.97)
-#   D=64  128x64  4 warps Q smem 3 stages  230 / 0             309 / 297
-#   D=64  128x32  4 warps Q smem           182 / 0             264 / 257
-#   D=64   64x128 4 warps Q regs           212 / 0             246 / 247
-#   D=64  128x128 4 warps Q smem           255 / 56 spill                  rejected
-# A boolean mask or a bias (HAS_MB) adds ~25 registers: those use 64-row tiles (D=256: 64x32,
-# 64x64 spills). D=32/96/192/256 were chosen from register and shared-memory counts, not timed yet.
-# Instantiations: 2 dtypes x 6 head dims x (with, without mask/bias) = 24.
-# ksplit: the key tile runs as ksplit softmax steps of block_n / ksplit keys (registers at the
-# step's level, one barrier per tile); rescale: 0 always rescales acc, 1 skips it when no row of
-# the warp raised its max (same results), 2 lets a row's max lag by up to 2^8 (fwd_sm80.cu).
-# opt: candidate variant bits (kernels_cu/fwd_sm80.cu OPT_*; 0 in the table): 1 incremental K/V
-# copy addresses, 2 the next tile's copies issued after S = Q K^T, 4 K and V in separate cp.async
-# groups (wait for K before Q K^T, for V after it). Passed as the kernel's last template argument
-# RESCALE_OPT = rescale | opt << 2, so the table's kernels keep their names and code.
-Sm80Tile = namedtuple("Sm80Tile",
-                      "block_m block_n warps stages q_in_regs min_blocks ksplit rescale opt",
-                      defaults=(1, 0, 0))
-SM80_OPT_CHEAP_ADDR, SM80_OPT_LATE_ISSUE, SM80_OPT_KV_SPLIT = 1, 2, 4
+# FwdTile: block_m = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp: 2
+# when Q is re-read from shared memory by ldmatrix, 1 when Q sits in registers), block_n keys per
+# tile, a `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM, and
+# two copy choices (fwd_sm80.cu): cheap_addr (incremental K/V addresses), kv_split (K and V in
+# separate cp.async groups). Chosen from ptxas reports and H200 timings (benchmarks/RESULTS.md
+# "Forward tile choices"); a mask or bias (HAS_MB) adds ~25 registers, hence 64-row tiles there.
+FwdTile = namedtuple("FwdTile", "block_m block_n warps stages q_in_regs min_blocks cheap_addr kv_split",
+                     defaults=(False, False))
 SM80_DTYPES = ("float16", "bfloat16")
 SM80_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-# Variant bits, H200 2026-11-29 (tools/tc_fwd_check.py --variants, bf16, ratio to SDPA flash in
-# the same run at N = 1k / 4k / 16k, non-causal | causal; the plain tile first):
-#   D=128 128x64 plain 0.95 0.99 0.96 | 0.98 0.98 1.01;  S (4) 1.01 1.04 1.00 | 1.02 1.04 1.05;
-#         A (1) 1.04 1.03 1.01 | 1.05 1.08 1.06;  A+S (5) 1.05 1.04 1.03 | 1.05 1.09 1.07 (A spills
-#         4-8 bytes on sm_80: A+S is the sm_90+ tile, SM90_TILES; S on sm_80);  128x32 3 stages with
-#         A: 0.93-0.99; 8 warps with Q in registers: 0.75-0.94.
-#   D=64  128x64 plain 0.99 1.02 1.02 | 1.03 0.99 1.02;  A (1) 1.04 1.06 1.04 | 1.04 1.04 1.05;
-#         A+L (3) 1.02 1.06 1.05 | 1.07 1.05 1.06;  S alone 0.95-1.00.
+_T = FwdTile
 SM80_TILES = {
     # (head dim, has mask or bias) -> tile
-    (32, False): Sm80Tile(128, 128, 4, 2, True, 2),
-    (64, False): Sm80Tile(128, 64, 4, 2, False, 2, 1, 0, SM80_OPT_CHEAP_ADDR),
-    (96, False): Sm80Tile(128, 64, 8, 2, True, 1),
-    (128, False): Sm80Tile(128, 64, 4, 2, False, 2, 1, 0, SM80_OPT_KV_SPLIT),
-    (192, False): Sm80Tile(64, 64, 4, 2, False, 1),
-    (256, False): Sm80Tile(64, 64, 4, 2, False, 1),
-    (32, True): Sm80Tile(64, 64, 4, 2, True, 2),
-    (64, True): Sm80Tile(64, 64, 4, 2, True, 2),
-    (96, True): Sm80Tile(64, 64, 4, 2, True, 2),
-    (128, True): Sm80Tile(64, 64, 4, 2, True, 2),
-    (192, True): Sm80Tile(64, 64, 4, 2, False, 1),
-    (256, True): Sm80Tile(64, 32, 4, 2, False, 1),
+    (32, False): _T(128, 128, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (64, False): _T(128, 64, warps=4, stages=2, q_in_regs=False, min_blocks=2, cheap_addr=True),
+    (96, False): _T(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+    (128, False): _T(128, 64, warps=4, stages=2, q_in_regs=False, min_blocks=2, kv_split=True),
+    (192, False): _T(64, 64, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+    (256, False): _T(64, 64, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+    (32, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (64, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (96, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (128, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (192, True): _T(64, 64, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+    (256, True): _T(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
 }
+# sm_90+ only: cheap_addr and kv_split together spill 4-8 bytes on sm_80 but not on sm_90a.
+SM90_TILES = {
+    (128, False): SM80_TILES[(128, False)]._replace(cheap_addr=True),
+}
+del _T
 SOURCES["fwd_sm80"] = "fwd_sm80.cu"
 _KERNEL_NAMES["fwd_sm80"] = "fwd_sm80"
 # The tensor-core backward kernels; their tiles are in cuflash/_tc_bwd.py.
-for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dkdv_x", "bwd_sm80_dkdv_g",
-           "bwd_sm80_dq"):
+for _k in ("bwd_sm80_prep", "bwd_sm80_dkdv", "bwd_sm80_dkdv_g", "bwd_sm80_dq"):
     SOURCES[_k] = "bwd_sm80.cu"
     _KERNEL_NAMES[_k] = _k
 del _k
-# The split-KV decode kernels; their tables (rows per block, split rule) are in cuflash/_decode.py.
-SOURCES["decode_split"] = SOURCES["decode_combine"] = SOURCES["decode_tc"] = "decode.cu"
+# The split-KV decode kernels; their tables (rows per block, decode_tc's tile) are in
+# cuflash/_decode.py.
+SOURCES["decode_split"] = SOURCES["decode_tc"] = "decode.cu"
 _KERNEL_NAMES["decode_split"] = "decode_split"
-_KERNEL_NAMES["decode_combine"] = "decode_combine"
 _KERNEL_NAMES["decode_tc"] = "decode_tc"
-
-
-# sm_90+ (compiled for the device's architecture) where ptxas fits a faster variant spill-free only
-# there; every other key uses SM80_TILES.
-SM90_TILES = {
-    (128, False): Sm80Tile(128, 64, 4, 2, False, 2, 1, 0,
-                           SM80_OPT_CHEAP_ADDR | SM80_OPT_KV_SPLIT),
-}
 
 
 def sm80_tile(head_dim, has_mb, cc=80):
@@ -177,10 +137,9 @@ def sm80_tile(head_dim, has_mb, cc=80):
     return SM80_TILES[(head_dim, has_mb)]
 
 
-def sm80_smem_bytes(head_dim, has_mb, tile=None):
-    """Q tile plus STAGES K and V tiles of 16-bit elements, rows padded by 8 elements.
-    `tile` (an Sm80Tile) overrides the table's choice (tools/tc_fwd_check.py times candidates)."""
-    t = SM80_TILES[(head_dim, has_mb)] if tile is None else tile
+def sm80_smem_bytes(head_dim, has_mb):
+    """Q tile plus STAGES K and V tiles of 16-bit elements, rows padded by 8 elements."""
+    t = SM80_TILES[(head_dim, has_mb)]  # (SM90_TILES keep the block shape and stages)
     return (t.block_m + 2 * t.stages * t.block_n) * (head_dim + 8) * 2
 
 
@@ -188,8 +147,8 @@ def sm80_name_expression(dtype, head_dim, has_mb, tile=None):
     t = SM80_TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
     return (f"fwd_sm80<{c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
-            f"{t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, {t.ksplit}, "
-            f"{t.rescale | (t.opt << 2)}>")
+            f"{t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, {b(t.cheap_addr)}, "
+            f"{b(t.kv_split)}>")
 
 
 def _bfloat16():
@@ -337,10 +296,8 @@ def all_instantiations():
 
 def sm90_only_instantiations():
     """Name expressions the package requests only on sm_90+ devices (checked for spills there)."""
-    from . import _tc_bwd
-    out = {sm80_name_expression(dt, d, mb, t) for dt in SM80_DTYPES
-           for (d, mb), t in SM90_TILES.items()}
-    return out | set(_tc_bwd.sm90_only_instantiations())
+    return {sm80_name_expression(dt, d, mb, t) for dt in SM80_DTYPES
+            for (d, mb), t in SM90_TILES.items()}
 
 
 def _dtype_of_ctype(expr):

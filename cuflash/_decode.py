@@ -16,17 +16,16 @@ cuflash._gpu._on_device):
 3. Key extent of each row tile (`tile_extents`): the keys any of its rows can see by position, the
    same closed form as kernels_cu/mask.cuh (DESIGN.md). It only decides which blocks exist: the
    kernel clips each block to its rows' ranges with mask.cuh itself.
-4. Split size: one uniform split size S (keys) for the call. `split_size` ("waves"): the smallest
-   multiple of the block's key pass, at least SPLIT_MIN_KEYS, such that the number of blocks
-   sum(ceil(extent / S)) fits in WAVES waves of resident blocks (SM count x blocks per SM from the
-   occupancy API); equal-size blocks that are all resident at once finish together. The automatic
-   choice uses DEFAULT_RULE ("balanced-fine", `split_size_balanced`): among such candidates (and,
-   for uneven extents, every multiple of 8 block passes) the S whose list schedule, longest item
-   first, ends first, so that uneven kv_lens share the SMs instead of the longest sequence setting
-   the time (each schedule's end is computed from the distinct extents, not by listing its
-   blocks: `_best_split`). kv_lens only changes the extents, so the invalid tail of a sequence
-   gets no blocks at all. A tile with an empty extent still gets one (empty) block, which writes
-   out = 0 and lse = -inf.
+4. Split size: one uniform split size S (keys) for the call (`split_size`). Candidates: for each
+   w in SPLIT_WAVES the smallest multiple of the block's key pass, at least SPLIT_MIN_KEYS, such
+   that the number of blocks sum(ceil(extent / S)) fits in w waves of resident blocks (SM count x
+   blocks per SM from the occupancy API), the block pass times powers of two, and, for uneven
+   extents, every multiple of 8 block passes. The S whose list schedule, longest item first, ends
+   first wins, so that uneven kv_lens share the SMs instead of the longest sequence setting the
+   time (each schedule's end is computed from the distinct extents, not by listing its blocks:
+   `_best_split`). kv_lens only changes the extents, so the invalid tail of a sequence gets no
+   blocks at all. A tile with an empty extent still gets one (empty) block, which writes out = 0
+   and lse = -inf.
 
 Every item's keys are fixed by the table and the partials are merged in slot order, so a call's
 result is bitwise reproducible (issue 12 removed decode_tc's key pools, whose stages were claimed
@@ -62,81 +61,18 @@ MIN_KEYS = 512
 MAX_ROWS = 8              # rows per block (template ROWS in {1, 2, 4, 8})
 MAX_GROUP = 64            # query heads packed on one kv head at most
 SPLIT_MIN_KEYS = 256      # a split never has fewer keys than this (tiny caches do not split)
-WAVES = 1                 # blocks of one call <= WAVES x resident capacity (see split_size)
 # Instantiations: 4 dtypes x 4 buckets x up to 4 ROWS x (mask/bias or not), aligned rows only
-# (`fits`), compiled on first use (`instantiations` lists them for tests/test_build.py); the hot ones (aligned, no mask/bias, ROWS <= 8, 16-bit, D <= 128) are held to zero
-# spills by `tools/decode_check.py build` (sm_80 and sm_90a, NVRTC ptxas report).
-#
-# CANDIDATES (not used unless asked for: Plan(variant=..., split_rule=...); timed by
-# tools/decode_check.py timing).
-# Measured 2026-11-29 (H200, KV TB/s for the four shapes; copy 4.22 TB/s): decode_split
-# 2.73-2.75 / 3.22-3.28 / 3.31-3.32 / 3.23-3.26. Tried and removed: cp.async rings per warp
-# (3-4 blocks/SM, 96-144 KB in flight per SM) 2.1 / 2.6 / 2.8 / 2.4; 2 keys per lane at 3
-# blocks/SM 1.8-1.9; Hopper bulk-copy rings of 64-192 KB per block: 2.7 / 3.2-3.4 / 3.4 / 3.3 at
-# 2-3 blocks/SM but 1.8-2.0 at 1 block/SM with 128-192 KB in flight. So bytes in flight are not
-# the limit: the SIMT kernel is bound by its instruction issue (about 60 warp instructions per
-# key at GQA 4: unpacking, 4 x 128 FMAs each way, the slot reductions, the softmax repeated on
-# 16 lanes), and more warps per SM is what moved it. Hence decode_tc (tensor cores, below).
-# TC_VARIANTS name -> (KW keys per warp per stage, STAGES of the cp.async ring, MINB blocks/SM,
-# HINT the L2 prefetch-size hint of the copies: 0, 128 or 256 bytes).
-# Measured 2026-11-29 (H200, bf16, the bench shapes (1, 131072) / (8, 32768) / (32, 8192) /
-# (64, 4096), KV TB/s, tools/decode_check.py timing; copy 4.27, a read-only stream 4.45, cuDNN
-# 4.14 / 4.37 / 4.43 / 4.39): decode_split 3.26 / 3.50 / 3.57 / 3.52 (fit over B = 32,
-# L = 1k..16k: 3.74 TB/s + 13 us a call); tc16s2 3.45 / 3.90 / 4.01 / 3.87 (4.27 TB/s + 17 us);
-# tc16s3 3.38 / 3.83 / 3.93 / 3.87; tc16s4 3.55 / 3.87 / 3.83 / 3.59; tc32s3 3.54 / 3.86 / 3.85 /
-# 3.65; with the L2 prefetch hint: 256 B 3.34 / 3.79 / 3.88 / 3.75 (slower), 128 B ("tc16s2h1")
-# 3.50 / 4.00 / 4.11 / 3.95 <- DEFAULT_TC. More waves only add per-block cost (about +20 us a
-# wave at the same slope), so the split rules stay at one wave of resident blocks.
-# Fourth session: decode_tc streams its ring across items and its blocks are persistent
-# (kernels_cu/decode.cu), which needs STAGES == 2; the STAGES 3 and 4 tiles above lost and were
-# removed (tc16s3, tc16s4, tc32s3, tc16s3h, and below tc16s3h1, tc16s4h1).
-TC_VARIANTS = {
-    "tc16s2": (16, 2, 2, 0),     # 64-key stages, 2 blocks/SM, 1 stage in flight each (74 KB)
-    "tc16s2h": (16, 2, 2, 256),  # tc16s2 with the 256-byte L2 prefetch hint
-    "tc16s2h1": (16, 2, 2, 128),
-    # 2026-11-29 (third session), tools/decode_check.py timing, KV TB/s for the four shapes and
-    # the uneven batch (tc16s2h1 in the same run): more bytes in flight did not help:
-    # tc16s3h1 3.41 / 3.91 / 4.03 / 3.96 / 3.57 (3.52 / 3.99 / 4.11 / 3.95 / 3.50), tc16s2m3h1
-    # 3.32 / 3.89 / 3.84 / 3.60 / 3.19, tc16s4h1 3.57 / 3.91 / 3.87 / 3.61 / 3.01. An L2
-    # evict-first policy on the copies (K/V are read once; HINT 129) won there on every shape, by
-    # 0.7-1.8 %: tc16s2h1e 3.60 / 4.06 / 4.18 / 4.05 / 3.60 (3.55 / 4.03 / 4.15 / 4.00 / 3.54),
-    # but lost 7-9 % in benchmarks/bench.py, which fills the L2 with dirty lines (its flush)
-    # before each run: 3.26 / 3.63 / 3.67 / 3.59 / 3.27 against tc16s2h1's 3.50 / 3.97 / 4.02 /
-    # 3.88 / 3.43 in the same process. decode_check's timing rotates two input sets without a
-    # flush: it cannot judge cache policies. tc16s2h1 stays DEFAULT_TC. (Fourth session: in the
-    # persistent kernel the evict-first copies (createpolicy + cp.async .L2::cache_hint) raised
-    # an illegal-instruction error; as they had lost, they were removed rather than debugged.)
-    # (sixth session: "tc16s2m3h1" (16, 2, 3, 128), 3 blocks/SM, lost above and was removed when
-    # the key pools' loop spilled it at D = 128 under its 168-register cap)
-}
-DEFAULT_TC = "tc16s2h1"    # decode_tc's tile where it fits (tc_fits), on sm_80+
-DEFAULT_RULE = "balanced-fine"  # the split rule of the automatic choice (both kernels)
+# (`fits`), compiled on first use (`instantiations` lists them for tests/test_build.py).
+# decode_tc's tile: TC_KW keys per warp per stage of its two-slot cp.async ring (64-key stages),
+# TC_MIN_BLOCKS blocks per SM; the fastest tile on the H200 (benchmarks/RESULTS.md has the ones
+# that lost).
+TC_KW = 16
+TC_MIN_BLOCKS = 2
 TC_HEAD_DIMS = (64, 128)   # Dk == Dv == HEAD_DIM (the bucket); others stay on decode_split
 TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
-# Split rules (SPLIT_RULES, Plan(split_rule=...)): "waves" (default, WAVES x capacity, below),
-# "balanced" (split_size_balanced: the S, among the 1..8-wave splits and block-pass x 2^i, whose
-# greedy list schedule of blocks of S + SPLIT_OVERHEAD_KEYS key-costs on `capacity` slots, longest
-# block first, ends first; tiles renumbered longest first and items launched longest first) and
-# "balanced-o64" (64 keys per block, up to 16 waves). Measured with decode_split: "balanced" takes
-# the uneven batch from 0.91-0.98 to 0.62-0.69 of the full batch's time, the full shapes unchanged.
-# "balanced-fine" (<- DEFAULT_RULE, third session): for uneven extents the candidates also include
-# every multiple of 8 block passes (at most ~32 of them); the uneven batch gets S = 4608 instead
-# of 4096 (384 blocks instead of 424): bench.py 165.0 -> 158.9 us, 0.62 -> 0.59 of the full
-# batch's time; equal extents keep their S (the four full shapes unchanged). With a per-block cost
-# of 640 keys (the measured ~20 us a wave) it picks the same S. Host cost of the rule, once per
-# kv_lens: listing every block and running a heap schedule per candidate took ~4 ms for that
-# batch and ~125 ms for 16 sequences of up to 1M keys; _best_split finds the same S
-# (tests/test_decode_schedule.py) without listing blocks: 0.4 and 0.6 ms where the former took
-# 4.9 and 142 ms (side by side on a loaded 2-core CPU).
-# UNEVEN BATCH (bench.py's: B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0, 52.7 % of
-# the keys valid; 132 SMs x 2 blocks = 264 slots): with "waves" the full batch is 256 tiles -> 256
-# blocks of 8192 keys, one wave; the uneven batch gets S = 7680 -> 264 blocks, mean 4187 keys but
-# max 7680 = 0.94 of 8192: all blocks run at once and the longest sets the time.
-# Target <= 1.1 x 0.527 = 0.58. `tools/decode_check.py host` prints the schedules.
-SPLIT_OVERHEAD_KEYS = 256  # the "balanced" rule's fixed cost of one block, in keys
-# (Key pools, sixth session: each split tile's last 1/8 of keys claimed a stage at a time by its
-# decode_tc blocks, B = 1 -3 %; removed in issue 12 because the run-time dealing made the forward
-# non-reproducible bitwise.)
+# split_size: its candidates' waves, and the fixed cost of one block in keys in its list schedule.
+SPLIT_WAVES = (1, 2, 3, 4, 6, 8)
+SPLIT_OVERHEAD_KEYS = 256
 
 
 def _storage_size(dtype):
@@ -185,18 +121,16 @@ def name_expression(dtype, bucket, rows, has_mb, aligned):
     return f"decode_split<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}>"
 
 
-def tc_expression(dtype, bucket, variant):
-    """Name expression of a decode_tc kernel (TC_VARIANTS)."""
-    kw, stages, minb, hint = TC_VARIANTS[variant]
-    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {kw}, {stages}, {minb}, {hint}>"
+def tc_expression(dtype, bucket):
+    """Name expression of the decode_tc kernel."""
+    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {TC_KW}, {TC_MIN_BLOCKS}>"
 
 
-def tc_smem_bytes(bucket, variant):
-    """decode_tc's dynamic shared memory: 16 Q rows and the K/V ring, padded rows of 16-bit
-    values (the warps' merge buffer, 4 x 16 rows of bucket + 8 floats, fits in one ring slot)."""
-    kw, stages = TC_VARIANTS[variant][:2]
+def tc_smem_bytes(bucket):
+    """decode_tc's dynamic shared memory: 16 Q rows and the two-slot K/V ring, padded rows of
+    16-bit values (the warps' merge buffer, 4 x 16 rows of bucket + 8 floats, fits in one slot)."""
     row = (bucket + 8) * 2
-    return 16 * row + 2 * stages * WARPS * kw * row
+    return 16 * row + 2 * (2 * WARPS * TC_KW) * row  # two slots of K and V rows
 
 
 def tc_fits(p):
@@ -207,11 +141,6 @@ def tc_fits(p):
     return (p.dtype.name in ("float16", "bfloat16") and p.Dk == p.Dv and p.Dk in TC_HEAD_DIMS
             and p.mask is None and p.bias is None and p.scale > 0 and p.Nk < TC_MAX_KEYS
             and fits(p))
-
-
-def combine_expression(dtype, rows):
-    t, acc = _config.c_types(dtype)
-    return f"decode_combine<{t}, {acc}, {rows}>"
 
 
 # ---- compilation (memoized per device, like _kernels.get_kernel) -------------------------------
@@ -332,22 +261,24 @@ def tile_extents(group_lens, G, Nq, rows, left, right, bottom_right):
 
 
 def _distinct(extents):
-    """The positive extents as (distinct values ascending, multiplicities): all the split rules
-    depend on (tiles of equal extents cost the same), and far fewer than the tiles."""
+    """The positive extents as (distinct values ascending, multiplicities): all split_size
+    depends on (tiles of equal extents cost the same), and far fewer than the tiles."""
     ext = np.asarray(extents, dtype=np.int64).reshape(-1)
     return np.unique(ext[ext > 0], return_counts=True)
 
 
-def _waves_splits(u, w, capacities, block_keys, min_keys, probes=1 << 14):
-    """split_size for each of `capacities` at once, from _distinct's (u, w), S in units of
-    block_keys. The block count n(S) = sum(w * ceil(u / S)) lies in [N / S, N / S + T) (N keys,
-    T tiles), which brackets the answer; a search vectorized over the capacities, probing up to
-    `probes` (capacity, S, extent) triples a step, closes the bracket in a step or two."""
+def _waves_splits(u, w, capacities, block_keys, probes=1 << 14):
+    """For each of `capacities` at once, the smallest S (a multiple of block_keys, at least
+    SPLIT_MIN_KEYS) with sum(ceil(extent / S)) <= capacity, from _distinct's (u, w); the largest
+    extent if even one block per tile exceeds it. The block count n(S) = sum(w * ceil(u / S)) lies
+    in [N / S, N / S + T) (N keys, T tiles), which brackets the answer; a search vectorized over
+    the capacities, probing up to `probes` (capacity, S, extent) triples a step, closes the
+    bracket in a step or two."""
     cap = np.asarray(capacities, dtype=np.int64)
     if u.size == 0:
-        return np.full(cap.shape, max(min_keys, block_keys), dtype=np.int64)
+        return np.full(cap.shape, max(SPLIT_MIN_KEYS, block_keys), dtype=np.int64)
     unit = block_keys
-    lo0 = -(-max(min_keys, 1) // unit)
+    lo0 = -(-SPLIT_MIN_KEYS // unit)
     hi0 = max(lo0, -(-int(u[-1]) // unit))  # the answer when even that does not fit
     N, T = int((u * w).sum()), int(w.sum())
     lo = np.minimum(np.maximum(-(-N // (np.maximum(cap, 1) * unit)), lo0), hi0)
@@ -366,13 +297,6 @@ def _waves_splits(u, w, capacities, block_keys, min_keys, probes=1 << 14):
                       np.where(span > 0, s[:, -1] + 1, lo))
         hi = np.where(fit, s[rows, j], hi)
     return lo * unit
-
-
-def split_size(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS):
-    """The one split rule: smallest S (multiple of block_keys, >= min_keys) with
-    sum(ceil(extent / S)) <= capacity; the largest extent if even one block per tile exceeds it."""
-    u, w = _distinct(extents)
-    return int(_waves_splits(u, w, [capacity], block_keys, min_keys)[0])
 
 
 def list_schedule_end(costs, capacity):
@@ -398,36 +322,37 @@ def launch_order(items):
 
 
 def lpt_order(extents):
-    """Tile launch order of the "balanced" rules: longest extent first (stable), so that the
+    """Tile numbering of split_size's schedules: longest extent first (stable), so that the
     blocks of the short tiles fill the end of the schedule (longest-processing-time first)."""
     return np.argsort(-np.asarray(extents, dtype=np.int64), kind="stable")
 
 
-def split_size_balanced(extents, capacity, block_keys, min_keys=SPLIT_MIN_KEYS,
-                        overhead_keys=SPLIT_OVERHEAD_KEYS, waves=(1, 2, 3, 4, 6, 8), fine=False):
-    """Split rules "balanced" and, with `fine`, "balanced-fine" (DEFAULT_RULE): among the waves
-    rule's S for each w in `waves`, the one whose list schedule (blocks of ceil-split keys +
-    overhead_keys each, longest first as launch_order launches them, on `capacity` slots) ends
-    first; ties go to the larger S (fewer partials). Equal extents that fit one wave keep the
-    one-wave S; uneven extents get smaller splits, so that short and long sequences share the SMs
-    instead of the longest block setting the time. `fine`: uneven extents also try every multiple
-    of 8 block passes below the longest extent (of a coarser step past 32 of them).
+def split_size(extents, capacity, block_keys):
+    """The split size S of a call (the module docstring's step 4): among the one-wave-per-w splits
+    (_waves_splits, w in SPLIT_WAVES), the block pass times powers of two and, for uneven extents,
+    every multiple of 8 block passes below the longest extent (of a coarser step past 32 of them),
+    the one whose list schedule (blocks of ceil-split keys + SPLIT_OVERHEAD_KEYS each, longest
+    first as launch_order launches them, on `capacity` slots) ends first; ties go to the larger S
+    (fewer partials). Equal extents that fit one wave keep the one-wave S; uneven extents get
+    smaller splits, so that short and long sequences share the SMs instead of the longest block
+    setting the time.
 
     The end of each candidate's schedule is list_schedule_end of the block costs, longest first,
     computed without listing the blocks, whose number grows with the keys (_best_split)."""
     ext = np.asarray(extents, dtype=np.int64).reshape(-1)
     u, w = _distinct(ext)
-    cands = set(_waves_splits(u, w, [int(x * capacity) for x in waves], block_keys,
-                              min_keys).tolist())
+    cands = set(_waves_splits(u, w, [int(x * capacity) for x in SPLIT_WAVES],
+                              block_keys).tolist())
     top = int(ext.max(initial=0))
-    S = max(min_keys, block_keys)
+    S = max(SPLIT_MIN_KEYS, block_keys)
     while S < top:  # and powers of two times the block pass
         cands.add(S)
         S *= 2
-    if fine and ext.size and ext.min() < top:  # uneven extents: also every 8 block passes
+    if ext.size and ext.min() < top:  # uneven extents: also every 8 block passes
         step = max(8 * block_keys, -(-top // (32 * block_keys)) * block_keys)
-        cands.update(range(max(min_keys, step), top, step))
-    return _best_split(u, w, np.array(sorted(cands), dtype=np.int64), capacity, overhead_keys)
+        cands.update(range(max(SPLIT_MIN_KEYS, step), top, step))
+    return _best_split(u, w, np.array(sorted(cands), dtype=np.int64), capacity,
+                       SPLIT_OVERHEAD_KEYS)
 
 
 def _best_split(u, w, S, capacity, overhead_keys):
@@ -514,17 +439,6 @@ def _schedule_tail(y, m, r, c):
     return max(h)
 
 
-# name -> split function (extents, capacity, block_keys) -> S; every rule but "waves" also numbers
-# the tiles in lpt_order and launches the items in launch_order
-SPLIT_RULES = {
-    "waves": split_size,               # today's rule
-    "balanced": split_size_balanced,   # SPLIT_OVERHEAD_KEYS per block
-    "balanced-o64": lambda e, c, b: split_size_balanced(e, c, b, overhead_keys=64,
-                                                        waves=(1, 2, 3, 4, 6, 8, 12, 16)),
-    "balanced-fine": lambda e, c, b: split_size_balanced(e, c, b, fine=True),  # DEFAULT_RULE
-}
-
-
 def make_items(lo, hi, S):
     """Cut each row tile's extent [lo, hi] into items of S keys.
 
@@ -595,11 +509,13 @@ class Schedule:
 
     groups (n_groups, G), rows (ROWS), tiles (n_tiles, 4) = (group, tile index, first item,
     item count), items (n_items, 3) = (tile id, k0, k1 exclusive), split (keys per item), lens
-    (BH). `grouping`: group_heads' answer for p, when the caller has it.
+    (BH). `split` forces the keys per item (tests; tiles then keep their order and the items
+    launch in table order); else split_size chooses, the tiles are numbered longest first
+    (lpt_order) and the items launch longest first (launch_order). `grouping`: group_heads'
+    answer for p, when the caller has it.
     """
 
-    def __init__(self, p, capacity, split=None, rule=None, rows=None, block_keys=None,
-                 grouping=None):
+    def __init__(self, p, capacity, split=None, rows=None, block_keys=None, grouping=None):
         BH = p.BH
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
@@ -613,18 +529,16 @@ class Schedule:
                                     p.left, p.right, p.bottom_right)
         if split:
             self.split = int(split)
-        elif rule is None or rule == "waves":
+        else:
             self.split = split_size(np.maximum(hi - lo + 1, 0), capacity, block_keys)
-        else:  # a candidate rule (SPLIT_RULES)
-            self.split = SPLIT_RULES[rule](np.maximum(hi - lo + 1, 0), capacity, block_keys)
             order = lpt_order(np.maximum(hi - lo + 1, 0))  # tile ids follow the launch order
             g, t, lo, hi = g[order], t[order], lo[order], hi[order]
         first, count, self.items = make_items(lo, hi, self.split)
         self.tiles = np.stack([g, t, first, count], axis=1)
         self.split_any = bool(np.any(count > 1))
         # launch order of the items (row r of the kernels' table = item launch[r])
-        self.launch = (np.arange(self.items.shape[0], dtype=np.int64)
-                       if rule is None or rule == "waves" or split else launch_order(self.items))
+        self.launch = (np.arange(self.items.shape[0], dtype=np.int64) if split
+                       else launch_order(self.items))
 
     def items_x(self):
         """The kernels' items table (n_items, 6): (tile, k0, k1, workspace slot, k offset,
@@ -637,29 +551,31 @@ class Schedule:
                                self.v_map[bh0][:, None]], axis=1)
 
 
-class _Layout:
-    """What a Plan takes from the layout alone, not from kv_lens: the kernel variant and split
-    rule, the table's offsets rows and the strides; and per ROWS (set by the grouping, which
-    kv_lens changes in broadcast layouts) the kernels, their occupancy and the split rule's
-    capacity. forward keeps one per layout, so that a new kv_lens (each decoded token) only
-    re-plans the split and the table. Arguments as Plan's."""
+def _use_tc(p, variant):
+    """Whether a Plan runs decode_tc: where it fits (tc_fits), unless `variant` is "simt"
+    (decode_split everywhere: tests). None is the automatic choice."""
+    if variant not in (None, "simt"):
+        raise ValueError(f"decode variant must be None or 'simt', got {variant!r}")
+    return variant is None and tc_fits(p)
 
-    def __init__(self, p, fused=True, waves=WAVES, variant=None, split_rule=None):
-        self.dtype, self.fused, self.waves = p.dtype, bool(fused), waves
+
+class _Layout:
+    """What a Plan takes from the layout alone, not from kv_lens: the kernel, the table's offsets
+    rows and the strides; and per ROWS (set by the grouping, which kv_lens changes in broadcast
+    layouts) the kernels, their occupancy and the split rule's capacity. forward keeps one per
+    layout, so that a new kv_lens (each decoded token) only re-plans the split and the table.
+    Arguments as Plan's."""
+
+    def __init__(self, p, variant=None):
+        self.dtype = p.dtype
         self.has_mb = p.mask is not None or p.bias is not None
         self.aligned = _aligned(p)
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
-        if variant is None:  # the automatic choice
-            variant = DEFAULT_TC if tc_fits(p) else "simt"
-            split_rule = split_rule or DEFAULT_RULE
-        elif variant != "simt" and not tc_fits(p):
-            raise ValueError(f"decode variant {variant!r} does not apply to this problem")
-        self.variant, self.split_rule = variant, split_rule
         # decode_tc: 16 rows a block, its stage's keys a pass; decode_split: Schedule's defaults
-        tc = variant != "simt"
-        self.dyn_smem = tc_smem_bytes(self.bucket, variant) if tc else 0
+        self.tc = tc = _use_tc(p, variant)
+        self.dyn_smem = tc_smem_bytes(self.bucket) if tc else 0
         self.sched_rows = 16 if tc else None
-        self.block_keys = TC_VARIANTS[variant][0] * WARPS if tc else None
+        self.block_keys = TC_KW * WARPS if tc else None
         BH = p.BH
         self.offsets = np.zeros((5, BH), dtype=np.int64)
         for row, mp in enumerate((p.q_map, p.k_map, p.v_map)):
@@ -684,17 +600,15 @@ class _Layout:
         return rows_per_block(self.dtype, self.bucket, G * Nq, self.has_mb)
 
     def kernels(self, rows):
-        """(expr, kernel, blocks per SM, combine kernel or None, capacity) on the current device
+        """(expr, kernel, blocks per SM, capacity) on the current device
         (forward's cache keys name it), compiled on first use."""
         hit = self._by_rows.get(rows)
         if hit is None:
-            expr = (name_expression(self.dtype, self.bucket, rows, self.has_mb, self.aligned)
-                    if self.variant == "simt" else tc_expression(self.dtype, self.bucket,
-                                                                 self.variant))
+            expr = (tc_expression(self.dtype, self.bucket) if self.tc else
+                    name_expression(self.dtype, self.bucket, rows, self.has_mb, self.aligned))
             kernel, per_sm = _kernel(expr, self.dyn_smem)
-            combine = None if self.fused else _kernel(combine_expression(self.dtype, rows))[0]
-            capacity = max(1, int(self.waves * per_sm * _kernels.device_info().sm_count))
-            hit = self._by_rows[rows] = (expr, kernel, per_sm, combine, capacity)
+            capacity = max(1, per_sm * _kernels.device_info().sm_count)  # one wave
+            hit = self._by_rows[rows] = (expr, kernel, per_sm, capacity)
         return hit
 
 
@@ -703,28 +617,24 @@ class Plan:
 
     `run()` launches on the current stream and returns (out, lse); tools/decode_check.py times
     `run()` alone, with the host preparation outside the timed region. `split` forces the split
-    size (tests); `waves` scales the capacity of the split rule. `variant`: None chooses
-    (DEFAULT_TC where tc_fits, else "simt", with DEFAULT_RULE), "simt" is decode_split, a name of
-    TC_VARIANTS that decode_tc tile; `split_rule` a rule of SPLIT_RULES; both default to today's
-    behaviour. `layout`: a _Layout of this layout to reuse (forward's cache); it then stands for
-    `fused`, `waves`, `variant` and `split_rule`.
+    size (tests). `variant`: None runs decode_tc where it fits (tc_fits), else decode_split;
+    "simt" runs decode_split everywhere (tests). `layout`: a _Layout of this layout to reuse
+    (forward's cache); it then stands for `variant`.
     """
 
-    def __init__(self, p, fused=True, waves=WAVES, poison=False, split=None, variant=None,
-                 split_rule=None, layout=None):
+    def __init__(self, p, poison=False, split=None, variant=None, layout=None):
         import cupy
 
         self.p = p
         with p.q.device:
-            self.layout = lay = layout or _Layout(p, fused, waves, variant, split_rule)
+            self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
             grouping = group_heads(np.asarray(p.k_map, dtype=np.int64).reshape(p.BH),
                                    np.asarray(p.v_map, dtype=np.int64).reshape(p.BH), _lens(p))
             rows = lay.rows(grouping[1], p.Nq)
-            self.expr, self.kernel, self.per_sm, self.combine, self.capacity = lay.kernels(rows)
-        self.fused, self.variant, self.dyn_smem = lay.fused, lay.variant, lay.dyn_smem
-        sched = Schedule(p, self.capacity, split, lay.split_rule, lay.sched_rows, lay.block_keys,
-                         grouping)
+            self.expr, self.kernel, self.per_sm, self.capacity = lay.kernels(rows)
+        self.tc, self.dyn_smem = lay.tc, lay.dyn_smem
+        sched = Schedule(p, self.capacity, split, lay.sched_rows, lay.block_keys, grouping)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
@@ -764,7 +674,8 @@ class Plan:
         return out, lse
 
     def run(self, out=None, lse=None, p=None):
-        """Launch (split kernel, and the combine kernel when not fused); returns (out, lse).
+        """Launch the split kernel (its last block per row tile merges the partials); returns
+        (out, lse).
 
         ``p`` is a Problem with the same layout as the one planned (see ``forward``'s cache);
         by default the planned one."""
@@ -790,33 +701,25 @@ class Plan:
                     i64(self.q_rs), i64(self.k_rs), i64(self.v_rs), i64(self.mask_rs),
                     i64(self.mask_cs), i64(self.bias_rs), i64(self.bias_cs), i32(p.BH),
                     i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G), sc(p.scale), i32(p.left),
-                    i32(p.right), i32(bool(p.bottom_right)), i32(self.fused))
-            if self.variant != "simt":  # persistent blocks, at most one wave (decode_tc)
+                    i32(p.right), i32(bool(p.bottom_right)), i32(1))  # fused: merge in-kernel
+            if self.tc:  # persistent blocks, at most one wave (decode_tc)
                 grid = min(self.n_items, self.per_sm * _kernels.device_info().sm_count)
                 self.kernel((grid,), (THREADS,), args + (i32(self.n_items),),
                             shared_mem=self.dyn_smem)
             else:
                 self.kernel((self.n_items,), (THREADS,), args)
-            if self.split_any and not self.fused:
-                # the workspace's units: natural for decode_split with mask / bias, else base 2
-                natural = self.variant == "simt" and self.layout.has_mb
-                self.combine((self.n_tiles,), (THREADS,),
-                             (out, lse, ws_out, ws_ml, self.lens, self.groups,
-                              self.tiles, i32(p.Nq), i32(p.Dv), i32(self.G), i32(p.left),
-                              i32(p.right), i32(bool(p.bottom_right)), i32(natural)))
         return out, lse
 
 
-def plan(p, fused=True, waves=WAVES, poison=False, split=None, variant=None, split_rule=None):
-    return Plan(p, fused=fused, waves=waves, poison=poison, split=split, variant=variant,
-                split_rule=split_rule)
+def plan(p, poison=False, split=None, variant=None):
+    return Plan(p, poison=poison, split=split, variant=variant)
 
 
 def forward(p, split=None, variant=None):
     """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream.
 
     ``split`` forces the keys per split (tests use a small one to exercise the merge), ``variant``
-    the kernel (see Plan; tests force "simt" where decode_tc would run)."""
+    "simt" forces decode_split where decode_tc would run (tests; see Plan)."""
     from . import _gpu
 
     layout_key = _layout_key(p, split, _gpu.POISON) + (variant,)
@@ -865,19 +768,14 @@ def instantiations():
     """Every (kernel, dtype name, bucket, source file, name expression) this path can request."""
     out = []
     for dt in _config.supported_dtype_names():
-        rows_options = set()
         for b in _config.HEAD_DIM_BUCKETS:
             for has_mb in (False, True):
                 r = 1
                 while r <= max_rows(dt, b, has_mb):
-                    rows_options.add(r)
                     out.append(("decode_split", dt, b, SOURCE,
                                 name_expression(dt, b, r, has_mb, True)))
                     r *= 2
         if dt in ("float16", "bfloat16"):
-            rows_options.add(16)
             for b in TC_HEAD_DIMS:
-                out.append(("decode_tc", dt, b, SOURCE, tc_expression(dt, b, DEFAULT_TC)))
-        for r in sorted(rows_options):
-            out.append(("decode_combine", dt, None, SOURCE, combine_expression(dt, r)))
+                out.append(("decode_tc", dt, b, SOURCE, tc_expression(dt, b)))
     return out

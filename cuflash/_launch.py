@@ -75,17 +75,15 @@ def launch_fwd(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs
 
 def launch_fwd_sm80(q, k, v, out, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs,
                     mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right,
-                    bottom_right, tile=None):
-    """fwd_sm80 (tensor cores): the generic forward's arguments; lse is float32.
-    `tile` (a _config.Sm80Tile) overrides the table's choice, for tools/tc_fwd_check.py."""
+                    bottom_right):
+    """fwd_sm80 (tensor cores): the generic forward's arguments; lse is float32."""
     if BH == 0 or Nq == 0:
         return
     has_mb = mask is not None or bias is not None
-    if tile is None:
-        tile = _config.sm80_tile(Dk, has_mb, _kernels.device_info().cc)
+    tile = _config.sm80_tile(Dk, has_mb, _kernels.device_info().cc)
     kern = _kernels.get_function(_config.SOURCES["fwd_sm80"],
                                  _config.sm80_name_expression(q.dtype, Dk, has_mb, tile))
-    smem = _config.sm80_smem_bytes(Dk, has_mb, tile)
+    smem = _config.sm80_smem_bytes(Dk, has_mb)
     _opt_in(kern, smem)
     # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
     blocks = -(-Nq // tile.block_m) * BH

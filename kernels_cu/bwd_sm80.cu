@@ -80,29 +80,15 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
   return max(i_last + p.dlo, 0) <= j0 && j0 + BN - 1 <= min(i0 + p.dhi, p.L_last);
 }
 
-// bwd_sm80_dkdv_x OPT bits (candidate variants; bwd_sm80_dkdv is OPT = 0). The B-fragment
-// ldmatrix loads of dV += P^T dO and dK += dS^T Q have addresses that do not depend on anything
-// computed in the query-tile iteration, so ptxas hoists them to the top of the iteration and holds
-// them through S^T and dP^T (the registers that push the kernel to 255). fwd_sm80.cu fixed the same
-// thing for V with a fake data dependency; these bits do it here:
-//   DKDV_BDEP    k-step kk's B addresses + ((sign bit of the packed P^T of kk) << 4) for dV (P >= 0,
-//                so 0; a NaN moves the read one 16-byte chunk inside the padded row), and
-//                + ((sign bit of dS * dS) << 4) for dK: the loads cannot rise above exp2 / dS.
-//   DKDV_BCHAIN  k-step kk > 0 also adds (accumulator of k-step kk - 1's first product is NaN) << 4:
-//                at most one k-step of B fragments in flight (DF / 2 x4 loads).
-//   DKDV_DQ_V4   dQ: lanes t, t ^ 1 swap half-fragments (2 shuffles per 8 columns) so that each
-//                lane owns 4 consecutive columns of one row: one red.global.add.v4.f32 instead of
-//                two .v2 (sm_90+; 4 scalar reductions on sm_80; tcb::red_frag_v4). Lost twice.
-//   DKDV_LANE_OPQ the ldmatrix lane offsets are recomputed per query tile from opaque(lane)
-//                (as fwd_sm80.cu) instead of staying live through the loop.
+// bwd_sm80_dkdv OPT bits (0: the mma.sync kernel on padded tiles):
 //   DKDV_SWZ     K, V, Q and dO tiles unpadded (rows of HEAD_DIM * 2 bytes, a multiple of 128)
-//                with FA2's XOR swizzle of the 16-byte chunks (tc::chunk_offset): the padded rows
-//                straddle 128-byte lines, so their cp.async copies cost ~2.6x the ideal shared
-//                store wavefronts (ncu, D=64, H200). Every ldmatrix address of those tiles goes
-//                through tc::tile_addr (one XOR per distinct column offset); dS^T stays padded
-//                (its 4-byte stores and ldmatrix.trans are conflict-free as they are). The
-//                shared base is rounded up to a row (the XOR must not carry into it); the host
-//                reserves the extra row. HEAD_DIM % 64 == 0.
+//                with FA2's XOR swizzle of the 16-byte chunks (tc::chunk_offset): padded rows
+//                straddle 128-byte lines and make the cp.async copies cost more shared store
+//                wavefronts. Every ldmatrix address of those tiles goes through tc::tile_addr (one
+//                XOR per distinct column offset); dS^T stays padded (its 4-byte stores and
+//                ldmatrix.trans are conflict-free as they are). The shared base is rounded up to a
+//                row (the XOR must not carry into it); the host reserves the extra row.
+//                HEAD_DIM % 64 == 0.
 //   DKDV_WGMMA   sm_90a (wgmma_sm90.cuh): the four products whose rows are keys (S^T, dP^T, dV,
 //                dK) on wgmma instead of mma.sync; warpgroup h (warps 4h..4h+3) owns keys
 //                [64 h, 64 h + 64), so every register fragment is where the mma.sync form has it
@@ -112,59 +98,23 @@ __device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_
 //                stays on mma.sync) and the dQ reductions (issued together, while dK runs). Needs
 //                DKDV_SWZ, HEAD_DIM 64 or 128 (tiles stored as blocks of 64 columns), BLOCK_M 32 or
 //                64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
-//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (the default there on
-//                sm_90a: _tc_bwd.DKDV_TILES_WG_DQ): dQ = dS K on wgmma too. dS^T goes to shared
-//                memory 128-byte-swizzled (rows = keys, 64 queries of 128 bytes), read as an
-//                MN-major A; warpgroup h takes
-//                dQ's columns [64 h, 64 h + 64) over all 128 keys with K's column block h as an
-//                MN-major B. Its fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the
-//                reductions are the same.
+//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (_tc_bwd.DKDV_TILES_WG_DQ):
+//                dQ = dS K on wgmma too. dS^T goes to shared memory 128-byte-swizzled (rows = keys,
+//                64 queries of 128 bytes), read as an MN-major A; warpgroup h takes dQ's columns
+//                [64 h, 64 h + 64) over all 128 keys with K's column block h as an MN-major B. Its
+//                fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the reductions are the
+//                same.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
-// (Host-side, _tc_bwd.OPT_GRID = 16 selects the warp-grid kernel; the kernels never see it.)
-enum DkdvOpt : int {
-  DKDV_BDEP = 1, DKDV_BCHAIN = 2, DKDV_DQ_V4 = 4, DKDV_LANE_OPQ = 8, DKDV_SWZ = 32,
-  DKDV_WGMMA = 64, DKDV_WG_DQ = 128
-};
+// (Host-side, _tc_bwd.OPT_GRID selects the warp-grid kernel bwd_sm80_dkdv_g; the kernels never
+// see it.)
+enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4 };
 
-// p[0..3] += a, b, c, d in global memory (16-byte aligned), no return value.
-__device__ __forceinline__ void red_add_f32x4(float* p, float a, float b, float c, float d) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
-               "f"(d) : "memory");
-#else
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 2), "f"(c) : "memory");
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 3), "f"(d) : "memory");
-#endif
-}
-// One 16x8 dQ accumulator fragment c (rows g, g + 8; columns 2t, 2t + 1) added with
-// red.global.add.v4: lanes t, t ^ 1 swap half-fragments so that an even lane adds row g, columns
-// 2t..2t+3 and an odd lane row g + 8, columns 2t-2..2t+1. p = this lane's address (its row: g for
-// even t, g + 8 for odd; column 4 (t / 2)); ok = its row is inside the matrix. Warp-collective.
-__device__ __forceinline__ void red_frag_v4(float* p, const float (&c)[4], int t, bool ok) {
-  const bool odd = (t & 1) != 0;
-  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-  if (ok) {
-    if (odd)
-      red_add_f32x4(p, r0, r1, c[2], c[3]);
-    else
-      red_add_f32x4(p, c[0], c[1], r0, r1);
-  }
-}
 // The dQ reductions of a query tile go out spread over the k-steps of the product that follows
-// them (dK += dS^T Q; phase 2 in bwd_sm80_dkdv_g), ceil(NR / STEPS) per k-step, not as one burst at
-// the end of the tile. ncu on the H200 (D=64, N=4096, 2026-11-29): issued as a burst, they filled
-// the load/store queue, so the next tile's cp.async after the top barrier, and every register
-// reuse behind them, waited ~11 % of the warp samples (long scoreboard; FA2 7 %). Spread: -1 to
-// +7 % (tools/tc_bwd_check.py); all before the product (DKDV_DQ_EARLY, removed) lost 1-7 %.
+// them (dK += dS^T Q; phase 2 in bwd_sm80_dkdv_g), ceil(NR / STEPS) per k-step: issued as one
+// burst at the end of the tile they fill the load/store queue, and the next tile's copies wait.
 __host__ __device__ constexpr bool dq_reduction_at(int r, int step, int NR, int STEPS) {
   return r / ((NR + STEPS - 1) / STEPS) == step;
 }
-// 16 when x is NaN, else 0: a data dependency ptxas cannot fold.
-__device__ __forceinline__ u32 nan_dep(float x) { return x != x ? 16u : 0u; }
-
 
 // acc (this warp's 16 key rows x NQF*8 query columns) = A B^T over the head dim, A the key-side
 // fragments (K or V: from registers, or from shared memory at a_row), B the query-side rows (Q or
@@ -297,11 +247,11 @@ bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float
 }
 
 // Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile: the blocks of one (batch, head) run together
-// (its Q and dO stay in L2), the first key tiles (the longest causal ones) first.
+// (its Q and dO stay in L2), the first key tiles (the longest causal ones) first. OPT: tcb::DkdvOpt.
 template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
-          bool HAS_MB, int OPT>
-__device__ __forceinline__ void
-bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+          bool HAS_MB, int MIN_BLOCKS, int OPT>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               const T* __restrict__ dout, const float* __restrict__ lse2,
               const float* __restrict__ delta, float* __restrict__ dq_acc,
               float* __restrict__ dk_acc, float* __restrict__ dv_acc,
@@ -334,16 +284,13 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   constexpr int DQ_COLS = HEAD_DIM / (WD > 0 ? WD : 1);  // dQ columns per warp
   static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
   static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
-  static_assert(!SWZ || !(OPT & tcb::DKDV_LANE_OPQ), "DKDV_SWZ: not with DKDV_LANE_OPQ");
   constexpr bool WG = (OPT & tcb::DKDV_WGMMA) != 0;  // four products on wgmma (sm_90a)
   static_assert(!WG || (SWZ && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
-                        (BLOCK_M == 32 || BLOCK_M == 64) && NWARPS == 8 && !KV_IN_REGS &&
-                        !(OPT & (tcb::DKDV_BDEP | tcb::DKDV_BCHAIN))),
+                        (BLOCK_M == 32 || BLOCK_M == 64) && NWARPS == 8 && !KV_IN_REGS),
                 "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
                 "shared memory");
   static_assert(!SWZ || HEAD_DIM == 64 || WG, "DKDV_SWZ's mma.sync products: one column block");
-  static_assert(!WG_DQ || (WG && HEAD_DIM == 128 && BLOCK_M == 64 && DQ_ATOMIC &&
-                           !(OPT & tcb::DKDV_DQ_V4)),
+  static_assert(!WG_DQ || (WG && HEAD_DIM == 128 && BLOCK_M == 64 && DQ_ATOMIC),
                 "DKDV_WG_DQ: the wgmma kernel at D=128, 64 queries per step, dQ atomics");
   // Shared tile bases: swizzled tiles start on a row (tc::tile_addr's XOR must not carry into the
   // base), wgmma's 128-byte swizzle on 8 rows (it swizzles absolute addresses).
@@ -401,11 +348,10 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
   //    row (lane % 8) + 8 * ((lane / 8) % 2), chunk lane / 16
   //  dS as A of dS K, read transposed from dS^T (x4.trans, always padded): key row
   //    (lane % 8) + 8 * (lane / 16), query chunk (lane / 8) % 2
-  constexpr bool LANE_OPQ = (OPT & tcb::DKDV_LANE_OPQ) != 0;
-  const u32 a_lane0 = chunk_offset<SWZ, LROW>(warp * 16 + lane % 16, lane / 16);
-  const u32 bn_lane0 = chunk_offset<SWZ, LROW>(lane % 8 + 8 * (lane / 16), (lane / 8) % 2);
-  const u32 bt_lane0 = chunk_offset<SWZ, LROW>(lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
-  const u32 ds_lane0 = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
+  const u32 a_lane = chunk_offset<SWZ, LROW>(warp * 16 + lane % 16, lane / 16);
+  const u32 bn_lane = chunk_offset<SWZ, LROW>(lane % 8 + 8 * (lane / 16), (lane / 8) % 2);
+  const u32 bt_lane = chunk_offset<SWZ, LROW>(lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
+  const u32 ds_lane = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
 
   // One query tile into ring slot `slot` (tcb::copy_query_tile).
   auto load_query_tile = [&](int slot, int i0) {
@@ -442,18 +388,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot and dS^T)
     if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
-
-    // Lane offsets (LANE_OPQ: recomputed here from an opaque lane index, a few integer ops; the
-    // padded layout only: static_assert below).
-    const int ln = LANE_OPQ ? opaque(lane) : lane;
-    const u32 a_lane =
-        LANE_OPQ ? (warp * 16 + ln % 16) * ROW_BYTES + (ln / 16) * 16 : a_lane0;
-    const u32 bn_lane =
-        LANE_OPQ ? (ln % 8 + 8 * (ln / 16)) * ROW_BYTES + ((ln / 8) % 2) * 16 : bn_lane0;
-    const u32 bt_lane =
-        LANE_OPQ ? (ln % 8 + 8 * ((ln / 8) % 2)) * ROW_BYTES + (ln / 16) * 16 : bt_lane0;
-    const u32 ds_lane =
-        LANE_OPQ ? (ln % 8 + 8 * (ln / 16)) * DS_ROW + ((ln / 8) % 2) * 16 : ds_lane0;
 
     if (KV_IN_REGS && it == 0) {
 #pragma unroll
@@ -534,13 +468,10 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int kk = 0; kk < (WG ? 0 : KM); ++kk) {
       u32 pa[4];
       acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
-      u32 vdep = 0;
-      if (OPT & tcb::DKDV_BDEP) vdep = (pa[3] >> 31) << 4;
-      if ((OPT & tcb::DKDV_BCHAIN) && kk > 0) vdep += tcb::nan_dep(dv[0][0]);
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(tile_addr<SWZ>(dos + vdep + bt_lane, kk * 16 * LROW, p * 32), b);
+        ldsm_x4_t(tile_addr<SWZ>(dos + bt_lane, kk * 16 * LROW, p * 32), b);
         Mma<T>::run(dv[2 * p], pa, b[0], b[1]);
         Mma<T>::run(dv[2 * p + 1], pa, b[2], b[3]);
       }
@@ -623,22 +554,15 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
         }
       }
     }
-    // Reduction r: row half h = r / QF, columns nf = r % QF (DKDV_DQ_V4: fragment r, one v4 per
-    // lane pair); NR of them, spread over the KM k-steps of dK.
-    constexpr bool V4 = (OPT & tcb::DKDV_DQ_V4) != 0;
-    constexpr int NR = V4 ? QF : 2 * QF;
+    // Reduction r: row half h = r / QF, columns nf = r % QF; NR of them, spread over the KM
+    // k-steps of dK.
+    constexpr int NR = 2 * QF;
     auto dq_red = [&](int r) {
-      if constexpr (V4) {
-        const int i = i0 + wm * 16 + g + ((t & 1) ? 8 : 0);
-        tcb::red_frag_v4(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 4 * (t / 2) + r * 8, acc[r],
-                         t, i < Nq);
-      } else {
-        const int h = r / QF, nf = r % QF;
-        const int i = i0 + wm * 16 + g + 8 * h;
-        if (i < Nq)
-          red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
-                        acc[nf][2 * h], acc[nf][2 * h + 1]);
-      }
+      const int h = r / QF, nf = r % QF;
+      const int i = i0 + wm * 16 + g + 8 * h;
+      if (i < Nq)
+        red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
+                      acc[nf][2 * h], acc[nf][2 * h + 1]);
     };
 
     // dK += dS^T Q (WG: issued above; the dQ reductions go out here, then both products land).
@@ -658,14 +582,10 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
         for (int r = 0; r < NR; ++r)
           if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r);
       }
-      u32 kdep = 0;
-      if (OPT & tcb::DKDV_BDEP)
-        kdep = (__float_as_uint(dp[2 * kk + 1][3] * dp[2 * kk + 1][3]) >> 31) << 4;
-      if ((OPT & tcb::DKDV_BCHAIN) && kk > 0) kdep += tcb::nan_dep(dk[0][0]);
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(tile_addr<SWZ>(qs + kdep + bt_lane, kk * 16 * LROW, p * 32), b);
+        ldsm_x4_t(tile_addr<SWZ>(qs + bt_lane, kk * 16 * LROW, p * 32), b);
         Mma<T>::run(dk[2 * p], da[kk], b[0], b[1]);
         Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
       }
@@ -680,43 +600,6 @@ bwd_sm80_dkdv_body(const T* __restrict__ q, const T* __restrict__ k, const T* __
       tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + 2 * t, dk, dv, h, out16);
     }
   }
-}
-
-template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
-          bool HAS_MB, int MIN_BLOCKS>
-__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-              const T* __restrict__ dout, const float* __restrict__ lse2,
-              const float* __restrict__ delta, float* __restrict__ dq_acc,
-              float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-              const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-              const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-              long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-              long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-              int out16) {
-  bwd_sm80_dkdv_body<T, HEAD_DIM, BLOCK_M, NWARPS, KV_IN_REGS, DQ_ATOMIC, HAS_MB, 0>(
-      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad,
-      out16);
-}
-
-// Candidate variants (not used by default): the same body with OPT != 0 (bits: see tcb::DKDV_*).
-template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
-          bool HAS_MB, int MIN_BLOCKS, int OPT>
-__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-bwd_sm80_dkdv_x(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-              const T* __restrict__ dout, const float* __restrict__ lse2,
-              const float* __restrict__ delta, float* __restrict__ dq_acc,
-              float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-              const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-              const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-              long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-              long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-              int out16) {
-  bwd_sm80_dkdv_body<T, HEAD_DIM, BLOCK_M, NWARPS, KV_IN_REGS, DQ_ATOMIC, HAS_MB, OPT>(
-      q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad,
-      out16);
 }
 
 // Deterministic dQ. Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_sm80.
@@ -929,7 +812,7 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   }
 }
 
-// ---- Candidate: FA2-style warp grids (bwd_sm80_dkdv_g; not used by default) ---------------------
+// ---- FA2-style warp grids (bwd_sm80_dkdv_g: _tc_bwd.DKDV_TILES_LARGE_SMEM) ------------------------
 // Same ABI, grid and semantics as bwd_sm80_dkdv with 8 warps and BLOCK_N = 128 keys, without the
 // boolean mask / bias (HAS_MB = false; the host keeps bwd_sm80_dkdv for those). Per query tile of
 // BLOCK_M rows (32, 64 or 128), three phases on three different warp grids:

@@ -48,8 +48,9 @@
 //     ws_out is written for the finite and NaN partials only. The partials are merged with the
 //     rule of cuflash.merge on (m, l) (weights l_i exp2(m_i - max), in a fixed order: slot by
 //     slot, whichever block merges, so the result is bitwise reproducible) either by the last
-//     block of the row tile to finish (fused = 1: an atomic counter per row tile, reset to 0 by
-//     that block so the buffer can be reused without a memset) or by decode_combine (fused = 0).
+//     block of the row tile to finish (an atomic counter per row tile, reset to 0 by that block
+//     so the buffer can be reused without a memset; the host always passes fused = 1, 0 would
+//     leave the partials in the workspace).
 //     Merged row: every partial (-inf, 0) -> out 0, lse -inf; every partial an identity but one
 //     of them (+inf, 0) -> NaN, NaN; a NaN partial -> NaN, NaN; else the weighted mean and
 //     M + log L.
@@ -304,14 +305,13 @@ __device__ void combine_partials(T* __restrict__ out, Acc* __restrict__ lse,
     // for rows of whole 16-byte vectors, _decode.fits), the partials CHUNK at a time with all of
     // a chunk's loads in flight, merged with a running max as in the online softmax. This runs
     // after the last block of the row tile has finished its keys, so its L2 round trips are the
-    // end of the kernel: ceil(n_items / CHUNK) of them (B = 1, 33 partials: 3), where a max pass
-    // and then a weighted-sum pass took 1 + ceil(33 / 8) = 6 (tools/decode_check.py trace: the
-    // merge took 7-9 us of a 150-270 us call). An identity partial (m = -inf or +inf) has an
+    // end of the kernel: ceil(n_items / CHUNK) of them, where a max pass and then a weighted-sum
+    // pass would take 1 + ceil(n_items / 8). An identity partial (m = -inf or +inf) has an
     // unwritten ws_out row that may hold anything: its terms are dropped by a select, never
     // multiplied by 0. A NaN partial is kept: its weight (l = NaN) makes the row NaN; while every
     // partial so far is an identity the reference is 0, so -inf - (-inf) is never formed.
-    // CHUNK: 16 for decode_split and decode_combine (24 and 32 made decode_split spill on sm_80),
-    // 24 for decode_tc (B = 1: 33 partials in 2 round trips instead of 3).
+    // CHUNK: 16 for decode_split (24 and 32 made it spill on sm_80), 24 for decode_tc (B = 1:
+    // 33 partials in 2 round trips instead of 3).
     const int C4 = Dv / 4;
     for (int idx = threadIdx.x; idx < ROWS * C4; idx += DECODE_THREADS) {
       const int r = idx / C4;
@@ -466,9 +466,8 @@ __device__ __forceinline__ BlockKeys block_keys(const DecodeRow* rows, long long
 // means every visible logit was -inf (NaN, or (+inf, 0) in the workspace), and a NaN l gives NaN.
 // First the per-row factors, once per row (red_m[w][r] becomes warp w's weight exp2(m_w - M)),
 // then V columns per thread (V = 4: red_acc rows, red_stride and Dv multiples of 4 floats, 16-byte
-// aligned; the host's whole-vector rule, _decode.fits). Every element used to recompute its row's
-// max and weights, a chain of shared loads, exp2 and a division per element with 8 warps per SM
-// to hide it: 3.1-4.6 us per block at D = 128 (tools/decode_check.py trace).
+// aligned; the host's whole-vector rule, _decode.fits): no element recomputes its row's max and
+// weights (a chain of shared loads, exp2 and a division per element).
 // sKeep, sInv: ROWS-entry shared scratch (sKeep[r] = 1 where the row's output is o * sInv[r]; 0
 // where it is 0 (a result) or not written (an identity partial)).
 template <typename T, typename Acc, int ROWS, bool NATURAL, int V = 1, int CHUNK = 16>
@@ -582,7 +581,8 @@ __device__ __forceinline__ void finish_item(
 // b; decode_tc: the rows of its snake_row sequence) and writes workspace slot `item` (a tile's
 // items keep consecutive slots), so the host may launch long items first. The k and v offsets
 // (elements, of the group's kv head) let decode_tc request its first keys after one table load.
-// The kernel parameter list of decode_split (decode_tc's repeats it and appends n_launch).
+// The kernel parameter list of decode_split (decode_tc's repeats it with float and appends
+// n_launch).
 #define DECODE_SPLIT_PARAMS                                                                  \
   const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
       T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,                  \
@@ -593,10 +593,6 @@ __device__ __forceinline__ void finish_item(
       const Acc* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,          \
       long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
       int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right, int fused
-#define DECODE_SPLIT_ARGS                                                                    \
-  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
-      q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,     \
-      right, bottom_right, fused
 
 // One block's work: row `launch_row` of the items table and its row tile.
 constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_x
@@ -850,9 +846,9 @@ decode_split(DECODE_SPLIT_PARAMS) {
 }
 
 // decode_tc's stage copy: keys [row0, row0 + ROWS) of a (row stride rs) matrix into padded shared
-// rows (HEAD_DIM + 8 elements), 16 bytes per cp.async; keys >= limit become zeros. HINT: the L2
-// prefetch size hint of each copy (0: none, 128 or 256 bytes).
-template <int ROWS, int HEAD_DIM, int HINT, typename T>
+// rows (HEAD_DIM + 8 elements), 16 bytes per cp.async with a 128-byte L2 prefetch hint (faster
+// than none or 256 bytes); keys >= limit become zeros.
+template <int ROWS, int HEAD_DIM, typename T>
 __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src, long long rs,
                                         int row0, int limit) {
   constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
@@ -868,15 +864,8 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
     const bool ok = it * RPI < rem;
     const void* g = ok ? static_cast<const void*>(p + it * RPI * rs) : static_cast<const void*>(src);
     const int n = ok ? 16 : 0;
-    if (HINT == 256)
-      asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;"
-                   ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
-    else if (HINT == 128)
-      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
-                   ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
-    else
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                   ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
+                 ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
   }
 }
 
@@ -896,19 +885,16 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 // launch rows snake_row(0, b), snake_row(1, b), ... (b, then 2 * grid - 1 - b, ...: the host's
 // longest-first order, dealt out so that the blocks with the shorter first items get the longer
 // second ones). The ring is one stream of stages across a block's items: the last stage of an item
-// requests the next item's first keys, so a second item does not wait for its first load (a new
-// block's first stage landed ~6-7 us after its start: tools/decode_check.py trace, 64 x 4096).
+// requests the next item's first keys, so a second item does not wait for its first load.
 // An item's keys and its partial do not depend on which block runs it, and the merge reads the
-// partials in slot order, so the result is bitwise reproducible. (Key pools, whose stages were
-// claimed at run time by atomic tickets, made the partials depend on the dealing and were
-// removed for that: issue 12.)
+// partials in slot order, so the result is bitwise reproducible.
 // Dynamic shared memory: 16 Q rows + 2 slots of 2 * DECODE_WARPS * KW K/V rows of
 // (HEAD_DIM + 8) * 2 bytes (cuflash/_decode.py tc_smem_bytes).
 __device__ __forceinline__ long long snake_row(int round, int b, int grid) {
   return static_cast<long long>(round) * grid + ((round & 1) ? grid - 1 - b : b);
 }
 
-template <typename T, int HEAD_DIM, int KW, int STAGES, int MINB, int HINT>
+template <typename T, int HEAD_DIM, int KW, int MINB>
 __global__ void __launch_bounds__(DECODE_THREADS, MINB)
 decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,
@@ -932,7 +918,6 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   constexpr int KN = KW / 16;                     // k-steps of P V
   constexpr int DF = HEAD_DIM / 8;                // output n-fragments (head dim)
   static_assert(KW % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
-  static_assert(STAGES == 2, "the ring streams across items with one stage in flight");
   static_assert(DECODE_WARPS * ROWS * RED_STRIDE * 4 <= SLOT_BYTES, "merge buffer in one slot");
   __shared__ DecodeRow rows[ROWS];
   __shared__ float red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
@@ -952,8 +937,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   // are zero-filled by cp_keys.
   auto request = [&](int gs, long long koff, long long voff, int key0, int limit) {
     const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
-    cp_keys<BK, HEAD_DIM, HINT>(slot, k + koff, k_rs, key0, limit);
-    cp_keys<BK, HEAD_DIM, HINT>(slot + TILE_BYTES, v + voff, v_rs, key0, limit);
+    cp_keys<BK, HEAD_DIM>(slot, k + koff, k_rs, key0, limit);
+    cp_keys<BK, HEAD_DIM>(slot + TILE_BYTES, v + voff, v_rs, key0, limit);
   };
   auto stages_of = [](long long k0, long long k1) {
     return k1 > k0 ? static_cast<int>((k1 - k0 - 1) / BK + 1) : 0;
@@ -1187,29 +1172,4 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   DECODE_MARK(5, smid);
 #endif
-}
-
-// ---- the stand-alone combine (fused = 0): one block per row tile -------------------------------
-// natural: the workspace's units (1: natural, decode_split with mask / bias; 0: base 2).
-template <typename T, typename Acc, int ROWS>
-__global__ void __launch_bounds__(DECODE_THREADS)
-decode_combine(T* __restrict__ out, Acc* __restrict__ lse, const Acc* __restrict__ ws_out,
-               const Acc* __restrict__ ws_ml, const long long* __restrict__ lens,
-               const long long* __restrict__ groups, const long long* __restrict__ tiles, int Nq,
-               int Dv, int G, int left, int right, int bottom_right, int natural) {
-  __shared__ DecodeRow rows[ROWS];
-  __shared__ Acc sM[ROWS], sInv[ROWS];
-  const long long tile_id = blockIdx.x;
-  const int n_items = static_cast<int>(tiles[4 * tile_id + 3]);
-  if (n_items == 1) return;  // written by decode_split
-  const long long g = tiles[4 * tile_id];
-  const Window win = make_window(Nq, lens[groups[g * G]], left, right, bottom_right);
-  setup_rows<ROWS>(rows, groups, g, tiles[4 * tile_id + 1], G, Nq, win, 0, 0);
-  const long long first = tiles[4 * tile_id + 2];
-  if (natural)
-    combine_partials<T, Acc, ROWS, true>(out, lse, ws_out, ws_ml, first, n_items, rows, sM, sInv,
-                                         Nq, Dv);
-  else
-    combine_partials<T, Acc, ROWS, false>(out, lse, ws_out, ws_ml, first, n_items, rows, sM,
-                                          sInv, Nq, Dv);
 }

@@ -16,16 +16,16 @@
 #include "common.cuh"
 #include "mask.cuh"
 
+#include "attn_core.cuh"
 #include "mma_sm80.cuh"
 
 namespace tc {
-constexpr float RESCALE_SLACK = 8.f;  // RESCALE 2: a row's reference max may lag by 2^8
 // Beyond this |max| (log2 units) the folded exp2(fma(s, scale * log2e, -m)) is off by more than
 // its rounding residual ulp(m) / 2 = 2^-12 allows: such rows are recomputed (fwd_lost_rows).
 constexpr float FOLD_LIMIT = 4096.f;
 }  // namespace tc
 
-// One K or V tile copy of the variants: cp_tile, or cp_tile_inc with OPT_CHEAP_ADDR.
+// One K or V tile copy: cp_tile, or cp_tile_inc with CHEAP_ADDR.
 template <bool CHEAP, int ROWS, int HEAD_DIM, int THREADS, typename T>
 __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src, long long rs,
                                          int row0, int limit) {
@@ -38,29 +38,14 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 // Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile): no 65535 limit on BH, and the
 // blocks of one (batch, head) run together so its K/V stay in L2.
 //
-// KSPLIT: the key tile is processed as KSPLIT sub-tiles of BLOCK_N / KSPLIT keys, each with its
-// own S = Q K^T, softmax step and P V (registers at the sub-tile's level, one barrier and one
-// cp.async group per BLOCK_N keys). RESCALE: 0 multiplies acc by alpha at every step; 1 skips
-// the multiply when no row of the warp raised its max (alpha == 1 exactly: same results);
-// 2 also keeps a row's max unless it grows by more than RESCALE_SLACK (log2 units), so
-// P <= 2^RESCALE_SLACK and rescales become rare (exact math; rounding differs from 0 and 1).
-//
-// RESCALE_OPT = RESCALE | (OPT << 2): the high bits select candidate variants (all 0 in the
-// default table; with OPT == 0 the code below is the one the defaults were measured with):
-//   OPT_CHEAP_ADDR  K/V copies with incremental addresses (cp_tile_inc: one 64-bit add per copy
-//                   instead of a 64-bit row * stride product and parameter reloads);
-//   OPT_LATE_ISSUE  the next tile's copies are issued after this tile's S = Q K^T, not before it
-//                   (the tensor cores start right after the barrier; the copies overlap softmax);
-//   OPT_KV_SPLIT    K and V of a tile in separate cp.async groups (issued together): the loop
-//                   waits only for K before S = Q K^T, and for V (plus a second barrier) right
-//                   after it, so V's copy overlaps Q K^T.
-// (RESCALE_OPT keeps the defaults' template arguments, mangled names and PTX as they were.)
-namespace tc {
-constexpr int OPT_CHEAP_ADDR = 1, OPT_LATE_ISSUE = 2, OPT_KV_SPLIT = 4;
-}  // namespace tc
-
+// Two measured choices per tile (cuflash/_config.py FwdTile):
+//   CHEAP_ADDR  K/V copies with incremental addresses (cp_tile_inc: one 64-bit add per copy
+//               instead of a 64-bit row * stride product and parameter reloads);
+//   KV_SPLIT    K and V of a tile in separate cp.async groups (issued together): the loop waits
+//               only for K before S = Q K^T, and for V (plus a second barrier) right after it,
+//               so V's copy overlaps Q K^T.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
-          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, int KSPLIT = 1, int RESCALE_OPT = 0>
+          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
@@ -70,25 +55,16 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
          int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right,
          int* __restrict__ fix) {
   using namespace tc;
-  constexpr int RESCALE = RESCALE_OPT & 3;
-  constexpr int OPT = RESCALE_OPT >> 2;
-  constexpr bool CHEAP_ADDR = (OPT & OPT_CHEAP_ADDR) != 0;
-  constexpr bool LATE_ISSUE = (OPT & OPT_LATE_ISSUE) != 0;
-  constexpr bool KV_SPLIT = (OPT & OPT_KV_SPLIT) != 0;
-  static_assert(OPT >= 0 && OPT < 8, "variant bits");
   constexpr int THREADS = NWARPS * 32;
   constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp
-  constexpr int SN = BLOCK_N / KSPLIT;         // keys per softmax step
-  constexpr int NF = SN / 8;                   // score n-fragments (keys)
+  constexpr int NF = BLOCK_N / 8;              // score n-fragments (keys)
   constexpr int DF = HEAD_DIM / 8;             // output n-fragments (head dim)
   constexpr int KD = HEAD_DIM / 16;            // k-steps of Q K^T
-  constexpr int KN = SN / 16;                  // k-steps of P V
+  constexpr int KN = BLOCK_N / 16;             // k-steps of P V
   constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
   constexpr int TILE_BYTES = BLOCK_N * ROW_BYTES;
   static_assert(MF >= 1 && MF * 16 * NWARPS == BLOCK_M, "BLOCK_M must be 16 * MF * NWARPS");
   static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
-  static_assert(KSPLIT >= 1 && SN * KSPLIT == BLOCK_N && SN % 16 == 0, "key sub-tiles");
-  static_assert(RESCALE >= 0 && RESCALE <= 2, "rescale mode");  // (3: reserved)
   static_assert(STAGES >= 2, "cp.async ring depth");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
@@ -108,12 +84,7 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // every row of the block (lo, hi are non-decreasing): no per-element test there.
   const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
-  // The same predicate in 32 bits for the boundary tiles: lo(i) = max(i + dlo, 0),
-  // hi(i) = min(i + dhi, L - 1). Exact because the host keeps Nq, Nk <= 2^29 on this path.
-  constexpr long long CLAMP = 1LL << 30;
-  const int dlo = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift - w.left)));
-  const int dhi = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift + w.right)));
-  const int L_last = static_cast<int>(L) - 1;
+  const Bounds32 b32 = make_bounds32(w);  // the same predicate for the boundary tiles
   const int n_tiles = range.hi >= range.lo
                           ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
   const int j_first = static_cast<int>(range.lo);
@@ -139,21 +110,8 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // fix; the barriers in between order the two stores.
   if (tid == 0) fix[blockIdx.x] = 0;
 
-  // Prologue: Q with the first key tile, then STAGES - 2 more tiles, one commit group each.
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
-  if constexpr (OPT == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < n_tiles) {
-        const int j0 = j_first + s * BLOCK_N;
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + s * TILE_BYTES, kh, k_rs, j0, j_limit);
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
-      }
-      cp_async_commit();
-    }
-  }
-  // OPT != 0: key tile t's K and V into ring slot t % STAGES (nothing past the last tile), as one
-  // commit group, or as two (K, then V) with OPT_KV_SPLIT.
+  // Key tile t's K and V into ring slot t % STAGES (nothing past the last tile), as one commit
+  // group, or as two (K, then V) with KV_SPLIT.
   auto issue_tile = [&](int t) {
     const int buf = t % STAGES;
     const int jt = j_first + t * BLOCK_N;
@@ -164,60 +122,49 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jt, j_limit);
     cp_async_commit();
   };
-  if constexpr (OPT != 0) {  // groups: [Q K0] [V0] [K1] [V1] ... with OPT_KV_SPLIT, else [Q K0 V0] ...
+  // Prologue: Q with the first key tile, then STAGES - 2 more tiles. Commit groups:
+  // [Q K0 V0] [K1 V1] ..., or with KV_SPLIT [Q K0] [V0] [K1] [V1] ...
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
-  }
+  for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 
-  // Row state (DESIGN.md "Empty state"): m = -inf (log2 units, scaled), l = 0 (per-lane partial),
-  // acc = 0. Thread owns rows g and g + 8 of each m-fragment (index h = 0, 1).
-  float m[MF][2], l[MF][2], acc[MF][DF][4];
+  // Row state (DESIGN.md "Empty state"): the online softmax of this thread's rows g and g + 8 of
+  // each m-fragment (h = 0, 1), and acc = 0.
+  MmaSoftmax<MF> sm;
+  float acc[MF][DF][4];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m[mf][h] = -__int_as_float(0x7f800000);
-      l[mf][h] = 0.f;
-    }
+    sm.init(mf);
 #pragma unroll
     for (int df = 0; df < DF; ++df)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mf][df][e] = 0.f;
   }
-  const float NEG = -__int_as_float(0x7f800000);
-  // With a mask or bias the logits are formed explicitly in log2 units (s * scale * log2e +
-  // bias * log2e); otherwise the scale is folded into the exponent's FFMA.
+  // With a mask or bias the logits are formed explicitly in log2 units by the score modifier
+  // (s * scale * log2e + bias * log2e); otherwise the scale is folded into the exponent's FFMA.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-
-  const unsigned char* mh = (HAS_MB && mask) ? mask + offsets[3 * BH + bh] : nullptr;
-  const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
+  MaskBiasMod mb;
+  if (HAS_MB) {
+    mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+    mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+    mb.mask_rs = mask_rs;
+    mb.mask_cs = mask_cs;
+    mb.bias_rs = bias_rs;
+    mb.bias_cs = bias_cs;
+    mb.scale_log2 = scale_log2;
+  }
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
   for (int n = 0; n < n_tiles; ++n) {
-    const int j_tile = j_first + n * BLOCK_N;
-    if constexpr (OPT == 0) {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // tile n landed for everyone; everyone finished tile n - 1's buffers
-      {
-        const int nn = n + STAGES - 1;
-        const int buf = nn % STAGES;
-        if (nn < n_tiles) {
-          const int jn = j_first + nn * BLOCK_N;
-          cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn, j_limit);
-          cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn, j_limit);
-        }
-        cp_async_commit();
-      }
-    } else {
-      // KV_SPLIT: committed so far [.. K(n) V(n) .. K(n+S-2) V(n+S-2)]: K(n) is complete when at
-      // most 2S - 3 groups are pending. Otherwise tile n is complete when S - 2 are.
-      if (KV_SPLIT) cp_async_wait<2 * STAGES - 3>();
-      else cp_async_wait<STAGES - 2>();
-      __syncthreads();  // K (and V) of tile n landed; everyone finished tile n - 1's buffers
-      if (!LATE_ISSUE) issue_tile(n + STAGES - 1);
-    }
+    const int j0 = j_first + n * BLOCK_N;  // first key of this tile
+    // KV_SPLIT: committed so far [.. K(n) V(n) .. K(n+S-2) V(n+S-2)]: K(n) is complete when at
+    // most 2S - 3 groups are pending. Otherwise tile n is complete when S - 2 are.
+    if (KV_SPLIT) cp_async_wait<2 * STAGES - 3>();
+    else cp_async_wait<STAGES - 2>();
+    __syncthreads();  // K (and V) of tile n landed; everyone finished tile n - 1's buffers
+    issue_tile(n + STAGES - 1);
     if (Q_IN_REGS && n == 0) {
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
@@ -226,181 +173,94 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0]);
     }
 
-    // A real loop over the sub-tiles: unrolled, ptxas overlaps one sub-tile's Q K^T with the
-    // previous one's P V, holding both score sets, and spills.
-#pragma unroll 1
-    for (int sub = 0; sub < KSPLIT; ++sub) {
-      const int j0 = j_tile + sub * SN;  // first key of this softmax step
-      // The lane offsets are recomputed per step from an opaque lane index (a few integer ops):
-      // kept live through the loop they cost the 128 x 64 tile a spilled register.
-      const int ln = opaque(lane);
-      const u32 kbuf = sK + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
-                       (ln % 8 + 8 * (ln / 16)) * ROW_BYTES + ((ln / 8) % 2) * 16;
-      const u32 vbuf = sV + (n % STAGES) * TILE_BYTES + sub * SN * ROW_BYTES +
-                       (ln % 8 + 8 * ((ln / 8) % 2)) * ROW_BYTES + (ln / 16) * 16;
+    // The lane offsets are recomputed per step from an opaque lane index (a few integer ops):
+    // kept live through the loop they cost the 128 x 64 tile a spilled register.
+    const int ln = opaque(lane);
+    const u32 kbuf = sK + (n % STAGES) * TILE_BYTES +
+                     (ln % 8 + 8 * (ln / 16)) * ROW_BYTES + ((ln / 8) % 2) * 16;
+    const u32 vbuf = sV + (n % STAGES) * TILE_BYTES +
+                     (ln % 8 + 8 * ((ln / 8) % 2)) * ROW_BYTES + (ln / 16) * 16;
 
-      // S = Q K^T (raw dot products, fp32).
-      float s[MF][NF][4];
+    // S = Q K^T (raw dot products, fp32).
+    float s[MF][NF][4];
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
+    for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
+      for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
+        for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        u32 qa[MF][4];
+    for (int kk = 0; kk < KD; ++kk) {
+      u32 qa[MF][4];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        if (Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) qa[mf][e] = qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0][e];
+        } else {
+          ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qa[mf]);
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < NF / 2; ++p) {
+        u32 kb[4];
+        ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          if (Q_IN_REGS) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) qa[mf][e] = qreg[Q_IN_REGS ? mf : 0][Q_IN_REGS ? kk : 0][e];
-          } else {
-            ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qa[mf]);
-          }
-        }
-#pragma unroll
-        for (int p = 0; p < NF / 2; ++p) {
-          u32 kb[4];
-          ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
-#pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            Mma<T>::run(s[mf][2 * p], qa[mf], kb[0], kb[1]);
-            Mma<T>::run(s[mf][2 * p + 1], qa[mf], kb[2], kb[3]);
-          }
+          Mma<T>::run(s[mf][2 * p], qa[mf], kb[0], kb[1]);
+          Mma<T>::run(s[mf][2 * p + 1], qa[mf], kb[2], kb[3]);
         }
       }
+    }
 
-      // OPT_LATE_ISSUE: the next tile's copies, after S (once per tile, at the first sub-tile).
-      if (LATE_ISSUE && sub == 0) issue_tile(n + STAGES - 1);
+    // KV_SPLIT: V of this tile, waited for only after S = Q K^T (as FlashAttention-2 does;
+    // waiting after the softmax instead holds the scores across the barrier and spills).
+    if (KV_SPLIT) {
+      // Committed: up to V(n + S - 1); V(n) is complete when at most 2S - 2 groups are pending.
+      cp_async_wait<2 * STAGES - 2>();
+      __syncthreads();  // V of tile n landed for everyone
+    }
 
-      // OPT_KV_SPLIT: V of this tile, waited for only after S = Q K^T (as FlashAttention-2 does;
-      // waiting after the softmax instead holds the scores across the barrier and spills).
-      if (KV_SPLIT && sub == 0) {
-        // Committed: up to V(n + S - 1); V(n) is complete when at most 2S - 2 groups are pending.
-        cp_async_wait<2 * STAGES - 2>();
-        __syncthreads();  // V of tile n landed for everyone
+    // Mask by global position, only in steps not entirely visible to the block.
+    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+      // The row bounds are recomputed here from an opaque row index: hoisted out of the key loop,
+      // 2 * MF * 2 loop invariants would stay live through every tile and spill at 128 x 64.
+      const int i_thr = opaque(i0 + warp_row0 + g);
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        if constexpr (HAS_MB) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mb);
+        else mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, NoMod());
       }
+    }
 
-      // Mask by global position, only in steps not entirely visible to the block.
-      if (HAS_MB || j0 < full_lo || j0 + SN - 1 > full_hi) {
-        // The row bounds are recomputed here from an opaque row index: hoisted out of the key loop,
-        // 2 * MF * 2 loop invariants would stay live through every tile and spill at 128 x 64.
-        const int i_thr = opaque(i0 + warp_row0 + g);
+    sm.step(s, sl2);  // S -> P; m, l rescaled and advanced
+
+    // O += P V with P packed straight from the score accumulators into A fragments; acc's rescale
+    // sits next to the first product that consumes it. The V addresses take a data
+    // dependency on the softmax (l >= 0, so the sign bit is 0; a NaN input shifts by one aligned
+    // 16-byte chunk): without it ptxas hoists every V ldmatrix above the softmax and the MF = 2
+    // tiles spill.
+    const u32 vdep = (__float_as_uint(sm.l[MF - 1][1]) >> 31) << 4;
+    const u32 vbuf_dep = vbuf + vdep;
 #pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
+    for (int kk = 0; kk < KN; ++kk) {
+      u32 pa[MF][4];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = i_thr + mf * 16 + 8 * h;
-            // Visible key columns of this row, relative to j0 (padding rows i >= Nq see nothing).
-            const int c_lo = max(i + dlo, 0) - j0;
-            const int c_hi = i < Nq ? min(i + dhi, L_last) - j0 : -1;
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int c = nf * 8 + 2 * t + e;
-                float x = s[mf][nf][2 * h + e];
-                if (c < c_lo || c > c_hi) {
-                  x = NEG;
-                } else if (HAS_MB) {
-                  // log2 units; a -inf bias gives x = -inf (no mass), a NaN bias NaN. A bias
-                  // below -FLT_MAX / log2e (finfo.min padding) overflows to -inf: a row of only
-                  // such keys gets l = 0 and is settled by fwd_lost_rows (see the end).
-                  const long long j = static_cast<long long>(j0) + c;
-                  if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
-                    x = NEG;
-                  } else {
-                    x *= scale_log2;
-                    if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
-                  }
-                }
-                s[mf][nf][2 * h + e] = x;
-              }
-          }
+      for (int mf = 0; mf < MF; ++mf) {
+        acc_to_a<T>(s[mf][2 * kk], s[mf][2 * kk + 1], pa[mf]);
       }
-
-      float alphas[MF][2];
-      bool raised = false;  // some row of this thread changed its max (RESCALE >= 1)
-      // Online softmax: new max, rescale BOTH l and acc, add this step's mass. A row with no
-      // finite logit so far keeps m = -inf and uses 0 as its reference, so no
-      // exp(-inf - (-inf)); NaN logits (dropped by fmaxf) reach l through exp2.
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mx = NEG;
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf)
-            mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_old = m[mf][h];
-          float m_new = fmaxf(m_old, mx * sl2);
-          // RESCALE 2: keep the old reference while the max stays within the slack (-inf + slack
-          // is -inf, so the first visible key always sets it); then p <= 2^RESCALE_SLACK.
-          if (RESCALE == 2 && !(m_new > m_old + RESCALE_SLACK)) m_new = m_old;
-          raised |= m_new != m_old;
-          const float m_ref = (m_new == NEG) ? 0.f : m_new;
-          const float alpha = ex2(m_old - m_ref);
-          m[mf][h] = m_new;
-          const float neg_ref = -m_ref;
-          float mass = 0.f;
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float p = ex2(fmaf(s[mf][nf][2 * h + e], sl2, neg_ref));
-              s[mf][nf][2 * h + e] = p;
-              mass += p;
-            }
-          l[mf][h] = l[mf][h] * alpha + mass;
-          alphas[mf][h] = alpha;
-        }
-      // RESCALE >= 1: alpha == 1 exactly for a row whose max stayed, so the warp skips the
-      // multiply when none of its rows moved (a warp-uniform branch).
-      if (RESCALE >= 1 && __any_sync(0xffffffffu, raised)) {
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-          for (int df = 0; df < DF; ++df)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mf][df][e] *= alphas[mf][e / 2];
-      }
-
-      // O += P V with P packed straight from the score accumulators into A fragments; acc's rescale
-      // (RESCALE 0) sits next to the first product that consumes it. The V addresses take a data
-      // dependency on the softmax (l >= 0, so the sign bit is 0; a NaN input shifts by one aligned
-      // 16-byte chunk): without it ptxas hoists every V ldmatrix above the softmax and the MF = 2
-      // tiles spill.
-      const u32 vdep = (__float_as_uint(l[MF - 1][1]) >> 31) << 4;
-      const u32 vbuf_dep = vbuf + vdep;
-#pragma unroll
-      for (int kk = 0; kk < KN; ++kk) {
-        u32 pa[MF][4];
+      for (int p = 0; p < DF / 2; ++p) {
+        u32 vb[4];
+        ldsm_x4_t(vbuf_dep + kk * 16 * ROW_BYTES + p * 32, vb);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          acc_to_a<T>(s[mf][2 * kk], s[mf][2 * kk + 1], pa[mf]);
-        }
-#pragma unroll
-        for (int p = 0; p < DF / 2; ++p) {
-          u32 vb[4];
-          ldsm_x4_t(vbuf_dep + kk * 16 * ROW_BYTES + p * 32, vb);
-#pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            if (RESCALE == 0 && kk == 0) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                acc[mf][2 * p][e] *= alphas[mf][e / 2];
-                acc[mf][2 * p + 1][e] *= alphas[mf][e / 2];
-              }
-            }
-            Mma<T>::run(acc[mf][2 * p], pa[mf], vb[0], vb[1]);
-            Mma<T>::run(acc[mf][2 * p + 1], pa[mf], vb[2], vb[3]);
-          }
+          if (kk == 0) sm.rescale(acc[mf][2 * p], acc[mf][2 * p + 1], mf);  // O *= alpha
+          Mma<T>::run(acc[mf][2 * p], pa[mf], vb[0], vb[1]);
+          Mma<T>::run(acc[mf][2 * p + 1], pa[mf], vb[2], vb[3]);
         }
       }
-    }  // sub
+    }
   }
 
   // Every copy (Q included, when no tile was visited) has landed before Q's rows are reused.
@@ -413,27 +273,22 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // all masked (empty), so it is written NaN and fwd_lost_rows (kernels_cu/lost_rows.cu), which
   // rechecks every NaN row, tells the two apart. The warp stages its own rows of the output in
   // its own rows of the Q tile, then writes them with 16-byte stores.
-  const float QNAN = __int_as_float(0x7fc00000);
   bool refix = false;  // a row fwd_lost_rows must settle (fix[block], see there)
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l_row = l[mf][h];
-      l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
-      l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+      const float l_row = sm.row_sum(mf, h);
       const int r = warp_row0 + mf * 16 + g + 8 * h;
       const int i = i0 + r;
-      const bool empty = !(i < Nq && max(i + dlo, 0) <= min(i + dhi, L_last));  // by position
-      const float inv_l = empty ? 0.f : (l_row == 0.f ? QNAN : 1.f / l_row);
+      const bool empty =  // by position (| rather than ||: no branch)
+          (i >= Nq) | (max(i + b32.dlo, 0) > min(i + b32.dhi, b32.L_last));
+      const float inv_l = sm.out_scale(l_row, empty);
       // HAS_MB: l = 0 may be an all-masked row, and l = 0, NaN or inf a bias that overflowed in
       // log2 units (|bias| > FLT_MAX / log2e); else a max beyond the folded FFMA's accuracy
       refix |= HAS_MB ? !empty && !(l_row > 0.f && l_row < __int_as_float(0x7f800000))
-                      : fabsf(m[mf][h]) > FOLD_LIMIT && fabsf(m[mf][h]) < __int_as_float(0x7f800000);
-      if (t == 0 && i < Nq)
-        lse[bh * Nq + i] = empty ? NEG
-                           : l_row == 0.f ? QNAN
-                           : m[mf][h] * LN2 + logf(l_row);
+                      : !empty & (fabsf(sm.m[mf][h]) > FOLD_LIMIT);  // (an infinite m: NaN anyway)
+      if (t == 0 && i < Nq) lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
       const u32 row_addr = sQ + r * ROW_BYTES + 4 * t;
 #pragma unroll
       for (int df = 0; df < DF; ++df) {

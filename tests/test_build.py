@@ -39,8 +39,8 @@ def _usage(filename, arch):
 def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
     assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_sm80", "decode_split", "fwd_lost_rows",
-                       "decode_tc", "decode_combine", "bwd_sm80_prep", "bwd_sm80_dkdv",
-                       "bwd_sm80_dkdv_x", "bwd_sm80_dkdv_g", "bwd_sm80_dq",
+                       "decode_tc", "bwd_sm80_prep", "bwd_sm80_dkdv",
+                       "bwd_sm80_dkdv_g", "bwd_sm80_dq",
                        "bwd_lost_rows", "bwd_lost_keys"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
 
@@ -74,30 +74,10 @@ def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch):
 def test_decode_tc_fits_sm80():
     from cuflash import _decode
     for bucket in _decode.TC_HEAD_DIMS:
-        assert _decode.tc_smem_bytes(bucket, _decode.DEFAULT_TC) <= _config.SMEM_LIMIT_SM80
+        assert _decode.tc_smem_bytes(bucket) <= _config.SMEM_LIMIT_SM80
 
 
 @pytest.mark.parametrize("head_dim,has_mb", sorted(_config.SM80_TILES))
 def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
     """Tiles that exceed sm_80's 163 KiB are only taken where the device allows (cuflash._gpu)."""
     assert _config.sm80_smem_bytes(head_dim, has_mb) <= 227 * 1024
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tc_bwd_candidates_compile_without_spills(arch):
-    """The tensor-core backward's candidate kernels (cuflash._tc_bwd.GRID_TILES and DKDV_X_TILES,
-    timed by tools/tc_bwd_check.py --variants) stay spill-free too: one NVRTC program per
-    architecture."""
-    from cuflash import _tc_bwd
-
-    exprs = _tc_bwd.candidate_instantiations()
-    try:
-        log, mapping = _kernels._compile(_tc_bwd.SOURCE, exprs, arch)
-    except compiler.CompileException as exc:
-        pytest.fail(f"NVRTC failed for the candidates on {arch}:\n{exc}")
-    info = _kernels.parse_ptxas_log(log)
-    for e in exprs:
-        r = info.get(mapping[e], {})
-        assert "registers" in r, f"{e}: no ptxas report for {arch}"
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, \
-            f"{e} on {arch}: {r}"

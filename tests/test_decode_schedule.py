@@ -1,12 +1,11 @@
-"""The split-KV decode schedule (cuflash/_decode.py), without a GPU: tools/decode_check.py's float64
+"""The split-KV decode schedule (cuflash/_decode.py), without a GPU: decode_oracle's float64
 emulation runs the kernels' algorithm from the Schedule tables alone (every item in launch order
 writes its partial to its workspace slot, then the merge rule per row tile) and must reproduce the
 dense reference: every visible key in exactly one item, empty items and empty rows handled, for
-both kernels' layouts (decode_split's rows per block; decode_tc's 16 rows and 64-key stages) and
-every split rule. The split rules' closed forms must pick exactly the S of their first, GPU-tuned
-definitions (kept here as references: every block listed, one heap schedule per candidate)."""
-import importlib.util
-import pathlib
+both kernels' layouts (decode_split's rows per block; decode_tc's 16 rows and 64-key stages),
+with split_size's choice and with forced splits. split_size's closed form must pick exactly the S
+of its first, GPU-tuned definition (kept here as a reference: every block listed, one heap
+schedule per candidate)."""
 import zlib
 
 import numpy as np
@@ -14,27 +13,22 @@ import pytest
 
 from cuflash import _decode, reference
 from cuflash._validate import make_problem
-
-_spec = importlib.util.spec_from_file_location(
-    "decode_check", pathlib.Path(__file__).resolve().parent.parent / "tools" / "decode_check.py")
-decode_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_check)
+from decode_oracle import CASES, case_inputs, emulate
 
 LAYOUTS = {"simt": dict(rows=None, block_keys=None), "tc": dict(rows=16, block_keys=64)}
-SPLITS = [None, 64, 40, 512, "balanced", "balanced-fine"]
+# None: split_size's choice (the product's); ints: forced splits (the tests' `split=`)
+SPLITS = [None, 64, 40, 512]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("split", SPLITS, ids=[str(s) for s in SPLITS])
-@pytest.mark.parametrize("case", decode_check.CASES, ids=[c[0] for c in decode_check.CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_schedule_reproduces_reference(case, split, layout):
     name, c = case
     rng = np.random.default_rng(zlib.crc32(f"{name} {split} {layout}".encode()))
-    q, k, v, opts = decode_check.case_inputs(np, rng, dict(c, dtype="float64"))
+    q, k, v, opts = case_inputs(rng, c)
     p = make_problem(q, k, v, **opts)
-    rule = split if isinstance(split, str) else None
-    out, lse, s = decode_check.emulate(p, split=None if rule else split, rule=rule,
-                                       **LAYOUTS[layout])
+    out, lse, s = emulate(p, split=split, **LAYOUTS[layout])
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-10)
     assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
@@ -96,7 +90,7 @@ def test_schedule_non_finite_contract(split, layout):
     bias[..., ::9] = -np.inf                  # invisible keys
     bias[1, 3, 1, 500] = np.nan               # batch 1, head 3, row 1: a visible NaN bias
     p = make_problem(q, k, v, causal=True, kv_lens=kv_lens, mask=mask, bias=bias)
-    out, lse, _ = decode_check.emulate(p, split=split, **LAYOUTS[layout])
+    out, lse, _ = emulate(p, split=split, **LAYOUTS[layout])
 
     j, i = np.arange(Nk), np.arange(Nq)[:, None]
     L = kv_lens.reshape(B, 1, 1, 1)
@@ -114,19 +108,29 @@ def test_schedule_non_finite_contract(split, layout):
     np.testing.assert_allclose(out[ok], ref_out[ok], rtol=1e-9, atol=1e-12)
 
 
-def test_split_rules_fill_one_wave():
+def test_split_size_fills_one_wave():
     """The bench shapes: one wave of resident blocks (264 = 132 SMs x 2), no more."""
     for ext in ([131072] * 8, [32768] * 64, [8192] * 256, [4096] * 512):
-        for rule in _decode.SPLIT_RULES.values():
-            S = rule(np.array(ext), 264, 64)
-            assert S % 64 == 0
-            assert sum(-(-e // S) for e in ext) <= max(264, len(ext))
+        S = _decode.split_size(np.array(ext), 264, 64)
+        assert S % 64 == 0
+        assert sum(-(-e // S) for e in ext) <= max(264, len(ext))
 
 
-# ---- the split rules against their definition ---------------------------------------------------
+def test_group_heads():
+    """Heads that read the same k, v and length form a group: GQA runs of consecutive heads,
+    and interleaved lengths split a shared kv head into one group per length."""
+    g, G = _decode.group_heads(np.repeat(np.arange(4), 8), np.repeat(np.arange(4), 8),
+                               np.full(32, 9))
+    assert G == 8 and (g == np.arange(32).reshape(4, 8)).all()
+    g, G = _decode.group_heads(np.zeros(4, int), np.zeros(4, int), np.array([3, 5, 3, 5]))
+    assert G == 2 and sorted(map(tuple, g.tolist())) == [(0, 2), (1, 3)]
 
-def _reference_split_size(extents, capacity, block_keys, min_keys=_decode.SPLIT_MIN_KEYS):
-    """split_size as first written: a bisection on the block count of the whole extents."""
+
+# ---- split_size against its definition -----------------------------------------------------
+
+def _reference_waves_split(extents, capacity, block_keys, min_keys=_decode.SPLIT_MIN_KEYS):
+    """The smallest split whose blocks fit `capacity` (split_size's candidate per wave count,
+    _decode._waves_splits) as first written: a bisection on the block count of the extents."""
     ext = np.asarray(extents, dtype=np.int64)
     ext = ext[ext > 0]
     if ext.size == 0:
@@ -146,20 +150,19 @@ def _reference_split_size(extents, capacity, block_keys, min_keys=_decode.SPLIT_
     return lo * unit
 
 
-def _reference_split_size_balanced(extents, capacity, block_keys, min_keys=_decode.SPLIT_MIN_KEYS,
-                                   overhead_keys=_decode.SPLIT_OVERHEAD_KEYS,
-                                   waves=(1, 2, 3, 4, 6, 8), fine=False):
-    """split_size_balanced as first written (and GPU-tuned): every block listed, one heap list
-    schedule per candidate."""
+def _reference_split_size(extents, capacity, block_keys, min_keys=_decode.SPLIT_MIN_KEYS,
+                           overhead_keys=_decode.SPLIT_OVERHEAD_KEYS, waves=(1, 2, 3, 4, 6, 8)):
+    """split_size as first written (and GPU-tuned, as the rule "balanced-fine"): every block
+    listed, one heap list schedule per candidate."""
     ext = np.asarray(extents, dtype=np.int64)
     best = None
-    cands = {_reference_split_size(ext, int(w * capacity), block_keys, min_keys) for w in waves}
+    cands = {_reference_waves_split(ext, int(w * capacity), block_keys, min_keys) for w in waves}
     top = int(ext.max(initial=0))
     S = max(min_keys, block_keys)
     while S < top:
         cands.add(S)
         S *= 2
-    if fine and ext.size and ext.min() < top:
+    if ext.size and ext.min() < top:  # uneven extents: also every 8 block passes
         step = max(8 * block_keys, -(-top // (32 * block_keys)) * block_keys)
         cands.update(range(max(min_keys, step), top, step))
     for S in sorted(cands):
@@ -203,34 +206,28 @@ def _block_keys():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_split_rules_match_reference(seed):
-    """The closed-form split rules pick exactly the S of the listed-block ones (GPU-tuned) and
-    of the bisection: uneven and equal extents, small and large capacities, all block passes."""
+def test_split_size_matches_reference(seed):
+    """The closed forms pick exactly the S of the definitions: split_size that of the listed-block
+    one (GPU-tuned), its one-wave candidates that of the bisection; uneven and equal extents,
+    small and large capacities, all block passes."""
     rng = np.random.default_rng(seed)
     block_keys = _block_keys()
     for _ in range(60):
         ext = _random_extents(rng)
         capacity = int(rng.choice([1, 7, 132, 264, 528, 1056, 4224]))
         bk = int(rng.choice(block_keys))
-        assert _decode.split_size(ext, capacity, bk) == _reference_split_size(ext, capacity, bk)
-        for fine, overhead, waves in ((True, 256, (1, 2, 3, 4, 6, 8)),
-                                      (False, 256, (1, 2, 3, 4, 6, 8)),
-                                      (False, 64, (1, 2, 3, 4, 6, 8, 12, 16))):
-            got = _decode.split_size_balanced(ext, capacity, bk, overhead_keys=overhead,
-                                              waves=waves, fine=fine)
-            want = _reference_split_size_balanced(ext, capacity, bk, overhead_keys=overhead,
-                                                  waves=waves, fine=fine)
-            assert got == want, (ext.tolist(), capacity, bk, fine, overhead)
+        waves = _decode._waves_splits(*_decode._distinct(ext), [capacity], bk)
+        assert int(waves[0]) == _reference_waves_split(ext, capacity, bk)
+        got, want = _decode.split_size(ext, capacity, bk), _reference_split_size(ext, capacity, bk)
+        assert got == want, (ext.tolist(), capacity, bk)
 
 
-def test_split_rule_bench_shapes():
+def test_split_size_bench_shapes():
     """The GPU-tuned choices on bench.py's decode shapes (8 kv heads, decode_tc's layout, 264
     slots): the uneven batch (B = 32, L = 8192, kv_lens uniform in [1, L] with seed 0) gets
     S = 4608, the four full shapes their one-wave S."""
-    rule = _decode.SPLIT_RULES["balanced-fine"]
     lens = np.random.default_rng(0).integers(1, 8192 + 1, size=32)
-    assert rule(np.repeat(lens, 8), 264, 64) == 4608
+    assert _decode.split_size(np.repeat(lens, 8), 264, 64) == 4608
     for B, L in ((1, 131072), (8, 32768), (32, 8192), (64, 4096)):
         ext = np.full(8 * B, L)
-        assert rule(ext, 264, 64) == _decode.split_size(ext, 264, 64) == \
-            _reference_split_size(ext, 264, 64)
+        assert _decode.split_size(ext, 264, 64) == _reference_waves_split(ext, 264, 64)

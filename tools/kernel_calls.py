@@ -1,10 +1,10 @@
 """Drivers for the device's checkers and profiler: a few calls of the kernels that matter, nothing else.
 
     small    small shapes through every tensor-core and decode kernel the package picks on an H200
-             (forward tiles with opt bits, bwd_sm80_dkdv and bwd_sm80_dkdv_g, decode_tc and
-             decode_split, deterministic dq), edge cases included (odd lengths, kv_lens with 0,
-             causal both alignments, windows, GQA, mask + bias): for compute-sanitizer, whose
-             memcheck / racecheck / synccheck slow every launch down by 10-100x.
+             (forward, backward with both dq modes, decode_tc and decode_split), edge cases
+             included (odd lengths, kv_lens with 0, causal both alignments, windows, GQA,
+             mask + bias): for compute-sanitizer, whose memcheck / racecheck / synccheck slow
+             every launch down by 10-100x.
     profile  one bench-sized call of each hot kernel (bf16: backward D=64 and D=128 at N = 4096,
              decode (32, 8192) and (1, 131072), and torch SDPA flash's backward on the same
              inputs), after one warm-up call each: for ncu, filtered by kernel name.
@@ -14,7 +14,7 @@ On the device machine (Firecracker kinds; see the device README for ncu's --cloc
 
     PYTHONPATH=. compute-sanitizer --tool memcheck  python3 tools/kernel_calls.py small
     PYTHONPATH=. compute-sanitizer --tool racecheck python3 tools/kernel_calls.py small
-    PYTHONPATH=. ncu --clock-control none -k regex:'bwd_sm80|decode_tc|flash_bwd' \\
+    PYTHONPATH=. ncu --clock-control none -k regex:'bwd|decode' \\
         --set full -o $OUT/prof python3 tools/kernel_calls.py profile
 
 Every call of `small` is also checked against cuflash.reference (float64): a wrong answer prints

@@ -1,0 +1,163 @@
+// attn_core.cuh: what every tensor-core kernel (forward, backward, decode) shares about attention
+// itself: the visibility rule of mask.cuh in the 32-bit form MMA fragments use, the score-modifier
+// hook, and the online softmax of mma.sync rows. A kernel's loop then reads as the seed's:
+//   S = Q K^T;  mask_rows(S) (visibility + modifier);  softmax.step(S -> P);  O = O * alpha + P V
+#pragma once
+#include "common.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+
+// ---- visibility in 32 bits -------------------------------------------------------------------
+// Query i sees key j (by position) iff lo(i) <= j <= hi(i), lo(i) = max(i + dlo, 0) and
+// hi(i) = min(i + dhi, L - 1): mask.cuh's key_range with its shift folded in. Exact while
+// Nq, Nk <= 2^29, which the host keeps on the tensor-core paths.
+struct Bounds32 {
+  int dlo, dhi, L_last;
+};
+__device__ __forceinline__ Bounds32 make_bounds32(const Window& w) {
+  constexpr long long CLAMP = 1LL << 30;
+  Bounds32 b;
+  b.dlo = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift - w.left)));
+  b.dhi = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift + w.right)));
+  b.L_last = static_cast<int>(w.L) - 1;
+  return b;
+}
+// Keys [j0, j0 + BN) visible to every query of [i0, i_last] (lo, hi are non-decreasing in i).
+__device__ __forceinline__ bool tile_all_visible(const Bounds32& b, int i0, int i_last, int j0,
+                                                 int BN) {
+  return max(i_last + b.dlo, 0) <= j0 && j0 + BN - 1 <= min(i0 + b.dhi, b.L_last);
+}
+
+// ---- score modifiers ---------------------------------------------------------------------------
+// Applied to each logit visible by position, in the kernel's units (log2 units in the tensor-core
+// kernels): mod(x, i, j) returns the modified logit, -inf for a key the modifier hides. The
+// identity costs nothing; softcap, ALiBi and the like are further modifiers of this shape.
+struct NoMod {
+  __device__ __forceinline__ float operator()(float x, int, long long) const { return x; }
+};
+// A boolean mask and / or an additive bias, offset to this (batch, head): the raw score x is
+// scaled to log2 units here (the kernels fold the scale into exp2 only without a modifier). A -inf
+// bias gives x = -inf (no mass), a NaN bias NaN; one below -FLT_MAX / log2e overflows to -inf (the
+// kernels' lost-row fix-ups settle rows of only such keys).
+struct MaskBiasMod {
+  const unsigned char* mask;  // may be null
+  const float* bias;          // may be null
+  long long mask_rs, mask_cs, bias_rs, bias_cs;
+  float scale_log2;
+  __device__ __forceinline__ float operator()(float x, int i, long long j) const {
+    if (mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<float>();
+    x *= scale_log2;
+    if (bias != nullptr) x = fmaf(bias[i * bias_rs + j * bias_cs], LOG2E, x);
+    return x;
+  }
+};
+
+// ---- visibility on mma.sync fragments -----------------------------------------------------------
+// Rows = queries: one m-fragment's scores s[nf][2 h + e] of this lane, query i + 8 h (h = 0, 1)
+// and key j0 + 8 nf + 2 t + e (t = lane % 4). Invisible entries become -inf, visible ones go
+// through the modifier. Padding rows (i >= Nq) see nothing.
+template <int NF, typename Mod>
+__device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int t, int Nq,
+                                          const Bounds32& b, const Mod& mod) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int ih = i + 8 * h;
+    // Visible key columns of this row, relative to j0.
+    const int c_lo = max(ih + b.dlo, 0) - j0;
+    const int c_hi = ih < Nq ? min(ih + b.dhi, b.L_last) - j0 : -1;
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = nf * 8 + 2 * t + e;
+        float x = s[nf][2 * h + e];
+        if (c < c_lo || c > c_hi) {
+          x = neg_inf<float>();
+        } else {
+          x = mod(x, ih, static_cast<long long>(j0) + c);
+        }
+        s[nf][2 * h + e] = x;
+      }
+  }
+}
+
+// ---- online softmax of mma.sync rows ------------------------------------------------------------
+// This lane's rows g and g + 8 (h = 0, 1) of MF m-fragments, log2 units: a running max m, this
+// lane's part of the denominator l (the quad is summed at the end) and the factor alpha by which
+// the last step rescaled l, and by which the caller rescales its accumulator (next to the first
+// product that consumes it). A row with no finite logit so far keeps m = -inf and uses 0 as its
+// reference, so no exp(-inf - (-inf)); NaN logits (dropped by fmaxf) reach l through exp2.
+template <int MF>
+struct MmaSoftmax {
+  float m[MF][2], l[MF][2], alpha[MF][2];
+
+  // The empty state of m-fragment mf's rows: m = -inf, l = 0.
+  __device__ __forceinline__ void init(int mf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[mf][h] = neg_inf<float>();
+      l[mf][h] = 0.f;
+    }
+  }
+
+  // One key tile: s (scores; `fold` times s is the logit in log2 units) becomes P = exp2(logit - m)
+  // in place; m, l and alpha advance.
+  template <int NF>
+  __device__ __forceinline__ void step(float (&s)[MF][NF][4], float fold) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = neg_inf<float>();
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
+        const float m_old = m[mf][h];
+        const float m_new = fmaxf(m_old, mx * fold);
+        const float m_ref = (m_new == neg_inf<float>()) ? 0.f : m_new;
+        const float a = tc::ex2(m_old - m_ref);
+        m[mf][h] = m_new;
+        const float neg_ref = -m_ref;
+        float mass = 0.f;
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = tc::ex2(fmaf(s[mf][nf][2 * h + e], fold, neg_ref));
+            s[mf][nf][2 * h + e] = p;
+            mass += p;
+          }
+        l[mf][h] = l[mf][h] * a + mass;
+        alpha[mf][h] = a;
+      }
+  }
+
+  // acc (two n-fragments of m-fragment mf) *= alpha of its rows.
+  __device__ __forceinline__ void rescale(float (&acc0)[4], float (&acc1)[4], int mf) const {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc0[e] *= alpha[mf][e / 2];
+      acc1[e] *= alpha[mf][e / 2];
+    }
+  }
+
+  // The end of row (mf, h): its denominator, the sum over the quad of lanes that share the row.
+  __device__ __forceinline__ float row_sum(int mf, int h) const {
+    float l_row = l[mf][h];
+    l_row += __shfl_xor_sync(FULL_WARP, l_row, 1);
+    l_row += __shfl_xor_sync(FULL_WARP, l_row, 2);
+    return l_row;
+  }
+  // The factor for its accumulator: 0 for an empty row (no visible key by position). A row that
+  // sees keys but whose l is 0 (every visible logit -inf) has acc = 0 and gets 1 / 0 = inf, so
+  // 0 * inf = NaN, like a NaN l.
+  __device__ __forceinline__ static float out_scale(float l_row, bool empty) {
+    return empty ? 0.f : 1.f / l_row;
+  }
+  // Its lse (natural units), by the same rules: -inf when empty, NaN when l is 0.
+  __device__ __forceinline__ float lse(int mf, int h, bool empty, float l_row) const {
+    return empty ? neg_inf<float>() : l_row == 0.f ? quiet_nan<float>() : m[mf][h] * tc::LN2 + logf(l_row);
+  }
+};
