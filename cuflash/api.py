@@ -4,54 +4,112 @@ import numpy as np
 from . import _broadcast
 from ._validate import check_backward_inputs, check_flag, check_merge_inputs, make_problem
 
-_VISIBILITY_DOC = """
-    Visibility. Query row ``i`` sits at the aligned position ``p``: ``p = i + L - Nq`` with
-    ``align="bottom-right"`` (the FlashAttention >= 2.1 convention; ``L`` is ``kv_lens`` for that
-    sequence, else ``Nk``) and ``p = i`` with ``align="top-left"`` (torch SDPA's ``is_causal``).
-    Key ``j`` is visible iff ``j < L``, ``j <= p`` when ``causal``, ``p - left <= j <= p + right``
-    for ``window=(left, right)`` (None = unbounded on that side), ``mask[..., i, j]`` is True, and
-    ``bias[..., i, j] != -inf`` (a NaN bias entry is visible).
-    Causal pictures (``x`` = visible), Nq = 2, Nk = 5 and Nq = 5, Nk = 2::
+# Pieces shared by the docstrings of attention, attention_backward and attention_vjp; the loop at
+# the bottom of this file puts each in at its {name} line.
+_QKV_DOC = """\
+    q : numpy.ndarray or cupy.ndarray, shape (..., Nq, Dk)
+        The queries.
+    k : numpy.ndarray or cupy.ndarray, shape (..., Nk, Dk)
+        The keys.
+    v : numpy.ndarray or cupy.ndarray, shape (..., Nk, Dv)
+        The values, one row per key. For all three: NumPy arrays run on the CPU, CuPy arrays on
+        their GPU; every array argument but kv_lens must come from one library (and, for CuPy,
+        one device). One dtype for q, k and v: float16, bfloat16 (``ml_dtypes.bfloat16``),
+        float32 or float64. Dk and Dv may be any value from 1 to 256, and may differ. The
+        leading dims ``...`` broadcast the NumPy way, except on axis -3 (the head axis), where k
+        and v may have Hkv heads where q has H, with H % Hkv == 0: query head h reads kv head
+        h // (H // Hkv) (grouped-query attention; Hkv == 1 is multi-query attention), and
+        neither is copied. k and v hold the same keys: their leading dims broadcast against each
+        other the plain way (on axis -3 the same number of heads, or 1). Any strides: a
+        (B, N, H, D) array passed as ``x.swapaxes(1, 2)`` is read in place; only an innermost
+        axis that is not contiguous is copied."""
 
-        bottom-right     top-left         bottom-right    top-left
-        x x x x .        x . . . .        . .             x .
-        x x x x x        x x . . .        . .             x x
-                                          . .             x x
-                                          x .             x x
-                                          x x             x x
+_OPTIONS_DOC = """\
+    scale : float or None, default None
+        Multiplies q·kᵀ before the softmax. None means 1/sqrt(Dk). A real number (not a bool),
+        finite, with scale·log2(e) finite in the accumulator dtype: |scale| <= 2.36e38 with
+        float32 accumulation. 0 is uniform attention over the visible keys.
+    causal : bool, default False
+        If True, the query at aligned position p sees only the keys j <= p (see Notes).
+    align : {"bottom-right", "top-left"}, default "bottom-right"
+        Where query row i sits among the keys when Nq != Nk: at the aligned position
+        p = i + L - Nq with "bottom-right" (FlashAttention >= 2.1: the last query lines up with
+        the last key; L is the sequence's kv_lens, else Nk), at p = i with "top-left" (torch
+        SDPA's ``is_causal``). It only matters with causal or window.
+    window : (left, right) or None, default None
+        A sliding window: key j is visible from aligned position p iff
+        p - left <= j <= p + right. A tuple or list of two non-negative ints; None on a side
+        means unbounded on that side. None means no window. It combines with causal by AND
+        (causal=True caps right at 0).
+    mask : bool array or None, default None
+        True where a query may attend to a key. Boolean, of q's library, with at least 2 dims,
+        broadcastable to (..., Nq, Nk) (it may not enlarge the leading dims); never expanded in
+        memory. None means no mask.
+    bias : float array or None, default None
+        Added to the scaled logits, scale·q·kᵀ + bias, with no gradient. float16, bfloat16,
+        float32 or float64, of q's library, broadcastable to (..., Nq, Nk) like mask. Cast to
+        the accumulator dtype, its values unchecked: a finite float64 entry beyond float32's
+        range becomes +-inf. A -inf entry hides that key; a NaN entry is visible, and a NaN or
+        +inf entry makes its row NaN. A finite padding bias such as finfo(float32).min hides
+        nothing: a row that only has such logits is a uniform softmax with a finite lse.
+        None means no bias.
+    kv_lens : int, sequence of ints, int array or None, default None
+        Per sequence, how many keys exist: only keys j < kv_lens are read (the rest may hold
+        anything, NaN included). Broadcastable to the leading dims ``...`` of the output (a
+        plain int for 2-D inputs), each value in [0, Nk]. Host data (an int, a list, a NumPy
+        array) serves NumPy and CuPy inputs alike and costs nothing; a CuPy array, only with
+        CuPy inputs, is copied to the host to be checked (one small synchronizing copy).
+        Bottom-right alignment aligns to kv_lens, not to Nk. None means all Nk keys."""
 
-    Empty rows and non-finite values. Only a row with no visible key (Nk = 0 included) gives an
-    output row of exactly 0 and lse = -inf (FlashAttention-2 returns +inf there; -inf is the log
-    of an empty sum). Every other row follows the dense formula in IEEE arithmetic: a NaN logit
-    (NaN in q, in a visible key, or a NaN bias entry), a +inf logit, or logits that are all -inf
-    (e.g. overflow in float32) make the row's output and lse NaN. Keys past kv_lens are never
-    read; NaN or inf in v reaches out as arithmetic says.
-"""
+_TYPE_ERRORS_DOC = """\
+        - q, k or v is not a numpy.ndarray or cupy.ndarray (a list is not accepted), or mask
+          or bias is given as something else.
+        - The array arguments mix NumPy and CuPy.
+        - q, k and v do not have one dtype among float16, bfloat16, float32 and float64.
+        - scale is neither None nor a real number (a bool is refused).
+        - causal is not a bool (1, 0 and None are refused).
+        - mask is not boolean, or bias is not float16, bfloat16, float32 or float64.
+        - kv_lens does not hold integers (bools are refused), or is a cupy.ndarray with NumPy
+          inputs.
+        - A keyword the function does not take (Python's own TypeError)."""
 
-_OPTIONS_DOC = """
-    scale : float, optional
-        Multiplies q·kᵀ; defaults to 1/sqrt(Dk). Must be finite, with scale·log2(e) finite in
-        the accumulator dtype (|scale| <= 2.36e38 with float32 accumulation). 0 is uniform
-        attention over the visible keys.
-    causal : bool
-        Query at aligned position p sees keys j <= p.
-    align : {"bottom-right", "top-left"}
-        Where the queries sit when Nq != Nk (see Visibility).
-    window : (left, right), optional
-        Key j is visible from aligned position p iff p - left <= j <= p + right; None on a side
-        means unbounded. Combined with causal and mask by AND.
-    mask : bool array, optional
-        Broadcastable to (..., Nq, Nk); True = may attend. Never expanded in memory.
-    bias : float array, optional
-        Broadcastable to (..., Nq, Nk); added to the scaled logits (no gradient). Cast to the
-        accumulator dtype (float32 unless the inputs are float64), values unchecked: a finite
-        float64 entry beyond float32's range becomes +-inf. A -inf entry hides that key; a +inf
-        or NaN entry makes its row NaN. A finite padding bias such as finfo(float32).min does
-        not hide keys: a row that only has such logits is a uniform softmax with a finite lse.
-    kv_lens : int or int array, optional
-        Broadcastable to the leading dims: only the first kv_lens keys of that sequence exist.
-        Bottom-right alignment then aligns to kv_lens, not to Nk.
-"""
+_VALUE_ERRORS_DOC = """\
+        - CuPy arrays are on different devices.
+        - q, k or v has fewer than 2 dims; q and k differ in Dk (axis -1); k and v differ in Nk
+          (axis -2); Dk or Dv is outside [1, 256].
+        - The leading dims do not combine: k's and v's do not broadcast against each other, or
+          q's do not broadcast against theirs (with the grouped-query rule on axis -3).
+        - scale is not finite, or |scale| > finfo(accumulator dtype).max / log2(e).
+        - align is neither "bottom-right" nor "top-left".
+        - window is neither None nor a pair (a tuple or list of two), or a side is neither None
+          nor a non-negative int (a float or a bool side included).
+        - mask or bias has fewer than 2 dims or does not broadcast to (..., Nq, Nk).
+        - kv_lens does not broadcast to the leading dims, or holds a value outside [0, Nk]."""
+
+_NOTES_DOC = """\
+    **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
+    (``align="bottom-right"``) or p = i (``align="top-left"``), where L is the sequence's kv_lens,
+    else Nk. Key j is visible iff j < L, and j <= p when causal, and p - left <= j <= p + right
+    with ``window=(left, right)``, and ``mask[..., i, j]`` is True, and ``bias[..., i, j]`` is not
+    -inf: all of these combine by AND. The Examples of :func:`attention` print these masks.
+
+    **Empty rows.** A row with no visible key (everything hidden, Nk = 0 or kv_lens = 0, or one
+    of the first Nq - Nk queries of a causal bottom-right call with Nq > Nk) has an output row of
+    exactly 0 and lse = -inf, and gets zero gradients. It is the only case that gives 0 / -inf.
+    FlashAttention-2 returns lse = +inf there; -inf is the log of an empty sum, and it is what
+    makes an empty part the identity of :func:`merge`. Zero-sized batches or Nq = 0 give empty
+    results.
+
+    **Non-finite values.** Every other row is the dense formula in IEEE arithmetic, in the
+    accumulator dtype (float32, or float64 for float64 inputs): with x the logits of the visible
+    keys and m = max x, out = sum(exp(x - m)·v) / sum(exp(x - m)) and
+    lse = m + log(sum(exp(x - m))). So a NaN that a row sees (in q, in the k of a visible key, a
+    NaN bias entry) makes that row's out and lse NaN; NaN or inf in the v of a visible key
+    reaches out as arithmetic says, and so may the v of a key hidden by mask or bias (as 0·NaN,
+    like a dense product); a +inf logit, or logits that are all -inf (float32 overflow, e.g.
+    q ~ 1e20 against k ~ -1e20), give NaN out and lse, not an empty row. Keys past kv_lens are
+    never read. Array values (q, k, v, mask, bias, and out, lse and dout in the backward) are
+    never checked, because on the GPU that would need a synchronization; only kv_lens is."""
 
 
 def _dispatch(problem):
@@ -92,27 +150,129 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
               bias=None, kv_lens=None, return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
+    ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
+    Nq×Nk score matrix: keys are streamed in tiles with an online softmax. Nothing is
+    approximated; the result is exact up to floating-point rounding.
+
     Parameters
     ----------
-    q : array (..., Nq, Dk)
-    k : array (..., Nk, Dk)
-    v : array (..., Nk, Dv)
-        NumPy arrays run on the CPU, CuPy arrays on their GPU; mixing them is a TypeError. One
-        dtype for all three: float16, bfloat16 (ml_dtypes), float32 or float64. Leading dims
-        broadcast the NumPy way; on axis -3 k and v may have Hkv heads with H % Hkv == 0
-        (grouped-query attention: query head h reads kv head h // (H // Hkv)). k and v hold the
-        same keys: their leading dims must broadcast against each other without grouping (on
-        axis -3 the same head count, or 1). Any strides; only an innermost axis that is not
-        contiguous is copied. Dk, Dv <= 256.
-    {options}    return_lse : bool
-        Also return the log-sum-exp of the visible scaled (biased) logits per row.
+{qkv}
+{options}
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row's visible scaled (biased) logits, which
+        :func:`attention_backward` and :func:`merge` take.
 
     Returns
     -------
-    out : array (..., Nq, Dv) of the input dtype
-    lse : array (..., Nq), float32 (float64 for float64 inputs); only with return_lse.
-    {visibility}
-    Accumulation is in float32 (float64 for float64 inputs).
+    out : array, shape (..., Nq, Dv)
+        Of the input dtype and library; ``...`` is the broadcast leading shape of q, k and v.
+        Returned alone unless return_lse is True.
+    lse : array, shape (..., Nq)
+        Only with ``return_lse=True``, as ``(out, lse)``: the natural-log log-sum-exp of the
+        row's visible scaled (biased) logits, in the accumulator dtype (float32, or float64 for
+        float64 inputs); -inf for an empty row.
+
+    Raises
+    ------
+    TypeError
+        For a type or dtype it does not accept, before any work is launched:
+
+{type_errors}
+        - return_lse is not a bool.
+    ValueError
+        For a shape or value it does not accept, before any work is launched:
+
+{value_errors}
+
+    See Also
+    --------
+    attention_backward : The gradients, from out and lse.
+    attention_vjp : Out and a function that gives the gradients.
+    merge : Combine the results of two disjoint sets of keys.
+    cuflash.reference.attention : The same in dense float64 NumPy, the executable spec.
+
+    Notes
+    -----
+{notes}
+
+    On CuPy inputs each call picks the fastest kernel that takes the problem; every kernel meets
+    the same contract. The forward is bitwise reproducible run to run on every path.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 16, 8), dtype=np.float32)  # (batch, heads, Nq, Dk)
+    >>> k = rng.standard_normal((2, 2, 16, 8), dtype=np.float32)  # 2 kv heads: grouped-query
+    >>> v = rng.standard_normal((2, 2, 16, 4), dtype=np.float32)  # (batch, kv heads, Nk, Dv)
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, out.dtype, lse.shape, lse.dtype
+    ((2, 4, 16, 4), dtype('float32'), (2, 4, 16), dtype('float32'))
+    >>> ref = cuflash.reference.attention(q, k, v, causal=True)  # dense, float64
+    >>> bool(np.abs(out - ref).max() < 1e-5)
+    True
+
+    Which keys each query sees: with q = k = 0 every visible key gets the same weight, so with
+    v = the identity, ``out[i, j] > 0`` exactly when query i sees key j (``x``; rows are
+    queries, columns keys):
+
+    >>> def picture(nq, nk, **options):
+    ...     q, k, v = np.zeros((nq, 1)), np.zeros((nk, 1)), np.eye(nk)
+    ...     for row in cuflash.attention(q, k, v, **options):
+    ...         print(" ".join("x" if w > 0 else "." for w in row))
+    >>> picture(3, 5, causal=True)  # align="bottom-right": the last query sees the last key
+    x x x . .
+    x x x x .
+    x x x x x
+    >>> picture(3, 5, causal=True, align="top-left")  # the first query sees the first key
+    x . . . .
+    x x . . .
+    x x x . .
+    >>> picture(5, 3, causal=True)  # Nq > Nk, bottom-right: the first 2 rows are empty
+    . . .
+    . . .
+    x . .
+    x x .
+    x x x
+    >>> picture(5, 3, causal=True, align="top-left")
+    x . .
+    x x .
+    x x x
+    x x x
+    x x x
+    >>> picture(3, 5, window=(1, 0))  # a sliding window: the aligned key and 1 behind it
+    . x x . .
+    . . x x .
+    . . . x x
+    >>> picture(5, 5, window=(1, 1))
+    x x . . .
+    x x x . .
+    . x x x .
+    . . x x x
+    . . . x x
+    >>> picture(3, 5, causal=True, kv_lens=4)  # 4 keys exist: the last query sees key 3
+    x x . . .
+    x x x . .
+    x x x x .
+    >>> picture(3, 5, causal=True, mask=np.array([[True, False, True, False, True]]))
+    x . x . .
+    x . x . .
+    x . x . x
+
+    An empty row is exactly 0, with lse = -inf:
+
+    >>> out, lse = cuflash.attention(np.ones((5, 2)), np.ones((3, 2)), np.ones((3, 2)),
+    ...                              causal=True, return_lse=True)
+    >>> print(out[0], lse[0])
+    [0. 0.] -inf
+
+    Misuse raises before any work, naming the function and the argument:
+
+    >>> cuflash.attention(q, k, v, align="top-right")
+    Traceback (most recent call last):
+        ...
+    ValueError: attention: align must be 'bottom-right' or 'top-left', got 'top-right'
     """
     return_lse = check_flag("return_lse", return_lse, "attention")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
@@ -123,13 +283,65 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, deterministic=False):
-    """Gradients of :func:`attention` with respect to q, k and v.
+    """Compute the gradients of :func:`attention` with respect to q, k and v.
 
-    ``out`` and ``lse`` are the forward's results for the same inputs and options. Score tiles are
-    recomputed from q, k and lse; no probability matrix is stored. With D = rowsum(dout ∘ out) and
-    P = exp(scale·q·kᵀ + bias - lse) on visible pairs: dv = Pᵀ·dout, dS = P ∘ (dout·vᵀ - D),
-    dq = scale·dS·k, dk = scale·dSᵀ·q. Gradients of broadcast or grouped k/v are summed into
-    their own shapes.
+    The score tiles are recomputed from q, k and lse; no probability matrix is stored.
+
+    Parameters
+    ----------
+    dout : numpy.ndarray or cupy.ndarray, shape (..., Nq, Dv)
+        The gradient of the loss with respect to out: out's shape, q's dtype and library.
+{qkv}
+    out : numpy.ndarray or cupy.ndarray, shape (..., Nq, Dv)
+        The forward's output, ``attention(q, k, v, ...)`` with the same inputs and options:
+        out's shape, q's dtype and library.
+    lse : numpy.ndarray or cupy.ndarray, shape (..., Nq)
+        The forward's lse (``return_lse=True``), float32 or float64, of q's library. out and
+        lse are not checked against q, k and v: from other inputs or options they give wrong
+        gradients.
+{options}
+    deterministic : bool, default False
+        If True, the gradients are bitwise identical run to run on every path. Only the
+        tensor-core backward needs it (it otherwise adds dq with atomics, in no fixed order);
+        the NumPy and generic CUDA paths are deterministic either way.
+
+    Returns
+    -------
+    dq : array, shape and dtype of q
+        The gradient with respect to q, of q's library.
+    dk : array, shape and dtype of k
+        The gradient with respect to k: summed back into k's own shape where k is broadcast
+        or grouped (every query head that reads a kv head adds to it).
+    dv : array, shape and dtype of v
+        The gradient with respect to v, summed back like dk. In each, a value beyond the
+        dtype's range becomes +-inf, as a cast gives.
+
+    Raises
+    ------
+    TypeError
+        For a type or dtype it does not accept, before any work is launched:
+
+{type_errors}
+        - deterministic is not a bool.
+        - dout, out or lse is None or not an array of q's library; dout or out does not have
+          q's dtype; lse is not float32 or float64.
+    ValueError
+        For a shape or value it does not accept, before any work is launched:
+
+{value_errors}
+        - dout or out does not have the output's shape (..., Nq, Dv), or lse not (..., Nq).
+
+    See Also
+    --------
+    attention : The forward, which gives out and lse.
+    attention_vjp : The forward and this backward in one; it keeps out and lse.
+    cuflash.reference.attention_backward : The same in dense float64 NumPy.
+
+    Notes
+    -----
+    With D = rowsum(dout ∘ out) and P = exp(scale·q·kᵀ + bias - lse) on the visible pairs
+    (0 elsewhere): dv = Pᵀ·dout, dS = P ∘ (dout·vᵀ - D), dq = scale·dS·k, dk = scale·dSᵀ·q.
+    mask and bias get no gradient.
 
     A row with lse = -inf is empty and contributes nothing; a NaN lse gives NaN gradients (dq of
     that row, dk and dv of the keys it sees), never silent zeros. A row whose |lse| is at least
@@ -137,13 +349,33 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     cannot carry log(l) in its lse: its max and sum are recomputed exactly (in float64) in the
     backward, at extra cost for those rows only.
 
-    ``deterministic=True`` makes the gradients bitwise identical run to run on every path (the
-    tensor-core path otherwise adds dq with atomics, in no fixed order; the NumPy and generic CUDA
-    paths are deterministic either way).
+    The forward's rules, as for :func:`attention`:
 
-    Returns
-    -------
-    dq, dk, dv : arrays shaped and typed like q, k, v.
+{notes}
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 6, 8))   # 4 query heads
+    >>> k = rng.standard_normal((2, 1, 10, 8))  # 1 kv head: multi-query attention
+    >>> v = rng.standard_normal((2, 1, 10, 3))
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> dout = rng.standard_normal(out.shape)  # d(loss)/d(out)
+    >>> dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> dq.shape, dk.shape, dv.shape  # dk, dv: summed over the 4 query heads that share k, v
+    ((2, 4, 6, 8), (2, 1, 10, 8), (2, 1, 10, 3))
+    >>> ref = cuflash.reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> all(np.allclose(g, r) for g, r in zip((dq, dk, dv), ref))
+    True
+
+    A NaN lse (a row whose forward saw a NaN) gives NaN gradients, not zeros:
+
+    >>> lse[0, 0, 5] = np.nan
+    >>> dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> bool(np.isnan(dq[0, 0, 5]).all()), bool(np.isnan(dq[0, 0, :5]).any())
+    (True, False)
     """
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
@@ -156,9 +388,72 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
                   mask=None, bias=None, kv_lens=None, deterministic=False, return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
-    Returns ``(out, vjp)`` where ``vjp(dout)`` returns ``(dq, dk, dv)``; for training without a
-    framework. Takes the options of :func:`attention` and ``deterministic`` of
-    :func:`attention_backward`; ``return_lse`` is refused (a TypeError): vjp keeps lse itself.
+    For training without a framework: ``out, vjp = attention_vjp(q, k, v, ...)``, then
+    ``dq, dk, dv = vjp(dout)``. vjp keeps the forward's lse itself (and holds on to q, k, v, out
+    and lse until it is dropped); it may be called any number of times.
+
+    Parameters
+    ----------
+{qkv}
+{options}
+    deterministic : bool, default False
+        As for :func:`attention_backward`: bitwise identical gradients run to run.
+    return_lse : None
+        Refused: any other value is a TypeError (vjp keeps lse itself; call :func:`attention`
+        with ``return_lse=True`` for it).
+
+    Returns
+    -------
+    out : array, shape (..., Nq, Dv)
+        As :func:`attention` returns it.
+    vjp : callable
+        ``vjp(dout)``, with dout of out's shape, dtype and library, returns ``(dq, dk, dv)``:
+        ``attention_backward(dout, q, k, v, out, lse, ...)`` with this call's inputs, options,
+        out and lse.
+
+    Raises
+    ------
+    TypeError
+        For a type or dtype it does not accept, before any work is launched:
+
+{type_errors}
+        - deterministic is not a bool, or return_lse is given.
+        - vjp(dout) raises it when dout is None, not an array of q's library, or not of q's
+          dtype.
+    ValueError
+        For a shape or value it does not accept, before any work is launched:
+
+{value_errors}
+        - vjp(dout) raises it when dout does not have out's shape.
+
+    See Also
+    --------
+    attention : The forward alone, which can also return lse.
+    attention_backward : The gradients from an out and lse kept by the caller.
+
+    Notes
+    -----
+    The gradients follow the Notes of :func:`attention_backward`; the forward's rules:
+
+{notes}
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 5, 4))  # three (5, 4) arrays
+    >>> out, vjp = cuflash.attention_vjp(q, k, v, causal=True)
+    >>> dq, dk, dv = vjp(np.ones_like(out))  # the gradients of out.sum()
+    >>> dq.shape, dk.shape, dv.shape
+    ((5, 4), (5, 4), (5, 4))
+
+    dq against a finite difference of out.sum():
+
+    >>> q2 = q.copy()
+    >>> q2[2, 1] += 1e-6
+    >>> step = (cuflash.attention(q2, k, v, causal=True).sum() - out.sum()) / 1e-6
+    >>> bool(abs(step - dq[2, 1]) < 1e-4)
+    True
     """
     if return_lse is not None:
         raise TypeError("attention_vjp: takes no return_lse option (it keeps lse itself)")
@@ -177,13 +472,80 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
 def merge(out_a, lse_a, out_b, lse_b):
     """Attention over the union of two disjoint key sets, from the two partial results.
 
-    Each part is (out, lse) as returned by ``attention(..., return_lse=True)``. Both parts are
-    put on a common maximum m = max(lse_a, lse_b): weights w = exp(lse - m) rescale numerator
-    and denominator alike, out = (w_a·out_a + w_b·out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
-    An empty part (lse = -inf) is the identity, whatever its out holds; two empty parts give out
-    0 and lse -inf. A NaN or +inf lse on either side gives NaN out and lse for that row: the
-    other side is never dropped silently. Works on any leading dims; out keeps its dtype, lse is
-    float32 or wider.
+    Each part is ``(out, lse)`` as ``attention(q, k_part, v_part, ..., return_lse=True)``
+    returns it, for the same queries over two disjoint sets of keys (keys split across calls or
+    devices). The result is attention over the union of the keys each part saw, up to rounding.
+    The options apply within each part's own call: bottom-right alignment, for one, aligns to
+    that part's keys.
+
+    Parameters
+    ----------
+    out_a : numpy.ndarray or cupy.ndarray, shape (..., Nq, Dv)
+        The first part's output: float16, bfloat16, float32 or float64, any leading dims (at
+        least 1 dim in all).
+    lse_a : numpy.ndarray or cupy.ndarray, shape out_a.shape[:-1]
+        The first part's lse: float16, bfloat16, float32 or float64.
+    out_b : numpy.ndarray or cupy.ndarray, shape (..., Nq, Dv)
+        The second part's output: out_a's shape and dtype.
+    lse_b : numpy.ndarray or cupy.ndarray, shape out_a.shape[:-1]
+        The second part's lse. All four arrays come from one library (and, for CuPy, one
+        device).
+
+    Returns
+    -------
+    out : array, shape (..., Nq, Dv)
+        Of out_a's dtype.
+    lse : array, shape (..., Nq)
+        Of dtype float32, or float64 if lse_a or lse_b is float64.
+
+    Raises
+    ------
+    TypeError
+        - An argument is None or not a numpy.ndarray or cupy.ndarray, or they mix NumPy and
+          CuPy.
+        - An argument's dtype is not float16, bfloat16, float32 or float64, or out_a and out_b
+          differ in dtype.
+    ValueError
+        - CuPy arrays are on different devices.
+        - out_a has no dims, or out_a and out_b differ in shape.
+        - lse_a or lse_b does not have the shape out_a.shape[:-1].
+
+    See Also
+    --------
+    attention : Gives each part with ``return_lse=True``.
+
+    Notes
+    -----
+    Both parts are put on a common maximum m = max(lse_a, lse_b): the weights w = exp(lse - m)
+    rescale numerator and denominator alike, out = (w_a·out_a + w_b·out_b) / (w_a + w_b) and
+    lse = m + log(w_a + w_b), computed in float32 (float64 if an lse or the outs are float64).
+
+    An empty part (lse = -inf) is the identity, whatever its out holds; two empty parts give
+    out 0 and lse -inf. A NaN or +inf lse on either side gives NaN out and lse for that row: the
+    other side is never dropped silently. Values are never checked.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((4, 8))
+    >>> k, v = rng.standard_normal((10, 8)), rng.standard_normal((10, 3))
+    >>> out_a, lse_a = cuflash.attention(q, k[:6], v[:6], return_lse=True)  # keys 0-5
+    >>> out_b, lse_b = cuflash.attention(q, k[6:], v[6:], return_lse=True)  # keys 6-9
+    >>> out, lse = cuflash.merge(out_a, lse_a, out_b, lse_b)
+    >>> full_out, full_lse = cuflash.attention(q, k, v, return_lse=True)  # all 10 keys
+    >>> bool(np.allclose(out, full_out) and np.allclose(lse, full_lse))
+    True
+
+    An empty part, here one with no keys at all, changes nothing:
+
+    >>> out_0, lse_0 = cuflash.attention(q, k[:0], v[:0], return_lse=True)
+    >>> print(out_0[0], lse_0[0])
+    [0. 0. 0.] -inf
+    >>> out, lse = cuflash.merge(out_a, lse_a, out_0, lse_0)
+    >>> bool(np.array_equal(out, out_a) and np.array_equal(lse, lse_a))
+    True
     """
     xp = check_merge_inputs(out_a, lse_a, out_b, lse_b, fn="merge")
     lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
@@ -208,7 +570,10 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out.astype(out_a.dtype, copy=False), lse.astype(lse_dtype, copy=False)
 
 
-attention.__doc__ = attention.__doc__.format(options=_OPTIONS_DOC.lstrip("\n"),
-                                             visibility=_VISIBILITY_DOC)
-for _f in (attention_backward,):
-    _f.__doc__ += "\n    Options as in :func:`attention`.\n"
+# The {name} lines of these docstrings start at column 0, so that no Python version dedents the
+# docstring (3.13 does unless a line starts at column 0) and the pieces, indented as written, fit.
+for _f in (attention, attention_backward, attention_vjp):
+    if _f.__doc__:  # None under python -OO
+        _f.__doc__ = _f.__doc__.format(qkv=_QKV_DOC, options=_OPTIONS_DOC, notes=_NOTES_DOC,
+                                       type_errors=_TYPE_ERRORS_DOC,
+                                       value_errors=_VALUE_ERRORS_DOC)

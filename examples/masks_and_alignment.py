@@ -10,23 +10,12 @@ import numpy as np
 
 import cuflash
 
-
-def array_module():
-    """CuPy when a CUDA GPU is usable, else NumPy."""
-    try:
-        import cupy
-        if cupy.is_available():
-            return cupy
-    except ImportError:
-        pass
-    return np
-
-
-xp = array_module()
-
-
-def to_host(x):
-    return x.get() if hasattr(x, "get") else x
+try:  # CuPy when a CUDA GPU is usable, else NumPy
+    import cupy
+    xp = cupy if cupy.is_available() else np
+except ImportError:
+    xp = np
+to_host = getattr(xp, "asnumpy", np.asarray)  # a CuPy array to NumPy; NumPy stays NumPy
 
 
 def visible(nq, nk, **options):

@@ -9,24 +9,12 @@ import numpy as np
 
 import cuflash
 
-
-def array_module():
-    """CuPy when a CUDA GPU is usable, else NumPy."""
-    try:
-        import cupy
-        if cupy.is_available():
-            return cupy
-    except ImportError:
-        pass
-    return np
-
-
-xp = array_module()
-on_gpu = xp is not np
-
-
-def to_host(x):
-    return x.get() if on_gpu else x
+try:
+    import cupy
+    on_gpu = cupy.is_available()  # a CUDA GPU CuPy can use
+except ImportError:
+    on_gpu = False
+xp, to_host = (cupy, cupy.asnumpy) if on_gpu else (np, np.asarray)
 
 
 def peak_bytes(fn):

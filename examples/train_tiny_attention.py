@@ -11,23 +11,15 @@ import numpy as np
 
 import cuflash
 
-
-def array_module():
-    """CuPy when a CUDA GPU is usable, else NumPy."""
-    try:
-        import cupy
-        if cupy.is_available():
-            return cupy
-    except ImportError:
-        pass
-    return np
-
-
-xp = array_module()
 B, T, D_MODEL, HEADS = 32, 24, 32, 4  # batch, tokens, model width, heads (head dim 8)
 D_HEAD = D_MODEL // HEADS
 STEPS, LR = 300, 8.0  # the loss is a mean over B·T·D_MODEL outputs, so its gradients are small
 rng = np.random.default_rng(0)
+try:  # CuPy when a CUDA GPU is usable, else NumPy
+    import cupy
+    xp = cupy if cupy.is_available() else np
+except ImportError:
+    xp = np
 
 
 def init(scale=1.0):

@@ -32,7 +32,10 @@ __device__ __forceinline__ bool tile_all_visible(const Bounds32& b, int i0, int 
 // Applied to each logit visible by position, in the kernel's units (log2 units in the tensor-core
 // kernels): mod(x, i, j) returns the modified logit, -inf for a key the modifier hides. The
 // identity costs nothing; softcap, ALiBi and the like are further modifiers of this shape.
+// READS_INPUTS: whether it reads per-(query, key) inputs (then it must not be asked about padding
+// query rows, i >= Nq).
 struct NoMod {
+  static constexpr bool READS_INPUTS = false;
   __device__ __forceinline__ float operator()(float x, int, long long) const { return x; }
 };
 // A boolean mask and / or an additive bias, offset to this (batch, head): the raw score x is
@@ -40,6 +43,7 @@ struct NoMod {
 // bias gives x = -inf (no mass), a NaN bias NaN; one below -FLT_MAX / log2e overflows to -inf (the
 // kernels' lost-row fix-ups settle rows of only such keys).
 struct MaskBiasMod {
+  static constexpr bool READS_INPUTS = true;
   const unsigned char* mask;  // may be null
   const float* bias;          // may be null
   long long mask_rs, mask_cs, bias_rs, bias_cs;
@@ -52,10 +56,48 @@ struct MaskBiasMod {
   }
 };
 
+// The modifier of head bh (offsets: the kernels' (5, BH) table, rows 3 and 4 for mask and bias).
+__device__ __forceinline__ MaskBiasMod make_mask_bias(const unsigned char* mask, const float* bias,
+                                                      const long long* offsets, int BH,
+                                                      long long bh, long long mask_rs,
+                                                      long long mask_cs, long long bias_rs,
+                                                      long long bias_cs, float scale_log2) {
+  MaskBiasMod mb;
+  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  mb.mask_rs = mask_rs;
+  mb.mask_cs = mask_cs;
+  mb.bias_rs = bias_rs;
+  mb.bias_cs = bias_cs;
+  mb.scale_log2 = scale_log2;
+  return mb;
+}
+
 // ---- visibility on mma.sync fragments -----------------------------------------------------------
+// One row of this lane's pair (h = 0, 1) of an m-fragment's scores s[nf][2 h + e], key column
+// c = 8 nf + 2 t + e of the tile starting at key j0 (t = lane % 4): entries outside [c_lo, c_hi]
+// become -inf, the others go through the modifier (query i).
+template <int NF, typename Mod>
+__device__ __forceinline__ void mask_columns(float (&s)[NF][4], int h, int c_lo, int c_hi, int t,
+                                             int i, int j0, const Mod& mod) {
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = nf * 8 + 2 * t + e;
+      float x = s[nf][2 * h + e];
+      if (c < c_lo || c > c_hi) {
+        x = neg_inf<float>();
+      } else {
+        x = mod(x, i, static_cast<long long>(j0) + c);
+      }
+      s[nf][2 * h + e] = x;
+    }
+}
+
 // Rows = queries: one m-fragment's scores s[nf][2 h + e] of this lane, query i + 8 h (h = 0, 1)
-// and key j0 + 8 nf + 2 t + e (t = lane % 4). Invisible entries become -inf, visible ones go
-// through the modifier. Padding rows (i >= Nq) see nothing.
+// and key j0 + 8 nf + 2 t + e. Invisible entries become -inf, visible ones go through the
+// modifier. Padding rows (i >= Nq) see nothing.
 template <int NF, typename Mod>
 __device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int t, int Nq,
                                           const Bounds32& b, const Mod& mod) {
@@ -65,16 +107,29 @@ __device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int 
     // Visible key columns of this row, relative to j0.
     const int c_lo = max(ih + b.dlo, 0) - j0;
     const int c_hi = ih < Nq ? min(ih + b.dhi, b.L_last) - j0 : -1;
+    mask_columns(s, h, c_lo, c_hi, t, ih, j0, mod);
+  }
+}
+
+// Rows = keys (the dK / dV orientation): s[nf][2 h + e] of key j + 8 h (h = 0, 1) and query
+// i0 + 8 nf + 2 t + e. Padding query columns (i >= Nq) are left to the caller's P = 0 (their lse
+// is +inf) unless the modifier reads inputs there.
+template <int NF, typename Mod>
+__device__ __forceinline__ void mask_key_rows(float (&s)[NF][4], int j, int i0, int t, int Nq,
+                                              const Bounds32& b, const Mod& mod) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int jh = j + 8 * h;
 #pragma unroll
     for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int c = nf * 8 + 2 * t + e;
+        const int i = i0 + nf * 8 + 2 * t + e;
         float x = s[nf][2 * h + e];
-        if (c < c_lo || c > c_hi) {
+        if (jh > b.L_last || jh < i + b.dlo || jh > i + b.dhi) {
           x = neg_inf<float>();
-        } else {
-          x = mod(x, ih, static_cast<long long>(j0) + c);
+        } else if (Mod::READS_INPUTS) {
+          x = i >= Nq ? neg_inf<float>() : mod(x, i, jh);
         }
         s[nf][2 * h + e] = x;
       }

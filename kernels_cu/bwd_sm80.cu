@@ -37,6 +37,7 @@
 // Nq, Nk <= 2^29 (32-bit predicate, as fwd_sm80.cu).
 #include "common.cuh"
 #include "mask.cuh"
+#include "attn_core.cuh"
 #include "mma_sm80.cuh"
 #include "wgmma_sm90.cuh"
 
@@ -59,25 +60,6 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
   b.bits = static_cast<unsigned short>(x >> 16);
   lo = to_float(a);
   hi = to_float(b);
-}
-
-// The 32-bit form of the position predicate (fwd_sm80.cu): query i sees key j iff
-// i + dlo <= j <= i + dhi and j <= L - 1. Exact while Nq, Nk <= 2^29.
-struct Pred32 {
-  int dlo, dhi, L_last;
-};
-__device__ __forceinline__ Pred32 make_pred32(const Window& w) {
-  constexpr long long CLAMP = 1LL << 30;
-  Pred32 p;
-  p.dlo = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift - w.left)));
-  p.dhi = static_cast<int>(max(-CLAMP, min(CLAMP, w.shift + w.right)));
-  p.L_last = static_cast<int>(w.L) - 1;
-  return p;
-}
-// Keys [j0, j0 + BN) visible to every query of [i0, i_last] (lo, hi are non-decreasing in i).
-__device__ __forceinline__ bool tile_all_visible(const Pred32& p, int i0, int i_last, int j0,
-                                                 int BN) {
-  return max(i_last + p.dlo, 0) <= j0 && j0 + BN - 1 <= min(i0 + p.dhi, p.L_last);
 }
 
 // bwd_sm80_dkdv OPT bits (0: the mma.sync kernel on padded tiles):
@@ -311,7 +293,7 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   long long L = kv_lens ? kv_lens[bh] : Nk;
   L = L < 0 ? 0 : (L > Nk ? Nk : L);
   const Window w = make_window(Nq, L, left, right, bottom_right);
-  const tcb::Pred32 pr = tcb::make_pred32(w);
+  const Bounds32 pr = make_bounds32(w);
   const KeyRange qr = tile_query_range(w, j0, j0 + BLOCK_N - 1, Nq);
   const int m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
   const int n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - m_first + 1 : 0;
@@ -322,8 +304,6 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const T* doh = dout + bh * Nq * HEAD_DIM;
   const float* l2h = lse2 + bh * Nq_pad;
   const float* dh = delta + bh * Nq_pad;
-  const unsigned char* mh = (HAS_MB && mask) ? mask + offsets[3 * BH + bh] : nullptr;
-  const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
 
   // Shared layout (mirrored by _tc_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
   // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
@@ -375,6 +355,8 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 
   const float NEG = -__int_as_float(0x7f800000);
   const float scale_log2 = scale * LOG2E;
+  const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
+                                        BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
 
@@ -415,31 +397,9 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     // Mask by global position (key = row, query = column), only where the tile is not entirely
     // visible. Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
     const int i_last = min(i0 + BLOCK_M, Nq) - 1;
-    if (HAS_MB || !tcb::tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int j = jw + 8 * h;
-#pragma unroll
-        for (int nf = 0; nf < NQF; ++nf)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = i0 + nf * 8 + 2 * t + e;
-            float x = s[nf][2 * h + e];
-            if (j > pr.L_last || j < i + pr.dlo || j > i + pr.dhi) {
-              x = NEG;
-            } else if (HAS_MB) {
-              if (i >= Nq) {
-                x = NEG;
-              } else if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
-                x = NEG;
-              } else {
-                x *= scale_log2;
-                if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
-              }
-            }
-            s[nf][2 * h + e] = x;
-          }
-      }
+    if (HAS_MB || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
+      if constexpr (HAS_MB) mask_key_rows(s, jw, i0, t, Nq, pr, mb);
+      else mask_key_rows(s, jw, i0, t, Nq, pr, NoMod());
     }
 
     // P^T = exp2(S^T * scale * log2e - lse2[query]); -inf (invisible) and +inf lse2 (empty or
@@ -640,7 +600,7 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   long long L = kv_lens ? kv_lens[bh] : Nk;
   L = L < 0 ? 0 : (L > Nk ? Nk : L);
   const Window w = make_window(Nq, L, left, right, bottom_right);
-  const tcb::Pred32 pr = tcb::make_pred32(w);
+  const Bounds32 pr = make_bounds32(w);
   const KeyRange range = tile_key_range(w, i0, i_last);
   const int n_tiles = range.hi >= range.lo
                           ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
@@ -651,8 +611,6 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* kh = k + offsets[1 * BH + bh];
   const T* vh = v + offsets[2 * BH + bh];
   const T* doh = dout + bh * Nq * HEAD_DIM;
-  const unsigned char* mh = (HAS_MB && mask) ? mask + offsets[3 * BH + bh] : nullptr;
-  const float* bhp = (HAS_MB && bias) ? bias + offsets[4 * BH + bh] : nullptr;
 
   // Shared layout (mirrored by _tc_bwd.dq_smem_bytes): Q, dO [BLOCK_M], K, V [STAGES][BLOCK_N].
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -694,6 +652,8 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     for (int e = 0; e < 4; ++e) dq[df][e] = 0.f;
   const float NEG = -__int_as_float(0x7f800000);
   const float scale_log2 = scale * LOG2E;
+  const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
+                                        BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
@@ -748,31 +708,8 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
     // Mask (rows = queries, columns = keys), only in tiles not entirely visible to the block.
     if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = i0 + warp * 16 + g + 8 * h;
-        const int c_lo = max(i + pr.dlo, 0) - j0;
-        const int c_hi = i < Nq ? min(i + pr.dhi, pr.L_last) - j0 : -1;
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = nf * 8 + 2 * t + e;
-            float x = s[nf][2 * h + e];
-            if (c < c_lo || c > c_hi) {
-              x = NEG;
-            } else if (HAS_MB) {
-              const long long j = static_cast<long long>(j0) + c;
-              if (mh != nullptr && !mh[i * mask_rs + j * mask_cs]) {
-                x = NEG;
-              } else {
-                x *= scale_log2;
-                if (bhp != nullptr) x = fmaf(bhp[i * bias_rs + j * bias_cs], LOG2E, x);
-              }
-            }
-            s[nf][2 * h + e] = x;
-          }
-      }
+      if constexpr (HAS_MB) mask_rows(s, i0 + warp * 16 + g, j0, t, Nq, pr, mb);
+      else mask_rows(s, i0 + warp * 16 + g, j0, t, Nq, pr, NoMod());
     }
 
     // dS = scale * P (dP - delta), P = exp2(S * scale * log2e - lse2[row]).
@@ -970,7 +907,7 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
   long long L = kv_lens ? kv_lens[bh] : Nk;
   L = L < 0 ? 0 : (L > Nk ? Nk : L);
   const Window w = make_window(Nq, L, left, right, bottom_right);
-  const tcb::Pred32 pr = tcb::make_pred32(w);
+  const Bounds32 pr = make_bounds32(w);
   const KeyRange qr = tile_query_range(w, j0, j0 + BLOCK_N - 1, Nq);
   const int m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
   const int n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - m_first + 1 : 0;
@@ -1059,21 +996,10 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         for (int nf = 0; nf < NQF; ++nf)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mi][nf][e] = NEG;
-    } else if (!tcb::tile_all_visible(pr, iw0, iw_last, jw0, WN)) {
+    } else if (!tile_all_visible(pr, iw0, iw_last, jw0, WN)) {
       // Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
 #pragma unroll
-      for (int mi = 0; mi < MF; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = jw0 + mi * 16 + g + 8 * h;
-#pragma unroll
-          for (int nf = 0; nf < NQF; ++nf)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int i = iw0 + nf * 8 + 2 * t + e;
-              if (j > pr.L_last || j < i + pr.dlo || j > i + pr.dhi) s[mi][nf][2 * h + e] = NEG;
-            }
-        }
+      for (int mi = 0; mi < MF; ++mi) mask_key_rows(s[mi], jw0 + mi * 16 + g, iw0, t, Nq, pr, NoMod());
     }
     // P^T = exp2(S^T * scale * log2e - lse2[query]) (0 where invisible or on empty / padding rows)
 #pragma unroll

@@ -56,6 +56,7 @@
 //     M + log L.
 #include "common.cuh"
 #include "mask.cuh"
+#include "attn_core.cuh"
 
 #include "mma_sm80.cuh"
 
@@ -1051,13 +1052,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
             const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
             const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int c = nf * 8 + 2 * t + e;
-                if (c < c_lo || c > c_hi) s[nf][2 * h + e] = NEG;
-              }
+            mask_columns(s, h, c_lo, c_hi, t, 0, j0, NoMod());
           }
         }
 

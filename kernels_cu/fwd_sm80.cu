@@ -144,16 +144,8 @@ fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // (s * scale * log2e + bias * log2e); otherwise the scale is folded into the exponent's FFMA.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  MaskBiasMod mb;
-  if (HAS_MB) {
-    mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-    mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-    mb.mask_rs = mask_rs;
-    mb.mask_cs = mask_cs;
-    mb.bias_rs = bias_rs;
-    mb.bias_cs = bias_cs;
-    mb.scale_log2 = scale_log2;
-  }
+  const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
+                                        BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 

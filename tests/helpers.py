@@ -3,6 +3,8 @@
 Everything here accepts NumPy or CuPy arrays (CuPy arrays are copied to the host), so that CPU and
 GPU tests use the same comparison.
 """
+import math
+
 import numpy as np
 
 from cuflash import reference
@@ -149,3 +151,20 @@ def check_backward(grads, dout, q, k, v, out, lse, **options):
             else (None,) * 3)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, base):
         assert_close_to_reference(g, r, n, FLOORS[dtype.name] * 4, name)
+
+
+#: The seed's counterexamples: (v of the two keys, the right out). One query, keys with logits
+#: (0, log 3) at scale 1, so weights (1/4, 3/4) and lse = log 4.
+SEED_COUNTEREXAMPLES = [((0.0, 1.0), 0.75), ((1.0, 0.0), 0.25)]
+
+
+def check_seed_counterexample(attention, values, want):
+    """``attention`` (cuflash's or the reference's) must give out = ``want`` and lse = log 4 on the
+    seed's counterexample. Summing tile-local softmax outputs gives 1 (1/2 as an average); rescaling
+    l but not acc gives 3/4 for values (1, 0)."""
+    q = np.array([[1.0]])
+    k = np.array([[0.0], [math.log(3)]])
+    v = np.array(values).reshape(2, 1)
+    out, lse = attention(q, k, v, scale=1.0, return_lse=True)
+    assert abs(out[0, 0] - want) <= 1e-15, f"out {out[0, 0]!r}, expected {want}"
+    assert abs(lse[0] - math.log(4)) <= 1e-15, f"lse {lse[0]!r}, expected log 4"

@@ -3,7 +3,6 @@
 Most tests shrink the key tile (``cuflash._numpy.BLOCK_N``) so that small problems still cross many
 tiles, including empty ones in the middle of a row.
 """
-import math
 import tracemalloc
 
 import numpy as np
@@ -13,8 +12,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import cuflash
 from cuflash import _numpy as cpu_path
 from cuflash import reference
-from helpers import (BFLOAT16, FLOORS, assert_close_to_reference, naive_attention,
-                     naive_attention_backward, rand_inputs)
+from helpers import (BFLOAT16, FLOORS, SEED_COUNTEREXAMPLES, assert_close_to_reference,
+                     check_seed_counterexample, naive_attention, naive_attention_backward,
+                     rand_inputs)
 
 DTYPES = [np.float64, np.float32, np.float16] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
@@ -272,16 +272,10 @@ def test_worked_example_of_the_seed(block):
 
 
 @pytest.mark.parametrize("block", [1], indirect=True)
-@pytest.mark.parametrize("values, want", [((0.0, 1.0), 0.75), ((1.0, 0.0), 0.25)])
+@pytest.mark.parametrize("values, want", SEED_COUNTEREXAMPLES)
 def test_counterexamples_of_the_seed(block, values, want):
-    """One key per tile, logits (0, log 3). Summing tile-local softmax outputs gives 1 (or 1/2 as
-    an average); rescaling l but not acc gives 3/4 for values (1, 0). The answers are 3/4 and 1/4."""
-    q = np.array([[1.0]])
-    k = np.array([[0.0], [math.log(3)]])
-    v = np.array(values).reshape(2, 1)
-    out, lse = cuflash.attention(q, k, v, scale=1.0, return_lse=True)
-    assert out[0, 0] == pytest.approx(want, abs=1e-15)
-    assert lse[0] == pytest.approx(math.log(4), abs=1e-15)
+    """One key per tile: the online softmax must rescale both l and acc (answers 3/4 and 1/4)."""
+    check_seed_counterexample(cuflash.attention, values, want)
 
 
 def test_memory_is_linear_in_keys(rng):

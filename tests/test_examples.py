@@ -1,10 +1,18 @@
-"""The examples are part of the product: each runs to the end and prints what it promises."""
+"""The examples are part of the product: each runs to the end and prints what it promises, and
+so do the Examples in the public docstrings."""
+import doctest
+import inspect
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import cuflash
+from cuflash import api
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,3 +34,30 @@ def test_masks_and_alignment_reproduces_the_worked_example():
 @pytest.mark.parametrize("name", ["quickstart.py", "train_tiny_attention.py"])
 def test_example_runs(name):
     assert run_example(name).strip()
+
+
+PUBLIC = [getattr(cuflash, name) for name in cuflash.__all__ if callable(getattr(cuflash, name))]
+
+
+def test_api_docstring_examples():
+    """Every Examples snippet in cuflash.api runs (on NumPy arrays) and prints what it shows."""
+    tests = [t for t in doctest.DocTestFinder().find(api) if t.examples]
+    assert {t.name.rsplit(".", 1)[-1] for t in tests} >= {f.__name__ for f in PUBLIC}
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report = []
+    # NumPy's default print options, whatever another test set
+    with np.printoptions(precision=8, suppress=False, floatmode="maxprec", legacy=False):
+        results = [runner.run(t, out=report.append) for t in tests]
+    assert sum(r.attempted for r in results) > 0
+    assert sum(r.failed for r in results) == 0, "".join(report)
+
+
+@pytest.mark.parametrize("fn", PUBLIC, ids=lambda fn: fn.__name__)
+def test_api_docstrings_are_numpydoc(fn):
+    """Each public function documents every argument, its results, its errors, its rules."""
+    doc = inspect.getdoc(fn)
+    for section in ("Parameters", "Returns", "Raises", "Notes", "Examples"):
+        assert re.search(rf"^{section}\n-+$", doc, re.M), f"{fn.__name__}: no {section} section"
+    documented = set(re.findall(r"^(\w+) :", doc, re.M))
+    missing = set(inspect.signature(fn).parameters) - documented
+    assert not missing, f"{fn.__name__}: arguments without a Parameters entry: {sorted(missing)}"

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
+from helpers import SEED_COUNTEREXAMPLES, check_seed_counterexample
 
 
 def _loop_attention(q, k, v, scale, causal=False, align="bottom-right", window=None, mask=None,
@@ -165,24 +166,19 @@ def test_worked_example_of_the_seed():
     np.testing.assert_allclose(lse[0], 1 / math.sqrt(2) + math.log(2.986), atol=5e-4)
 
 
-@pytest.mark.parametrize("values, want", [((0.0, 1.0), 0.75), ((1.0, 0.0), 0.25)])
+@pytest.mark.parametrize("values, want", SEED_COUNTEREXAMPLES)
 def test_counterexamples_of_the_seed(values, want):
-    """Logits (0, log 3): weights (1/4, 3/4). Tile-local softmax gives 1/2 or 1; rescaling only the
-    denominator gives 3/4 for values (1, 0). The reference must give 3/4 and 1/4."""
-    q = np.array([[1.0]])
-    k = np.array([[0.0], [math.log(3)]])
-    v = np.array(values).reshape(2, 1)
-    out, lse = reference.attention(q, k, v, scale=1.0, return_lse=True)
-    assert out[0, 0] == pytest.approx(want, abs=1e-15)
-    assert lse[0] == pytest.approx(math.log(4), abs=1e-15)
+    """Logits (0, log 3): weights (1/4, 3/4). The reference must give 3/4 and 1/4."""
+    check_seed_counterexample(reference.attention, values, want)
 
 
-# The causal pictures of cuflash.attention's docstring (x = visible).
+# The causal pictures that cuflash.attention's docstring prints from its own calls (x = visible;
+# tests/test_examples.py runs them): the reference must draw the same.
 PICTURES = [
-    (2, 5, "bottom-right", ["xxxx.", "xxxxx"]),
-    (2, 5, "top-left", ["x....", "xx..."]),
-    (5, 2, "bottom-right", ["..", "..", "..", "x.", "xx"]),
-    (5, 2, "top-left", ["x.", "xx", "xx", "xx", "xx"]),
+    (3, 5, "bottom-right", ["xxx..", "xxxx.", "xxxxx"]),
+    (3, 5, "top-left", ["x....", "xx...", "xxx.."]),
+    (5, 3, "bottom-right", ["...", "...", "x..", "xx.", "xxx"]),
+    (5, 3, "top-left", ["x..", "xx.", "xxx", "xxx", "xxx"]),
 ]
 
 
