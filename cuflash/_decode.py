@@ -6,7 +6,7 @@ split the key axis across blocks; see the header of kernels_cu/decode.cu for the
 the workspace format (normalized partial out, each partial's max and sum).
 
 Host side, per call (all NumPy, then ONE int64 table on the device, cached by content through
-cuflash._gpu._on_device):
+cuflash._runtime.on_device):
 
 1. Grouping (`group_heads`): the output (batch, head) matrices bh that read the same k matrix, the
    same v matrix and have the same valid length form a group (k_map, v_map, kv_lens equal). For
@@ -34,20 +34,21 @@ at run time).
 A new kv_lens (each decoded token) re-plans only steps 1-4 and the table: `forward` keeps the
 rest (kernels, occupancy, offsets: `_Layout`) per layout.
 
-`supports(problem)` says when this path applies (see SUPPORT RULE below); `forward(problem)`
-returns (out (BH, Nq, Dv) of T, lse (BH, Nq) of the accumulator dtype) like cuflash._gpu.forward,
-launched on the current stream without synchronizing.
+Path interface (cuflash/_gpu.py): NAME, takes (the SUPPORT RULE below; under
+cuflash._gpu.override(path="split") every Problem the kernels can run, `fits`), forward (out
+(BH, Nq, Dv) of T, lse (BH, Nq) of the accumulator dtype, launched on the current stream without
+synchronizing), instantiations.
 """
-import os
-import sys
 import threading
 
 import numpy as np
 
-from . import _broadcast, _config, _kernels
+from . import _config, _runtime
 from ._validate import element_strides
 
+NAME = "split"
 SOURCE = "decode.cu"
+FORCED_SPLIT_KEYS = 64    # the split of a forced run: many splits, some empty for some rows
 WARPS = 4                 # kernels_cu/decode.cu DECODE_WARPS
 THREADS = 32 * WARPS
 
@@ -76,7 +77,7 @@ SPLIT_OVERHEAD_KEYS = 256
 
 
 def _storage_size(dtype):
-    return {"half_t": 2, "bf16_t": 2, "float": 4, "double": 8}[_config.c_types(dtype)[0]]
+    return _config.C_SIZES[_config.c_types(dtype)[0]]
 
 
 def shape_constants(dtype, bucket, rows):
@@ -143,35 +144,21 @@ def tc_fits(p):
             and fits(p))
 
 
-# ---- compilation (memoized per device, like _kernels.get_kernel) -------------------------------
+# ---- kernels (compiled by cuflash._runtime) and their occupancy --------------------------------
 _lock = threading.Lock()
-_functions = {}   # (device, expr) -> (module, kernel, blocks per SM)
+_per_sm = {}      # id(kernel) -> resident blocks per SM
 _counters = {}    # (device, stream ptr) -> cupy uint32 array, all zeros between launches
 
 
 def _kernel(expr, dyn_smem=0):
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    key = (dev, expr)
-    with _lock:
-        hit = _functions.get(key)
-    if hit is not None:
-        return hit[1], hit[2]
-    module = cupy.RawModule(code=_kernels.source(SOURCE), options=_kernels.OPTIONS,
-                            name_expressions=[expr])
-    func = module.get_function(expr)
-    if dyn_smem:  # decode_tc: opt in above 48 KB
-        func.max_dynamic_shared_size_bytes = int(dyn_smem)
-    per_sm = _blocks_per_sm(func, dyn_smem)
-    if os.environ.get("CUFLASH_DEBUG", "") not in ("", "0"):
-        a = func.attributes
-        print(f"cuflash: {expr} on device {dev}: {a['num_regs']} registers, "
-              f"{a['shared_size_bytes']} B static shared, {a['local_size_bytes']} B local, "
-              f"{per_sm} blocks/SM", file=sys.stderr)
-    with _lock:
-        _functions.setdefault(key, (module, func, per_sm))
-        return _functions[key][1], _functions[key][2]
+    """(kernel, resident blocks per SM) of one name expression on the current device; decode_tc's
+    dynamic shared memory (dyn_smem) is set on the kernel before the occupancy query."""
+    func = _runtime.get_function(SOURCE, expr)
+    per_sm = _per_sm.get(id(func))
+    if per_sm is None:
+        _runtime.opt_in(func, int(dyn_smem), limit=0)
+        per_sm = _per_sm.setdefault(id(func), _blocks_per_sm(func, dyn_smem))
+    return func, per_sm
 
 
 def _blocks_per_sm(func, dyn_smem=0):
@@ -576,20 +563,8 @@ class _Layout:
         self.dyn_smem = tc_smem_bytes(self.bucket) if tc else 0
         self.sched_rows = 16 if tc else None
         self.block_keys = TC_KW * WARPS if tc else None
-        BH = p.BH
-        self.offsets = np.zeros((5, BH), dtype=np.int64)
-        for row, mp in enumerate((p.q_map, p.k_map, p.v_map)):
-            self.offsets[row] = np.asarray(mp, dtype=np.int64).reshape(BH)
-        self.mask_rs = self.mask_cs = self.bias_rs = self.bias_cs = 0
-        if p.mask is not None:
-            st = element_strides(p.mask)
-            self.offsets[3] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
-            self.mask_rs, self.mask_cs = st[-2:]
-        if p.bias is not None:
-            st = element_strides(p.bias)
-            self.offsets[4] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
-            self.bias_rs, self.bias_cs = st[-2:]
-        self.q_rs, self.k_rs, self.v_rs = (element_strides(x)[-2] for x in (p.q, p.k, p.v))
+        # the table's offsets rows; the 7 strides (q, k, v rows; mask, bias rows and columns)
+        self.offsets, self.strides = _runtime.offset_table(p)
         self._by_rows = {}
 
     def rows(self, G, Nq):
@@ -607,7 +582,7 @@ class _Layout:
             expr = (tc_expression(self.dtype, self.bucket) if self.tc else
                     name_expression(self.dtype, self.bucket, rows, self.has_mb, self.aligned))
             kernel, per_sm = _kernel(expr, self.dyn_smem)
-            capacity = max(1, per_sm * _kernels.device_info().sm_count)  # one wave
+            capacity = max(1, per_sm * _runtime.device_info().sm_count)  # one wave
             hit = self._by_rows[rows] = (expr, kernel, per_sm, capacity)
         return hit
 
@@ -622,9 +597,7 @@ class Plan:
     (forward's cache); it then stands for `variant`.
     """
 
-    def __init__(self, p, poison=False, split=None, variant=None, layout=None):
-        import cupy
-
+    def __init__(self, p, split=None, variant=None, layout=None):
         self.p = p
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
@@ -639,39 +612,17 @@ class Plan:
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
         self.n_items, self.n_tiles = sched.items.shape[0], sched.tiles.shape[0]
-        self.mask_rs, self.mask_cs, self.bias_rs, self.bias_cs = (lay.mask_rs, lay.mask_cs,
-                                                                  lay.bias_rs, lay.bias_cs)
-        self.q_rs, self.k_rs, self.v_rs = lay.q_rs, lay.k_rs, lay.v_rs
+        self.strides = tuple(np.int64(s) for s in lay.strides)
 
         parts = [lay.offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
                  sched.tiles.reshape(-1), sched.items_x().reshape(-1)]
         bounds = np.cumsum([0] + [x.size for x in parts])
-        with p.q.device:
-            host = np.concatenate(parts)
-            try:  # cached by content: a pageable copy would wait for the stream to drain
-                from ._gpu import _on_device
-                table = _on_device(host)
-            except ImportError:
-                table = cupy.asarray(host)  # the one host-to-device copy
+        with p.q.device:  # the one host-to-device copy, cached by content: a pageable copy
+            table = _runtime.on_device(np.concatenate(parts))  # would wait for the stream
             (self.offsets, self.lens, self.groups, self.tiles,
              self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
             self.table = table
             self.split_any = sched.split_any
-        self.poison = poison
-
-    def _outputs(self):
-        import cupy
-
-        p = self.p
-        out = cupy.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-        lse = cupy.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-        if self.poison:
-            if p.dtype.name == "bfloat16":
-                out.view(np.uint16).fill(0x7FC0)
-            else:
-                out.fill(np.nan)
-            lse.fill(np.nan)
-        return out, lse
 
     def run(self, out=None, lse=None, p=None):
         """Launch the split kernel (its last block per row tile merges the partials); returns
@@ -684,26 +635,24 @@ class Plan:
         if p is not None:
             self.p = p
         p = self.p
-        if out is None:
-            out, lse = self._outputs()
-        i64, i32 = np.int64, np.int32
-        sc = np.float64 if p.acc_dtype == np.float64 else np.float32
-        null = np.uint64(0)
+        i32 = np.int32
         with p.q.device:
+            if out is None:
+                out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+                lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
             # per-call workspace (from CuPy's pool): concurrent calls on other streams never share
             shape = (self.n_items, self.rows) if self.split_any else (1, 1)
             ws_out = cupy.empty(shape + (p.Dv,), dtype=p.acc_dtype)
             ws_ml = cupy.empty(shape + (2,), dtype=p.acc_dtype)  # each partial's (max, sum)
             counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
-            args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters,
-                    self.offsets, self.lens, self.groups, self.tiles, self.items,
-                    null if p.mask is None else p.mask, null if p.bias is None else p.bias,
-                    i64(self.q_rs), i64(self.k_rs), i64(self.v_rs), i64(self.mask_rs),
-                    i64(self.mask_cs), i64(self.bias_rs), i64(self.bias_cs), i32(p.BH),
-                    i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G), sc(p.scale), i32(p.left),
-                    i32(p.right), i32(bool(p.bottom_right)), i32(1))  # fused: merge in-kernel
+            args = ((p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, self.lens,
+                     self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
+                     _runtime.ptr(p.bias)) + self.strides
+                    + (i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
+                       p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
+                       i32(bool(p.bottom_right)), i32(1)))  # 1: fused, the merge in-kernel
             if self.tc:  # persistent blocks, at most one wave (decode_tc)
-                grid = min(self.n_items, self.per_sm * _kernels.device_info().sm_count)
+                grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
                 self.kernel((grid,), (THREADS,), args + (i32(self.n_items),),
                             shared_mem=self.dyn_smem)
             else:
@@ -711,23 +660,24 @@ class Plan:
         return out, lse
 
 
-def plan(p, poison=False, split=None, variant=None):
-    return Plan(p, poison=poison, split=split, variant=variant)
+def takes(p):
+    """Whether this path runs the Problem: the SUPPORT RULE, or wherever the kernels can run
+    (`fits`) when the tests force this path."""
+    return fits(p) if _runtime.overrides().path == NAME else supports(p)
 
 
-def forward(p, split=None, variant=None):
-    """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream.
-
-    ``split`` forces the keys per split (tests use a small one to exercise the merge), ``variant``
-    "simt" forces decode_split where decode_tc would run (tests; see Plan)."""
-    from . import _gpu
-
-    layout_key = _layout_key(p, split, _gpu.POISON) + (variant,)
+def forward(p):
+    """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream. When the
+    tests force this path, with FORCED_SPLIT_KEYS keys per split (to exercise the merge) and their
+    decode variant ("simt": decode_split where decode_tc would run; see Plan)."""
+    ov = _runtime.overrides()
+    forced = ov.path == NAME
+    split, variant = (FORCED_SPLIT_KEYS, ov.variant) if forced else (None, None)
+    layout_key = _layout_key(p, split) + (variant,)
     key = layout_key + (None if p.kv_lens is None else p.kv_lens.tobytes(),)
     plan = _plans.get(key)
     if plan is None:
-        plan = Plan(p, poison=_gpu.POISON, split=split, variant=variant,
-                    layout=_layouts.get(layout_key))
+        plan = Plan(p, split=split, variant=variant, layout=_layouts.get(layout_key))
         _keep(_plans, key, plan)
         _keep(_layouts, layout_key, plan.layout)
     out, lse = plan.run(p=p)
@@ -749,7 +699,7 @@ def _keep(cache, key, value):
     cache[key] = value
 
 
-def _layout_key(p, split, poison):
+def _layout_key(p, split):
     """Everything a Plan is derived from, except the arrays' contents and kv_lens. (Not
     `_aligned(p)`: forward only receives problems that `fits`, which requires it; it was NumPy work
     on every call.)"""
@@ -758,7 +708,7 @@ def _layout_key(p, split, poison):
     def strides(x):
         return None if x is None else element_strides(x)
 
-    return (cupy.cuda.Device().id, split, poison, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
+    return (cupy.cuda.Device().id, split, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
             p.scale, p.left, p.right, p.bottom_right,
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
             p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())

@@ -12,6 +12,7 @@
 // Thread layout as in fwd_generic.cu: a row (key row in dkdv, query row in dq) belongs to 8 lanes.
 #include "common.cuh"
 #include "mask.cuh"
+#include "generic_tiles.cuh"
 
 // delta[row] = sum_c dout[row, c] * out[row, c]; one warp per row, both inputs contiguous (rows, Dv).
 template <typename T, typename Acc>
@@ -37,40 +38,6 @@ bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, const Acc*
       delta[row] = is_lost ? Acc(0) : sum;
     }
   }
-}
-
-// Per-(batch, head) pointers and predicate inputs shared by the two main backward kernels.
-template <typename T, typename Acc>
-struct BwdHead {
-  const T *q, *k, *v, *dout;
-  const Acc *lse, *delta;
-  MaskBias<Acc> mb;
-  Window w;
-};
-
-template <typename T, typename Acc>
-__device__ __forceinline__ BwdHead<T, Acc> bwd_head(
-    long long bh, const T* q, const T* k, const T* v, const T* dout, const Acc* lse,
-    const Acc* delta, const long long* offsets, const unsigned char* mask, const Acc* bias,
-    const long long* kv_lens, long long mask_rs, long long mask_cs, long long bias_rs,
-    long long bias_cs, int BH, int Nq, int Nk, int Dv, int left, int right, int bottom_right) {
-  BwdHead<T, Acc> h;
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  h.w = make_window(Nq, L, left, right, bottom_right);
-  h.q = q + offsets[0 * BH + bh];
-  h.k = k + offsets[1 * BH + bh];
-  h.v = v + offsets[2 * BH + bh];
-  h.dout = dout + bh * Nq * Dv;
-  h.lse = lse + bh * Nq;
-  h.delta = delta + bh * Nq;
-  h.mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-  h.mb.mask_rs = mask_rs;
-  h.mb.mask_cs = mask_cs;
-  h.mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-  h.mb.bias_rs = bias_rs;
-  h.mb.bias_cs = bias_cs;
-  return h;
 }
 
 // P for one (query i, key j) pair from its unscaled score; 0 where invisible or the row is empty
@@ -122,15 +89,13 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;
-  const BwdHead<T, Acc> h = bwd_head(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens,
-                                     mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, left,
-                                     right, bottom_right);
+  const HeadInputs<T, Acc> h =
+      head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
+                  bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
 
   Acc dk[ROWS][COLS], dv[ROWS][COLS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) dk[r][c] = dv[r][c] = Acc(0);
+  tile_zero(dk);
+  tile_zero(dv);
 
   // Keys >= L are invisible: tile_query_range returns an empty range for them.
   const KeyRange qr = tile_query_range(h.w, j0, j_end - 1, Nq);
@@ -152,34 +117,8 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
     // S^T = K Q^T and dP^T = V dO^T for this thread's keys and queries.
     Acc s[ROWS][QUERIES], dp[ROWS][QUERIES];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-      for (int ii = 0; ii < QUERIES; ++ii) s[r][ii] = dp[r][ii] = Acc(0);
-#pragma unroll 4
-    for (int d = 0; d < Dk; ++d) {
-      Acc qd[QUERIES];
-#pragma unroll
-      for (int ii = 0; ii < QUERIES; ++ii) qd[ii] = Qs[(lane + LANES_PER_ROW * ii) * LD + d];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const Acc kd = Ks[(group + ROW_GROUPS * r) * LD + d];
-#pragma unroll
-        for (int ii = 0; ii < QUERIES; ++ii) s[r][ii] += kd * qd[ii];
-      }
-    }
-#pragma unroll 4
-    for (int d = 0; d < Dv; ++d) {
-      Acc od[QUERIES];
-#pragma unroll
-      for (int ii = 0; ii < QUERIES; ++ii) od[ii] = dOs[(lane + LANES_PER_ROW * ii) * LD + d];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const Acc vd = Vs[(group + ROW_GROUPS * r) * LD + d];
-#pragma unroll
-        for (int ii = 0; ii < QUERIES; ++ii) dp[r][ii] += vd * od[ii];
-      }
-    }
+    tile_abt<4, LD>(s, Ks, Qs, Dk);
+    tile_abt<4, LD>(dp, Vs, dOs, Dv);
 
     // P and dS = P * (dP - delta), staged transposed (key-major) for the two products below.
 #pragma unroll
@@ -272,9 +211,9 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;
-  const BwdHead<T, Acc> h = bwd_head(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens,
-                                     mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, left,
-                                     right, bottom_right);
+  const HeadInputs<T, Acc> h =
+      head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
+                  bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);
@@ -299,34 +238,8 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 
     // S = Q K^T and dP = dO V^T for this thread's queries and keys.
     Acc s[ROWS][KEYS], dp[ROWS][KEYS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-      for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = dp[r][jj] = Acc(0);
-#pragma unroll 4
-    for (int d = 0; d < Dk; ++d) {
-      Acc kd[KEYS];
-#pragma unroll
-      for (int jj = 0; jj < KEYS; ++jj) kd[jj] = Ks[(lane + LANES_PER_ROW * jj) * LD + d];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const Acc qd = Qs[(group + ROW_GROUPS * r) * LD + d];
-#pragma unroll
-        for (int jj = 0; jj < KEYS; ++jj) s[r][jj] += qd * kd[jj];
-      }
-    }
-#pragma unroll 4
-    for (int d = 0; d < Dv; ++d) {
-      Acc vd[KEYS];
-#pragma unroll
-      for (int jj = 0; jj < KEYS; ++jj) vd[jj] = Vs[(lane + LANES_PER_ROW * jj) * LD + d];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const Acc od = dOs[(group + ROW_GROUPS * r) * LD + d];
-#pragma unroll
-        for (int jj = 0; jj < KEYS; ++jj) dp[r][jj] += od * vd[jj];
-      }
-    }
+    tile_abt<4, LD>(s, Qs, Ks, Dk);
+    tile_abt<4, LD>(dp, dOs, Vs, Dv);
 
     // dS = P * (dP - delta), staged through shared memory for the dS K product.
 #pragma unroll
@@ -347,19 +260,7 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     __syncthreads();
 
     // dQ += dS K (scale applied at the end).
-    const int n_keys = static_cast<int>(j_end - j0);
-#pragma unroll 2
-    for (int jj = 0; jj < n_keys; ++jj) {
-      Acc kc[COLS];
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) kc[c] = Ks[jj * LD + lane + LANES_PER_ROW * c];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const Acc ds = dSs[(group + ROW_GROUPS * r) * LDP + jj];
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) dq[r][c] += ds * kc[c];
-      }
-    }
+    tile_mac_ab<2, LDP, LD>(dq, dSs, Ks, static_cast<int>(j_end - j0));
   }
 
 #pragma unroll

@@ -7,6 +7,7 @@
 // Tile sizes come from cuflash/_config.py (the one table) as template arguments.
 #include "common.cuh"
 #include "mask.cuh"
+#include "generic_tiles.cuh"
 
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
@@ -88,22 +89,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
     // Scores S = Q K^T for this thread's rows and keys.
     Acc s[ROWS][KEYS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-      for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = Acc(0);
-#pragma unroll 8
-    for (int d = 0; d < Dk; ++d) {
-      Acc kd[KEYS];
-#pragma unroll
-      for (int jj = 0; jj < KEYS; ++jj) kd[jj] = KVs[(lane + LANES_PER_ROW * jj) * LD + d];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const Acc qd = Qs[(group + ROW_GROUPS * r) * LD + d];
-#pragma unroll
-        for (int jj = 0; jj < KEYS; ++jj) s[r][jj] += qd * kd[jj];
-      }
-    }
+    tile_abt<8, LD>(s, Qs, KVs, Dk);
 
     // Online softmax: mask by global position, new max, rescale BOTH l and acc, add this mass.
     // The max propagates NaN (a NaN logit makes the row NaN); a row with nothing visible in
@@ -154,19 +140,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     __syncthreads();
 
     // acc += P V over the tile's keys.
-    const int n_keys = static_cast<int>(j_end - j0);
-#pragma unroll 2
-    for (int jj = 0; jj < n_keys; ++jj) {
-      Acc vj[COLS];
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) vj[c] = KVs[jj * LD + lane + LANES_PER_ROW * c];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const Acc p = Ps[(group + ROW_GROUPS * r) * LDP + jj];
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[r][c] += p * vj[c];
-      }
-    }
+    tile_mac_ab<2, LDP, LD>(acc, Ps, KVs, static_cast<int>(j_end - j0));
   }
 
   // Normalize once. A row with no visible key is empty: out = 0, lse = -inf. One that sees keys

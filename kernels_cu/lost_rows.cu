@@ -84,19 +84,16 @@ __device__ __forceinline__ void add_to(bf16_t* p, double x) { *p = bf16_from_flo
 __device__ __forceinline__ void add_to(float* p, double x) { *p = static_cast<float>(*p + x); }
 __device__ __forceinline__ void add_to(double* p, double x) { *p += x; }
 
-// Everything about one (batch, head) both kernels need.
+// mask.cuh's inputs of one (batch, head), plus the row strides and scale, in double.
 template <typename T, typename Acc>
-struct LostHead {
-  const T *q, *k, *v, *dout;
-  const Acc* lse;
-  MaskBias<Acc> mb;
-  Window w;
+struct LostHead : HeadInputs<T, Acc> {
   long long q_rs, k_rs, v_rs;
   double scale;
 
   // Whether j is visible to i, and then its bias (0 without one).
   __device__ __forceinline__ bool visible(double& b, long long i, long long j) const {
-    const KeyRange r = key_range(w, i);
+    const MaskBias<Acc>& mb = this->mb;
+    const KeyRange r = key_range(this->w, i);
     if (j < r.lo || j > r.hi) return false;
     if (mb.mask != nullptr && !mb.mask[i * mb.mask_rs + j * mb.mask_cs]) return false;
     b = mb.bias != nullptr ? static_cast<double>(mb.bias[i * mb.bias_rs + j * mb.bias_cs]) : 0.0;
@@ -112,48 +109,23 @@ struct LostHead {
   }
 };
 
-template <typename T, typename Acc>
-__device__ __forceinline__ LostHead<T, Acc> lost_head(
-    long long bh, const T* q, const T* k, const T* v, const T* dout, const Acc* lse,
-    const long long* offsets, const unsigned char* mask, const Acc* bias,
-    const long long* kv_lens, long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-    long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk, int Dv,
-    double scale, int left, int right, int bottom_right) {
-  LostHead<T, Acc> h;
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  h.w = make_window(Nq, L, left, right, bottom_right);
-  h.q = q + offsets[0 * BH + bh];
-  h.k = k + offsets[1 * BH + bh];
-  h.v = v + offsets[2 * BH + bh];
-  h.dout = dout + bh * Nq * Dv;
-  h.lse = lse + bh * Nq;
-  h.mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-  h.mb.mask_rs = mask_rs;
-  h.mb.mask_cs = mask_cs;
-  h.mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-  h.mb.bias_rs = bias_rs;
-  h.mb.bias_cs = bias_cs;
-  h.q_rs = q_rs;
-  h.k_rs = k_rs;
-  h.v_rs = v_rs;
-  h.scale = scale;
-  return h;
-}
-
-#define LOST_PARAMS                                                                            \
-  const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                   \
-      const T *__restrict__ dout, const T *__restrict__ out, const Acc *__restrict__ lse,      \
-      const long long *__restrict__ offsets, const unsigned char *__restrict__ mask,           \
+// The argument tail of every lost-row kernel, in the order the host passes it (_launch.py).
+#define LOST_TAIL_PARAMS                                                                       \
+  const long long *__restrict__ offsets, const unsigned char *__restrict__ mask,               \
       const Acc *__restrict__ bias, const long long *__restrict__ kv_lens, long long q_rs,     \
       long long k_rs, long long v_rs, long long mask_rs, long long mask_cs, long long bias_rs, \
       long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, double scale, int left,       \
-      int right, int bottom_right, double lost, double *__restrict__ stats,                    \
-      int *__restrict__ flags
-#define LOST_HEAD                                                                             \
-  lost_head<T, Acc>(bh, q, k, v, dout, lse, offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs,   \
-                    mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, scale, left, right,   \
-                    bottom_right)
+      int right, int bottom_right, double lost
+#define LOST_PARAMS                                                                            \
+  const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                   \
+      const T *__restrict__ dout, const T *__restrict__ out, const Acc *__restrict__ lse,      \
+      LOST_TAIL_PARAMS, double *__restrict__ stats, int *__restrict__ flags
+// The LostHead of (batch, head) bh from those arguments (no lost-row kernel reads a delta).
+#define LOST_HEAD(dout)                                                                        \
+  LostHead<T, Acc>{head_inputs<T, Acc>(bh, q, k, v, dout, lse, nullptr, offsets, mask, bias,   \
+                                       kv_lens, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, \
+                                       Dv, left, right, bottom_right),                         \
+                   q_rs, k_rs, v_rs, scale}
 
 // A warp's 128 rows of the flattened (BH, Nq), as four chunks of 32: lane e < 4 gets the ballot
 // of chunk e (bit l: row row0 + 32 e + l satisfies pred), the other lanes 0.
@@ -169,6 +141,18 @@ __device__ __forceinline__ unsigned scan_rows(const Acc* lse, long long row0, lo
     if (lane == e) mine = bits;
   }
   return mine;
+}
+
+// f(row) for each row of such a scan (lane e < 4: the bits of chunk e), in row order; the loop is
+// warp-uniform.
+template <typename F>
+__device__ __forceinline__ void for_each_row(unsigned bits, long long row0, F&& f) {
+#pragma unroll 1
+  for (int e = 0; e < 4; ++e) {
+#pragma unroll 1
+    for (unsigned b = __shfl_sync(FULL_WARP, bits, e); b != 0u; b &= b - 1u)
+      f(row0 + 32 * e + (__ffs(b) - 1));
+  }
 }
 
 // Grid: a stride of warps over items of 128 rows of one (batch, head). flags: (BH, ceil(Nq / 32)),
@@ -197,55 +181,50 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
   }
   const long long row0 = bh * Nq + static_cast<long long>(c_first) * LOST_CHUNK;
   const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
-#pragma unroll 1
-  for (int e = 0; e < 4; ++e) {
-#pragma unroll 1
-    for (unsigned b = __shfl_sync(FULL_WARP, bits, e); b != 0u; b &= b - 1u) {  // warp-uniform
-      const long long row = row0 + 32 * e + (__ffs(b) - 1);
-      const long long bh = row / Nq, i = row % Nq;
-      const LostHead<T, Acc> h = LOST_HEAD;
-      double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
-      load_row(qi, h.q + i * h.q_rs, Dk);
-      load_row(doi, h.dout + i * Dv, Dv);
-      const double delta = dot(doi, out + (bh * Nq + i) * Dv, Dv);
-      const KeyRange kr = key_range(h.w, i);
-      // The row's max and sum, online (a -inf logit adds nothing).
-      double m = neg_inf, l = 0.0;
-      for (long long j = kr.lo; j <= kr.hi; ++j) {
-        double x;
-        const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-        if (!h.logit(x, qk, i, j) || x == neg_inf) continue;
-        if (x > m) {
-          l = l * exp(m - x) + 1.0;
-          m = x;
-        } else {
-          l += exp(x - m);
-        }
-      }
-      if (lane == 0) {
-        stats[3 * row + 0] = m;
-        stats[3 * row + 1] = l;
-        stats[3 * row + 2] = delta;
-      }
-      // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta).
-#pragma unroll
-      for (int c = 0; c < LOST_COLS; ++c) dqi[c] = 0.0;
-      for (long long j = kr.lo; j <= kr.hi; ++j) {
-        double x;
-        const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-        if (!h.logit(x, qk, i, j)) continue;
-        const double p = exp(x - m) / l;
-        const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
-        axpy(dqi, ds, h.k + j * h.k_rs, Dk);
-      }
-      Acc* dq_row = dq + row * Dk;
-#pragma unroll
-      for (int c = 0; c < LOST_COLS; ++c) {
-        const int col = lane + 32 * c;
-        if (col < Dk) add_to(dq_row + col, h.scale * dqi[c]);
+  for_each_row(bits, row0, [&](long long row) {
+    const long long bh = row / Nq, i = row % Nq;
+    const LostHead<T, Acc> h = LOST_HEAD(dout);
+    double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
+    load_row(qi, h.q + i * h.q_rs, Dk);
+    load_row(doi, h.dout + i * Dv, Dv);
+    const double delta = dot(doi, out + (bh * Nq + i) * Dv, Dv);
+    const KeyRange kr = key_range(h.w, i);
+    // The row's max and sum, online (a -inf logit adds nothing).
+    double m = neg_inf, l = 0.0;
+    for (long long j = kr.lo; j <= kr.hi; ++j) {
+      double x;
+      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+      if (!h.logit(x, qk, i, j) || x == neg_inf) continue;
+      if (x > m) {
+        l = l * exp(m - x) + 1.0;
+        m = x;
+      } else {
+        l += exp(x - m);
       }
     }
-  }
+    if (lane == 0) {
+      stats[3 * row + 0] = m;
+      stats[3 * row + 1] = l;
+      stats[3 * row + 2] = delta;
+    }
+    // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta).
+#pragma unroll
+    for (int c = 0; c < LOST_COLS; ++c) dqi[c] = 0.0;
+    for (long long j = kr.lo; j <= kr.hi; ++j) {
+      double x;
+      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+      if (!h.logit(x, qk, i, j)) continue;
+      const double p = exp(x - m) / l;
+      const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
+      axpy(dqi, ds, h.k + j * h.k_rs, Dk);
+    }
+    Acc* dq_row = dq + row * Dk;
+#pragma unroll
+    for (int c = 0; c < LOST_COLS; ++c) {
+      const int col = lane + 32 * c;
+      if (col < Dk) add_to(dq_row + col, h.scale * dqi[c]);
+    }
+  });
   }  // items
 }
 
@@ -261,7 +240,7 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
   for (long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
        item < BH * n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
   const long long bh = item / n_items;
-  const LostHead<T, Acc> h = LOST_HEAD;
+  const LostHead<T, Acc> h = LOST_HEAD(dout);
   const long long j0 = (item % n_items) * LOST_SEG;
   const long long j_last = j0 + LOST_SEG - 1 < Nk - 1 ? j0 + LOST_SEG - 1 : Nk - 1;
   const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
@@ -318,12 +297,8 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-              T* __restrict__ out, Acc* __restrict__ lse, const long long* __restrict__ offsets,
-              const unsigned char* __restrict__ mask, const Acc* __restrict__ bias,
-              const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
-              long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
-              int Nq, int Nk, int Dk, int Dv, double scale, int left, int right, int bottom_right,
-              double lost, const int* __restrict__ fix, int block_m) {
+              T* __restrict__ out, Acc* __restrict__ lse, LOST_TAIL_PARAMS,
+              const int* __restrict__ fix, int block_m) {
   const int n_mtiles = (Nq + block_m - 1) / block_m;
   const long long n_blocks = static_cast<long long>(BH) * n_mtiles;
   const long long warps = static_cast<long long>(gridDim.x) * LOST_WARPS;
@@ -341,56 +316,48 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const unsigned bits = scan_rows(static_cast<const Acc*>(lse), row0, rows, [lost, inf](double l) {
     return l != l || l == inf || is_lost(l, lost);
   });
-#pragma unroll 1
-  for (int e = 0; e < 4; ++e) {
-#pragma unroll 1
-    for (unsigned b = __shfl_sync(FULL_WARP, bits, e); b != 0u; b &= b - 1u) {  // warp-uniform
-      const long long row = row0 + 32 * e + (__ffs(b) - 1);
-      const long long bh = row / Nq, i = row % Nq;
-      const LostHead<T, Acc> h = lost_head<T, Acc>(
-          bh, q, k, v, static_cast<const T*>(nullptr), lse, offsets, mask, bias, kv_lens, q_rs,
-          k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dv, scale, left, right,
-          bottom_right);
-      double qi[LOST_COLS], acc[LOST_COLS];
-      load_row(qi, h.q + i * h.q_rs, Dk);
+  for_each_row(bits, row0, [&](long long row) {
+    const long long bh = row / Nq, i = row % Nq;
+    const LostHead<T, Acc> h = LOST_HEAD(static_cast<const T*>(nullptr));
+    double qi[LOST_COLS], acc[LOST_COLS];
+    load_row(qi, h.q + i * h.q_rs, Dk);
 #pragma unroll
-      for (int c = 0; c < LOST_COLS; ++c) acc[c] = 0.0;
-      const KeyRange kr = key_range(h.w, i);
-      double m = -inf, l = 0.0;
-      bool seen = false;
-      // 32 keys at a time: each lane tests one (mask, bias), then the visible ones, in order
-      for (long long j0 = kr.lo; j0 <= kr.hi; j0 += 32) {
-        double b_lane = 0.0;
-        const bool vis = j0 + lane <= kr.hi && h.visible(b_lane, i, j0 + lane);
-        for (unsigned vb = __ballot_sync(FULL_WARP, vis); vb != 0u; vb &= vb - 1u) {
-        const int sl = __ffs(vb) - 1;
-        const long long j = j0 + sl;
-        const double x = dot(qi, h.k + j * h.k_rs, Dk) * h.scale +
-                         __shfl_sync(FULL_WARP, b_lane, sl);
-        seen = true;
-        if (x == -inf) continue;  // no mass (the row is NaN if nothing else comes)
-        const double m_new = x > m ? x : m;  // a NaN x reaches l through p below
-        const double alpha = exp(m - m_new), p = exp(x - m_new);
-        l = l * alpha + p;
+    for (int c = 0; c < LOST_COLS; ++c) acc[c] = 0.0;
+    const KeyRange kr = key_range(h.w, i);
+    double m = -inf, l = 0.0;
+    bool seen = false;
+    // 32 keys at a time: each lane tests one (mask, bias), then the visible ones, in order
+    for (long long j0 = kr.lo; j0 <= kr.hi; j0 += 32) {
+      double b_lane = 0.0;
+      const bool vis = j0 + lane <= kr.hi && h.visible(b_lane, i, j0 + lane);
+      for (unsigned vb = __ballot_sync(FULL_WARP, vis); vb != 0u; vb &= vb - 1u) {
+      const int sl = __ffs(vb) - 1;
+      const long long j = j0 + sl;
+      const double x = dot(qi, h.k + j * h.k_rs, Dk) * h.scale +
+                       __shfl_sync(FULL_WARP, b_lane, sl);
+      seen = true;
+      if (x == -inf) continue;  // no mass (the row is NaN if nothing else comes)
+      const double m_new = x > m ? x : m;  // a NaN x reaches l through p below
+      const double alpha = exp(m - m_new), p = exp(x - m_new);
+      l = l * alpha + p;
 #pragma unroll
-        for (int c = 0; c < LOST_COLS; ++c) acc[c] *= alpha;
-        axpy(acc, p, h.v + j * h.v_rs, Dv);
-        m = m_new;
-        }
+      for (int c = 0; c < LOST_COLS; ++c) acc[c] *= alpha;
+      axpy(acc, p, h.v + j * h.v_rs, Dv);
+      m = m_new;
       }
-      // As every forward: empty -> 0 / -inf; l == 0 (all -inf) or an infinite logit -> NaN.
-      const double nan = __longlong_as_double(0x7ff8000000000000LL);
-      const double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
-      T* orow = out + row * Dv;
-#pragma unroll
-      for (int c = 0; c < LOST_COLS; ++c) {
-        const int col = lane + 32 * c;
-        if (col < Dv) store_acc(orow + col, static_cast<Acc>(acc[c] * inv_l));
-      }
-      if (lane == 0)
-        lse[row] = static_cast<Acc>(!seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l));
     }
-  }
+    // As every forward: empty -> 0 / -inf; l == 0 (all -inf) or an infinite logit -> NaN.
+    const double nan = __longlong_as_double(0x7ff8000000000000LL);
+    const double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
+    T* orow = out + row * Dv;
+#pragma unroll
+    for (int c = 0; c < LOST_COLS; ++c) {
+      const int col = lane + 32 * c;
+      if (col < Dv) store_acc(orow + col, static_cast<Acc>(acc[c] * inv_l));
+    }
+    if (lane == 0)
+      lse[row] = static_cast<Acc>(!seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l));
+  });
   }  // flagged blocks
   }  // flag words
 }

@@ -103,3 +103,40 @@ __device__ __forceinline__ Acc masked_logit(Acc s, long long i, long long j, con
                                             const MaskBias<Acc>& mb) {
   return visible_logit(s, i, j, r, mb) ? s : NEG_INF;
 }
+
+// One (batch, head)'s inputs, as the generic and lost-row kernels set them up: q, k, v, mask and
+// bias offset by the host's per-head table (offsets: five rows of BH, in that order); dout, lse,
+// delta contiguous (BH, Nq, Dv), (BH, Nq), (BH, Nq), and null (unused) in kernels that have none;
+// the window over L = clamp(kv_lens[bh], 0, Nk) valid keys.
+template <typename T, typename Acc>
+struct HeadInputs {
+  const T *q, *k, *v, *dout;
+  const Acc *lse, *delta;
+  MaskBias<Acc> mb;
+  Window w;
+};
+
+template <typename T, typename Acc>
+__device__ __forceinline__ HeadInputs<T, Acc> head_inputs(
+    long long bh, const T* q, const T* k, const T* v, const T* dout, const Acc* lse,
+    const Acc* delta, const long long* offsets, const unsigned char* mask, const Acc* bias,
+    const long long* kv_lens, long long mask_rs, long long mask_cs, long long bias_rs,
+    long long bias_cs, int BH, int Nq, int Nk, int Dv, int left, int right, int bottom_right) {
+  HeadInputs<T, Acc> h;
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  h.w = make_window(Nq, L, left, right, bottom_right);
+  h.q = q + offsets[0 * BH + bh];
+  h.k = k + offsets[1 * BH + bh];
+  h.v = v + offsets[2 * BH + bh];
+  h.dout = dout + bh * Nq * Dv;
+  h.lse = lse + bh * Nq;
+  h.delta = delta + bh * Nq;
+  h.mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  h.mb.mask_rs = mask_rs;
+  h.mb.mask_cs = mask_cs;
+  h.mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  h.mb.bias_rs = bias_rs;
+  h.mb.bias_cs = bias_cs;
+  return h;
+}

@@ -1,4 +1,5 @@
-"""Shared fixtures: the GPU marker's skip rule and the input dtypes."""
+"""Shared fixtures: the GPU marker's skip rule, the seeded generator, and the CUDA test switches."""
+import contextlib
 import zlib
 
 import numpy as np
@@ -29,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
 def rng(request):
     """A fresh generator per test, seeded from the test's name so failures reproduce."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def override():
+    """Sets cuflash's test switches until the test ends: ``override(path="split", poison=True)``
+    (cuflash._gpu.override: forced path, NaN-poisoned outputs, wgmma tiles); repeated calls add
+    to each other."""
+    from cuflash import _gpu
+    with contextlib.ExitStack() as stack:
+        yield lambda **switches: stack.enter_context(_gpu.override(**switches))

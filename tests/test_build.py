@@ -11,12 +11,12 @@ import pytest
 pytest.importorskip("cupy")
 compiler = pytest.importorskip("cupy.cuda.compiler")
 
-from cuflash import _config, _kernels  # noqa: E402
+from cuflash import _config, _decode, _generic, _gpu, _mma_fwd, _runtime  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a")
 NO_SPILL_MAX_HEAD_DIM = 128
-INSTANTIATIONS = _config.all_instantiations()
-SM90_ONLY = _config.sm90_only_instantiations()
+INSTANTIATIONS = _gpu.instantiations()  # the catalog: every path's instantiations()
+SM90_ONLY = _gpu.sm90_only_instantiations()
 
 _builds = {}
 
@@ -27,7 +27,7 @@ def _usage(filename, arch):
     if key not in _builds:
         exprs = [e for _, _, _, f, e in INSTANTIATIONS if f == filename]
         try:
-            _builds[key] = _kernels.resource_usage(exprs, arch)
+            _builds[key] = _runtime.resource_usage(filename, exprs, arch)
         except compiler.CompileException as exc:  # keep the log in the failure message
             _builds[key] = exc
     result = _builds[key]
@@ -43,18 +43,20 @@ def test_instantiation_table_is_complete():
                        "bwd_sm80_dkdv_g", "bwd_sm80_dq",
                        "bwd_lost_rows", "bwd_lost_keys"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
+    for path in _gpu.PATHS:  # and the paths agree on the kernels they share (the lost rows')
+        assert set(path.instantiations()) <= set(INSTANTIATIONS), path.NAME
 
 
 @pytest.mark.parametrize("kernel,dtype,bucket", [(k, d, b) for k, d, b, _, _ in INSTANTIATIONS
-                                                 if b and k in _config.TILED_KERNELS])
+                                                 if b and k in _generic.TILED_KERNELS])
 def test_shared_memory_fits_sm80(kernel, dtype, bucket):
     acc = _config.c_types(dtype)[1]
-    assert _config.smem_bytes(kernel, acc, bucket) <= _config.SMEM_LIMIT_SM80
+    assert _generic.smem_bytes(kernel, acc, bucket) <= _config.SMEM_LIMIT_SM80
 
 
 def test_source_is_self_contained():
-    for filename in set(_config.SOURCES.values()):
-        src = _kernels.source(filename)
+    for filename in {f for *_, f, _ in INSTANTIATIONS}:
+        src = _runtime.source(filename)
         assert "#include" not in src, f"{filename}: an include survived inlining"
 
 
@@ -65,19 +67,18 @@ def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch):
     info = _usage(filename, arch)[expr]
     assert "registers" in info, f"{expr}: no ptxas report for {arch}"
     if arch == "sm_80" and expr in SM90_ONLY:
-        return  # requested on sm_90+ devices only (cuflash._config.SM90_TILES)
+        return  # requested on sm_90+ devices only (cuflash._mma_fwd.TILES_CC90)
     if bucket is None or bucket <= NO_SPILL_MAX_HEAD_DIM:
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{expr} on {arch}: {info}"
         assert info["stack"] == 0, f"{expr} on {arch}: {info}"
 
 
 def test_decode_tc_fits_sm80():
-    from cuflash import _decode
     for bucket in _decode.TC_HEAD_DIMS:
         assert _decode.tc_smem_bytes(bucket) <= _config.SMEM_LIMIT_SM80
 
 
-@pytest.mark.parametrize("head_dim,has_mb", sorted(_config.SM80_TILES))
+@pytest.mark.parametrize("head_dim,has_mb", sorted(_mma_fwd.TILES))
 def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
-    """Tiles that exceed sm_80's 163 KiB are only taken where the device allows (cuflash._gpu)."""
-    assert _config.sm80_smem_bytes(head_dim, has_mb) <= 227 * 1024
+    """Tiles that exceed sm_80's 163 KiB are only taken where the device allows (_mma_fwd.takes)."""
+    assert _mma_fwd.smem_bytes(head_dim, has_mb) <= 227 * 1024

@@ -1,11 +1,11 @@
-"""cuflash._kernels.device_info: the one place the kernel choices read device properties from
+"""cuflash._runtime.device_info: the one place the kernel choices read device properties from
 (compute capability for the forward tiles, opt-in shared memory for the tensor-core paths, SM count
 for the decode split). Checked without a GPU against a stand-in for CuPy's device queries."""
 import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cuflash import _kernels  # noqa: E402
+from cuflash import _runtime  # noqa: E402
 
 
 class _FakeDevice:
@@ -28,13 +28,13 @@ def test_device_info_reads_and_caches_per_device(monkeypatch):
 
     monkeypatch.setattr(cupy.cuda, "Device", _FakeDevice)
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", props)
-    monkeypatch.setattr(_kernels, "_device_infos", {})
+    monkeypatch.setattr(_runtime, "_device_infos", {})
     _FakeDevice.current = 1
-    assert _kernels.device_info() == (90, 232448, 132)
-    assert _kernels.device_info(0) == (80, 166912, 108)
-    assert _kernels.device_info(1) is _kernels.device_info()   # cached, not queried again
+    assert _runtime.device_info() == (90, 232448, 132)
+    assert _runtime.device_info(0) == (80, 166912, 108)
+    assert _runtime.device_info(1) is _runtime.device_info()   # cached, not queried again
     assert calls == [1, 0]
-    assert isinstance(_kernels.device_info().cc, int)
+    assert isinstance(_runtime.device_info().cc, int)
 
 
 @pytest.mark.parametrize("cc,nvrtc,smem,eligible", [
@@ -45,28 +45,29 @@ def test_device_info_reads_and_caches_per_device(monkeypatch):
     (100, (13, 0), 232448, False),
     (90, (13, 0), 100 * 1024, True),  # D=64's wgmma tile fits, D=128's does not
 ])
-def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, cc, nvrtc, smem, eligible):
-    """_tc_bwd.table_tile: the wgmma tiles only where the device runs sm_90a code, CuPy's NVRTC
+def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc, nvrtc, smem,
+                                                       eligible):
+    """_mma_bwd.dkdv_tile: the wgmma tiles only where the device runs sm_90a code, CuPy's NVRTC
     builds it and shared memory holds them; otherwise the tile every other device gets."""
-    from cuflash import _tc_bwd
+    from cuflash import _mma_bwd
 
-    monkeypatch.setattr(_kernels, "device_info",
-                        lambda device_id=None: _kernels.DeviceInfo(cc, smem, 132))
-    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: nvrtc)
+    monkeypatch.setattr(_runtime, "device_info",
+                        lambda device_id=None: _runtime.DeviceInfo(cc, smem, 132))
+    monkeypatch.setattr(_runtime, "nvrtc_version", lambda: nvrtc)
     for head_dim, has_mb in ((64, False), (64, True), (128, False), (128, True)):
-        wg = (_tc_bwd.DKDV_TILES_WG_MB if has_mb else _tc_bwd.DKDV_TILES_WG)[head_dim]
-        want = eligible and _tc_bwd.dkdv_smem_bytes(head_dim, wg) <= smem
-        tile = _tc_bwd.table_tile(head_dim, has_mb)
+        wg = (_mma_bwd.DKDV_TILES_WG_MB if has_mb else _mma_bwd.DKDV_TILES_WG)[head_dim]
+        want = eligible and _mma_bwd.dkdv_smem_bytes(head_dim, wg) <= smem
+        tile = _mma_bwd.dkdv_tile(head_dim, has_mb)
         assert (tile == wg) == want, (head_dim, has_mb, tile)
-        assert bool(tile.opt & _tc_bwd.OPT_WG) == want
-        if not want and not tile.opt & _tc_bwd.OPT_GRID:  # the table's tile, as elsewhere
-            assert tile == (_tc_bwd.DKDV_TILES_MB if has_mb else _tc_bwd.DKDV_TILES)[head_dim]
+        assert bool(tile.opt & _mma_bwd.OPT_WG) == want
+        if not want and not tile.opt & _mma_bwd.OPT_GRID:  # the table's tile, as elsewhere
+            assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[head_dim]
         # with dQ atomics and no mask / bias, D=128's wgmma tile with dQ on wgmma too
-        atomic = _tc_bwd.table_tile(head_dim, has_mb, dq_atomic=True)
-        wg_dq = _tc_bwd.DKDV_TILES_WG_DQ.get(head_dim) if not has_mb else None
-        if want and wg_dq is not None and _tc_bwd.dkdv_smem_bytes(head_dim, wg_dq) <= smem:
-            assert atomic == wg_dq and atomic.opt & _tc_bwd.OPT_WG_DQ
+        atomic = _mma_bwd.dkdv_tile(head_dim, has_mb, dq_atomic=True)
+        wg_dq = _mma_bwd.DKDV_TILES_WG_DQ.get(head_dim) if not has_mb else None
+        if want and wg_dq is not None and _mma_bwd.dkdv_smem_bytes(head_dim, wg_dq) <= smem:
+            assert atomic == wg_dq and atomic.opt & _mma_bwd.OPT_WG_DQ
         else:
             assert atomic == tile
-    monkeypatch.setattr(_tc_bwd, "USE_WG", False)
-    assert not _tc_bwd.table_tile(64, False).opt & _tc_bwd.OPT_WG
+    override(wgmma=False)
+    assert not _mma_bwd.dkdv_tile(64, False).opt & _mma_bwd.OPT_WG

@@ -1,7 +1,8 @@
 """The CUDA path against the float64 reference: same contract as the CPU path, every dtype.
 
 Marked ``gpu``: skipped on machines without a CUDA device. Every buffer the kernels write is
-filled with NaN before the launch (``cuflash._gpu.POISON``), so an element left unwritten fails.
+filled with NaN before the launch (``cuflash._gpu.override(poison=True)``), so an element left
+unwritten fails.
 """
 import numpy as np
 import pytest
@@ -17,16 +18,14 @@ DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not No
 
 
 @pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    from cuflash import _gpu
-    monkeypatch.setattr(_gpu, "POISON", True)
+def poisoned(override):
+    override(poison=True)
 
 
 @pytest.fixture(params=["generic", "auto"])
-def path(request, monkeypatch):
+def path(request, override):
     """Run the test once on the generic kernels and once on the fastest path that takes it."""
-    from cuflash import _gpu
-    monkeypatch.setattr(_gpu, "FORCE_PATH", None if request.param == "auto" else request.param)
+    override(path=None if request.param == "auto" else request.param)
     return request.param
 
 
@@ -109,12 +108,12 @@ TC_BWD_CASES = [
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", TC_BWD_CASES, ids=[c[0] for c in TC_BWD_CASES])
 def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dtype, rng,
-                                      monkeypatch):
+                                      override):
     import cupy
-    from cuflash import _gpu, _tc_bwd, _validate
-    if kernel == "wgmma" and not _tc_bwd.wgmma_available():
+    from cuflash import _gpu, _mma_bwd, _validate
+    if kernel == "wgmma" and not _mma_bwd.wgmma_available():
         pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
-    monkeypatch.setattr(_tc_bwd, "USE_WG", kernel == "wgmma")
+    override(wgmma=kernel == "wgmma")
     _, lq, lkv, Nq, Nk, options = case
     q = randn(rng, lq + (Nq, head_dim), dtype)
     k, v = (randn(rng, lkv + (Nk, head_dim), dtype) for _ in range(2))
@@ -124,9 +123,9 @@ def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dty
         options = dict(causal=True, mask=cupy.asarray(mask),
                        bias=cupy.asarray(rng.standard_normal((Nq, Nk)), np.float32))
     p = _validate.make_problem(q, k, v, **options)
-    assert _gpu.backward_path(p) == "sm80"
+    assert _gpu.backward_path(p) == "mma"
     has_mb = p.mask is not None or p.bias is not None
-    assert bool(_tc_bwd.table_tile(head_dim, has_mb).opt & _tc_bwd.OPT_WG) == (kernel == "wgmma")
+    assert bool(_mma_bwd.dkdv_tile(head_dim, has_mb).opt & _mma_bwd.OPT_WG) == (kernel == "wgmma")
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
@@ -152,11 +151,11 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("force", ["split", "split-simt", "auto"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
-def test_decode_sweep(case, force, dtype, rng, monkeypatch):
+def test_decode_sweep(case, force, dtype, rng, override):
     """'split': small splits on the automatic kernel (decode_tc for 16-bit, Dk = Dv = 64 / 128,
     decode_split otherwise); 'split-simt': small splits on decode_split everywhere."""
     from cuflash import _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    override(path=None if force == "auto" else force)
     _, lq, lkv, Nq, Nk, Dk, Dv, options = case
     q = randn(rng, lq + (Nq, Dk), dtype)
     k = randn(rng, lkv + (Nk, Dk), dtype)
@@ -167,11 +166,11 @@ def test_decode_sweep(case, force, dtype, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_split_path_takes_whole_vector_rows_only(dtype, rng, monkeypatch):
+def test_decode_split_path_takes_whole_vector_rows_only(dtype, rng, override):
     """decode.cu's merge reads 4 float columns at a time: the split path must refuse rows that are
     not whole 16-byte vectors (Dv = 33 here), and the generic path answers instead."""
     from cuflash import _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", "split")
+    override(path="split")
     q, k = randn(rng, (2, 4, 2, 40), dtype), randn(rng, (2, 2, 700, 40), dtype)
     v = randn(rng, (2, 2, 700, 33), dtype)
     assert _gpu.forward_path(_validate.make_problem(q, k, v)) == "generic"
@@ -179,10 +178,9 @@ def test_decode_split_path_takes_whole_vector_rows_only(dtype, rng, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if BFLOAT16 is not None else ["float32"])
-def test_decode_with_mask_and_bias(dtype, rng, monkeypatch):
+def test_decode_with_mask_and_bias(dtype, rng, override):
     import cupy
-    from cuflash import _gpu
-    monkeypatch.setattr(_gpu, "FORCE_PATH", "split")
+    override(path="split")
     q, k, v = (randn(rng, (2, 4, n, 64), dtype) for n in (2, 800, 800))
     mask = rng.random((4, 2, 800)) < 0.5
     mask[1, 0] = False  # an empty row
@@ -282,7 +280,7 @@ def test_fast_path_is_chosen_where_it_applies(rng):
     """The 'auto' runs above test the tensor-core path only if dispatch really picks it."""
     from cuflash import _gpu, _validate
     q, k, v = (randn(rng, (2, 4, 256, 128), "bfloat16") for _ in range(3))
-    assert _gpu.forward_path(_validate.make_problem(q, k, v, causal=True)) == "sm80"
+    assert _gpu.forward_path(_validate.make_problem(q, k, v, causal=True)) == "mma"
     q32 = randn(rng, (2, 4, 256, 128), "float32")
     assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "generic"
     assert _gpu.forward_path(_validate.make_problem(q[..., :80], k[..., :80], v[..., :80])) == "generic"
@@ -304,7 +302,7 @@ def test_deterministic_backward_is_bitwise_reproducible(dtype, rng):
     from cuflash import _gpu, _validate
     q = randn(rng, (2, 8, 300, 128), dtype)
     k, v = (randn(rng, (2, 2, 300, 128), dtype) for _ in range(2))
-    assert _gpu.backward_path(_validate.make_problem(q, k, v, causal=True)) == "sm80"
+    assert _gpu.backward_path(_validate.make_problem(q, k, v, causal=True)) == "mma"
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     dout = randn(rng, out.shape, dtype)
     first = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
@@ -323,7 +321,7 @@ def _bits(x):
 
 
 # (name, q lead, kv lead, Nq, Nk, D, options): both split into many partials on the automatic
-# choice (decode_tc for 16-bit, decode_split for float32) and with FORCE_PATH "split"
+# choice (decode_tc for 16-bit, decode_split for float32) and with override(path="split")
 REPRO_CASES = [
     ("gqa-4-long", (1, 32), (1, 8), 1, 16384, 128, {}),
     ("gqa-4-nq3-causal", (2, 8), (2, 2), 3, 3000, 64, dict(causal=True)),
@@ -333,18 +331,18 @@ REPRO_CASES = [
 @pytest.mark.parametrize("dtype", ["float32"] + (["bfloat16"] if BFLOAT16 is not None else []))
 @pytest.mark.parametrize("force", ["auto", "split"])
 @pytest.mark.parametrize("case", REPRO_CASES, ids=[c[0] for c in REPRO_CASES])
-def test_decode_forward_is_bitwise_reproducible(case, force, dtype, rng, monkeypatch):
+def test_decode_forward_is_bitwise_reproducible(case, force, dtype, rng, override):
     """Issue 12, hole 6: decode_tc's key pools handed out stages by atomic tickets, so the
     partials (and the merge) changed from call to call: 19 of 19 repeated calls differed bitwise
     from the first. The pools are gone; ten calls of one problem must give identical bits."""
     from cuflash import _decode, _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    override(path=None if force == "auto" else force)
     _, lq, lkv, Nq, Nk, D, options = case
     q = randn(rng, lq + (Nq, D), dtype)
     k, v = (randn(rng, lkv + (Nk, D), dtype) for _ in range(2))
     p = _validate.make_problem(q, k, v, **options)
     assert _gpu.forward_path(p) == "split"
-    split = None if force == "auto" else _gpu._FORCED_SPLIT_KEYS
+    split = None if force == "auto" else _decode.FORCED_SPLIT_KEYS
     assert _decode.Plan(p, split=split).split_any  # the merge runs
     first = [_bits(x) for x in cuflash.attention(q, k, v, return_lse=True, **options)]
     for _ in range(9):
@@ -356,14 +354,14 @@ def test_decode_forward_is_bitwise_reproducible(case, force, dtype, rng, monkeyp
 
 @pytest.mark.parametrize("scale", [0.0, -0.3])
 @pytest.mark.parametrize("force", ["auto", "split"])
-def test_decode_zero_and_negative_scale(scale, force, rng, monkeypatch):
+def test_decode_zero_and_negative_scale(scale, force, rng, override):
     """Issue 12, hole 5: decode_tc folds the scale into one FFMA on maxima of the unscaled
     scores, which needs scale > 0 (scale 0: a masked -inf score times 0 is NaN; a negative scale
     makes the max the min). bf16, Nq = 5, Nk = 604, GQA 6/2, causal gave output errors of 0.08
     (automatic) and 0.029 (forced small splits), 10x the tolerance. _decode.tc_fits now refuses
     scale <= 0, and decode_split (q pre-multiplied by the scale) answers."""
     from cuflash import _decode, _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    override(path=None if force == "auto" else force)
     dtype = "bfloat16" if BFLOAT16 is not None else "float16"
     q = randn(rng, (2, 6, 5, 128), dtype)
     k, v = (randn(rng, (2, 2, 604, 128), dtype) for _ in range(2))
@@ -383,7 +381,7 @@ def _compare_rows(out, lse, ref, naive, rows, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32"] + (["bfloat16"] if BFLOAT16 is not None else []))
 @pytest.mark.parametrize("force", ["auto", "split", "split-simt"])
-def test_decode_non_finite_rows(force, dtype, rng, monkeypatch):
+def test_decode_non_finite_rows(force, dtype, rng, override):
     """Issue 12, hole 2 on the decode path: non-finite values came out as empty rows (out 0, lse
     -inf): a block decided "empty" by !(l > 0) (NaN l included) or dropped a row's chunk whose
     max was not > -inf, and the merge dropped NaN partials. Now only a row with no visible key is
@@ -392,7 +390,7 @@ def test_decode_non_finite_rows(force, dtype, rng, monkeypatch):
     finite answer); every visible logit -inf (NaN, NaN, not empty); q = 0 (uniform); kv_lens 0
     (empty); keys past kv_lens all NaN (never read)."""
     from cuflash import _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    override(path=None if force == "auto" else force)
     B, H, Hkv, Nk, D = 3, 8, 2, 1500, 128   # query heads 0-3 read kv head 0, heads 4-7 kv head 1
     qh = rng.standard_normal((B, H, 1, D))
     kh, vh = rng.standard_normal((B, Hkv, Nk, D)), rng.standard_normal((B, Hkv, Nk, D))
@@ -424,7 +422,7 @@ def test_decode_non_finite_rows(force, dtype, rng, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32"] + (["bfloat16"] if BFLOAT16 is not None else []))
 @pytest.mark.parametrize("force", ["auto", "split"])
-def test_decode_padding_bias_is_uniform_not_empty(force, dtype, rng, monkeypatch):
+def test_decode_padding_bias_is_uniform_not_empty(force, dtype, rng, override):
     """Issue 12 on decode_split with a bias: logits went to base 2 as bias * log2(e), which is
     -inf for a finite bias of finfo(float32).min, so a padding row made of such a bias (every
     logit finfo.min) came out empty (0, -inf) instead of a uniform softmax over its visible keys
@@ -434,7 +432,7 @@ def test_decode_padding_bias_is_uniform_not_empty(force, dtype, rng, monkeypatch
     is empty."""
     import cupy
     from cuflash import _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    override(path=None if force == "auto" else force)
     q = randn(rng, (2, 4, 2, 64), dtype)
     k, v = (randn(rng, (2, 2, 900, 64), dtype) for _ in range(2))
     bias = rng.standard_normal((2, 4, 2, 900)).astype(np.float32)
@@ -462,7 +460,7 @@ def test_decode_padding_bias_is_uniform_not_empty(force, dtype, rng, monkeypatch
 
 
 @pytest.mark.parametrize("force", ["auto", "split"])
-def test_decode_huge_float16_logits(force, rng, monkeypatch):
+def test_decode_huge_float16_logits(force, rng, override):
     """Issue 12, hole 4 on decode_tc: its exp2(fma(s, scale * log2(e), -m)) has a residual up to
     ulp(m) / 2 where m is the rounded max: with float16 entries of magnitude 2^15 the logits
     reach ~1e9 in base 2, the residual exceeds 128 and exp2 overflows (inf, then NaN). A step
@@ -471,7 +469,7 @@ def test_decode_huge_float16_logits(force, rng, monkeypatch):
     keys that tie at the max share the softmax (the rest are ~1e8 below it). (decode_split has no
     fold; its pre-scaled q would round these dot products and break the ties at random.)"""
     from cuflash import _decode, _gpu, _validate
-    monkeypatch.setattr(_gpu, "FORCE_PATH", None if force == "auto" else force)
+    override(path=None if force == "auto" else force)
     sign = lambda shape: np.where(rng.random(shape) < 0.5, -1.0, 1.0)  # noqa: E731
     q = to_device(sign((2, 8, 2, 128)) * 2.0 ** 15, np.float16)
     k = to_device(sign((2, 2, 1500, 128)) * 2.0 ** 15, np.float16)

@@ -20,7 +20,7 @@ from helpers import BFLOAT16, check_backward, check_forward, to_array, to_f64, t
 
 F32MIN = float(np.finfo(np.float32).min)
 
-# (name, FORCE_PATH) of the runs: NumPy, then the CUDA paths
+# (name, forced path: cuflash._gpu.override) of the runs: NumPy, then the CUDA paths
 RUNS = [("numpy", None),
         pytest.param(("generic", "generic"), marks=pytest.mark.gpu),
         pytest.param(("auto", None), marks=pytest.mark.gpu),
@@ -30,15 +30,13 @@ RUN_IDS = ["numpy", "generic", "auto", "split", "split-simt"]
 
 
 @pytest.fixture(params=[r if isinstance(r, tuple) else r for r in RUNS], ids=RUN_IDS)
-def run(request, monkeypatch):
+def run(request, override):
     """(array module, name of the run); sets the CUDA path and NaN-poisons outputs on the GPU."""
     name, force = request.param
     if name == "numpy":
         return np, name
     import cupy
-    from cuflash import _gpu
-    monkeypatch.setattr(_gpu, "FORCE_PATH", force)
-    monkeypatch.setattr(_gpu, "POISON", True)
+    override(path=force, poison=True)
     return cupy, name
 
 

@@ -115,7 +115,7 @@ def main():
         trees["also"] = load("cuflash_also", args.also)
     if args.no_fixup:
         nofix = load("cuflash_nofix", REPO)
-        launch = importlib.import_module("cuflash_nofix._launch")
+        launch = importlib.import_module("cuflash_nofix._generic")
         launch.launch_fwd_lost = lambda *a, **k: None
         launch.launch_lost = lambda *a, **k: None
         trees["new-nofix"] = nofix

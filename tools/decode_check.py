@@ -47,7 +47,7 @@ def trace(reps=5):
     import cupy as cp
     import ml_dtypes
 
-    from cuflash import _decode, _kernels
+    from cuflash import _decode, _runtime
     from cuflash._validate import make_problem
 
     bf16 = ml_dtypes.bfloat16
@@ -64,14 +64,14 @@ def trace(reps=5):
         v = cp.random.standard_normal((Bn, HKV, L, D), dtype=cp.float32).astype(bf16)
         lens = uneven_lens(0, Bn, L) if uneven else None
         kv_bytes = 2 * HKV * (int(lens.sum()) if uneven else Bn * L) * D * 2
-        plan = _decode.plan(make_problem(q, k, v, kv_lens=None if lens is None
+        plan = _decode.Plan(make_problem(q, k, v, kv_lens=None if lens is None
                                          else lens.reshape(Bn, 1)))
         if "decode_tc" not in plan.expr:  # decode_tc alone records the marks
             raise SystemExit(f"{B} x {L}: the plan runs {plan.expr}, not decode_tc")
         ref = plan.run()[0].astype(cp.float32)
         if plan.expr not in traced:
-            mod = cp.RawModule(code=_kernels.source(_decode.SOURCE),
-                               options=_kernels.OPTIONS + ("-DDECODE_TRACE",),
+            mod = cp.RawModule(code=_runtime.source(_decode.SOURCE),
+                               options=_runtime.OPTIONS + ("-DDECODE_TRACE",),
                                name_expressions=[plan.expr])
             func = mod.get_function(plan.expr)
             func.max_dynamic_shared_size_bytes = plan.dyn_smem
@@ -80,7 +80,7 @@ def trace(reps=5):
                   f"(untraced: {plan.kernel.attributes['num_regs']})")
         plan.kernel, buf = traced[plan.expr]
         trace_rows = buf.mem.size // 64  # decode_trace[DECODE_TRACE_ROWS][8] of uint64
-        n = min(plan.n_items, plan.per_sm * _kernels.device_info().sm_count, trace_rows)
+        n = min(plan.n_items, plan.per_sm * _runtime.device_info().sm_count, trace_rows)
         rows, ends, fin = [], [], []
         for rep in range(reps + 1):
             spin((1,), (1,), (np.uint64(SPIN_US * 1000),))

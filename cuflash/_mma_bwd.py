@@ -1,4 +1,5 @@
-"""Tensor-core backward (kernels_cu/bwd_sm80.cu): tile tables, support test, launchers, backward().
+"""The tensor-core backward (kernels_cu/bwd_sm80.cu): mma.sync, and wgmma on sm_90a; tile tables,
+the tile rule, takes_backward, backward().
 
 float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128). Three kernels per call:
   bwd_sm80_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
@@ -8,10 +9,12 @@ float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128). 
   bwd_sm80_dq     only with deterministic=True: dQ recomputed per query tile with plain stores, and
                   the dkdv kernel instantiated without its dQ part: bitwise reproducible, at the cost
                   of recomputing S and dP (7 instead of 5 GEMMs per tile pair).
-`backward(problem, dout, out, lse)` returns dq, dk, dv per output (batch, head) in float32, like
-cuflash/_gpu.py's backward; the caller sums GQA / broadcast groups and casts.
+`backward(problem, dout, out, lse)` returns dq, dk, dv per output (batch, head), like
+cuflash/_generic.py's backward; the caller sums GQA / broadcast groups and casts. Path interface
+(cuflash/_gpu.py): NAME, takes_backward / backward, instantiations, and `dkdv_tile`, the tile for
+a device.
 
-Which dK/dV tile a call gets (table_tile): on compute capability 9.0 at head dims 64 and 128 the
+Which dK/dV tile a call gets (dkdv_tile): on compute capability 9.0 at head dims 64 and 128 the
 wgmma form (DKDV_TILES_WG / _MB / _DQ, OPT_WG: compiled for sm_90a), where warpgroup h owns keys
 [64 h, 64 h + 64) of the 128-key tile and S^T, dP^T, dV and dK are warpgroup products; elsewhere
 the warp-grid kernel at D=128 where shared memory allows (DKDV_TILES_LARGE_SMEM), else DKDV_TILES /
@@ -30,11 +33,12 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _kernels, _launch
+from . import _config, _generic, _mma_fwd, _runtime
 from ._broadcast import _padded
 
+NAME = "mma"
 SOURCE = "bwd_sm80.cu"
-_CTYPE = {name: _config.c_types(name)[0] for name in _config.SM80_DTYPES}
+_CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
 # Mirrors kernels_cu/bwd_sm80.cu LSE_PAD: lse2/delta rows per (batch, head) are padded to a multiple.
 LSE_PAD = 128
@@ -86,10 +90,6 @@ DKDV_TILES_WG_MB = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG),
 # 128-byte swizzled, read as an MN-major A operand). deterministic=True keeps DKDV_TILES_WG[128]
 # (its dkdv kernel has no dQ part).
 DKDV_TILES_WG_DQ = {128: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG | OPT_WG_DQ)}
-# Tests set this to False to run the mma.sync tiles on sm_90 devices too (tests/test_gpu.py).
-USE_WG = True
-
-
 def _b(x):
     return "true" if x else "false"
 
@@ -133,7 +133,7 @@ def dkdv_arch(tile):
 
 
 # NVRTC before 12.9 rejects a second -arch ("defined more than once"), and CuPy always appends
-# its own after ours (_kernels.get_function); from 12.9 on, sm_90a wins in either order (checked
+# its own after ours (_runtime.get_function); from 12.9 on, sm_90a wins in either order (checked
 # with the libraries of nvidia-cuda-nvrtc-cu12 12.0-12.6, 12.8 and 12.9, and NVRTC 13.0).
 WG_MIN_NVRTC = (12, 9)
 
@@ -141,7 +141,7 @@ WG_MIN_NVRTC = (12, 9)
 def wgmma_available():
     """Whether the current device can run the OPT_WG tiles: sm_90a code runs on compute capability
     9.0 only, and CuPy's NVRTC must build it (WG_MIN_NVRTC)."""
-    return _kernels.device_info().cc == 90 and _kernels.nvrtc_version() >= WG_MIN_NVRTC
+    return _runtime.device_info().cc == 90 and _runtime.nvrtc_version() >= WG_MIN_NVRTC
 
 
 def wg_tile(head_dim, has_mb, dq_atomic):
@@ -152,13 +152,14 @@ def wg_tile(head_dim, has_mb, dq_atomic):
     return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(head_dim)
 
 
-def table_tile(head_dim, has_mb, dq_atomic=False):
+def dkdv_tile(head_dim, has_mb, dq_atomic=False):
     """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
-    capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it), else the warp-grid tile
-    where shared memory allows it, else the table's."""
-    info = _kernels.device_info()
+    capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
+    cuflash._gpu.override(wgmma=False)), else the warp-grid tile where shared memory allows it,
+    else the table's."""
+    info = _runtime.device_info()
     wg = wg_tile(head_dim, has_mb, dq_atomic)
-    if USE_WG and wg is not None and wgmma_available() and \
+    if _runtime.overrides().wgmma and wg is not None and wgmma_available() and \
             dkdv_smem_bytes(head_dim, wg) <= info.smem_optin:
         return wg
     if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:
@@ -173,105 +174,52 @@ def dq_smem_bytes(head_dim, tile):
     return (2 * 16 * tile.warps + 2 * tile.stages * tile.block_n) * (head_dim + 8) * 2
 
 
-def all_instantiations(dtypes=("float16", "bfloat16")):
-    """Every name expression the host can request (for build checks without a GPU)."""
+def instantiations():
+    """Every (kernel, dtype name, head dim or None, source file, name expression) of this path."""
     out = []
-    for dt in dtypes:
+    for dt in _config.MMA_DTYPES:
+        exprs = []
         for d in HEAD_DIMS:
-            out.append(prep_expr(dt, d))
+            exprs.append(prep_expr(dt, d))
             for mb in (False, True):
                 tile = (DKDV_TILES_MB if mb else DKDV_TILES)[d]
-                out.append(dkdv_expr(dt, d, tile, True, mb))
-                out.append(dkdv_expr(dt, d, tile, False, mb))
-                out.append(dq_expr(dt, d, DQ_TILES[d], mb))
+                exprs.append(dkdv_expr(dt, d, tile, True, mb))
+                exprs.append(dkdv_expr(dt, d, tile, False, mb))
+                exprs.append(dq_expr(dt, d, DQ_TILES[d], mb))
             if d in DKDV_TILES_LARGE_SMEM:
                 for atomic in (True, False):
-                    out.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
+                    exprs.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
                 for atomic, mb in itertools.product((True, False), (False, True)):
-                    out.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
+                    exprs.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
+        out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
+                for e in exprs]
+        # the lost-row fix, with dk / dv in the inputs' dtype (no sum follows) or in float32
+        rows, keys16 = _generic.lost_name_expressions(dt, True)
+        keys32 = _generic.lost_name_expressions(dt, False)[1]
+        out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows)]
+        out += [("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, k) for k in (keys16, keys32)]
     return out
 
 
-_smem_set = {}
-
-
 def _function(expr, smem, arch=None):
-    """The RawKernel of one name expression on the current device (compiled once, by _kernels)."""
-    fn = _kernels.get_function(SOURCE, expr, arch)
-    if smem > 48 * 1024 and _smem_set.get(id(fn), 0) < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-        _smem_set[id(fn)] = smem
+    """The RawKernel of one name expression on the current device, opted in to `smem` bytes."""
+    fn = _runtime.get_function(SOURCE, expr, arch)
+    _runtime.opt_in(fn, smem)
     return fn
 
 
-def supports(p):
+def takes_backward(p):
     """True when the Problem fits this path; otherwise the host takes the generic backward."""
-    from . import _gpu
-
     if p.Dk not in DKDV_TILES or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
         return False
     if p.bias is not None and p.bias.dtype != np.float32:
         return False
-    if not _gpu.tensor_core_layout(p):
+    if not _mma_fwd.tensor_core_layout(p):
         return False
     # grid limits of the 1-D launches
     tile = DKDV_TILES[p.Dk]
     return p.BH * -(-p.Nk // (16 * tile.warps)) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
-
-
-# ---- launchers (current stream; scalars typed as the C parameters) -----------------------------
-_NULL = np.uint64(0)
-
-
-def _main_args(offsets, mask, bias, kv_lens, q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs,
-               bias_cs, BH, Nq, Nk, Dk, Dv, scale, left, right, bottom_right, Nq_pad):
-    i64, i32 = np.int64, np.int32
-    return (offsets, _NULL if mask is None else mask, _NULL if bias is None else bias,
-            _NULL if kv_lens is None else kv_lens,
-            i64(q_rs), i64(k_rs), i64(v_rs), i64(mask_rs), i64(mask_cs), i64(bias_rs),
-            i64(bias_cs), i32(BH), i32(Nq), i32(Nk), i32(Dk), i32(Dv), np.float32(scale),
-            i32(left), i32(right), i32(bool(bottom_right)), i32(Nq_pad))
-
-
-def launch_prep(dout, out, lse, lse2, delta, lost_flags, BH, Nq, Nq_pad, D):
-    """lse2, delta (BH, Nq_pad) float32 from dout, out (BH, Nq, D) and lse (BH, Nq) float32, and
-    lost_flags (BH, ceil(Nq / 32)) int32 for kernels_cu/lost_rows.cu."""
-    fn = _function(prep_expr(np.dtype(dout.dtype).name, D), 0)
-    threads = BH * Nq_pad * 8
-    lost = np.float32(_config.lost_lse_limit(np.float32))
-    fn((-(-threads // 256),), (256,),
-       (dout, out, lse, lse2, delta, np.int32(BH), np.int32(Nq), np.int32(Nq_pad), lost,
-        lost_flags))
-
-
-def launch_dkdv(q, k, v, dout, lse2, delta, dq_acc, dk_acc, dv_acc, *, dq_atomic, out16=False,
-                **common):
-    """dk_acc, dv_acc (BH, Nk, D) float32, every element (with out16: arrays of q's 16-bit dtype,
-    written directly); with dq_atomic, dq_acc (BH, Nq, D) float32 (zeroed by the caller) += this
-    kernel's dQ."""
-    has_mb = common["mask"] is not None or common["bias"] is not None
-    D = common["Dk"]
-    tile = table_tile(D, has_mb, dq_atomic)
-    smem = dkdv_smem_bytes(D, tile)
-    fn = _function(dkdv_expr(np.dtype(q.dtype).name, D, tile, dq_atomic, has_mb), smem,
-                   dkdv_arch(tile))
-    n_ntiles = -(-common["Nk"] // (16 * tile.warps))
-    fn((n_ntiles * common["BH"],), (tile.warps * 32,),
-       (q, k, v, dout, lse2, delta, dq_acc if dq_atomic else _NULL, dk_acc, dv_acc)
-       + _main_args(**common) + (np.int32(bool(out16)),), shared_mem=smem)
-
-
-def launch_dq(q, k, v, dout, lse2, delta, dq_acc, **common):
-    """dq_acc (BH, Nq, D) float32, every element, without atomics."""
-    has_mb = common["mask"] is not None or common["bias"] is not None
-    D = common["Dk"]
-    tile = DQ_TILES[D]
-    smem = dq_smem_bytes(D, tile)
-    fn = _function(dq_expr(np.dtype(q.dtype).name, D, tile, has_mb), smem)
-    n_mtiles = -(-common["Nq"] // (16 * tile.warps))
-    fn((n_mtiles * common["BH"],), (tile.warps * 32,),
-       (q, k, v, dout, lse2, delta, dq_acc) + _main_args(**common), shared_mem=smem)
 
 
 def _contiguous16(x, shape):
@@ -284,52 +232,51 @@ def _contiguous16(x, shape):
     return x
 
 
-def make_backward(p, deterministic=False):
-    """All host preparation (offset tables) done once; returns run(dout, out, lse) -> (dq, dk, dv).
-    Everything run() does is device work on the current stream (for timing)."""
+def backward(p, dout, out, lse, deterministic=False):
+    """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
+    dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
+    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype."""
     import cupy
 
-    from . import _gpu
-
-    args = _gpu._Args(p)
-    common = args.common(p)
+    args = _runtime.Args(p)
     BH, Nq, Nk, D = p.BH, p.Nq, p.Nk, p.Dk
     # dK, dV straight in the inputs' dtype when no broadcast / GQA sum follows (each k and v
     # matrix is one output (batch, head)'s): no float32 buffers, no cast passes
     out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
     kv_dtype = p.dtype if out16 else np.float32
     Nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
-    common["Nq_pad"] = Nq_pad
-
-    def run(dout, out, lse):
-        with p.q.device:
-            dout = _contiguous16(dout, (BH, Nq, D))
-            out = _contiguous16(out, (BH, Nq, D))
-            lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)
-            lse2 = _gpu._empty((BH, Nq_pad), dtype=np.float32)  # every row written by prep
-            delta = _gpu._empty((BH, Nq_pad), dtype=np.float32)
-            lost_flags = cupy.empty((BH, -(-Nq // 32)), dtype=np.int32)  # all written by prep
-            launch_prep(dout, out, lse, lse2, delta, lost_flags, BH, Nq, Nq_pad, D)
-            if deterministic:
-                dq = _gpu._empty((BH, Nq, D), dtype=np.float32)
-            else:
-                dq = cupy.zeros((BH, Nq, D), dtype=np.float32)
-            dk = _gpu._empty((BH, Nk, D), dtype=kv_dtype)
-            dv = _gpu._empty((BH, Nk, D), dtype=kv_dtype)
-            launch_dkdv(p.q, p.k, p.v, dout, lse2, delta, dq, dk, dv,
-                        dq_atomic=not deterministic, out16=out16, **common)
-            if deterministic:
-                launch_dq(p.q, p.k, p.v, dout, lse2, delta, dq, **common)
-            _launch.launch_lost(p.q, p.k, p.v, dout, out, lse, dq, dk, dv, flags=lost_flags,
-                                **common)
-            return dq, dk, dv
-
-    return run
-
-
-def backward(p, dout, out, lse, deterministic=False):
-    """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
-    dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
-    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype."""
-    with p.q.device:
-        return make_backward(p, deterministic)(dout, out, lse)
+    tail = args.tail(np.float32) + (np.int32(Nq_pad),)
+    dout = _contiguous16(dout, (BH, Nq, D))
+    out = _contiguous16(out, (BH, Nq, D))
+    lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)
+    lse2 = _runtime.empty((BH, Nq_pad), dtype=np.float32)  # every row written by prep
+    delta = _runtime.empty((BH, Nq_pad), dtype=np.float32)
+    lost_flags = cupy.empty((BH, -(-Nq // 32)), dtype=np.int32)  # all written by prep
+    # prep: lse2, delta (BH, Nq_pad) and the lost-row flags (BH, ceil(Nq / 32)) for lost_rows.cu
+    fn = _function(prep_expr(p.dtype.name, D), 0)
+    lost = np.float32(_config.lost_lse_limit(np.float32))
+    fn((-(-BH * Nq_pad * 8 // 256),), (256,), (dout, out, lse, lse2, delta, np.int32(BH),
+                                               np.int32(Nq), np.int32(Nq_pad), lost, lost_flags))
+    if deterministic:
+        dq = _runtime.empty((BH, Nq, D), dtype=np.float32)
+    else:
+        dq = cupy.zeros((BH, Nq, D), dtype=np.float32)
+    dk = _runtime.empty((BH, Nk, D), dtype=kv_dtype)
+    dv = _runtime.empty((BH, Nk, D), dtype=kv_dtype)
+    # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ
+    has_mb = p.mask is not None or p.bias is not None
+    tile = dkdv_tile(D, has_mb, not deterministic)
+    smem = dkdv_smem_bytes(D, tile)
+    fn = _function(dkdv_expr(p.dtype.name, D, tile, not deterministic, has_mb), smem,
+                   dkdv_arch(tile))
+    fn((-(-Nk // (16 * tile.warps)) * BH,), (tile.warps * 32,),
+       (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv) + tail
+       + (np.int32(out16),), shared_mem=smem)
+    if deterministic:  # dq every element, without atomics
+        tile = DQ_TILES[D]
+        smem = dq_smem_bytes(D, tile)
+        fn = _function(dq_expr(p.dtype.name, D, tile, has_mb), smem)
+        fn((-(-Nq // (16 * tile.warps)) * BH,), (tile.warps * 32,),
+           (p.q, p.k, p.v, dout, lse2, delta, dq) + tail, shared_mem=smem)
+    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags)
+    return dq, dk, dv

@@ -1,0 +1,179 @@
+"""The generic path (kernels_cu/fwd_generic.cu, bwd_generic.cu): every Problem, every dtype, on CUDA
+cores; and the launches of the lost-row kernels (kernels_cu/lost_rows.cu), which the tensor-core
+paths call too.
+
+Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward, instantiations.
+Callers pass Problems with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones) whose arrays
+satisfy DESIGN.md "Kernel ABI"; nothing is checked again here. Scalars go to the kernels as NumPy
+scalars of the C parameter's type (cuflash._runtime.Args.tail).
+"""
+import numpy as np
+
+from . import _config, _runtime
+
+NAME = "generic"
+FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
+# kernel -> (source file, kernel name)
+KERNELS = {"fwd": (FWD_SOURCE, "fwd_generic"), "bwd_preprocess": (BWD_SOURCE, "bwd_preprocess"),
+           "bwd_dkdv": (BWD_SOURCE, "bwd_dkdv"), "bwd_dq": (BWD_SOURCE, "bwd_dq")}
+# Kernels that have a head-dim bucket and tiles (the preprocess kernel has neither).
+TILED_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+# kernels_cu/lost_rows.cu: rows per flag; rows a warp checks, keys of a warp's item
+LOST_CHUNK, LOST_SEG = 32, 128
+
+
+def smem_bytes(kernel, acc_ctype, bucket):
+    """Dynamic shared memory of one block; mirrors the layout comment at the top of each kernel."""
+    if kernel == "bwd_preprocess":
+        return 0
+    bm, bn = _config.GENERIC_TILES[(kernel, acc_ctype, bucket)]
+    ld = bucket + 1
+    if kernel == "fwd":  # Q [BM][LD], K|V [BN][LD], P [BM][BN+1]
+        n = bm * ld + bn * ld + bm * (bn + 1)
+    elif kernel == "bwd_dkdv":  # K, V [BN][LD], Q, dO [BM][LD], P^T, dS^T [BN][BM+1], lse, delta [BM]
+        n = 2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 2 * bm
+    elif kernel == "bwd_dq":  # Q, dO [BM][LD], K, V [BN][LD], dS [BM][BN+1]
+        n = 2 * bm * ld + 2 * bn * ld + bm * (bn + 1)
+    else:
+        raise KeyError(kernel)
+    return n * _config.C_SIZES[acc_ctype]
+
+
+def name_expression(kernel, dtype, bucket=None):
+    """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'."""
+    t, acc = _config.c_types(dtype)
+    name = KERNELS[kernel][1]
+    if kernel == "bwd_preprocess":
+        return f"{name}<{t}, {acc}>"
+    bm, bn = _config.GENERIC_TILES[(kernel, acc, bucket)]
+    return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}>"
+
+
+def lost_name_expressions(dtype, dk_is_input_dtype):
+    """The two backward kernels of lost_rows.cu for inputs of ``dtype`` whose dk / dv buffers hold
+    the inputs' dtype (else the accumulator's)."""
+    t, acc = _config.c_types(dtype)
+    return (f"bwd_lost_rows<{t}, {acc}>",
+            f"bwd_lost_keys<{t}, {acc}, {t if dk_is_input_dtype else acc}>")
+
+
+def fwd_lost_name_expression(dtype):
+    t, acc = _config.c_types(dtype)
+    return f"fwd_lost_rows<{t}, {acc}>"
+
+
+def instantiations():
+    """Every (kernel, dtype name, bucket or None, source file, name expression) of this path."""
+    out = []
+    for dt in _config.supported_dtype_names():
+        rows, keys = lost_name_expressions(dt, False)
+        out += [("bwd_lost_rows", dt, None, LOST_SOURCE, rows),
+                ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
+        out += [(kernel, dt, b, KERNELS[kernel][0], name_expression(kernel, dt, b))
+                for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
+        out.append(("bwd_preprocess", dt, None, BWD_SOURCE, name_expression("bwd_preprocess", dt)))
+    return out
+
+
+def _prepare(kernel, p):
+    """The compiled kernel, its (BLOCK_M, BLOCK_N) and its dynamic shared memory, opted in."""
+    acc = _config.c_types(p.dtype)[1]
+    bucket = _config.head_dim_bucket(p.Dk, p.Dv)
+    kern = _runtime.get_function(KERNELS[kernel][0], name_expression(kernel, p.dtype, bucket))
+    smem = smem_bytes(kernel, acc, bucket)
+    _runtime.opt_in(kern, smem)
+    return kern, _config.GENERIC_TILES[(kernel, acc, bucket)], smem
+
+
+def takes(p):
+    """The generic kernels take every Problem (the last path of both registries)."""
+    return True
+
+
+takes_backward = takes
+
+
+def forward(p):
+    """fwd_generic: out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype."""
+    args = _runtime.Args(p)
+    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
+    kern, (bm, _), smem = _prepare("fwd", p)
+    kern(_runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
+         (p.q, p.k, p.v, out, lse) + args.tail(p.acc_dtype.type), shared_mem=smem)
+    return out, lse
+
+
+def backward(p, dout, out, lse, deterministic=False):
+    """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), every element,
+    in the accumulator dtype. Deterministic by construction (no atomics): bwd_preprocess (delta =
+    rowsum(dout * out), and lse_eff: +inf, with delta 0, on lost rows), bwd_dkdv over key tiles,
+    bwd_dq over query tiles, then the lost rows' exact gradients (launch_lost)."""
+    import cupy
+
+    args = _runtime.Args(p)
+    BH, acc, threads = p.BH, p.acc_dtype, (_config.GENERIC_THREADS,)
+    dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
+    out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
+    lse = cupy.ascontiguousarray(lse.astype(acc, copy=False)).reshape(BH, p.Nq)
+    lse_eff = _runtime.empty((BH, p.Nq), dtype=acc)  # lost rows: +inf (skipped)
+    delta = _runtime.empty((BH, p.Nq), dtype=acc)
+    kern = _runtime.get_function(BWD_SOURCE, name_expression("bwd_preprocess", p.dtype))
+    rows = BH * p.Nq  # one warp a row; the kernel loops beyond the grid
+    blocks = min(-(-rows // (_config.GENERIC_THREADS // 32)), _runtime.MAX_GRID_X)
+    kern((blocks,), threads, (dout, out, lse, lse_eff, delta, np.int64(rows), np.int32(p.Dv),
+                              acc.type(_config.lost_lse_limit(acc))))
+    dq = _runtime.empty((BH, p.Nq, p.Dk), dtype=acc)
+    dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
+    dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
+    tail = args.tail(acc.type)
+    kern, (_, bn), smem = _prepare("bwd_dkdv", p)
+    kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
+         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + tail, shared_mem=smem)
+    kern, (bm, _), smem = _prepare("bwd_dq", p)
+    kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
+         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + tail, shared_mem=smem)
+    launch_lost(args, dout, out, lse, dq, dk, dv)
+    return dq, dk, dv
+
+
+def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
+    """fwd_lost_rows: in the blocks of the tensor-core forward flagged in ``fix`` (its launch
+    order), recompute in double out and lse of the rows whose lse came out NaN, +inf or lost
+    (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags."""
+    p = args.p
+    fn = _runtime.get_function(LOST_SOURCE, fwd_lost_name_expression(p.dtype))
+    per_block = _config.GENERIC_THREADS // 32
+    blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
+    limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
+    fn((blocks,), (_config.GENERIC_THREADS,), (p.q, p.k, p.v, out, lse) + args.tail(np.float64)
+       + (np.float64(limit), fix, np.int32(block_m)))
+
+
+def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):
+    """kernels_cu/lost_rows.cu: add the exact gradients of the lost rows (_config.LOST_LSE) to dq,
+    dk, dv, which the main backward kernels wrote without them. dout, out contiguous
+    (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype; dq (BH, Nq, Dk) in it too;
+    dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. ``flags`` (BH, ceil(Nq / 32)):
+    the lost-row flags, if the preprocess wrote them (else made here from lse). Two small
+    launches that only read flags (and lse) when no row is lost."""
+    import cupy
+
+    p = args.p
+    BH, Nq, Nk = p.BH, p.Nq, p.Nk
+    rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype)
+    stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
+    prewritten = flags is not None  # by the tensor-core preprocess; else written from lse here
+    if flags is None:
+        flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
+    lost = _config.lost_lse_limit(lse.dtype)
+    common = (p.q, p.k, p.v, dout, out, lse) + args.tail(np.float64) + (np.float64(lost), stats,
+                                                                          flags)
+    threads = (_config.GENERIC_THREADS,)
+    warps = _config.GENERIC_THREADS // 32
+    cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
+    row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
+    key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
+    _runtime.get_function(LOST_SOURCE, rows_expr)((row_blocks,), threads,
+                                                  common + (dq, np.int32(prewritten)))
+    _runtime.get_function(LOST_SOURCE, keys_expr)((key_blocks,), threads, common + (dk, dv))

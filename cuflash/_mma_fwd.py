@@ -1,0 +1,140 @@
+"""The tensor-core forward on mma.sync (kernels_cu/fwd_sm80.cu): float16 / bfloat16, sm_80+,
+Dk == Dv in HEAD_DIMS; then the lost-row fix of its flagged blocks (cuflash._generic).
+
+Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, and `pick_tile`, the tile
+for a device. `tensor_core_layout` is what every tensor-core kernel needs of a Problem (the
+backward's `takes_backward` reads it too).
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from . import _config, _generic, _runtime
+from ._validate import element_strides
+
+NAME = "mma"
+SOURCE = "fwd_sm80.cu"
+MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
+
+# FwdTile: block_m = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp: 2
+# when Q is re-read from shared memory by ldmatrix, 1 when Q sits in registers), block_n keys per
+# tile, a `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM, and
+# two copy choices (fwd_sm80.cu): cheap_addr (incremental K/V addresses), kv_split (K and V in
+# separate cp.async groups). Chosen from ptxas reports and H200 timings (benchmarks/RESULTS.md
+# "Forward tile choices"); a mask or bias (HAS_MB) adds ~25 registers, hence 64-row tiles there.
+FwdTile = namedtuple("FwdTile", "block_m block_n warps stages q_in_regs min_blocks cheap_addr "
+                     "kv_split", defaults=(False, False))
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+_T = FwdTile
+TILES = {
+    # (head dim, has mask or bias) -> tile
+    (32, False): _T(128, 128, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (64, False): _T(128, 64, warps=4, stages=2, q_in_regs=False, min_blocks=2, cheap_addr=True),
+    (96, False): _T(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+    (128, False): _T(128, 64, warps=4, stages=2, q_in_regs=False, min_blocks=2, kv_split=True),
+    (192, False): _T(64, 64, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+    (256, False): _T(64, 64, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+    (32, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (64, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (96, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (128, True): _T(64, 64, warps=4, stages=2, q_in_regs=True, min_blocks=2),
+    (192, True): _T(64, 64, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+    (256, True): _T(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+}
+del _T
+# Compute capability 9.0+ only: cheap_addr and kv_split together spill 4-8 bytes on sm_80 but not
+# on sm_90a.
+TILES_CC90 = {
+    (128, False): TILES[(128, False)]._replace(cheap_addr=True),
+}
+
+
+def pick_tile(head_dim, has_mb, cc=80):
+    """The forward tile for a device of compute capability `cc` (an int, e.g. 90)."""
+    if cc >= 90 and (head_dim, has_mb) in TILES_CC90:
+        return TILES_CC90[(head_dim, has_mb)]
+    return TILES[(head_dim, has_mb)]
+
+
+def smem_bytes(head_dim, has_mb):
+    """Q tile plus STAGES K and V tiles of 16-bit elements, rows padded by 8 elements."""
+    t = TILES[(head_dim, has_mb)]  # (TILES_CC90 keep the block shape and stages)
+    return (t.block_m + 2 * t.stages * t.block_n) * (head_dim + 8) * 2
+
+
+def name_expression(dtype, head_dim, has_mb, tile=None):
+    t = TILES[(head_dim, has_mb)] if tile is None else tile
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return (f"fwd_sm80<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
+            f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, "
+            f"{b(t.cheap_addr)}, {b(t.kv_split)}>")
+
+
+def instantiations():
+    """Every (kernel, dtype name, head dim or None, source file, name expression) of this path."""
+    out = []
+    for dt in _config.MMA_DTYPES:
+        out += [("fwd_sm80", dt, d, SOURCE, name_expression(dt, d, mb)) for d, mb in TILES]
+        out += [("fwd_sm80", dt, d, SOURCE, name_expression(dt, d, mb, t))
+                for (d, mb), t in TILES_CC90.items()]
+        out.append(("fwd_lost_rows", dt, None, _generic.LOST_SOURCE,
+                    _generic.fwd_lost_name_expression(dt)))
+    return out
+
+
+def sm90_only():
+    """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
+    return {name_expression(dt, d, mb, t) for dt in _config.MMA_DTYPES
+            for (d, mb), t in TILES_CC90.items()}
+
+
+def tensor_core_layout(p):
+    """What every tensor-core kernel needs (fwd_sm80.cu and bwd_sm80.cu, "Requirements"): 16-bit
+    inputs, Dk == Dv, scale > 0, lengths within their 32-bit arithmetic, sm_80+, and 16-byte rows:
+    unit innermost stride, rows and matrices 8 elements apart, aligned bases."""
+    if p.dtype.name not in _config.MMA_DTYPES or p.Dk != p.Dv:
+        return False
+    if not p.scale > 0 or max(p.Nq, p.Nk) > MAX_LEN:
+        return False  # the kernels fold the scale into exp2 and take maxima of unscaled scores
+    if _runtime.device_info().cc < 80:
+        return False
+    for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
+        strides = element_strides(x)
+        if strides[-1] != 1 or strides[-2] % 8 or x.data.ptr % 16 or np.any(offsets % 8):
+            return False
+    return True
+
+
+def takes(p):
+    """Whether the tensor-core forward takes this Problem."""
+    if p.Dk not in HEAD_DIMS or not tensor_core_layout(p):
+        return False
+    has_mb = p.mask is not None or p.bias is not None
+    return smem_bytes(p.Dk, has_mb) <= _runtime.device_info().smem_optin
+
+
+def forward(p):
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32; every row settled, the ones the kernel
+    flags by the lost-row fix."""
+    import cupy
+
+    args = _runtime.Args(p)
+    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
+    has_mb = p.mask is not None or p.bias is not None
+    tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc)
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile))
+    smem = smem_bytes(p.Dk, has_mb)
+    _runtime.opt_in(kern, smem)
+    # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
+    blocks = -(-p.Nq // tile.block_m) * p.BH
+    if blocks > _runtime.MAX_GRID_X:
+        raise ValueError(f"problem too large for one launch: {blocks} blocks")
+    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_sm80
+    kern((blocks,), (tile.warps * 32,),
+         (p.q, p.k, p.v, out, lse) + args.tail(np.float32) + (fix,), shared_mem=smem)
+    # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
+    # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
+    # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
+    _generic.launch_fwd_lost(args, out, lse, fix, tile.block_m, np.inf if has_mb else None)
+    return out, lse

@@ -1,0 +1,295 @@
+"""The runtime layer below the CUDA paths: what every path needs to compile, size, launch kernels.
+
+* the one compile cache: the source of kernels_cu/<file> with its local includes inlined (so CuPy's
+  disk cache, keyed on the source text and options, sees every header edit, and NVRTC needs no
+  include path), compiled once per (device, file, name expression, arch) (`get_function`), and
+  the device-free NVRTC build with its ptxas report for CI (`resource_usage`);
+* the device facts the kernel choices read (`device_info`, `nvrtc_version`), cached per device;
+* output allocation, NaN-poisoned under the tests' override (`empty`), and the device copies of
+  small host tables, cached by content (`on_device`);
+* the kernel argument pack: the offset table and the 20 parameters every main kernel takes after
+  its own tensors (`Args`), and the grid and shared-memory helpers (`bh_grid`, `opt_in`);
+* the test switches (`overrides`; cuflash._gpu.override sets them).
+
+CuPy is imported lazily: this module imports on machines without CuPy. Launches go to the current
+CuPy stream; nothing here synchronizes. ``CUFLASH_DEBUG=1`` prints registers, static shared memory
+and local (spill) bytes of each kernel the first time it is loaded on a device.
+"""
+import functools
+import io
+import os
+import re
+import sys
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+
+from . import _broadcast, _config
+from ._validate import element_strides
+
+OPTIONS = ("-std=c++17",)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
+NULL = np.uint64(0)  # a null device pointer (8 bytes, as CuPy passes array pointers)
+MAX_GRID_Y = 65535
+MAX_GRID_X = 2**31 - 1
+
+_lock = threading.Lock()
+_sources = {}       # file name -> inlined source text
+_functions = {}     # (device id, file name, name expression, arch) -> (RawModule, RawKernel)
+_device_infos = {}  # device id -> DeviceInfo
+_smem_set = {}      # id(kernel) -> largest max_dynamic_shared_size_bytes already set
+
+# ---- test switches ------------------------------------------------------------------------------
+# path: a path NAME forced wherever it can run (cuflash._gpu dispatches); variant: the decode
+# kernel ("simt": decode_split everywhere); poison: fill every output buffer with NaN first, proving
+# that each element is written; wgmma: the tensor-core backward may take its wgmma tiles.
+Overrides = namedtuple("Overrides", "path variant poison wgmma")
+_overrides = Overrides(path=None, variant=None, poison=False, wgmma=True)
+
+
+def overrides():
+    """The test switches in force (the defaults outside cuflash._gpu.override)."""
+    return _overrides
+
+
+def _set_overrides(value):
+    global _overrides
+    _overrides = value
+
+
+# ---- device facts -------------------------------------------------------------------------------
+# What the kernel choices need to know of a device (the one home for these queries).
+DeviceInfo = namedtuple("DeviceInfo", "cc smem_optin sm_count")
+
+
+def device_info(device_id=None):
+    """DeviceInfo of a device (default: the current one), cached: compute capability as an int
+    (90 for sm_90), opt-in shared memory per block in bytes, and the number of SMs."""
+    import cupy
+
+    dev = cupy.cuda.Device().id if device_id is None else int(device_id)
+    info = _device_infos.get(dev)
+    if info is None:
+        device = cupy.cuda.Device(dev)
+        info = DeviceInfo(int(device.compute_capability),
+                          int(device.attributes["MaxSharedMemoryPerBlockOptin"]),
+                          int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]))
+        with _lock:
+            info = _device_infos.setdefault(dev, info)
+    return info
+
+
+@functools.cache
+def nvrtc_version():
+    """The (major, minor) version of the NVRTC CuPy compiles with (cached)."""
+    import cupy
+
+    return tuple(cupy.cuda.nvrtc.getVersion())
+
+
+# ---- sources and the compile cache -------------------------------------------------------------
+
+def kernels_dir():
+    """The kernels_cu/ folder: the installed copy (cuflash/kernels_cu) or the source tree's."""
+    pkg = Path(__file__).resolve().parent
+    for cand in (pkg / "kernels_cu", pkg.parent / "kernels_cu"):
+        if (cand / "common.cuh").is_file():
+            return cand
+    raise FileNotFoundError(
+        f"cuflash: CUDA sources not found in {pkg / 'kernels_cu'} or {pkg.parent / 'kernels_cu'}")
+
+
+def _inline(path, seen):
+    lines = []
+    for line in path.read_text().splitlines():
+        if _PRAGMA_ONCE.match(line):
+            continue
+        m = _INCLUDE.match(line)
+        if m:
+            inc = (path.parent / m.group(1)).resolve()
+            if inc.is_file():
+                if inc not in seen:  # every header is guarded by #pragma once
+                    seen.add(inc)
+                    lines.append(f"// ---- begin {m.group(1)}")
+                    lines.extend(_inline(inc, seen))
+                    lines.append(f"// ---- end {m.group(1)}")
+                continue
+        lines.append(line)
+    return lines
+
+
+def source(filename):
+    """The full text of kernels_cu/<filename> with its local includes inlined (memoized)."""
+    with _lock:
+        src = _sources.get(filename)
+        if src is None:
+            path = kernels_dir() / filename
+            src = "\n".join(_inline(path, {path.resolve()})) + "\n"
+            _sources[filename] = src
+        return src
+
+
+def get_function(filename, expr, arch=None):
+    """The compiled RawKernel `expr` of kernels_cu/<filename> on the current device (memoized).
+    arch: an NVRTC target to compile for instead of CuPy's default for the device ("sm_90a" for
+    kernels with wgmma). CuPy appends its own -arch after it: NVRTC 12.9+ then builds sm_90a,
+    earlier versions refuse two (_mma_bwd.WG_MIN_NVRTC)."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, filename, expr, arch)
+    with _lock:
+        hit = _functions.get(key)
+    if hit is not None:
+        return hit[1]
+    options = OPTIONS + ((f"-arch={arch}",) if arch else ())
+    module = cupy.RawModule(code=source(filename), options=options, name_expressions=[expr])
+    func = module.get_function(expr)
+    if os.environ.get("CUFLASH_DEBUG", "") not in ("", "0"):
+        a = func.attributes
+        print(f"cuflash: {expr} on device {key[0]}: {a['num_regs']} registers, "
+              f"{a['shared_size_bytes']} B static shared, {a['local_size_bytes']} B local, "
+              f"max {a['max_threads_per_block']} threads/block", file=sys.stderr)
+    with _lock:
+        _functions.setdefault(key, (module, func))
+        return _functions[key][1]
+
+
+_FUNC = re.compile(r"Function properties for (\S+)")
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas_log(log):
+    """{mangled kernel name: {'registers', 'stack', 'spill_stores', 'spill_loads'}} of a ptxas -v
+    log."""
+    info = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line) or _FUNC.search(line)
+        if m:
+            current = info.setdefault(m.group(1), {})
+            continue
+        if current is None:
+            continue
+        m = _STACK.search(line)
+        if m:
+            current["stack"], current["spill_stores"], current["spill_loads"] = map(int, m.groups())
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            current["registers"] = int(m.group(1))
+    return info
+
+
+def resource_usage(filename, exprs, arch="sm_90a"):
+    """{expr: ptxas resource dict} of name expressions of kernels_cu/<filename>, from one
+    device-free NVRTC build for `arch` (a real architecture, so that NVRTC assembles the code)."""
+    from cupy.cuda import compiler
+
+    exprs = list(exprs)
+    prog = compiler._NVRTCProgram(source(filename), filename, name_expressions=exprs)
+    log = io.StringIO()
+    _, mapping = prog.compile(OPTIONS + (f"-arch={arch}", "--ptxas-options=-v"), log)
+    per_kernel = parse_ptxas_log(log.getvalue())
+    return {e: per_kernel.get(mapping[e], {}) for e in exprs}
+
+
+# ---- buffers and tables ------------------------------------------------------------------------
+
+def empty(shape, dtype):
+    """An uninitialized device buffer; NaN-filled under override(poison=True)."""
+    import cupy
+
+    buf = cupy.empty(shape, dtype=dtype)
+    if _overrides.poison:
+        if np.dtype(dtype).name == "bfloat16":  # a quiet NaN, written as bits
+            buf.view(np.uint16).fill(0x7FC0)
+        else:
+            buf.fill(np.nan)
+    return buf
+
+
+_TABLE_CACHE_SIZE = 256
+_TABLE_CACHE_MAX_BYTES = 1 << 20
+_tables = {}
+
+
+def on_device(host):
+    """A device copy of a small host table, cached by content.
+
+    A copy from pageable host memory waits for the stream to drain first, which would stall the
+    host on every call; repeated calls with the same layout (the common case) reuse the copy.
+    """
+    import cupy
+
+    if host.nbytes > _TABLE_CACHE_MAX_BYTES:
+        return cupy.asarray(host)
+    key = (cupy.cuda.Device().id, host.dtype.str, host.shape, host.tobytes())
+    table = _tables.get(key)
+    if table is None:
+        if len(_tables) >= _TABLE_CACHE_SIZE:
+            _tables.pop(next(iter(_tables)))  # oldest first
+        table = _tables[key] = cupy.asarray(host)
+    return table
+
+
+# ---- kernel arguments --------------------------------------------------------------------------
+
+def offset_table(p):
+    """(table, strides) of a Problem on the host: the kernels' int64 offset table (5, BH), rows
+    q, k, v, mask, bias (DESIGN.md "Kernel ABI"; zeros where absent), and the row strides of q, k,
+    v with the (row, column) strides of mask and bias (0 where absent), in elements."""
+    BH = p.BH
+    table = np.zeros((5, BH), dtype=np.int64)
+    table[0], table[1], table[2] = (m.reshape(BH) for m in (p.q_map, p.k_map, p.v_map))
+    strides = [element_strides(x)[-2] for x in (p.q, p.k, p.v)]
+    for row, x in ((3, p.mask), (4, p.bias)):
+        st = (0, 0) if x is None else element_strides(x)
+        if x is not None:
+            table[row] = _broadcast.lead_offsets(p.lead, p.lead, st[:-2]).reshape(BH)
+        strides += st[-2:]
+    return table, tuple(strides)
+
+
+class Args:
+    """The arguments shared by the main kernels of one Problem, their offset table on the device."""
+
+    def __init__(self, p):
+        self.p = p
+        table, self.strides = offset_table(p)
+        self.offsets = on_device(table)
+        self.kv_lens = None if p.kv_lens is None else on_device(p.kv_lens.reshape(p.BH))
+
+    def tail(self, scale_type):
+        """The 20 parameters every main kernel takes after its own tensors, in the C order and C
+        types (CuPy turns a Python float into a C double and checks nothing): offsets, mask, bias,
+        kv_lens (null where absent), the 7 strides (int64), BH, Nq, Nk, Dk, Dv (int32), scale as
+        `scale_type`, left, right, bottom_right (int32)."""
+        p, i32 = self.p, np.int32
+        return ((self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens))
+                + tuple(np.int64(s) for s in self.strides)
+                + (i32(p.BH), i32(p.Nq), i32(p.Nk), i32(p.Dk), i32(p.Dv), scale_type(p.scale),
+                   i32(p.left), i32(p.right), i32(bool(p.bottom_right))))
+
+
+def ptr(a):
+    return NULL if a is None else a
+
+
+def bh_grid(tiles, BH):
+    """(x, y, z): x = tile index, y * z >= BH (the kernels flatten bh = z * gridDim.y + y)."""
+    y = min(BH, MAX_GRID_Y)
+    z = -(-BH // y)
+    if tiles > MAX_GRID_X or z > MAX_GRID_Y:
+        raise ValueError(f"problem too large for one launch: {tiles} tiles x {BH} batch*heads")
+    return (tiles, y, z)
+
+
+def opt_in(kern, smem, limit=_config.SMEM_DEFAULT_LIMIT):
+    """Raise the kernel's dynamic shared-memory limit once it needs more than `limit` bytes
+    (default 48 KiB, above which CUDA asks for the opt-in)."""
+    if smem > limit and _smem_set.get(id(kern), 0) < smem:
+        kern.max_dynamic_shared_size_bytes = smem
+        _smem_set[id(kern)] = smem
