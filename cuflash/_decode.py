@@ -527,7 +527,7 @@ class Schedule:
         self.launch = (np.arange(self.items.shape[0], dtype=np.int64) if split
                        else launch_order(self.items))
 
-    def items_x(self):
+    def items_table(self):
         """The kernels' items table (n_items, 6): (tile, k0, k1, workspace slot, k offset,
         v offset), in launch order; the offsets (elements) are those of the tile's kv head, so
         that decode_tc requests its first keys after one table load (kernels_cu/decode.cu
@@ -615,7 +615,7 @@ class Plan:
         self.strides = tuple(np.int64(s) for s in lay.strides)
 
         parts = [lay.offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
-                 sched.tiles.reshape(-1), sched.items_x().reshape(-1)]
+                 sched.tiles.reshape(-1), sched.items_table().reshape(-1)]
         bounds = np.cumsum([0] + [x.size for x in parts])
         with p.q.device:  # the one host-to-device copy, cached by content: a pageable copy
             table = _runtime.on_device(np.concatenate(parts))  # would wait for the stream

@@ -92,7 +92,7 @@ def instantiations():
     return list(found.values())
 
 
-def sm90_only_instantiations():
+def cc90_only_instantiations():
     """Name expressions requested only on compute capability 9.0+ devices (held to zero spills on
     sm_90a only)."""
-    return set().union(*(x.sm90_only() for x in PATHS if hasattr(x, "sm90_only")))
+    return set().union(*(x.cc90_only() for x in PATHS if hasattr(x, "cc90_only")))

@@ -1,14 +1,14 @@
-"""The tensor-core backward (kernels_cu/bwd_sm80.cu): mma.sync, and wgmma on sm_90a; tile tables,
+"""The tensor-core backward (kernels_cu/bwd_mma.cu): mma.sync, and wgmma on sm_90a; tile tables,
 the tile rule, takes_backward, backward().
 
 float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128). Three kernels per call:
-  bwd_sm80_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
-                  padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head);
-  bwd_sm80_dkdv   one block per key tile: dK, dV in registers (float32 out), and by default dQ added
-                  to a zeroed float32 buffer with red.global.add (order of additions varies run to run);
-  bwd_sm80_dq     only with deterministic=True: dQ recomputed per query tile with plain stores, and
-                  the dkdv kernel instantiated without its dQ part: bitwise reproducible, at the cost
-                  of recomputing S and dP (7 instead of 5 GEMMs per tile pair).
+  bwd_mma_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
+                 padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head);
+  bwd_mma_dkdv   one block per key tile: dK, dV in registers (float32 out), and by default dQ added
+                 to a zeroed float32 buffer with red.global.add (order of additions varies run to run);
+  bwd_mma_dq     only with deterministic=True: dQ recomputed per query tile with plain stores, and
+                 the dkdv kernel instantiated without its dQ part: bitwise reproducible, at the cost
+                 of recomputing S and dP (7 instead of 5 GEMMs per tile pair).
 `backward(problem, dout, out, lse)` returns dq, dk, dv per output (batch, head), like
 cuflash/_generic.py's backward; the caller sums GQA / broadcast groups and casts. Path interface
 (cuflash/_gpu.py): NAME, takes_backward / backward, instantiations, and `dkdv_tile`, the tile for
@@ -37,13 +37,13 @@ from . import _config, _generic, _mma_fwd, _runtime
 from ._broadcast import _padded
 
 NAME = "mma"
-SOURCE = "bwd_sm80.cu"
+SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
-# Mirrors kernels_cu/bwd_sm80.cu LSE_PAD: lse2/delta rows per (batch, head) are padded to a multiple.
+# Mirrors kernels_cu/bwd_mma.cu LSE_PAD: lse2/delta rows per (batch, head) are padded to a multiple.
 LSE_PAD = 128
 
-# opt: bwd_sm80_dkdv OPT bits (kernels_cu/bwd_sm80.cu tcb::DkdvOpt), 0 = mma.sync on padded tiles.
+# opt: bwd_mma_dkdv OPT bits (kernels_cu/bwd_mma.cu tcb::DkdvOpt), 0 = mma.sync on padded tiles.
 DkdvTile = namedtuple("DkdvTile", "block_m warps kv_in_regs min_blocks opt", defaults=(0,))
 # OPT_SWZ: K, V, Q, dO tiles in unpadded rows with FA2's XOR swizzle of the 16-byte chunks
 # (tcb::DKDV_SWZ; head dims that are multiples of 64).
@@ -55,8 +55,9 @@ OPT_WG = 2
 # OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64, dQ atomics, no mask / bias: dQ on wgmma too
 # (tcb::DKDV_WG_DQ; DKDV_TILES_WG_DQ).
 OPT_WG_DQ = 4
-# OPT_GRID (host-side bit, not an OPT of bwd_sm80_dkdv): the FA2-style warp-grid kernel
-# bwd_sm80_dkdv_g<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, no mask / bias).
+# OPT_GRID (host-side bit, not an OPT of bwd_mma_dkdv): the FA2-style warp-grid kernel
+# bwd_mma_dkdv_grid<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, no mask /
+# bias).
 OPT_GRID = 8
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
@@ -95,21 +96,21 @@ def _b(x):
 
 
 def prep_expr(dtype_name, head_dim):
-    return f"bwd_sm80_prep<{_CTYPE[dtype_name]}, {head_dim}>"
+    return f"bwd_mma_prep<{_CTYPE[dtype_name]}, {head_dim}>"
 
 
 def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
-    """bwd_sm80_dkdv<..., opt>, or the warp-grid kernel bwd_sm80_dkdv_g for an OPT_GRID tile."""
+    """bwd_mma_dkdv<..., opt>, or the warp-grid kernel bwd_mma_dkdv_grid for an OPT_GRID tile."""
     if tile.opt & OPT_GRID:
-        return (f"bwd_sm80_dkdv_g<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
+        return (f"bwd_mma_dkdv_grid<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
-    return (f"bwd_sm80_dkdv<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
+    return (f"bwd_mma_dkdv<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
             f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}, "
             f"{tile.opt}>")
 
 
 def dq_expr(dtype_name, head_dim, tile, has_mb):
-    return (f"bwd_sm80_dq<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_n}, {tile.warps}, "
+    return (f"bwd_mma_dq<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_n}, {tile.warps}, "
             f"{tile.stages}, {_b(has_mb)}, {tile.min_blocks}>")
 
 

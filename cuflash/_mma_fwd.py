@@ -1,4 +1,4 @@
-"""The tensor-core forward on mma.sync (kernels_cu/fwd_sm80.cu): float16 / bfloat16, sm_80+,
+"""The tensor-core forward on mma.sync (kernels_cu/fwd_mma.cu): float16 / bfloat16, sm_80+,
 Dk == Dv in HEAD_DIMS; then the lost-row fix of its flagged blocks (cuflash._generic).
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, and `pick_tile`, the tile
@@ -13,13 +13,13 @@ from . import _config, _generic, _runtime
 from ._validate import element_strides
 
 NAME = "mma"
-SOURCE = "fwd_sm80.cu"
+SOURCE = "fwd_mma.cu"
 MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
 
 # FwdTile: block_m = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp: 2
 # when Q is re-read from shared memory by ldmatrix, 1 when Q sits in registers), block_n keys per
 # tile, a `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM, and
-# two copy choices (fwd_sm80.cu): cheap_addr (incremental K/V addresses), kv_split (K and V in
+# two copy choices (fwd_mma.cu): cheap_addr (incremental K/V addresses), kv_split (K and V in
 # separate cp.async groups). Chosen from ptxas reports and H200 timings (benchmarks/RESULTS.md
 # "Forward tile choices"); a mask or bias (HAS_MB) adds ~25 registers, hence 64-row tiles there.
 FwdTile = namedtuple("FwdTile", "block_m block_n warps stages q_in_regs min_blocks cheap_addr "
@@ -65,7 +65,7 @@ def smem_bytes(head_dim, has_mb):
 def name_expression(dtype, head_dim, has_mb, tile=None):
     t = TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return (f"fwd_sm80<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
+    return (f"fwd_mma<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, "
             f"{b(t.cheap_addr)}, {b(t.kv_split)}>")
 
@@ -74,22 +74,22 @@ def instantiations():
     """Every (kernel, dtype name, head dim or None, source file, name expression) of this path."""
     out = []
     for dt in _config.MMA_DTYPES:
-        out += [("fwd_sm80", dt, d, SOURCE, name_expression(dt, d, mb)) for d, mb in TILES]
-        out += [("fwd_sm80", dt, d, SOURCE, name_expression(dt, d, mb, t))
+        out += [("fwd_mma", dt, d, SOURCE, name_expression(dt, d, mb)) for d, mb in TILES]
+        out += [("fwd_mma", dt, d, SOURCE, name_expression(dt, d, mb, t))
                 for (d, mb), t in TILES_CC90.items()]
         out.append(("fwd_lost_rows", dt, None, _generic.LOST_SOURCE,
                     _generic.fwd_lost_name_expression(dt)))
     return out
 
 
-def sm90_only():
+def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
     return {name_expression(dt, d, mb, t) for dt in _config.MMA_DTYPES
             for (d, mb), t in TILES_CC90.items()}
 
 
 def tensor_core_layout(p):
-    """What every tensor-core kernel needs (fwd_sm80.cu and bwd_sm80.cu, "Requirements"): 16-bit
+    """What every tensor-core kernel needs (fwd_mma.cu and bwd_mma.cu, "Requirements"): 16-bit
     inputs, Dk == Dv, scale > 0, lengths within their 32-bit arithmetic, sm_80+, and 16-byte rows:
     unit innermost stride, rows and matrices 8 elements apart, aligned bases."""
     if p.dtype.name not in _config.MMA_DTYPES or p.Dk != p.Dv:
@@ -130,7 +130,7 @@ def forward(p):
     blocks = -(-p.Nq // tile.block_m) * p.BH
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_sm80
+    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_mma
     kern((blocks,), (tile.warps * 32,),
          (p.q, p.k, p.v, out, lse) + args.tail(np.float32) + (fix,), shared_mem=smem)
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /

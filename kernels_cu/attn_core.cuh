@@ -5,7 +5,7 @@
 #pragma once
 #include "common.cuh"
 #include "mask.cuh"
-#include "mma_sm80.cuh"
+#include "mma.cuh"
 
 // ---- visibility in 32 bits -------------------------------------------------------------------
 // Query i sees key j (by position) iff lo(i) <= j <= hi(i), lo(i) = max(i + dlo, 0) and

@@ -58,7 +58,7 @@
 #include "mask.cuh"
 #include "attn_core.cuh"
 
-#include "mma_sm80.cuh"
+#include "mma.cuh"
 
 constexpr int DECODE_WARPS = 4;
 constexpr int DECODE_THREADS = DECODE_WARPS * 32;
@@ -596,7 +596,7 @@ __device__ __forceinline__ void finish_item(
       int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right, int fused
 
 // One block's work: row `launch_row` of the items table and its row tile.
-constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_x
+constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_table
 struct DecodeItem {
   long long tile_id, item, k0, k1, g, tile, first;
   int n_items;
@@ -873,7 +873,7 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 // ---- the tensor-core split kernel (float16 / bfloat16, Dk == Dv == HEAD_DIM, no mask or bias) --
 // The row tile is one m16n8k16 m-fragment: the group's G * Nq rows (16 per tile, padding rows
 // zero). Each stage of a two-slot cp.async ring holds DECODE_WARPS * KW keys of K and of V in
-// padded shared rows (conflict-free ldmatrix, as fwd_sm80.cu); warp w computes keys
+// padded shared rows (conflict-free ldmatrix, as fwd_mma.cu); warp w computes keys
 // [w * KW, (w + 1) * KW) of every stage with its own online softmax state:
 //   S = Q K^T   A = Q (registers, from shared once), B = K (ldmatrix)
 //   softmax     exp2 with scale * log2(e) folded into one FFMA on the unscaled scores (needs
@@ -1056,7 +1056,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           }
         }
 
-        // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_sm80.cu's
+        // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_mma.cu's
         // rule: a row with nothing visible so far keeps m = -inf and uses 0 as its reference; no
         // test on the logits: a masked -inf gives p = 0, a NaN one reaches l). m is the rounded
         // max of s * sl2 (rounding is monotone), p = exp2(fma(s, sl2, -m)) one FFMA; the FFMA is

@@ -291,7 +291,7 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
 }
 
 // Grid: a stride of warps over the tensor-core forward's blocks (fix: one flag per block, in its
-// 1-D launch order bh * n_mtiles + reversed query tile, as fwd_sm80.cu writes it; block_m <= 128
+// 1-D launch order bh * n_mtiles + reversed query tile, as fwd_mma.cu writes it; block_m <= 128
 // rows each). A flagged block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T)
 // and lse (Acc) recomputed in double.
 template <typename T, typename Acc>

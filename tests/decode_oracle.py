@@ -43,7 +43,7 @@ def emulate(p, capacity=64, split=None, rows=None, block_keys=None):
     written = np.zeros((n_items, s.rows), dtype=bool)
     # in launch order, with the workspace slot of the kernels' items table
     assert sorted(s.launch.tolist()) == list(range(n_items))
-    for tid, k0, k1, it, koff, voff in s.items_x():  # K / V as decode_tc reads
+    for tid, k0, k1, it, koff, voff in s.items_table():  # K / V as decode_tc reads
         g, tile, first, count = s.tiles[tid]
         keys = np.arange(k0, k1)  # this block's keys
         L = int(s.lens[s.groups[g, 0]])

@@ -16,7 +16,7 @@ from cuflash import _config, _decode, _generic, _gpu, _mma_fwd, _runtime  # noqa
 ARCHS = ("sm_80", "sm_90a")
 NO_SPILL_MAX_HEAD_DIM = 128
 INSTANTIATIONS = _gpu.instantiations()  # the catalog: every path's instantiations()
-SM90_ONLY = _gpu.sm90_only_instantiations()
+CC90_ONLY = _gpu.cc90_only_instantiations()
 
 _builds = {}
 
@@ -38,9 +38,9 @@ def _usage(filename, arch):
 
 def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
-    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_sm80", "decode_split", "fwd_lost_rows",
-                       "decode_tc", "bwd_sm80_prep", "bwd_sm80_dkdv",
-                       "bwd_sm80_dkdv_g", "bwd_sm80_dq",
+    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_mma", "decode_split", "fwd_lost_rows",
+                       "decode_tc", "bwd_mma_prep", "bwd_mma_dkdv",
+                       "bwd_mma_dkdv_grid", "bwd_mma_dq",
                        "bwd_lost_rows", "bwd_lost_keys"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
     for path in _gpu.PATHS:  # and the paths agree on the kernels they share (the lost rows')
@@ -66,7 +66,7 @@ def test_source_is_self_contained():
 def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch):
     info = _usage(filename, arch)[expr]
     assert "registers" in info, f"{expr}: no ptxas report for {arch}"
-    if arch == "sm_80" and expr in SM90_ONLY:
+    if arch == "sm_80" and expr in CC90_ONLY:
         return  # requested on sm_90+ devices only (cuflash._mma_fwd.TILES_CC90)
     if bucket is None or bucket <= NO_SPILL_MAX_HEAD_DIM:
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{expr} on {arch}: {info}"

@@ -69,12 +69,12 @@ def small():
             ok = err < (3e-2 if dtype is bf16 else 5e-3)
             if Nq > 16:  # the backward, both dq modes
                 do = _arr(cp, rng, out.shape, dtype)
-                ref_g = reference.attention_backward(do, q, k, v, out, lse, **opts)
+                ref_grads = reference.attention_backward(do, q, k, v, out, lse, **opts)
                 for det in (False, True):
                     g = cuflash.attention_backward(do, q, k, v, out, lse, deterministic=det,
                                                    **opts)
-                    for a, r in zip(g, ref_g):
-                        scale = max(float(np.abs(x).max()) for x in ref_g)
+                    for a, r in zip(g, ref_grads):
+                        scale = max(float(np.abs(x).max()) for x in ref_grads)
                         e = float(np.max(np.abs(cp.asnumpy(a.astype(cp.float32)) - r))) / scale
                         ok &= e < (3e-2 if dtype is bf16 else 6e-3)
             cp.cuda.Device().synchronize()

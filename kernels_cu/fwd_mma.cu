@@ -1,4 +1,4 @@
-// fwd_sm80.cu: FlashAttention-2-class forward on tensor cores (mma.sync), float16 / bfloat16, sm_80+.
+// fwd_mma.cu: FlashAttention-2-class forward on tensor cores (mma.sync), float16 / bfloat16, sm_80+.
 //
 // One block of NWARPS warps owns BLOCK_M = 16 * MF * NWARPS query rows of one (batch, head); warp w
 // owns the MF m-fragments (16 rows each) starting at row 16 * MF * w. Per key tile of BLOCK_N keys:
@@ -17,7 +17,7 @@
 #include "mask.cuh"
 
 #include "attn_core.cuh"
-#include "mma_sm80.cuh"
+#include "mma.cuh"
 
 namespace tc {
 // Beyond this |max| (log2 units) the folded exp2(fma(s, scale * log2e, -m)) is off by more than
@@ -47,13 +47,13 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
           bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-fwd_sm80(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-         T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
-         const unsigned char* __restrict__ mask, const float* __restrict__ bias,
-         const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
-         long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
-         int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right,
-         int* __restrict__ fix) {
+fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+        T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
+        const unsigned char* __restrict__ mask, const float* __restrict__ bias,
+        const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
+        long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
+        int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right,
+        int* __restrict__ fix) {
   using namespace tc;
   constexpr int THREADS = NWARPS * 32;
   constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp

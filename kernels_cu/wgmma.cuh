@@ -1,9 +1,9 @@
-// wgmma_sm90.cuh: Hopper warpgroup products (wgmma.mma_async, sm_90a) for the tensor-core kernels.
+// wgmma.cuh: Hopper warpgroup products (wgmma.mma_async, sm_90a) for the tensor-core kernels.
 // No kernels.
 //
 // A warpgroup (4 consecutive warps, the first one's index a multiple of 4) computes D (64 x N,
 // N = 32, 64 or 128, float32) += A (64 x 16k) B (16k x N), 16-bit inputs. B is always in shared memory, A in shared
-// memory (ss) or in registers (rs). The register layouts are mma.sync's (mma_sm80.cuh), stacked:
+// memory (ss) or in registers (rs). The register layouts are mma.sync's (mma.cuh), stacked:
 // warp w of the group holds rows 16 w .. 16 w + 15; its accumulator d[j][0..3] is the m16n8 C
 // fragment of columns 8 j .. 8 j + 7, and a register A operand is the m16n8k16 A fragment of its 16
 // rows (tc::acc_to_a). So code written for mma.sync fragments reads wgmma results unchanged.
@@ -24,9 +24,9 @@
 // wgmmas, commit(), wait<0>(); the accumulators and register A operands are touched only after it.
 //
 // Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); any other target gets a trap, and the host
-// never launches such a kernel there (_tc_bwd.wgmma_available).
+// never launches such a kernel there (_mma_bwd.wgmma_available).
 #pragma once
-#include "mma_sm80.cuh"
+#include "mma.cuh"
 
 namespace wg {
 using tc::u32;

@@ -1,48 +1,48 @@
-// bwd_sm80.cu: FlashAttention-2-class backward on tensor cores (mma.sync), float16 / bfloat16, sm_80+.
-// On sm_90a the dK/dV kernel has a wgmma form (tcb::DKDV_WGMMA, wgmma_sm90.cuh): the same body,
+// bwd_mma.cu: FlashAttention-2-class backward on tensor cores (mma.sync), float16 / bfloat16, sm_80+.
+// On sm_90a the dK/dV kernel has a wgmma form (tcb::DKDV_WGMMA, wgmma.cuh): the same body,
 // with its four key-row products as warpgroup instructions.
 //
-//   bwd_sm80_prep   per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for an
-//                   empty row), both float32 in (BH, Nq_pad) buffers padded with (+inf, 0) rows, so
-//                   that the main kernels load them in 16-byte copies with no bounds test, and
-//                   P = exp2(s * scale * log2(e) - lse2) is exactly 0 on empty and padding rows.
-//   bwd_sm80_dkdv   one block per key tile of BLOCK_N = 16 * NWARPS keys of one (batch, head);
-//                   warp w owns keys [16 w, 16 w + 16) of the tile, K and V stay in shared memory
-//                   (or registers), dK and dV accumulate in float32 registers. The block walks the
-//                   query tiles (BLOCK_M rows, aligned to BLOCK_M) that can see its key tile
-//                   (mask.cuh tile_query_range); Q, dO, lse2, delta stream through a two-stage
-//                   cp.async ring. Per query tile, in the transposed orientation (rows = keys):
-//                     S^T  = K Q^T            A = K (ldmatrix / regs), B = Q (ldmatrix)
-//                     P^T  = exp2(S^T * scale * log2e - lse2[col])   (0 where invisible)
-//                     dV  += P^T dO           A = P^T packed from the S^T accumulators, B = dO (.trans)
-//                     dP^T = V dO^T           A = V, B = dO (ldmatrix)
-//                     dS^T = scale * P^T (dP^T - delta[col])
-//                     dQ   = dS K             (DQ_ATOMIC) dS^T through shared memory, A = dS by
-//                                             ldmatrix.trans of dS^T, B = K (.trans), warps split
-//                                             over (query rows, head dim), into registers
-//                     dK  += dS^T Q           A = dS^T packed from registers, B = Q (.trans); the
-//                                             dQ block is added to the float32 dq_acc (BH, Nq, Dk,
-//                                             zeroed by the host) with red.global.add, a few per
-//                                             k-step of this product (tcb::dq_reduction_at).
-//   bwd_sm80_dq     deterministic dQ (no atomics): one block per query tile of 16 * NWARPS rows,
-//                   key tiles through a cp.async ring (as fwd_sm80.cu), S, P, dP, dS recomputed
-//                   in registers, dQ += dS K, one plain store per element. With bwd_sm80_dkdv
-//                   <DQ_ATOMIC = false> the whole backward is bitwise reproducible.
+//   bwd_mma_prep   per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for an
+//                  empty row), both float32 in (BH, Nq_pad) buffers padded with (+inf, 0) rows, so
+//                  that the main kernels load them in 16-byte copies with no bounds test, and
+//                  P = exp2(s * scale * log2(e) - lse2) is exactly 0 on empty and padding rows.
+//   bwd_mma_dkdv   one block per key tile of BLOCK_N = 16 * NWARPS keys of one (batch, head);
+//                  warp w owns keys [16 w, 16 w + 16) of the tile, K and V stay in shared memory
+//                  (or registers), dK and dV accumulate in float32 registers. The block walks the
+//                  query tiles (BLOCK_M rows, aligned to BLOCK_M) that can see its key tile
+//                  (mask.cuh tile_query_range); Q, dO, lse2, delta stream through a two-stage
+//                  cp.async ring. Per query tile, in the transposed orientation (rows = keys):
+//                    S^T  = K Q^T            A = K (ldmatrix / regs), B = Q (ldmatrix)
+//                    P^T  = exp2(S^T * scale * log2e - lse2[col])   (0 where invisible)
+//                    dV  += P^T dO           A = P^T packed from the S^T accumulators, B = dO (.trans)
+//                    dP^T = V dO^T           A = V, B = dO (ldmatrix)
+//                    dS^T = scale * P^T (dP^T - delta[col])
+//                    dQ   = dS K             (DQ_ATOMIC) dS^T through shared memory, A = dS by
+//                                            ldmatrix.trans of dS^T, B = K (.trans), warps split
+//                                            over (query rows, head dim), into registers
+//                    dK  += dS^T Q           A = dS^T packed from registers, B = Q (.trans); the
+//                                            dQ block is added to the float32 dq_acc (BH, Nq, Dk,
+//                                            zeroed by the host) with red.global.add, a few per
+//                                            k-step of this product (tcb::dq_reduction_at).
+//   bwd_mma_dq     deterministic dQ (no atomics): one block per query tile of 16 * NWARPS rows,
+//                  key tiles through a cp.async ring (as fwd_mma.cu), S, P, dP, dS recomputed
+//                  in registers, dQ += dS K, one plain store per element. With bwd_mma_dkdv
+//                  <DQ_ATOMIC = false> the whole backward is bitwise reproducible.
 // The scale is folded into dS before it is rounded to 16 bits, so dK and dQ need no final scaling.
 // Tiles entirely visible to every row of the query tile skip the per-element predicate (the same
-// full-tile rule as fwd_sm80.cu); with a mask or a bias (HAS_MB) every tile takes it.
+// full-tile rule as fwd_mma.cu); with a mask or a bias (HAS_MB) every tile takes it.
 //
 // Requirements (the host falls back to the generic path otherwise): Dk == Dv == HEAD_DIM, unit
 // innermost stride, row strides and offsets multiples of 8 elements, 16-byte aligned bases, scale > 0,
-// Nq, Nk <= 2^29 (32-bit predicate, as fwd_sm80.cu).
+// Nq, Nk <= 2^29 (32-bit predicate, as fwd_mma.cu).
 #include "common.cuh"
 #include "mask.cuh"
 #include "attn_core.cuh"
-#include "mma_sm80.cuh"
-#include "wgmma_sm90.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
 
 // Every lse2 / delta buffer has Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head); LSE_PAD is a
-// multiple of every BLOCK_M (the host mirrors it in _tc_bwd.LSE_PAD).
+// multiple of every BLOCK_M (the host mirrors it in _mma_bwd.LSE_PAD).
 constexpr int LSE_PAD = 128;
 
 namespace tcb {
@@ -62,7 +62,7 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
   hi = to_float(b);
 }
 
-// bwd_sm80_dkdv OPT bits (0: the mma.sync kernel on padded tiles):
+// bwd_mma_dkdv OPT bits (0: the mma.sync kernel on padded tiles):
 //   DKDV_SWZ     K, V, Q and dO tiles unpadded (rows of HEAD_DIM * 2 bytes, a multiple of 128)
 //                with FA2's XOR swizzle of the 16-byte chunks (tc::chunk_offset): padded rows
 //                straddle 128-byte lines and make the cp.async copies cost more shared store
@@ -71,7 +71,7 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                ldmatrix.trans are conflict-free as they are). The shared base is rounded up to a
 //                row (the XOR must not carry into it); the host reserves the extra row.
 //                HEAD_DIM % 64 == 0.
-//   DKDV_WGMMA   sm_90a (wgmma_sm90.cuh): the four products whose rows are keys (S^T, dP^T, dV,
+//   DKDV_WGMMA   sm_90a (wgmma.cuh): the four products whose rows are keys (S^T, dP^T, dV,
 //                dK) on wgmma instead of mma.sync; warpgroup h (warps 4h..4h+3) owns keys
 //                [64 h, 64 h + 64), so every register fragment is where the mma.sync form has it
 //                and the masking / softmax / dS code is shared. S^T and dP^T read K, V, Q, dO from
@@ -80,19 +80,19 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                stays on mma.sync) and the dQ reductions (issued together, while dK runs). Needs
 //                DKDV_SWZ, HEAD_DIM 64 or 128 (tiles stored as blocks of 64 columns), BLOCK_M 32 or
 //                64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
-//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (_tc_bwd.DKDV_TILES_WG_DQ):
+//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (_mma_bwd.DKDV_TILES_WG_DQ):
 //                dQ = dS K on wgmma too. dS^T goes to shared memory 128-byte-swizzled (rows = keys,
 //                64 queries of 128 bytes), read as an MN-major A; warpgroup h takes dQ's columns
 //                [64 h, 64 h + 64) over all 128 keys with K's column block h as an MN-major B. Its
 //                fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the reductions are the
 //                same.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
-// (Host-side, _tc_bwd.OPT_GRID selects the warp-grid kernel bwd_sm80_dkdv_g; the kernels never
+// (Host-side, _mma_bwd.OPT_GRID selects the warp-grid kernel bwd_mma_dkdv_grid; the kernels never
 // see it.)
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4 };
 
 // The dQ reductions of a query tile go out spread over the k-steps of the product that follows
-// them (dK += dS^T Q; phase 2 in bwd_sm80_dkdv_g), ceil(NR / STEPS) per k-step: issued as one
+// them (dK += dS^T Q; phase 2 in bwd_mma_dkdv_grid), ceil(NR / STEPS) per k-step: issued as one
 // burst at the end of the tile they fill the load/store queue, and the next tile's copies wait.
 __host__ __device__ constexpr bool dq_reduction_at(int r, int step, int NR, int STEPS) {
   return r / ((NR + STEPS - 1) / STEPS) == step;
@@ -181,9 +181,9 @@ __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD,
 // Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
-bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
-              float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
-              float lost, int* __restrict__ lost_flags) {
+bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
+             float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
+             float lost, int* __restrict__ lost_flags) {
   constexpr int LPR = 8;              // lanes per row
   constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
@@ -233,16 +233,16 @@ bwd_sm80_prep(const T* __restrict__ dout, const T* __restrict__ out, const float
 template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
           bool HAS_MB, int MIN_BLOCKS, int OPT>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-              const T* __restrict__ dout, const float* __restrict__ lse2,
-              const float* __restrict__ delta, float* __restrict__ dq_acc,
-              float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-              const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-              const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-              long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-              long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-              int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-              int out16) {
+bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+             const T* __restrict__ dout, const float* __restrict__ lse2,
+             const float* __restrict__ delta, float* __restrict__ dq_acc,
+             float* __restrict__ dk_acc, float* __restrict__ dv_acc,
+             const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
+             const float* __restrict__ bias, const long long* __restrict__ kv_lens,
+             long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
+             long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
+             int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
+             int out16) {
   using namespace tc;
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * NWARPS;  // keys per block, 16 per warp
@@ -305,7 +305,7 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const float* l2h = lse2 + bh * Nq_pad;
   const float* dh = delta + bh * Nq_pad;
 
-  // Shared layout (mirrored by _tc_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
+  // Shared layout (mirrored by _mma_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
   // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
   // lse2, delta [2][BLOCK_M] floats. SWZ: from the first BASE_ALIGN-aligned address (every tile
   // base is then aligned: tc::tile_addr's XOR, wgmma's swizzle).
@@ -319,7 +319,7 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const u32 sL = sdS + BLOCK_N * DS_ROW;
   const u32 sD = sL + 2 * BLOCK_M * 4;
 
-  // Per-lane ldmatrix offsets (mma_sm80.cuh layouts), as (row, 16-byte chunk) in
+  // Per-lane ldmatrix offsets (mma.cuh layouts), as (row, 16-byte chunk) in
   // tc::chunk_offset; the blocks a lane reads are then tc::tile_addr(tile base + offset, ...):
   //  K, V as A (rows = this warp's keys, x4): row lane % 16, chunk lane / 16
   //  Q, dO as B of K Q^T / V dO^T (x4 over two query fragments): row (lane % 8) + 8 * (lane / 16),
@@ -562,20 +562,20 @@ bwd_sm80_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   }
 }
 
-// Deterministic dQ. Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_sm80.
+// Deterministic dQ. Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_mma.
 // BLOCK_M = 16 * NWARPS query rows, warp w owns rows [16 w, 16 w + 16); key tiles of BLOCK_N start
 // at the first visible key (tile_key_range) and stream through a STAGES-deep ring of K and V.
 template <typename T, int HEAD_DIM, int BLOCK_N, int NWARPS, int STAGES, bool HAS_MB,
           int MIN_BLOCKS>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-            const T* __restrict__ dout, const float* __restrict__ lse2,
-            const float* __restrict__ delta, float* __restrict__ dq_acc,
-            const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-            const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-            long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-            long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-            int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+           const T* __restrict__ dout, const float* __restrict__ lse2,
+           const float* __restrict__ delta, float* __restrict__ dq_acc,
+           const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
+           const float* __restrict__ bias, const long long* __restrict__ kv_lens,
+           long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
+           long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
+           int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
   using namespace tc;
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_M = 16 * NWARPS;
@@ -612,14 +612,14 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* vh = v + offsets[2 * BH + bh];
   const T* doh = dout + bh * Nq * HEAD_DIM;
 
-  // Shared layout (mirrored by _tc_bwd.dq_smem_bytes): Q, dO [BLOCK_M], K, V [STAGES][BLOCK_N].
+  // Shared layout (mirrored by _mma_bwd.dq_smem_bytes): Q, dO [BLOCK_M], K, V [STAGES][BLOCK_N].
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
   const u32 sdO = sQ + BLOCK_M * ROW_BYTES;
   const u32 sK = sdO + BLOCK_M * ROW_BYTES;
   const u32 sV = sK + STAGES * TILE_BYTES;
 
-  // ldmatrix lane offsets as fwd_sm80.cu: Q, dO as A; K, V as B (non-trans); K as B of dS K (trans).
+  // ldmatrix lane offsets as fwd_mma.cu: Q, dO as A; K, V as B (non-trans); K as B of dS K (trans).
   const u32 a_lane = (warp * 16 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
   const u32 bn_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
   const u32 bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
@@ -749,9 +749,9 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   }
 }
 
-// ---- FA2-style warp grids (bwd_sm80_dkdv_g: _tc_bwd.DKDV_TILES_LARGE_SMEM) ------------------------
-// Same ABI, grid and semantics as bwd_sm80_dkdv with 8 warps and BLOCK_N = 128 keys, without the
-// boolean mask / bias (HAS_MB = false; the host keeps bwd_sm80_dkdv for those). Per query tile of
+// ---- FA2-style warp grids (bwd_mma_dkdv_grid: _mma_bwd.DKDV_TILES_LARGE_SMEM) ---------------------
+// Same ABI, grid and semantics as bwd_mma_dkdv with 8 warps and BLOCK_N = 128 keys, without the
+// boolean mask / bias (HAS_MB = false; the host keeps bwd_mma_dkdv for those). Per query tile of
 // BLOCK_M rows (32, 64 or 128), three phases on three different warp grids:
 //   1. S^T = K Q^T and dP^T = V dO^T on a 4 (keys) x 2 (queries) grid: warp (wk, wq) = (warp / 2,
 //      warp % 2) owns keys [32 wk, 32 wk + 32) x queries [wq BLOCK_M / 2, ..): per 16-wide k-step it
@@ -767,7 +767,7 @@ bwd_sm80_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 //      ldmatrix.trans. Its product runs right after the barrier, before phase 2, and its
 //      red.global.add go out a few per k-step of phase 2 (tcb::dq_reduction_at).
 // The next iteration's top barrier protects P^T / dS^T and the Q / dO slot: two barriers per tile, as
-// bwd_sm80_dkdv. Shared memory (_tc_bwd.dkdv_smem_bytes with OPT_GRID): bwd_sm80_dkdv's + P^T.
+// bwd_mma_dkdv. Shared memory (_mma_bwd.dkdv_smem_bytes with OPT_GRID): bwd_mma_dkdv's + P^T.
 // The visibility test runs per warp sub-tile (32 keys x BLOCK_M / 2 queries) only where that sub-tile
 // is not entirely visible; a sub-tile with nothing visible skips its S^T / dP^T products.
 namespace tcb {
@@ -855,16 +855,16 @@ __device__ __forceinline__ void store_acc16(const float (&acc)[MF][NF][4], u32 b
 
 template <typename T, int HEAD_DIM, int BLOCK_M, bool DQ_ATOMIC, int MIN_BLOCKS>
 __global__ void __launch_bounds__(256, MIN_BLOCKS)
-bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                const T* __restrict__ dout, const float* __restrict__ lse2,
-                const float* __restrict__ delta, float* __restrict__ dq_acc,
-                float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-                const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-                const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-                long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-                long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-                int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-              int out16) {
+bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const T* __restrict__ dout, const float* __restrict__ lse2,
+                  const float* __restrict__ delta, float* __restrict__ dq_acc,
+                  float* __restrict__ dk_acc, float* __restrict__ dv_acc,
+                  const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
+                  const float* __restrict__ bias, const long long* __restrict__ kv_lens,
+                  long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
+                  long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
+                  int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
+                  int out16) {
   using namespace tc;
   constexpr int THREADS = 256;
   constexpr int BLOCK_N = 128;
@@ -931,7 +931,7 @@ bwd_sm80_dkdv_g(const T* __restrict__ q, const T* __restrict__ k, const T* __res
   const u32 sD = sL + 2 * BLOCK_M * 4;
   const u32 sP = sD + 2 * BLOCK_M * 4;
 
-  // ldmatrix lane offsets (mma_sm80.cuh layouts), all relative to a block's first row / column:
+  // ldmatrix lane offsets (mma.cuh layouts), all relative to a block's first row / column:
   //  A non-trans (rows = M, k contiguous): row lane % 16, column 8 * (lane / 16)
   //  B non-trans (rows = N, k contiguous), x4 over two n-fragments: row (lane % 8) + 8 * (lane / 16),
   //    column 8 * ((lane / 8) % 2)

@@ -1,7 +1,7 @@
-// mma_sm80.cuh: tensor-core building blocks for the sm_80+ kernels (mma.sync m16n8k16, ldmatrix,
+// mma.cuh: tensor-core building blocks for the sm_80+ kernels (mma.sync m16n8k16, ldmatrix,
 // cp.async), float16 / bfloat16 in, float32 accumulate. No kernels.
 //
-// Shared by fwd_sm80.cu and bwd_sm80.cu: PTX wrappers, the mma/pack of each 16-bit type, cp_tile;
+// Shared by fwd_mma.cu and bwd_mma.cu: PTX wrappers, the mma/pack of each 16-bit type, cp_tile;
 // then shared loads and stores and global reductions (used by the backward).
 //
 // Fragment layouts of mma.sync.m16n8k16.row.col (g = lane / 4, t = lane % 4):
@@ -100,11 +100,11 @@ __device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)
 //   padded (SWZ = false): rows of ROW = (cols + 8) * 2 bytes, chunk c of row r at r * ROW + 16 c.
 //     The pad shifts each row by 4 banks, so the 8 rows of an ldmatrix phase hit distinct banks,
 //     but rows straddle 128-byte lines: ncu flagged the cp.async stores of these tiles at ~2.6x
-//     the ideal shared store wavefronts, ~1.5x the ideal L2 sectors (bwd_sm80_dkdv D=64, H200).
+//     the ideal shared store wavefronts, ~1.5x the ideal L2 sectors (bwd_mma_dkdv D=64, H200).
 //   swizzled (SWZ = true; cols a multiple of 64): blocks of 64 columns stored one after another,
 //     each a ROWS x 128-byte array; chunk c of row r sits in block c / 8, row r, at chunk
 //     (c % 8) ^ (r % 8) of that 128-byte row. For 64 columns (one block) this is FA2's layout; it is
-//     also wgmma's 128-byte swizzle (wgmma_sm90.cuh) at any width. A row's stores fill whole
+//     also wgmma's 128-byte swizzle (wgmma.cuh) at any width. A row's stores fill whole
 //     128-byte lines, and 8 consecutive rows at one logical chunk sit in 8 distinct 16-byte bank
 //     groups: the 8 addresses of an ldmatrix phase stay conflict-free.
 // stored_chunk: where chunk c (< 8) of row r sits in its 128-byte row; chunk_offset: its byte offset
