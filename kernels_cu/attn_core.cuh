@@ -74,25 +74,34 @@ __device__ __forceinline__ MaskBiasMod make_mask_bias(const unsigned char* mask,
 }
 
 // ---- visibility on mma.sync fragments -----------------------------------------------------------
-// One row of this lane's pair (h = 0, 1) of an m-fragment's scores s[nf][2 h + e], key column
-// c = 8 nf + 2 t + e of the tile starting at key j0 (t = lane % 4): entries outside [c_lo, c_hi]
-// become -inf, the others go through the modifier (query i).
-template <int NF, typename Mod>
-__device__ __forceinline__ void mask_columns(float (&s)[NF][4], int h, int c_lo, int c_hi, int t,
-                                             int i, int j0, const Mod& mod) {
+// f(h) for the two rows of this lane's pair (h = 0: row g, h = 1: row g + 8).
+template <typename F>
+__device__ __forceinline__ void for_pair(F f) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) f(h);
+}
+
+// f(x, nf, e) for each score of row h (h = 0, 1) of this lane's pair in an m-fragment's
+// s[nf][2 h + e]: the one element loop of the masks below.
+template <int NF, typename F>
+__device__ __forceinline__ void for_row(float (&s)[NF][4], int h, F f) {
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = nf * 8 + 2 * t + e;
-      float x = s[nf][2 * h + e];
-      if (c < c_lo || c > c_hi) {
-        x = neg_inf<float>();
-      } else {
-        x = mod(x, i, static_cast<long long>(j0) + c);
-      }
-      s[nf][2 * h + e] = x;
-    }
+    for (int e = 0; e < 2; ++e) s[nf][2 * h + e] = f(s[nf][2 * h + e], nf, e);
+}
+
+// Row h of an m-fragment's scores, key column c = 8 nf + 2 t + e of the tile starting at key j0
+// (t = lane % 4): entries outside [c_lo, c_hi] become -inf, the others go through the modifier
+// (query i).
+template <int NF, typename Mod>
+__device__ __forceinline__ void mask_columns(float (&s)[NF][4], int h, int c_lo, int c_hi, int t,
+                                             int i, int j0, const Mod& mod) {
+  for_row(s, h, [&](float x, int nf, int e) {
+    const int c = nf * 8 + 2 * t + e;
+    return (c < c_lo || c > c_hi) ? neg_inf<float>()
+                                  : mod(x, i, static_cast<long long>(j0) + c);
+  });
 }
 
 // Rows = queries: one m-fragment's scores s[nf][2 h + e] of this lane, query i + 8 h (h = 0, 1)
@@ -101,14 +110,11 @@ __device__ __forceinline__ void mask_columns(float (&s)[NF][4], int h, int c_lo,
 template <int NF, typename Mod>
 __device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int t, int Nq,
                                           const Bounds32& b, const Mod& mod) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int ih = i + 8 * h;
-    // Visible key columns of this row, relative to j0.
-    const int c_lo = max(ih + b.dlo, 0) - j0;
-    const int c_hi = ih < Nq ? min(ih + b.dhi, b.L_last) - j0 : -1;
+  for_pair([&](int h) {
+    const int ih = i + 8 * h;  // its visible key columns, relative to j0:
+    const int c_lo = max(ih + b.dlo, 0) - j0, c_hi = ih < Nq ? min(ih + b.dhi, b.L_last) - j0 : -1;
     mask_columns(s, h, c_lo, c_hi, t, ih, j0, mod);
-  }
+  });
 }
 
 // Rows = keys (the dK / dV orientation): s[nf][2 h + e] of key j + 8 h (h = 0, 1) and query
@@ -117,23 +123,15 @@ __device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int 
 template <int NF, typename Mod>
 __device__ __forceinline__ void mask_key_rows(float (&s)[NF][4], int j, int i0, int t, int Nq,
                                               const Bounds32& b, const Mod& mod) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for_pair([&](int h) {
     const int jh = j + 8 * h;
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = i0 + nf * 8 + 2 * t + e;
-        float x = s[nf][2 * h + e];
-        if (jh > b.L_last || jh < i + b.dlo || jh > i + b.dhi) {
-          x = neg_inf<float>();
-        } else if (Mod::READS_INPUTS) {
-          x = i >= Nq ? neg_inf<float>() : mod(x, i, jh);
-        }
-        s[nf][2 * h + e] = x;
-      }
-  }
+    for_row(s, h, [&](float x, int nf, int e) {
+      const int i = i0 + nf * 8 + 2 * t + e;
+      if (jh > b.L_last || jh < i + b.dlo || jh > i + b.dhi) return neg_inf<float>();
+      if (Mod::READS_INPUTS) return i >= Nq ? neg_inf<float>() : mod(x, i, jh);
+      return x;
+    });
+  });
 }
 
 // ---- online softmax of mma.sync rows ------------------------------------------------------------

@@ -55,34 +55,27 @@ __device__ __forceinline__ int opaque(int x) {
   return r;
 }
 
-// The 16-bit type's tensor-core product and its pair packing (lo goes to the low half).
+// The 16-bit type's tensor-core product and its pair packing (lo goes to the low half); PTX
+// names the type f16 or bf16.
 template <typename T> struct Mma;
-template <> struct Mma<half_t> {
-  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ u32 pack(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
-template <> struct Mma<bf16_t> {
-  static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ u32 pack(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
+#define TC_MMA(T, TY)                                                                          \
+  template <> struct Mma<T> {                                                                 \
+    static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0,      \
+                                               u32 b1) {                                      \
+      asm("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, "           \
+          "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                            \
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                    \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                    \
+    }                                                                                         \
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {                          \
+      u32 r;                                                                                  \
+      asm("cvt.rn." TY "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                    \
+      return r;                                                                               \
+    }                                                                                         \
+  };
+TC_MMA(half_t, "f16")
+TC_MMA(bf16_t, "bf16")
+#undef TC_MMA
 
 // Two 16x8 float accumulator fragments (n-fragments 2 kk and 2 kk + 1 of one product) as the
 // 16x16 16-bit A fragment of k-step kk of the next product: P (or dS) stays in registers.
