@@ -64,33 +64,40 @@ DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
 # plus 2 x 4 x 2 dq and 2 x 4 prep, plus the LARGE_SMEM and wgmma tiles below.
 DKDV_TILES = {
-    32: DkdvTile(64, 8, True, 1),
-    64: DkdvTile(64, 8, True, 1, OPT_SWZ),
-    96: DkdvTile(64, 8, False, 1),
-    128: DkdvTile(64, 8, False, 1),
+    32: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
+    64: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
+    96: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
+    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
 }
 DKDV_TILES_MB = {
-    32: DkdvTile(64, 8, True, 1),
-    64: DkdvTile(64, 8, True, 1, OPT_SWZ),
-    96: DkdvTile(64, 8, False, 1),
-    128: DkdvTile(16, 8, False, 1),
+    32: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
+    64: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
+    96: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
+    128: DkdvTile(block_m=16, warps=8, kv_in_regs=False, min_blocks=1),
 }
-DQ_TILES = {d: DqTile(64, 4, 2, 2) for d in (32, 64, 96, 128)}  # with and without mask / bias
+# dq: one tile for every head dim, with and without mask / bias
+DQ_TILES = {d: DqTile(block_n=64, warps=4, stages=2, min_blocks=2) for d in (32, 64, 96, 128)}
 HEAD_DIMS = tuple(sorted(DKDV_TILES))
 # Devices whose opt-in shared memory per block holds it (the H200: 227 KiB) take this tile instead
 # of DKDV_TILES's at D=128 without mask / bias (177 KiB: over sm_80's 163 KiB).
-DKDV_TILES_LARGE_SMEM = {128: DkdvTile(64, 8, False, 1, OPT_GRID)}
+DKDV_TILES_LARGE_SMEM = {
+    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_GRID)}
 # Compute capability 9.0 (sm_90a code): the wgmma form of the swizzled tile (OPT_WG), with and
 # without mask / bias; with a mask / bias D=128 takes 32 queries per step (64 spill 12 B with
 # deterministic=True).
-DKDV_TILES_WG = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG),
-                 128: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG)}
-DKDV_TILES_WG_MB = {64: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG),
-                    128: DkdvTile(32, 8, False, 1, OPT_SWZ | OPT_WG)}
+DKDV_TILES_WG = {
+    64: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+}
+DKDV_TILES_WG_MB = {
+    64: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+    128: DkdvTile(block_m=32, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+}
 # With dQ atomics and no mask / bias, D=128 takes dQ on wgmma too (OPT_WG_DQ: dS^T stored
 # 128-byte swizzled, read as an MN-major A operand). deterministic=True keeps DKDV_TILES_WG[128]
 # (its dkdv kernel has no dQ part).
-DKDV_TILES_WG_DQ = {128: DkdvTile(64, 8, False, 1, OPT_SWZ | OPT_WG | OPT_WG_DQ)}
+DKDV_TILES_WG_DQ = {128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1,
+                                  opt=OPT_SWZ | OPT_WG | OPT_WG_DQ)}
 def _b(x):
     return "true" if x else "false"
 

@@ -211,16 +211,16 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
     }
   }
 #pragma unroll
-  for (int off = LPR / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off, LPR);
-  const float l = real ? lse[bh * Nq + i] : -__int_as_float(0x7f800000);
+  for (int off = LPR / 2; off > 0; off /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, off, LPR);
+  const float l = real ? lse[bh * Nq + i] : neg_inf<float>();
   // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
   // Lost rows (finite |lse| >= lost: lse cannot carry log(l)) likewise, with delta 0: they
   // contribute nothing here, and lost_rows.cu adds their exact gradients; this block's 32 rows
   // (one (batch, head): Nq_pad is a multiple of 32) share one flag there. A NaN lse stays NaN.
   const bool is_lost = l - l == 0.f && fabsf(l) >= lost;
-  const bool skip = l == -__int_as_float(0x7f800000) || is_lost;
+  const bool skip = l == neg_inf<float>() || is_lost;
   if (valid && sub == 0) {
-    lse2[row] = skip ? __int_as_float(0x7f800000) : l * LOG2E;
+    lse2[row] = skip ? pos_inf<float>() : l * LOG2E;
     delta[row] = real && !skip ? sum : 0.f;
   }
   const int any = __syncthreads_or(is_lost);
@@ -353,7 +353,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[df][e] = dv[df][e] = 0.f;
 
-  const float NEG = -__int_as_float(0x7f800000);
+  const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
                                         BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
@@ -650,7 +650,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   for (int df = 0; df < DF; ++df)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[df][e] = 0.f;
-  const float NEG = -__int_as_float(0x7f800000);
+  const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
                                         BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
@@ -960,7 +960,7 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   tcb::zero_acc(dk);
   tcb::zero_acc(dv);
 
-  const float NEG = -__int_as_float(0x7f800000);
+  const float NEG = neg_inf<float>();
   const float sl2 = scale * LOG2E;
   const int jw0 = j0 + kr0;  // this warp's first key (phases 1, 2)
 

@@ -28,6 +28,8 @@ template <> __device__ __forceinline__ double neg_inf<double>() {
   return __longlong_as_double(0xfff0000000000000LL);
 }
 #define NEG_INF (neg_inf<Acc>())
+template <typename Acc> __device__ __forceinline__ Acc pos_inf();
+template <> __device__ __forceinline__ float pos_inf<float>() { return __int_as_float(0x7f800000); }
 // The quiet NaN a row gets when it sees keys but its sum is 0 (every visible logit -inf: 0 / 0).
 template <typename Acc> __device__ __forceinline__ Acc quiet_nan();
 template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }

@@ -929,7 +929,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const u32 sRing = sQ + ROWS * ROW_BYTES;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const float NEG = -__int_as_float(0x7f800000);
+  const float NEG = neg_inf<float>();
   const float sl2 = scale * LOG2E;
 
   // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
@@ -1071,15 +1071,15 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           float mx = NEG;
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
           const float m_new = fmaxf(m[h], mx * sl2);
           m_ref[h] = (m_new == NEG) ? 0.f : m_new;
           alpha[h] = ex2(m[h] - m_ref[h]);
           m[h] = m_new;
         }
         float sl = sl2;
-        if (__any_sync(0xffffffffu, fabsf(m_ref[0]) > HUGE_M || fabsf(m_ref[1]) > HUGE_M)) {
+        if (__any_sync(FULL_WARP, fabsf(m_ref[0]) > HUGE_M || fabsf(m_ref[1]) > HUGE_M)) {
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
@@ -1130,8 +1130,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l_row = l[h];
-      l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
-      l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+      l_row += __shfl_xor_sync(FULL_WARP, l_row, 1);
+      l_row += __shfl_xor_sync(FULL_WARP, l_row, 2);
       const int r = g + 8 * h;
       if (t == 0) {
         red_m[warp][r] = m[h];

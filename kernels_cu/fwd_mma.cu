@@ -278,7 +278,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       const float inv_l = sm.out_scale(l_row, empty);
       // HAS_MB: l = 0 may be an all-masked row, and l = 0, NaN or inf a bias that overflowed in
       // log2 units (|bias| > FLT_MAX / log2e); else a max beyond the folded FFMA's accuracy
-      refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < __int_as_float(0x7f800000))
+      refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())
                       : !empty & (fabsf(sm.m[mf][h]) > FOLD_LIMIT);  // (an infinite m: NaN anyway)
       if (t == 0 && i < Nq) lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
       const u32 row_addr = sQ + r * ROW_BYTES + 4 * t;

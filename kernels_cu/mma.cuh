@@ -92,8 +92,8 @@ __device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)
 // A tile of 16-bit rows in shared memory, addressed in 16-byte chunks (8 elements), two layouts:
 //   padded (SWZ = false): rows of ROW = (cols + 8) * 2 bytes, chunk c of row r at r * ROW + 16 c.
 //     The pad shifts each row by 4 banks, so the 8 rows of an ldmatrix phase hit distinct banks,
-//     but rows straddle 128-byte lines: ncu flagged the cp.async stores of these tiles at ~2.6x
-//     the ideal shared store wavefronts, ~1.5x the ideal L2 sectors (bwd_mma_dkdv D=64, H200).
+//     but rows straddle 128-byte lines, so their cp.async stores cost extra shared wavefronts and
+//     L2 sectors (profiler counts: benchmarks/RESULTS.md, "Tensor-core backward", SWZ).
 //   swizzled (SWZ = true; cols a multiple of 64): blocks of 64 columns stored one after another,
 //     each a ROWS x 128-byte array; chunk c of row r sits in block c / 8, row r, at chunk
 //     (c % 8) ^ (r % 8) of that 128-byte row. For 64 columns (one block) this is FA2's layout; it is
