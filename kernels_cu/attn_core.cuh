@@ -187,6 +187,54 @@ struct MmaSoftmax {
       }
   }
 
+  // As step, for a kernel with no later fix-up of rows with huge logits (decode_tc): m is the
+  // rounded max of s * fold, and the folded FFMA's residual reaches ulp(m) / 2, which overflows
+  // exp2 for huge finite logits (float16 near 6e4). A tile where some row of the warp has
+  // |m| > HUGE_M (warp-uniform) takes the rounded logits x = s * fold instead: p = exp2(x - m) <= 1.
+  template <int NF>
+  __device__ __forceinline__ void step_guarded(float (&s)[MF][NF][4], float fold) {
+    constexpr float HUGE_M = 65536.f;  // 2^16, log2 units
+    float m_ref[MF][2];
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+      for_pair([&](int h) {
+        float mx = neg_inf<float>();
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
+        const float m_new = fmaxf(m[mf][h], mx * fold);
+        m_ref[mf][h] = (m_new == neg_inf<float>()) ? 0.f : m_new;
+        alpha[mf][h] = tc::ex2(m[mf][h] - m_ref[mf][h]);
+        m[mf][h] = m_new;
+      });
+    bool huge = false;
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) huge |= fabsf(m_ref[mf][0]) > HUGE_M || fabsf(m_ref[mf][1]) > HUGE_M;
+    float sl = fold;
+    if (__any_sync(FULL_WARP, huge)) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mf][nf][e] = __fmul_rn(s[mf][nf][e], fold);  // not contracted
+      sl = 1.f;  // fma(x, 1, -m) = x - m, rounded
+    }
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+      for_pair([&](int h) {
+        float mass = 0.f;
+        for_row(s[mf], h, [&](float x, int, int) {
+          const float p = tc::ex2(fmaf(x, sl, -m_ref[mf][h]));
+          mass += p;
+          return p;
+        });
+        l[mf][h] = l[mf][h] * alpha[mf][h] + mass;
+      });
+  }
+
   // acc (two n-fragments of m-fragment mf) *= alpha of its rows.
   __device__ __forceinline__ void rescale(float (&acc0)[4], float (&acc1)[4], int mf) const {
 #pragma unroll

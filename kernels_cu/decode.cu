@@ -929,7 +929,6 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const u32 sRing = sQ + ROWS * ROW_BYTES;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const float NEG = neg_inf<float>();
   const float sl2 = scale * LOG2E;
 
   // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
@@ -1003,7 +1002,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
       row_hi[h] = rows[g + 8 * h].hi;  // padding rows: hi < lo, nothing visible
     }
 
-    float m[2] = {NEG, NEG}, l[2] = {0.f, 0.f};
+    MmaSoftmax<1> sm;  // the online softmax of this lane's rows g and g + 8
+    sm.init(0);
     float acc[DF][4];
 #pragma unroll
     for (int df = 0; df < DF; ++df)
@@ -1030,19 +1030,19 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         const u32 vbuf = slot + TILE_BYTES + (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES +
                          (lane / 16) * 16;
 
-        float s[NF][4];
+        float s[1][NF][4];  // one m-fragment: the tile's 16 rows
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[nf][e] = 0.f;
+          for (int e = 0; e < 4; ++e) s[0][nf][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk)
 #pragma unroll
           for (int p = 0; p < NF / 2; ++p) {
             u32 kb[4];
             ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
-            Mma<T>::run(s[2 * p], qa[kk], kb[0], kb[1]);
-            Mma<T>::run(s[2 * p + 1], qa[kk], kb[2], kb[3]);
+            Mma<T>::run(s[0][2 * p], qa[kk], kb[0], kb[1]);
+            Mma<T>::run(s[0][2 * p + 1], qa[kk], kb[2], kb[3]);
           }
 
         // Mask by global position unless every row of the tile sees all KW keys.
@@ -1052,61 +1052,21 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
             const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
             const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
-            mask_columns(s, h, c_lo, c_hi, t, 0, j0, NoMod());
+            mask_columns(s[0], h, c_lo, c_hi, t, 0, j0, NoMod());
           }
         }
 
-        // Online softmax: new max, rescale BOTH l and acc, add this step's mass (fwd_mma.cu's
-        // rule: a row with nothing visible so far keeps m = -inf and uses 0 as its reference; no
-        // test on the logits: a masked -inf gives p = 0, a NaN one reaches l). m is the rounded
-        // max of s * sl2 (rounding is monotone), p = exp2(fma(s, sl2, -m)) one FFMA; the FFMA is
-        // exact, so the max's own term is exp2 of its rounding residual, up to ulp(m) / 2: fine
-        // for |m| <= HUGE_M (p <= 2^(2^-8)), but overflowing exp2 for huge finite logits
-        // (float16 near 6e4: |q.k| ~ 1e10). A step where some row of the warp has |m| > HUGE_M
-        // (warp-uniform) takes the rounded logits x = s * sl2 instead: p = exp2(x - m) <= 1.
-        constexpr float HUGE_M = 65536.f;  // 2^16, base-2 units
-        float alpha[2], m_ref[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mx = NEG;
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
-          const float m_new = fmaxf(m[h], mx * sl2);
-          m_ref[h] = (m_new == NEG) ? 0.f : m_new;
-          alpha[h] = ex2(m[h] - m_ref[h]);
-          m[h] = m_new;
-        }
-        float sl = sl2;
-        if (__any_sync(FULL_WARP, fabsf(m_ref[0]) > HUGE_M || fabsf(m_ref[1]) > HUGE_M)) {
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[nf][e] = __fmul_rn(s[nf][e], sl2);  // never contracted
-          sl = 1.f;  // fma(x, 1, -m) = x - m, rounded
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mass = 0.f;
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float p = ex2(fmaf(s[nf][2 * h + e], sl, -m_ref[h]));
-              s[nf][2 * h + e] = p;
-              mass += p;
-            }
-          l[h] = l[h] * alpha[h] + mass;
-        }
+        // Online softmax: new max, rescale BOTH l and acc, add this step's mass (attn_core.cuh's
+        // MmaSoftmax, with its huge-logit guard: decode has no fix-up kernel).
+        sm.step_guarded(s, sl2);
 #pragma unroll
         for (int df = 0; df < DF; ++df)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[df][e] *= alpha[e / 2];
+          for (int e = 0; e < 4; ++e) acc[df][e] *= sm.alpha[0][e / 2];
 #pragma unroll
         for (int kk = 0; kk < KN; ++kk) {
           u32 pa[4];
-          acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
+          acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], pa);
 #pragma unroll
           for (int p = 0; p < DF / 2; ++p) {
             u32 vb[4];
@@ -1129,12 +1089,10 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
         smem_raw + ROWS * ROW_BYTES + ((base + n + 1) & 1) * SLOT_BYTES);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l_row = l[h];
-      l_row += __shfl_xor_sync(FULL_WARP, l_row, 1);
-      l_row += __shfl_xor_sync(FULL_WARP, l_row, 2);
+      const float l_row = sm.row_sum(0, h);
       const int r = g + 8 * h;
       if (t == 0) {
-        red_m[warp][r] = m[h];
+        red_m[warp][r] = sm.m[0][h];
         red_l[warp][r] = l_row;
       }
 #pragma unroll
