@@ -109,7 +109,7 @@ struct LostHead : HeadInputs<T, Acc> {
   }
 };
 
-// The argument tail of every lost-row kernel, in the order the host passes it (_launch.py).
+// The argument tail of every lost-row kernel, in the host's order (_runtime.Args.tail).
 #define LOST_TAIL_PARAMS                                                                       \
   const long long *__restrict__ offsets, const unsigned char *__restrict__ mask,               \
       const Acc *__restrict__ bias, const long long *__restrict__ kv_lens, long long q_rs,     \
