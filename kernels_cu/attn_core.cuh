@@ -153,6 +153,24 @@ struct MmaSoftmax {
     }
   }
 
+  // Row (mf, h) meets a tile: m grows to include the tile's max (of s * fold, the quad's lanes
+  // together), alpha = exp2(m_old - m_ref) rescales what came before; returns the reference m_ref
+  // (0 while m is -inf).
+  template <int NF>
+  __device__ __forceinline__ float advance(const float (&s)[NF][4], int mf, int h, float fold) {
+    float mx = neg_inf<float>();
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
+    const float m_old = m[mf][h];
+    const float m_new = fmaxf(m_old, mx * fold);
+    const float m_ref = (m_new == neg_inf<float>()) ? 0.f : m_new;
+    alpha[mf][h] = tc::ex2(m_old - m_ref);
+    m[mf][h] = m_new;
+    return m_ref;
+  }
+
   // One key tile: s (scores; `fold` times s is the logit in log2 units) becomes P = exp2(logit - m)
   // in place; m, l and alpha advance.
   template <int NF>
@@ -161,18 +179,7 @@ struct MmaSoftmax {
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = neg_inf<float>();
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
-          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
-        const float m_old = m[mf][h];
-        const float m_new = fmaxf(m_old, mx * fold);
-        const float m_ref = (m_new == neg_inf<float>()) ? 0.f : m_new;
-        const float a = tc::ex2(m_old - m_ref);
-        m[mf][h] = m_new;
-        const float neg_ref = -m_ref;
+        const float neg_ref = -advance(s[mf], mf, h, fold);
         float mass = 0.f;
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf)
@@ -182,8 +189,7 @@ struct MmaSoftmax {
             s[mf][nf][2 * h + e] = p;
             mass += p;
           }
-        l[mf][h] = l[mf][h] * a + mass;
-        alpha[mf][h] = a;
+        l[mf][h] = l[mf][h] * alpha[mf][h] + mass;
       }
   }
 
@@ -197,18 +203,7 @@ struct MmaSoftmax {
     float m_ref[MF][2];
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
-      for_pair([&](int h) {
-        float mx = neg_inf<float>();
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
-          mx = fmaxf(mx, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
-        const float m_new = fmaxf(m[mf][h], mx * fold);
-        m_ref[mf][h] = (m_new == neg_inf<float>()) ? 0.f : m_new;
-        alpha[mf][h] = tc::ex2(m[mf][h] - m_ref[mf][h]);
-        m[mf][h] = m_new;
-      });
+      for_pair([&](int h) { m_ref[mf][h] = advance(s[mf], mf, h, fold); });
     bool huge = false;
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf) huge |= fabsf(m_ref[mf][0]) > HUGE_M || fabsf(m_ref[mf][1]) > HUGE_M;
