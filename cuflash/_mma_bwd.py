@@ -140,18 +140,6 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
-# NVRTC before 12.9 rejects a second -arch ("defined more than once"), and CuPy always appends
-# its own after ours (_runtime.get_function); from 12.9 on, sm_90a wins in either order (checked
-# with the libraries of nvidia-cuda-nvrtc-cu12 12.0-12.6, 12.8 and 12.9, and NVRTC 13.0).
-WG_MIN_NVRTC = (12, 9)
-
-
-def wgmma_available():
-    """Whether the current device can run the OPT_WG tiles: sm_90a code runs on compute capability
-    9.0 only, and CuPy's NVRTC must build it (WG_MIN_NVRTC)."""
-    return _runtime.device_info().cc == 90 and _runtime.nvrtc_version() >= WG_MIN_NVRTC
-
-
 def wg_tile(head_dim, has_mb, dq_atomic):
     """The wgmma dK/dV tile of a call kind, or None: with dQ atomics and no mask / bias the one
     with dQ on wgmma too where there is one (DKDV_TILES_WG_DQ), else DKDV_TILES_WG / _MB."""
@@ -167,7 +155,7 @@ def dkdv_tile(head_dim, has_mb, dq_atomic=False):
     else the table's."""
     info = _runtime.device_info()
     wg = wg_tile(head_dim, has_mb, dq_atomic)
-    if _runtime.overrides().wgmma and wg is not None and wgmma_available() and \
+    if _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
             dkdv_smem_bytes(head_dim, wg) <= info.smem_optin:
         return wg
     if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:

@@ -82,6 +82,18 @@ def device_info(device_id=None):
     return info
 
 
+# NVRTC before 12.9 rejects a second -arch ("defined more than once"), and CuPy always appends
+# its own after ours (_runtime.get_function); from 12.9 on, sm_90a wins in either order (checked
+# with the libraries of nvidia-cuda-nvrtc-cu12 12.0-12.6, 12.8 and 12.9, and NVRTC 13.0).
+WG_MIN_NVRTC = (12, 9)
+
+
+def wgmma_available():
+    """Whether the current device runs the sm_90a kernels (wgmma, TMA): sm_90a code runs on
+    compute capability 9.0 only, and CuPy's NVRTC must build it (WG_MIN_NVRTC)."""
+    return device_info().cc == 90 and nvrtc_version() >= WG_MIN_NVRTC
+
+
 @functools.cache
 def nvrtc_version():
     """The (major, minor) version of the NVRTC CuPy compiles with (cached)."""
@@ -136,7 +148,7 @@ def get_function(filename, expr, arch=None):
     """The compiled RawKernel `expr` of kernels_cu/<filename> on the current device (memoized).
     arch: an NVRTC target to compile for instead of CuPy's default for the device ("sm_90a" for
     kernels with wgmma). CuPy appends its own -arch after it: NVRTC 12.9+ then builds sm_90a,
-    earlier versions refuse two (_mma_bwd.WG_MIN_NVRTC)."""
+    earlier versions refuse two (WG_MIN_NVRTC)."""
     import cupy
 
     key = (cupy.cuda.Device().id, filename, expr, arch)

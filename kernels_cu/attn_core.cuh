@@ -106,13 +106,15 @@ __device__ __forceinline__ void mask_columns(float (&s)[NF][4], int h, int c_lo,
 
 // Rows = queries: one m-fragment's scores s[nf][2 h + e] of this lane, query i + 8 h (h = 0, 1)
 // and key j0 + 8 nf + 2 t + e. Invisible entries become -inf, visible ones go through the
-// modifier. Padding rows (i >= Nq) see nothing.
+// modifier. Padding rows (i >= Nq) see nothing. Keys below key_floor (>= 0) count as invisible
+// too: a tile that overlaps keys an earlier tile already took (fwd_wgmma's last tile).
 template <int NF, typename Mod>
 __device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int t, int Nq,
-                                          const Bounds32& b, const Mod& mod) {
+                                          const Bounds32& b, const Mod& mod, int key_floor = 0) {
   for_pair([&](int h) {
     const int ih = i + 8 * h;  // its visible key columns, relative to j0:
-    const int c_lo = max(ih + b.dlo, 0) - j0, c_hi = ih < Nq ? min(ih + b.dhi, b.L_last) - j0 : -1;
+    const int c_lo = max(ih + b.dlo, key_floor) - j0;
+    const int c_hi = ih < Nq ? min(ih + b.dhi, b.L_last) - j0 : -1;
     mask_columns(s, h, c_lo, c_hi, t, ih, j0, mod);
   });
 }
@@ -133,6 +135,11 @@ __device__ __forceinline__ void mask_key_rows(float (&s)[NF][4], int j, int i0, 
     });
   });
 }
+
+// Beyond this |max| (log2 units) the folded exp2(fma(s, scale * log2e, -m)) of the forward
+// kernels is off by more than its rounding residual ulp(m) / 2 = 2^-12 allows: such rows are
+// recomputed (fwd_lost_rows).
+constexpr float FOLD_LIMIT = 4096.f;
 
 // ---- online softmax of mma.sync rows ------------------------------------------------------------
 // This lane's rows g and g + 8 (h = 0, 1) of MF m-fragments, log2 units: a running max m, this

@@ -19,12 +19,6 @@
 #include "attn_core.cuh"
 #include "mma.cuh"
 
-namespace tc {
-// Beyond this |max| (log2 units) the folded exp2(fma(s, scale * log2e, -m)) is off by more than
-// its rounding residual ulp(m) / 2 = 2^-12 allows: such rows are recomputed (fwd_lost_rows).
-constexpr float FOLD_LIMIT = 4096.f;
-}  // namespace tc
-
 // One K or V tile copy: cp_tile, or cp_tile_inc with CHEAP_ADDR.
 template <bool CHEAP, int ROWS, int HEAD_DIM, int THREADS, typename T>
 __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src, long long rs,

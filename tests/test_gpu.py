@@ -22,9 +22,10 @@ def poisoned(override):
     override(poison=True)
 
 
-@pytest.fixture(params=["generic", "auto"])
+@pytest.fixture(params=["generic", "mma", "auto"])
 def path(request, override):
-    """Run the test once on the generic kernels and once on the fastest path that takes it."""
+    """Run the test on the generic kernels, on the sm_80 tensor-core forward (where it takes the
+    case; on an H200 "auto" takes the Hopper forward there) and on the fastest path that takes it."""
     override(path=None if request.param == "auto" else request.param)
     return request.param
 
@@ -110,8 +111,8 @@ TC_BWD_CASES = [
 def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dtype, rng,
                                       override):
     import cupy
-    from cuflash import _gpu, _mma_bwd, _validate
-    if kernel == "wgmma" and not _mma_bwd.wgmma_available():
+    from cuflash import _gpu, _mma_bwd, _runtime, _validate
+    if kernel == "wgmma" and not _runtime.wgmma_available():
         pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
     override(wgmma=kernel == "wgmma")
     _, lq, lkv, Nq, Nk, options = case
@@ -127,6 +128,76 @@ def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dty
     has_mb = p.mask is not None or p.bias is not None
     assert bool(_mma_bwd.dkdv_tile(head_dim, has_mb).opt & _mma_bwd.OPT_WG) == (kernel == "wgmma")
     check(q, k, v, rng, deterministic=deterministic, **options)
+
+
+# The Hopper forward (fwd_wgmma, compute capability 9.0): 64 and 128-row query tiles against
+# 128-key tiles, visited last first; the last tile ends at the block's last visible key and masks
+# what the one before it took. (name, q lead, kv lead, Nq, Nk, options)
+WG_FWD_CASES = [
+    ("plain", (2, 3), (2, 3), 256, 256, {}),
+    ("odd", (1, 2), (1, 2), 97, 300, {}),
+    ("one-short-tile", (1, 1), (1, 1), 5, 9, {}),
+    ("causal-br", (2, 2), (2, 2), 300, 700, dict(causal=True)),
+    ("causal-tl", (1, 2), (1, 2), 700, 300, dict(causal=True, align="top-left")),
+    ("nq>nk-causal-br", (2,), (2,), 300, 70, dict(causal=True)),  # rows with no visible key
+    ("gqa-causal", (2, 8), (2, 2), 200, 333, dict(causal=True)),
+    ("mqa-broadcast-batch", (3, 4), (1, 1), 130, 260, {}),
+    ("window", (1, 2), (1, 2), 500, 500, dict(window=(37, 5))),
+    ("window-left-causal", (1, 2), (1, 2), 260, 520, dict(window=(129, None), causal=True)),
+    ("kv_lens", (3, 2), (3, 2), 150, 400, dict(kv_lens=np.array([[0], [17], [400]]), causal=True)),
+    ("kv_lens-window", (2, 2), (2, 1), 64, 300, dict(kv_lens=[[260], [3]], window=(9, 4))),
+]
+
+
+def _wgmma_forward_or_skip(q, k, v, options):
+    from cuflash import _gpu, _runtime, _validate
+    if not _runtime.wgmma_available():
+        pytest.skip("the Hopper forward: compute capability 9.0 and NVRTC 12.9+ only")
+    assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == "wgmma"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16"] + (["bfloat16"] if BFLOAT16 is not None else []))
+@pytest.mark.parametrize("case", WG_FWD_CASES, ids=[c[0] for c in WG_FWD_CASES])
+def test_hopper_forward(case, dtype, head_dim, rng):
+    _, lq, lkv, Nq, Nk, options = case
+    q = randn(rng, lq + (Nq, head_dim), dtype)
+    k, v = (randn(rng, lkv + (Nk, head_dim), dtype) for _ in range(2))
+    _wgmma_forward_or_skip(q, k, v, options)
+    check(q, k, v, rng, **options)
+
+
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd-strided-rows"])
+def test_hopper_forward_layouts(layout, rng):
+    """(B, N, H, D) storage read through the tensor maps' strides, and rows padded apart."""
+    B, N, H, D = 2, 333, 4, 128
+    if layout == "bnhd":
+        qkv = randn(rng, (B, N, 3, H, D), "float16")
+        q, k, v = (qkv[:, :, i].swapaxes(1, 2) for i in range(3))
+    else:
+        q, k, v = (randn(rng, (B, H, N, D + 64), "float16")[..., :D] for _ in range(3))
+    _wgmma_forward_or_skip(q, k, v, dict(causal=True))
+    check(q, k, v, rng, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_reads_no_key_past_kv_lens(causal, rng):
+    """Keys at and past kv_lens hold NaN: no row may see them (the last tile ends at the last
+    visible key instead of running into them)."""
+    import cupy
+    B, H, Nq, Nk, D = 3, 2, 200, 520, 64
+    lens = np.array([[1], [130], [517]])
+    q = randn(rng, (B, H, Nq, D), "bfloat16" if BFLOAT16 is not None else "float16")
+    k, v = (randn(rng, (B, H, Nk, D), q.dtype.name) for _ in range(2))
+    _wgmma_forward_or_skip(q, k, v, dict(kv_lens=lens, causal=causal))
+    out_clean, lse_clean = cuflash.attention(q, k, v, kv_lens=lens, causal=causal, return_lse=True)
+    check_forward(out_clean, lse_clean, q, k, v, kv_lens=lens, causal=causal)
+    for b, n in enumerate(lens[:, 0]):
+        k[b, :, n:] = cupy.nan
+        v[b, :, n:] = cupy.nan
+    out, lse = cuflash.attention(q, k, v, kv_lens=lens, causal=causal, return_lse=True)
+    assert bool(cupy.isfinite(out.astype(np.float32)).all())
+    assert bool((out == out_clean).all()) and bool((lse == lse_clean).all())
 
 
 # Few queries against many keys: the split-KV path's territory. (name, q lead, kv lead, Nq, Nk,

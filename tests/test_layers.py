@@ -12,15 +12,16 @@ PKG = Path(__file__).resolve().parent.parent / "cuflash"
 LAYERS = {
     "_config": 0, "_broadcast": 0,                # the leaves
     "_validate": 1,                               # the Problem
-    "_runtime": 2, "_numpy": 2, "reference": 2,   # below the CUDA paths; the CPU path
+    "_runtime": 2, "_tma": 2,                     # below the CUDA paths
+    "_numpy": 2, "reference": 2,                  # the CPU path
     "_generic": 3, "_decode": 3,                  # the CUDA paths, generic first: the tensor-core
     "_mma_fwd": 4,                                # paths launch its lost-row kernels, and the
-    "_mma_bwd": 5,                                # backward reads the forward's layout rule
+    "_mma_bwd": 5, "_wgmma_fwd": 5,               # backward reads the forward's layout rule
     "_gpu": 6,                                    # the dispatcher and the catalog
     "api": 7,
     "__init__": 8,
 }
-PATHS = ("_generic", "_mma_fwd", "_mma_bwd", "_decode")
+PATHS = ("_generic", "_mma_fwd", "_wgmma_fwd", "_mma_bwd", "_decode")
 
 
 def _imports(path):
@@ -81,7 +82,7 @@ def test_paths_share_one_interface():
         assert callable(path.takes) and callable(path.forward) and path.NAME
     for path in gpu.BACKWARD:
         assert callable(path.takes_backward) and callable(path.backward) and path.NAME
-    assert [p.NAME for p in gpu.FORWARD] == ["split", "mma", "generic"]
+    assert [p.NAME for p in gpu.FORWARD] == ["split", "wgmma", "mma", "generic"]
     assert [p.NAME for p in gpu.BACKWARD] == ["mma", "generic"]
 
 

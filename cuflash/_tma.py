@@ -1,0 +1,73 @@
+"""TMA tensor maps for the Hopper kernels (kernels_cu/tma.cuh), made on the host by the driver's
+cuTensorMapEncodeTiled through ctypes (libcuda ships with every CUDA driver; no new dependency).
+
+A map is 128 opaque bytes, passed to a kernel by value as a NumPy scalar of MAP_DTYPE (CuPy hands
+each argument to the driver by pointer, and the driver lays it out as the kernel declares it).
+Maps are memoized by (data type, address, dims, strides, box): the host work of a call repeats
+with its buffers and layout, and encoding costs microseconds.
+"""
+import ctypes
+import functools
+
+import numpy as np
+
+MAP_DTYPE = np.dtype([("v", "<u8", (16,))])
+_DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0
+MAX_BOX = 256
+
+
+@functools.cache
+def _encode():
+    c = ctypes
+    fn = c.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = c.c_int
+    fn.argtypes = [c.c_void_p, c.c_int, c.c_uint32, c.c_void_p, c.POINTER(c.c_uint64),
+                   c.POINTER(c.c_uint64), c.POINTER(c.c_uint32), c.POINTER(c.c_uint32),
+                   c.c_int, c.c_int, c.c_int, c.c_int]
+    return fn
+
+
+@functools.lru_cache(maxsize=1024)
+def tiled_map(dtype_name, ptr, dims, byte_strides, box):
+    """The tensor map (a NumPy scalar of MAP_DTYPE) of a 16-bit tensor at device address `ptr`:
+    `dims` innermost first (the innermost one contiguous), `byte_strides` of the others, `box`
+    the elements one copy moves per dimension (box[0] * 2 == 128: one 128-byte swizzled row);
+    128-byte swizzle, zeros outside the tensor. None where the driver refuses the layout."""
+    c = ctypes
+    rank = len(dims)
+    store = np.zeros(2 * MAP_DTYPE.itemsize // 8, dtype=np.uint64)  # 64-byte-aligned window
+    skip = (-store.ctypes.data % 64) // 8
+    out = store[skip:skip + 16]
+    status = _encode()(
+        out.ctypes.data, _DATA_TYPE[dtype_name], rank, c.c_void_p(ptr),
+        (c.c_uint64 * rank)(*dims), (c.c_uint64 * (rank - 1))(*byte_strides),
+        (c.c_uint32 * rank)(*box), (c.c_uint32 * rank)(*([1] * rank)),
+        0, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+    if status != 0:
+        return None
+    return np.frombuffer(out.tobytes(), dtype=MAP_DTYPE)[0]
+
+
+def head_layout(x, x_map, B, H):
+    """How input x is read per output (batch b, head h) of a (B, H) grid, as a 4-D tensor map sees
+    it: (hdiv, bmul, Hx, Bx, head stride, batch stride) in elements, such that matrix (b, h) sits
+    at (b * bmul) * batch stride + (h // hdiv) * head stride (the offset table `x_map` of shape
+    lead, checked); Hx, Bx the map's head and batch extents (1 where broadcast). None when the
+    offsets are not of that form (several broadcast leading axes, say)."""
+    off = np.asarray(x_map).reshape(B, H)
+    Hx = x.shape[-3] if x.ndim >= 3 else 1
+    hdiv = H // Hx if H % Hx == 0 else 0
+    if hdiv == 0:
+        return None
+    sh = int(off[0, hdiv] - off[0, 0]) if Hx > 1 else 0
+    sb = int(off[1, 0] - off[0, 0]) if B > 1 else 0
+    if sh == 0:
+        Hx, hdiv = 1, H
+    bmul = 1 if sb != 0 else 0
+    want = (np.arange(B)[:, None] * sb) + (np.arange(H)[None, :] // hdiv) * sh
+    if off[0, 0] != 0 or not np.array_equal(off, want):
+        return None
+    return hdiv, bmul, Hx, (B if bmul else 1), sh, sb

@@ -1,0 +1,236 @@
+// fwd_wgmma.cu: the Hopper forward (sm_90a): TMA loads into an mbarrier ring, a producer warpgroup
+// and CONSUMERS consumer warpgroups, wgmma for both products. float16 / bfloat16, Dk == Dv.
+//
+// One block owns BLOCK_M = 64 * CONSUMERS query rows of one (batch, head); consumer warpgroup c
+// owns rows 64 c .. 64 c + 63 (warp w of it rows 16 w .. 16 w + 15, mma.sync's fragment layout,
+// wgmma.cuh). One thread of the producer warpgroup issues every copy: the Q tile once, then per key
+// tile its K and its V into slot it % STAGES of two rings (K and V apart, so S = Q K^T can start
+// before V lands). Each consumer warpgroup runs the seed's loop, with the softmax of tile `it`
+// overlapping the product of tile it - 1:
+//   S(it) = Q K(it)^T            wgmma, both operands in shared memory        (issued)
+//   O += P(it - 1) V(it - 1)     wgmma, P from registers                      (issued)
+//   wait for S(it); mask; online softmax -> P(it), alpha   (while P V runs on the tensor cores)
+//   wait for P V; O *= alpha
+// Key tiles are visited last first (the partially visible ones of a causal block come first).
+// Every tile is [j0, j0 + BLOCK_N) with j0 = j_first + t BLOCK_N, except the last one, which ends
+// at the block's last visible key + 1 (j0 = j_limit - BLOCK_N): no key at or past j_limit is
+// read (kv_lens: "the rest may hold anything, NaN included"; rows before 0 arrive as zeros). Its
+// keys below the previous tile's end are masked (key_floor). Tiles entirely visible to the
+// warpgroup's rows skip the per-element predicate.
+//
+// The end of a row is fwd_mma's: out = O / l staged through the warpgroup's own rows of the Q
+// tile and written with 16-byte stores; lse; the block's flag for fwd_lost_rows (|m| beyond the
+// folded FFMA's accuracy).
+//
+// Requirements (cuflash/_wgmma_fwd.py): compute capability 9.0, the tensor maps of q, k, v
+// (16-byte aligned bases and strides, unit innermost stride), HEAD_DIM a multiple of 64, scale > 0.
+#include "common.cuh"
+#include "mask.cuh"
+
+#include "attn_core.cuh"
+#include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS>
+__global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
+fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+          const __grid_constant__ TmaMap tv, T* __restrict__ out, float* __restrict__ lse,
+          const long long* __restrict__ kv_lens, int* __restrict__ fix, int H, int Nq, int Nk,
+          float scale, int left, int right, int bottom_right, int q_hdiv, int k_hdiv, int v_hdiv,
+          int q_bmul, int k_bmul, int v_bmul) {
+  using namespace tc;
+  constexpr int BLOCK_M = 64 * CONSUMERS;
+  constexpr int NF = BLOCK_N / 8;     // score n-fragments per warp
+  constexpr int DF = HEAD_DIM / 8;    // output n-fragments per warp
+  constexpr int KD = HEAD_DIM / 16;   // k-steps of Q K^T
+  constexpr int KN = BLOCK_N / 16;    // k-steps of P V
+  constexpr int NCB = HEAD_DIM / 64;  // 64-column blocks of a row (one TMA box each)
+  constexpr u32 Q_BLK = BLOCK_M * 128, KV_BLK = BLOCK_N * 128;  // bytes per column block
+  constexpr u32 Q_BYTES = Q_BLK * NCB, KV_BYTES = KV_BLK * NCB;
+  constexpr u32 CONSUMER_THREADS = CONSUMERS * 128;
+  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "tile shape");
+  static_assert(128 * (24 + CONSUMERS * CONSUMER_REGS) <= 65536, "register budget");
+
+  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
+  const long long bh = blockIdx.x / n_mtiles;
+  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
+  const int b = static_cast<int>(bh / H), h = static_cast<int>(bh % H);
+
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const KeyRange range = tile_key_range(w, i0, min(i0 + BLOCK_M, Nq) - 1);
+  const Bounds32 b32 = make_bounds32(w);
+  const int n_tiles = range.hi >= range.lo
+                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
+  const int j_first = static_cast<int>(range.lo);
+  const int j_limit = static_cast<int>(range.hi) + 1;
+  const int key_floor = j_first + (n_tiles - 1) * BLOCK_N;  // of the last tile (visited first)
+  // First key of the it-th tile visited (tile n_tiles - 1 - it).
+  auto tile_start = [&](int it) {
+    return it == 0 ? j_limit - BLOCK_N : j_first + (n_tiles - 1 - it) * BLOCK_N;
+  };
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzled tiles: 1024-aligned
+  const u32 sK = sQ + Q_BYTES;
+  const u32 sV = sK + STAGES * KV_BYTES;
+  const u32 bars = sV + STAGES * KV_BYTES;
+  const u32 q_full = bars;
+  auto k_full = [&](int s) { return bars + 8 * (1 + s); };
+  auto v_full = [&](int s) { return bars + 8 * (1 + STAGES + s); };
+  auto k_empty = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
+  auto v_empty = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) {
+    tma::mbar_init(q_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      tma::mbar_init(k_full(s), 1);
+      tma::mbar_init(v_full(s), 1);
+      tma::mbar_init(k_empty(s), CONSUMER_THREADS);
+      tma::mbar_init(v_empty(s), CONSUMER_THREADS);
+    }
+    tma::mbar_init_fence();
+    tma::prefetch_map(tq);
+    tma::prefetch_map(tk);
+    tma::prefetch_map(tv);
+    fix[blockIdx.x] = 0;  // the block's fix-up flag: 0 now, 1 at the end if a row needs it
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // ---- producer warpgroup: one thread issues every copy
+    tma::regs_dec<24>();
+    if (tid == 0) {
+      const int qh = h / q_hdiv, kh = h / k_hdiv, vh = h / v_hdiv;
+      const int qb = b * q_bmul, kb = b * k_bmul, vb = b * v_bmul;
+      tma::arrive_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+      for (int cb = 0; cb < NCB; ++cb) tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, qh, qb, q_full);
+      for (int it = 0; it < n_tiles; ++it) {
+        const int slot = it % STAGES;
+        const u32 parity = ((it / STAGES) & 1) ^ 1;  // the slot's previous use
+        const int j0 = tile_start(it);
+        tma::wait(k_empty(slot), parity);
+        tma::arrive_expect_tx(k_full(slot), KV_BYTES);
+#pragma unroll
+        for (int cb = 0; cb < NCB; ++cb)
+          tma::load_4d(sK + slot * KV_BYTES + cb * KV_BLK, tk, cb * 64, j0, kh, kb, k_full(slot));
+        tma::wait(v_empty(slot), parity);
+        tma::arrive_expect_tx(v_full(slot), KV_BYTES);
+#pragma unroll
+        for (int cb = 0; cb < NCB; ++cb)
+          tma::load_4d(sV + slot * KV_BYTES + cb * KV_BLK, tv, cb * 64, j0, vh, vb, v_full(slot));
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups
+  tma::regs_inc<CONSUMER_REGS>();
+  const int cw = warp / 4 - 1;                     // consumer warpgroup
+  const int g = lane / 4, t = lane % 4;            // fragment coordinates
+  const int row_w = cw * 64 + (warp % 4) * 16;     // the warp's first row in the block
+  const int i0w = i0 + cw * 64, i_lastw = min(i0w + 63, Nq - 1);
+  const u32 sQw = sQ + cw * 64 * 128;              // the warpgroup's rows of each Q column block
+
+  MmaSoftmax<1> sm;
+  sm.init(0);
+  float o[DF][4];
+#pragma unroll
+  for (int df = 0; df < DF; ++df)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[df][e] = 0.f;
+  const float sl2 = scale * LOG2E;  // the scale folds into the exponent's FFMA
+  float s[1][NF][4];
+  u32 p[KN][4];
+
+  // Mask by global position where the tile is not entirely visible to the warpgroup's rows.
+  auto mask_tile = [&](int it) {
+    const int j0 = tile_start(it), floor = it == 0 ? key_floor : 0;
+    if (j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N))
+      mask_rows(s[0], i0 + row_w + g, j0, t, Nq, b32, NoMod(), floor);
+  };
+  auto to_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < KN; ++kk) acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
+  };
+
+  tma::wait(q_full, 0);
+  if (n_tiles > 0) {
+    tma::wait(k_full(0), 0);
+    wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK);
+    wg::wait<0>();
+    wg::fence_acc(s[0]);
+    tma::arrive(k_empty(0));
+    mask_tile(0);
+    sm.step(s, sl2);
+    to_p();
+  }
+  for (int it = 1; it < n_tiles; ++it) {
+    const int slot = it % STAGES, prev = (it - 1) % STAGES;
+    tma::wait(k_full(slot), (it / STAGES) & 1);
+    wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK + slot * KV_BYTES);
+    tma::wait(v_full(prev), ((it - 1) / STAGES) & 1);
+    wg::regs_times_tile<T, HEAD_DIM, KN, KV_BLK>(o, p, sV + prev * KV_BYTES);
+    wg::wait<1>();  // S(it) is done; P(it - 1) V(it - 1) may still run
+    wg::fence_acc(s[0]);
+    tma::arrive(k_empty(slot));
+    mask_tile(it);
+    sm.step(s, sl2);
+    wg::wait<0>();
+    wg::fence_acc(o);
+    tma::arrive(v_empty(prev));
+#pragma unroll
+    for (int pf = 0; pf < DF / 2; ++pf) sm.rescale(o[2 * pf], o[2 * pf + 1], 0);  // O *= alpha
+    to_p();
+  }
+  if (n_tiles > 0) {
+    const int last = (n_tiles - 1) % STAGES;
+    tma::wait(v_full(last), ((n_tiles - 1) / STAGES) & 1);
+    wg::regs_times_tile<T, HEAD_DIM, KN, KV_BLK>(o, p, sV + last * KV_BYTES);
+    wg::wait<0>();
+    wg::fence_acc(o);
+    tma::arrive(v_empty(last));
+  }
+
+  // Normalize once (fwd_mma.cu's end of block, one m-fragment per warp) and stage the output in
+  // the warpgroup's own rows of the Q tile (swizzled like it: conflict-free), once every product
+  // of the warpgroup has finished reading Q.
+  tma::named_sync(1 + cw, 128);
+  bool refix = false;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float l_row = sm.row_sum(0, hh);
+    const int r = row_w + g + 8 * hh;
+    const int i = i0 + r;
+    const bool empty = (i >= Nq) | (max(i + b32.dlo, 0) > min(i + b32.dhi, b32.L_last));
+    const float inv_l = sm.out_scale(l_row, empty);
+    refix |= !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);
+    if (t == 0 && i < Nq) lse[bh * Nq + i] = sm.lse(0, hh, empty, l_row);
+#pragma unroll
+    for (int df = 0; df < DF; ++df) {
+      const u32 packed = Mma<T>::pack(o[df][2 * hh] * inv_l, o[df][2 * hh + 1] * inv_l);
+      st_shared_b32(sQ + (df / 8) * Q_BLK + r * 128 + stored_chunk<true>(r, df % 8) * 16 + 4 * t,
+                    packed);
+    }
+  }
+  tma::named_sync(1 + cw, 128);
+  constexpr int CPR = HEAD_DIM / 8;
+  const int ltid = tid % 128;
+#pragma unroll
+  for (int idx = ltid; idx < 64 * CPR; idx += 128) {
+    const int r = cw * 64 + idx / CPR, c = idx % CPR;
+    const int i = i0 + r;
+    if (i < Nq) {
+      uint4 val;
+      asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(sQ + (c / 8) * Q_BLK + r * 128 + stored_chunk<true>(r, c % 8) * 16)
+                   : "memory");
+      *reinterpret_cast<uint4*>(out + (bh * Nq + i) * HEAD_DIM + c * 8) = val;
+    }
+  }
+  if (refix) fix[blockIdx.x] = 1;
+}
