@@ -1,6 +1,7 @@
 """The Hopper forward (kernels_cu/fwd_wgmma.cu): TMA + wgmma, a producer warpgroup and consumer
-warpgroups; float16 / bfloat16, Dk == Dv in TILES, no mask or bias, compute capability 9.0; then
-the lost-row fix of its flagged blocks (cuflash._generic), as after fwd_mma.
+warpgroups; float16 / bfloat16, head dims up to 256 (padded to the next multiple of 64 inside the
+kernel, TILES), no mask or bias, compute capability 9.0; then the lost-row fix of its flagged
+blocks (cuflash._generic), as after fwd_mma.
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, cc90_only.
 """
@@ -16,35 +17,46 @@ SOURCE = "fwd_wgmma.cu"
 ARCH = "sm_90a"
 
 # Tile: block_n keys per tile, `consumers` warpgroups of 64 query rows each (block_m = 64 *
-# consumers), a `stages`-deep K and V ring, and the registers each consumer thread gets
-# (setmaxnreg; the producer warpgroup keeps 24).
-Tile = namedtuple("Tile", "block_n consumers stages consumer_regs")
+# consumers), a `stages`-deep K and V ring, the registers each consumer thread gets (setmaxnreg;
+# the producer warpgroup keeps 24), and whether the two consumers take turns (ping-pong).
+Tile = namedtuple("Tile", "block_n consumers stages consumer_regs pingpong")
 TILES = {
-    64: Tile(128, 2, 2, 240),
-    128: Tile(128, 2, 2, 240),
+    # (Dk, Dv) padded to multiples of 64 -> tile
+    (64, 64): Tile(128, 3, 2, 160, False),
+    (128, 128): Tile(128, 2, 2, 240, True),
+    (192, 128): Tile(128, 2, 2, 240, True),
+    (192, 192): Tile(64, 2, 2, 240, True),
+    (256, 256): Tile(64, 2, 2, 240, True),
 }
+
+
+def padded(p):
+    """The kernel's (DK, DV) for a Problem: its head dims rounded up to multiples of 64."""
+    return (-(-p.Dk // 64) * 64, -(-p.Dv // 64) * 64)
 
 
 def block_m(tile):
     return 64 * tile.consumers
 
 
-def smem_bytes(head_dim, tile):
+def smem_bytes(dims, tile):
     """Q tile, `stages` K and V tiles (16-bit), the mbarriers and the slack that aligns the tiles
     to 1024 bytes."""
-    return (block_m(tile) + 2 * tile.stages * tile.block_n) * head_dim * 2 \
+    dk, dv = dims
+    return (block_m(tile) * dk + tile.stages * tile.block_n * (dk + dv)) * 2 \
         + 8 * (1 + 4 * tile.stages) + 1024
 
 
-def name_expression(dtype, head_dim, tile):
-    return (f"fwd_wgmma<{_config.c_types(dtype)[0]}, {head_dim}, {tile.block_n}, "
-            f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}>")
+def name_expression(dtype, dims, tile):
+    b = "true" if tile.pingpong else "false"
+    return (f"fwd_wgmma<{_config.c_types(dtype)[0]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
+            f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}>")
 
 
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
-    return [("fwd_wgmma", dt, d, SOURCE, name_expression(dt, d, t))
-            for dt in _config.MMA_DTYPES for d, t in TILES.items()]
+    return [("fwd_wgmma", dt, dims[0], SOURCE, name_expression(dt, dims, t))
+            for dt in _config.MMA_DTYPES for dims, t in TILES.items()]
 
 
 def cc90_only():
@@ -57,8 +69,23 @@ def _grid_shape(p):
     return p.BH // H, H
 
 
+_MAP_CACHE_SIZE = 256
+_map_cache = {}
+
+
 def _maps(p, tile):
-    """(q, k, v tensor maps, (hdiv, bmul) per input) or None where a map cannot describe them."""
+    """(q, k, v tensor maps, (hdiv, bmul) per input) or None where a map cannot describe them;
+    memoized by the inputs' addresses and layouts (the host work of a call repeats with them)."""
+    key = (tile, p.lead, p.Nq, p.Nk) + tuple((x.data.ptr, x.shape, x.strides, x.dtype.str)
+                                             for x in (p.q, p.k, p.v))
+    if key not in _map_cache:
+        if len(_map_cache) >= _MAP_CACHE_SIZE:
+            _map_cache.pop(next(iter(_map_cache)))  # oldest first
+        _map_cache[key] = _encode_maps(p, tile)
+    return _map_cache[key]
+
+
+def _encode_maps(p, tile):
     B, H = _grid_shape(p)
     maps, coords = [], []
     for x, x_map, n, rows in ((p.q, p.q_map, p.Nq, block_m(tile)),
@@ -86,12 +113,15 @@ def _maps(p, tile):
 
 def takes(p):
     """Whether the Hopper forward takes this Problem."""
-    if p.Dk not in TILES or p.mask is not None or p.bias is not None:
+    dims = padded(p)
+    if dims not in TILES or p.Dv % 8 or p.mask is not None or p.bias is not None:
         return False
-    if not _runtime.wgmma_available() or not _mma_fwd.tensor_core_layout(p):
+    if p.dtype.name not in _config.MMA_DTYPES or not p.scale > 0:
+        return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
+    if max(p.Nq, p.Nk) > _mma_fwd.MAX_LEN or not _runtime.wgmma_available():
         return False
-    tile = TILES[p.Dk]
-    if smem_bytes(p.Dk, tile) > _runtime.device_info().smem_optin:
+    tile = TILES[dims]
+    if smem_bytes(dims, tile) > _runtime.device_info().smem_optin:
         return False
     return _maps(p, tile) is not None
 
@@ -101,13 +131,14 @@ def forward(p):
     flags by the lost-row fix."""
     import cupy
 
-    tile = TILES[p.Dk]
+    dims = padded(p)
+    tile = TILES[dims]
     maps, coords = _maps(p, tile)
     args = _runtime.Args(p)
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, tile), arch=ARCH)
-    smem = smem_bytes(p.Dk, tile)
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile), arch=ARCH)
+    smem = smem_bytes(dims, tile)
     _runtime.opt_in(kern, smem)
     blocks = -(-p.Nq // block_m(tile)) * p.BH
     if blocks > _runtime.MAX_GRID_X:
@@ -118,7 +149,7 @@ def forward(p):
     (qd, qm), (kd, km), (vd, vm) = coords
     kern((blocks,), ((tile.consumers + 1) * 128,),
          tuple(maps) + (out, lse, _runtime.ptr(args.kv_lens), fix, i32(H), i32(p.Nq), i32(p.Nk),
-                        np.float32(p.scale), i32(p.left), i32(p.right), i32(bool(p.bottom_right)),
+                        i32(p.Dv), np.float32(p.scale), i32(p.left), i32(p.right), i32(bool(p.bottom_right)),
                         i32(qd), i32(kd), i32(vd), i32(qm), i32(km), i32(vm)),
          shared_mem=smem)
     _generic.launch_fwd_lost(args, out, lse, fix, block_m(tile))

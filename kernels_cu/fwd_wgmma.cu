@@ -1,5 +1,7 @@
 // fwd_wgmma.cu: the Hopper forward (sm_90a): TMA loads into an mbarrier ring, a producer warpgroup
-// and CONSUMERS consumer warpgroups, wgmma for both products. float16 / bfloat16, Dk == Dv.
+// and CONSUMERS consumer warpgroups, wgmma for both products. float16 / bfloat16; head dims Dk <= DK
+// and Dv <= DV, DK and DV multiples of 64: the tensor maps fill the columns past Dk (Dv) with zeros,
+// which add nothing to Q K^T and give output columns that are not stored.
 //
 // One block owns BLOCK_M = 64 * CONSUMERS query rows of one (batch, head); consumer warpgroup c
 // owns rows 64 c .. 64 c + 63 (warp w of it rows 16 w .. 16 w + 15, mma.sync's fragment layout,
@@ -18,12 +20,15 @@
 // keys below the previous tile's end are masked (key_floor). Tiles entirely visible to the
 // warpgroup's rows skip the per-element predicate.
 //
+// PINGPONG (two consumers): the warpgroups take turns issuing their products (named barriers
+// 3 and 4), so that one's softmax runs while the other's products use the tensor cores.
+//
 // The end of a row is fwd_mma's: out = O / l staged through the warpgroup's own rows of the Q
 // tile and written with 16-byte stores; lse; the block's flag for fwd_lost_rows (|m| beyond the
 // folded FFMA's accuracy).
 //
 // Requirements (cuflash/_wgmma_fwd.py): compute capability 9.0, the tensor maps of q, k, v
-// (16-byte aligned bases and strides, unit innermost stride), HEAD_DIM a multiple of 64, scale > 0.
+// (16-byte aligned bases and strides, unit innermost stride), Dv a multiple of 8, scale > 0.
 #include "common.cuh"
 #include "mask.cuh"
 
@@ -32,24 +37,42 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS>
+// O (64 x DV) += P V, in products of at most 128 columns (column blocks 2 c, 2 c + 1 of V), one
+// commit group.
+template <typename T, int DV, int KN, tc::u32 KV_BLK>
+__device__ __forceinline__ void pv_product(float (&o)[DV / 8][4], const tc::u32 (&p)[KN][4],
+                                           tc::u32 sv) {
+  if constexpr (DV <= 128) {
+    wg::regs_times_tile<T, DV, KN, KV_BLK>(o, p, sv);
+  } else {
+    constexpr int HI = DV - 128;
+    wg::regs_times_tile<T, 128, KN, KV_BLK, false>(*reinterpret_cast<float(*)[16][4]>(&o[0]), p, sv);
+    wg::regs_times_tile<T, HI, KN, KV_BLK>(*reinterpret_cast<float(*)[HI / 8][4]>(&o[16]), p,
+                                           sv + 2 * KV_BLK);
+  }
+}
+
+template <typename T, int DK, int DV, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS,
+          bool PINGPONG>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, T* __restrict__ out, float* __restrict__ lse,
           const long long* __restrict__ kv_lens, int* __restrict__ fix, int H, int Nq, int Nk,
-          float scale, int left, int right, int bottom_right, int q_hdiv, int k_hdiv, int v_hdiv,
-          int q_bmul, int k_bmul, int v_bmul) {
+          int Dv, float scale, int left, int right, int bottom_right, int q_hdiv, int k_hdiv,
+          int v_hdiv, int q_bmul, int k_bmul, int v_bmul) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
-  constexpr int NF = BLOCK_N / 8;     // score n-fragments per warp
-  constexpr int DF = HEAD_DIM / 8;    // output n-fragments per warp
-  constexpr int KD = HEAD_DIM / 16;   // k-steps of Q K^T
-  constexpr int KN = BLOCK_N / 16;    // k-steps of P V
-  constexpr int NCB = HEAD_DIM / 64;  // 64-column blocks of a row (one TMA box each)
+  constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
+  constexpr int DF = DV / 8;        // output n-fragments per warp
+  constexpr int KD = DK / 16;       // k-steps of Q K^T
+  constexpr int KN = BLOCK_N / 16;  // k-steps of P V
+  constexpr int NCK = DK / 64, NCV = DV / 64;  // 64-column blocks of a row (one TMA box each)
   constexpr u32 Q_BLK = BLOCK_M * 128, KV_BLK = BLOCK_N * 128;  // bytes per column block
-  constexpr u32 Q_BYTES = Q_BLK * NCB, KV_BYTES = KV_BLK * NCB;
+  constexpr u32 Q_BYTES = Q_BLK * NCK, K_BYTES = KV_BLK * NCK, V_BYTES = KV_BLK * NCV;
   constexpr u32 CONSUMER_THREADS = CONSUMERS * 128;
-  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "tile shape");
+  static_assert(DK % 64 == 0 && DV % 64 == 0 && DV <= 256 && BLOCK_N % 16 == 0, "tile shape");
+  static_assert(DV <= DK, "the output is staged in the Q tile");
+  static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong between two consumer warpgroups");
   static_assert(128 * (24 + CONSUMERS * CONSUMER_REGS) <= 65536, "register budget");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
@@ -75,8 +98,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzled tiles: 1024-aligned
   const u32 sK = sQ + Q_BYTES;
-  const u32 sV = sK + STAGES * KV_BYTES;
-  const u32 bars = sV + STAGES * KV_BYTES;
+  const u32 sV = sK + STAGES * K_BYTES;
+  const u32 bars = sV + STAGES * V_BYTES;
   const u32 q_full = bars;
   auto k_full = [&](int s) { return bars + 8 * (1 + s); };
   auto v_full = [&](int s) { return bars + 8 * (1 + STAGES + s); };
@@ -107,21 +130,21 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
       const int qb = b * q_bmul, kb = b * k_bmul, vb = b * v_bmul;
       tma::arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-      for (int cb = 0; cb < NCB; ++cb) tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, qh, qb, q_full);
+      for (int cb = 0; cb < NCK; ++cb) tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, qh, qb, q_full);
       for (int it = 0; it < n_tiles; ++it) {
         const int slot = it % STAGES;
         const u32 parity = ((it / STAGES) & 1) ^ 1;  // the slot's previous use
         const int j0 = tile_start(it);
         tma::wait(k_empty(slot), parity);
-        tma::arrive_expect_tx(k_full(slot), KV_BYTES);
+        tma::arrive_expect_tx(k_full(slot), K_BYTES);
 #pragma unroll
-        for (int cb = 0; cb < NCB; ++cb)
-          tma::load_4d(sK + slot * KV_BYTES + cb * KV_BLK, tk, cb * 64, j0, kh, kb, k_full(slot));
+        for (int cb = 0; cb < NCK; ++cb)
+          tma::load_4d(sK + slot * K_BYTES + cb * KV_BLK, tk, cb * 64, j0, kh, kb, k_full(slot));
         tma::wait(v_empty(slot), parity);
-        tma::arrive_expect_tx(v_full(slot), KV_BYTES);
+        tma::arrive_expect_tx(v_full(slot), V_BYTES);
 #pragma unroll
-        for (int cb = 0; cb < NCB; ++cb)
-          tma::load_4d(sV + slot * KV_BYTES + cb * KV_BLK, tv, cb * 64, j0, vh, vb, v_full(slot));
+        for (int cb = 0; cb < NCV; ++cb)
+          tma::load_4d(sV + slot * V_BYTES + cb * KV_BLK, tv, cb * 64, j0, vh, vb, v_full(slot));
       }
     }
     return;
@@ -156,11 +179,23 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
 #pragma unroll
     for (int kk = 0; kk < KN; ++kk) acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
   };
+  // PINGPONG: a warpgroup issues its products between its turn's barrier and the other's. There
+  // are n_tiles + 1 issue points per warpgroup; warpgroup 0 goes first, and warpgroup 1 passes
+  // the turn back after every issue point but its last.
+  auto turn_take = [&]() {
+    if (PINGPONG) tma::named_sync(3 + cw, 256);
+  };
+  auto turn_pass = [&](bool last) {
+    if (PINGPONG && !(last && cw == 1)) tma::named_arrive(3 + (cw ^ 1), 256);
+  };
+  if (PINGPONG && cw == 1 && n_tiles > 0) tma::named_arrive(3, 256);
 
   tma::wait(q_full, 0);
   if (n_tiles > 0) {
     tma::wait(k_full(0), 0);
+    turn_take();
     wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK);
+    turn_pass(false);
     wg::wait<0>();
     wg::fence_acc(s[0]);
     tma::arrive(k_empty(0));
@@ -171,9 +206,11 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   for (int it = 1; it < n_tiles; ++it) {
     const int slot = it % STAGES, prev = (it - 1) % STAGES;
     tma::wait(k_full(slot), (it / STAGES) & 1);
-    wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK + slot * KV_BYTES);
     tma::wait(v_full(prev), ((it - 1) / STAGES) & 1);
-    wg::regs_times_tile<T, HEAD_DIM, KN, KV_BLK>(o, p, sV + prev * KV_BYTES);
+    turn_take();
+    wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK + slot * K_BYTES);
+    pv_product<T, DV, KN, KV_BLK>(o, p, sV + prev * V_BYTES);
+    turn_pass(false);
     wg::wait<1>();  // S(it) is done; P(it - 1) V(it - 1) may still run
     wg::fence_acc(s[0]);
     tma::arrive(k_empty(slot));
@@ -189,7 +226,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   if (n_tiles > 0) {
     const int last = (n_tiles - 1) % STAGES;
     tma::wait(v_full(last), ((n_tiles - 1) / STAGES) & 1);
-    wg::regs_times_tile<T, HEAD_DIM, KN, KV_BLK>(o, p, sV + last * KV_BYTES);
+    turn_take();
+    pv_product<T, DV, KN, KV_BLK>(o, p, sV + last * V_BYTES);
+    turn_pass(true);
     wg::wait<0>();
     wg::fence_acc(o);
     tma::arrive(v_empty(last));
@@ -217,19 +256,19 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     }
   }
   tma::named_sync(1 + cw, 128);
-  constexpr int CPR = HEAD_DIM / 8;
+  constexpr int CPR = DV / 8;  // 16-byte chunks of a staged row; the first Dv / 8 are stored
   const int ltid = tid % 128;
 #pragma unroll
   for (int idx = ltid; idx < 64 * CPR; idx += 128) {
     const int r = cw * 64 + idx / CPR, c = idx % CPR;
     const int i = i0 + r;
-    if (i < Nq) {
+    if (i < Nq && c * 8 < Dv) {
       uint4 val;
       asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                    : "r"(sQ + (c / 8) * Q_BLK + r * 128 + stored_chunk<true>(r, c % 8) * 16)
                    : "memory");
-      *reinterpret_cast<uint4*>(out + (bh * Nq + i) * HEAD_DIM + c * 8) = val;
+      *reinterpret_cast<uint4*>(out + (bh * Nq + i) * Dv + c * 8) = val;
     }
   }
   if (refix) fix[blockIdx.x] = 1;

@@ -2,11 +2,11 @@
 // No kernels.
 //
 // A warpgroup (4 consecutive warps, the first one's index a multiple of 4) computes D (64 x N,
-// N = 32, 64 or 128, float32) += A (64 x 16k) B (16k x N), 16-bit inputs. B is always in shared memory, A in shared
-// memory (ss) or in registers (rs). The register layouts are mma.sync's (mma.cuh), stacked:
-// warp w of the group holds rows 16 w .. 16 w + 15; its accumulator d[j][0..3] is the m16n8 C
-// fragment of columns 8 j .. 8 j + 7, and a register A operand is the m16n8k16 A fragment of its 16
-// rows (tc::acc_to_a). So code written for mma.sync fragments reads wgmma results unchanged.
+// N = 32, 64, 128, 176 or 192, float32) += A (64 x 16k) B (16k x N), 16-bit inputs. B is always
+// in shared memory, A in shared memory (ss) or in registers (rs). The register layouts are
+// mma.sync's (mma.cuh), stacked: warp w of the group holds rows 16 w .. 16 w + 15; its accumulator
+// d[j][0..3] is the m16n8 C fragment of columns 8 j .. 8 j + 7, and a register A operand is the
+// m16n8k16 A fragment of its 16 rows (tc::acc_to_a). So code written for mma.sync fragments reads wgmma results unchanged.
 //
 // Shared operands are described by a 64-bit matrix descriptor. The only layout used here is the
 // 128-byte swizzle of tc::cp_tile's swizzled tiles: blocks of 64 columns, each rows of 128 bytes,
@@ -107,6 +107,24 @@ template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {
 #define CUFLASH_WG_RS_FLAG32 "setp.ne.b32 p, %37, 0;\n"
 #define CUFLASH_WG_RS_FLAG64 "setp.ne.b32 p, %69, 0;\n"
 
+// N = 176 and 192 (score tiles of 176 and 192 keys)
+#define CUFLASH_WG_DOPS88(d) CUFLASH_WG_DOPS64(d), \
+  CUFLASH_WG_D4(d, 16), CUFLASH_WG_D4(d, 17), CUFLASH_WG_D4(d, 18), CUFLASH_WG_D4(d, 19), CUFLASH_WG_D4(d, 20), CUFLASH_WG_D4(d, 21)
+#define CUFLASH_WG_DSTR88 CUFLASH_WG_DSTR64 ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87"
+#define CUFLASH_WG_SS_TAIL88 ", %88, %89, p, 1, 1, %92, %91;\n}\n"
+#define CUFLASH_WG_SS_FLAG88 "setp.ne.b32 p, %90, 0;\n"
+#define CUFLASH_WG_RS_TAIL88 ", {%88, %89, %90, %91}, %92, p, 1, 1, %94;\n}\n"
+#define CUFLASH_WG_RS_FLAG88 "setp.ne.b32 p, %93, 0;\n"
+#define CUFLASH_WG_DOPS96(d) CUFLASH_WG_DOPS64(d), \
+  CUFLASH_WG_D4(d, 16), CUFLASH_WG_D4(d, 17), CUFLASH_WG_D4(d, 18), CUFLASH_WG_D4(d, 19), CUFLASH_WG_D4(d, 20), CUFLASH_WG_D4(d, 21), CUFLASH_WG_D4(d, 22), CUFLASH_WG_D4(d, 23)
+#define CUFLASH_WG_DSTR96 CUFLASH_WG_DSTR64 ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define CUFLASH_WG_SS_TAIL96 ", %96, %97, p, 1, 1, %100, %99;\n}\n"
+#define CUFLASH_WG_SS_FLAG96 "setp.ne.b32 p, %98, 0;\n"
+#define CUFLASH_WG_RS_TAIL96 ", {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
+#define CUFLASH_WG_RS_FLAG96 "setp.ne.b32 p, %101, 0;\n"
+
 // Mma<T, N>::ss / rs: d (64 x N; = A B, or += with ACC) for one k-step of 16; TB: B MN-major,
 // TA: A MN-major (ss only).
 template <typename T, int N> struct Mma;
@@ -147,6 +165,10 @@ CUFLASH_WG_MMA(bf16_t, "bf16", 128, 64)
 CUFLASH_WG_MMA(half_t, "f16", 32, 16)
 CUFLASH_WG_MMA(half_t, "f16", 64, 32)
 CUFLASH_WG_MMA(half_t, "f16", 128, 64)
+CUFLASH_WG_MMA(bf16_t, "bf16", 176, 88)
+CUFLASH_WG_MMA(bf16_t, "bf16", 192, 96)
+CUFLASH_WG_MMA(half_t, "f16", 176, 88)
+CUFLASH_WG_MMA(half_t, "f16", 192, 96)
 #undef CUFLASH_WG_MMA
 
 // d (64 x N) = A B^T over K = 16 KSTEPS, both operands K-major 128-byte-swizzled tiles (blocks of
@@ -171,14 +193,15 @@ __device__ __forceinline__ void rows_times_rows(float (&d)[N / 8][4], u32 a, u32
 // d (64 x N) += A B over K = 16 KSTEPS: A from registers (a[kk], mma.sync A fragments), B a
 // 128-byte-swizzled tile of 16 KSTEPS rows and N columns at shared address b, read MN-major, with
 // B_BLK bytes per 64-column block (the descriptor's LBO). (dV += P^T dO and dK += dS^T Q.)
-template <typename T, int N, int KSTEPS, u32 B_BLK>
+// COMMIT = false leaves the products in the open group (a wider product issued in parts).
+template <typename T, int N, int KSTEPS, u32 B_BLK, bool COMMIT = true>
 __device__ __forceinline__ void regs_times_tile(float (&d)[N / 8][4], const u32 (&a)[KSTEPS][4],
                                                 u32 b) {
   fence();
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk)
     Mma<T, N>::template rs<1, 1>(d, a[kk], desc_sw128(b + kk * SW128_KSTEP_MN, B_BLK, SW128_SBO));
-  commit();
+  if (COMMIT) commit();
 }
 // d (64 x N) = A B over K = 16 KSTEPS, both operands 128-byte-swizzled tiles read MN-major: A
 // (64 wide) from shared address a, B (N wide, B_BLK bytes per 64-column block) from b; k-step kk is

@@ -156,13 +156,21 @@ def _wgmma_forward_or_skip(q, k, v, options):
     assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == "wgmma"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+# (Dk, Dv): the kernel's own sizes on every case, and on a few cases the other tiles and sizes it
+# pads (96 -> 128, 80 -> 128, 40 -> 64)
+WG_RUNS = [(c, d) for c in WG_FWD_CASES for d in [(64, 64), (128, 128)]] + [
+    (c, d) for c in WG_FWD_CASES if c[0] in ("odd", "causal-br", "gqa-causal", "kv_lens-window")
+    for d in [(96, 96), (192, 128), (192, 192), (256, 256), (80, 80), (40, 40)]]
+
+
 @pytest.mark.parametrize("dtype", ["float16"] + (["bfloat16"] if BFLOAT16 is not None else []))
-@pytest.mark.parametrize("case", WG_FWD_CASES, ids=[c[0] for c in WG_FWD_CASES])
-def test_hopper_forward(case, dtype, head_dim, rng):
+@pytest.mark.parametrize("case, dims", WG_RUNS, ids=[f"{c[0]}-{d[0]}x{d[1]}" for c, d in WG_RUNS])
+def test_hopper_forward(case, dims, dtype, rng):
     _, lq, lkv, Nq, Nk, options = case
-    q = randn(rng, lq + (Nq, head_dim), dtype)
-    k, v = (randn(rng, lkv + (Nk, head_dim), dtype) for _ in range(2))
+    dk, dv = dims
+    q = randn(rng, lq + (Nq, dk), dtype)
+    k = randn(rng, lkv + (Nk, dk), dtype)
+    v = randn(rng, lkv + (Nk, dv), dtype)
     _wgmma_forward_or_skip(q, k, v, options)
     check(q, k, v, rng, **options)
 
@@ -347,14 +355,21 @@ def test_long_sequence_in_bounded_memory(causal, rng, path):
         assert_close_to_reference(lse[:, start:stop], ref_lse, naive_lse, FLOORS["float16"])
 
 
-def test_fast_path_is_chosen_where_it_applies(rng):
-    """The 'auto' runs above test the tensor-core path only if dispatch really picks it."""
-    from cuflash import _gpu, _validate
+def test_fast_path_is_chosen_where_it_applies(rng, override):
+    """The 'auto' runs above test the tensor-core paths only if dispatch really picks them: the
+    Hopper forward on compute capability 9.0 (any head dim up to 256, padded), fwd_mma elsewhere
+    and where it is forced."""
+    from cuflash import _gpu, _runtime, _validate
+    hopper = _runtime.wgmma_available()
     q, k, v = (randn(rng, (2, 4, 256, 128), "bfloat16") for _ in range(3))
-    assert _gpu.forward_path(_validate.make_problem(q, k, v, causal=True)) == "mma"
+    p = _validate.make_problem(q, k, v, causal=True)
+    assert _gpu.forward_path(p) == ("wgmma" if hopper else "mma")
     q32 = randn(rng, (2, 4, 256, 128), "float32")
     assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "generic"
-    assert _gpu.forward_path(_validate.make_problem(q[..., :80], k[..., :80], v[..., :80])) == "generic"
+    p80 = _validate.make_problem(q[..., :80], k[..., :80], v[..., :80])
+    assert _gpu.forward_path(p80) == ("wgmma" if hopper else "generic")
+    override(path="mma")
+    assert _gpu.forward_path(p) == "mma" and _gpu.forward_path(p80) == "generic"
 
 
 def test_kv_lens_as_device_array(rng):
