@@ -1,42 +1,58 @@
 #!/usr/bin/env python3
-"""cuflash benchmark: cuflash side by side with torch SDPA and naive CuPy attention, on one GPU.
+"""cuflash benchmark: cuflash side by side with FlashAttention-4, torch SDPA, FlexAttention and naive
+CuPy attention, on one GPU.
 
 Run on a GPU machine from the repository root::
 
-    python benchmarks/bench.py                       # the full grid (issues 3 and 4)
+    python benchmarks/bench.py                       # the whole matrix (dense, options, wide, decode)
     python benchmarks/bench.py --quick               # a small subset, for smoke runs
-    python benchmarks/bench.py --cases decode        # only the decode rows
+    python benchmarks/bench.py --cases options       # only the option cases
+    python benchmarks/bench.py --layouts bnhd        # only (B, N, H, D)-stored inputs
     python benchmarks/bench.py --dry-run             # print the plan and FLOP counts (no GPU)
     python benchmarks/bench.py --self-test           # check the FLOP counting against NumPy (no GPU)
 
 What it measures
 ----------------
-* Prefill (issue 3): 16k tokens in total (batch = 16384 // N), heads x head dim = 2048, head dim 64
-  and 128, N = 512 ... 16k, causal and not, fp16 and bf16, forward and backward. Layout (B, H, N, D).
-* Decode (issue 4): Hq = 32, Hkv = 8, D = 128, bf16, Nq = 1 against KV caches of (B, L) = (1, 128k),
-  (8, 32k), (32, 8k), (64, 4k), plus one uneven batch (B = 32, L = 8k, kv_lens uniform in [1, L]).
-  Reported as time and KV bytes read per second, next to the device-to-device copy bandwidth
-  measured in the same run.
+* Dense prefill (issue 3; --cases fwd,bwd): 16k tokens in total (batch = 16384 // N), heads x head
+  dim = 2048, head dim 64 and 128, N = 512 ... 16k, causal and not, fp16 and bf16, forward and
+  backward, in each storage layout of --layouts.
+* Layouts: "bhnd" stores q, k, v and dout as (B, H, N, D); "bnhd" as (B, N, H, D). Every
+  implementation reads the same buffers: cuflash and SDPA through (B, H, N, D) views (swapaxes of
+  the bnhd buffers), FA4 through (B, N, H, D) views (swapaxes of the bhnd buffers).
+* Options (--cases options): N = 4096, bf16, D = 128, 16k tokens, forward and backward: GQA 32/8
+  causal, sliding window (1023, 0), D = 96, Dk = 192 / Dv = 128 causal, D = 256, a boolean padding
+  mask (B, 1, 1, Nk) with 62 % valid keys, a block-sparse mask (half the 128 x 128 blocks), an
+  additive float32 bias (1, H, N, N).
+* Wider dtypes (--cases wide): float32 and float64, D = 128, N = 1024 and 4096, causal and not,
+  forward and backward.
+* Decode (issue 4; --cases decode): Hq = 32, Hkv = 8, D = 128, bf16, Nq = 1 against KV caches of
+  (B, L) = (1, 128k), (8, 32k), (32, 8k), (64, 4k), plus one uneven batch (B = 32, L = 8k, kv_lens
+  uniform in [1, L]). Reported as time and KV bytes read per second, next to the device-to-device
+  copy bandwidth measured in the same run.
 
-Implementations (same process, same inputs, same CUDA stream): cuflash; torch SDPA with the flash,
-cuDNN and efficient backends (when torch is importable; tensors shared with CuPy through DLPack,
-no copy); naive CuPy attention (matmul, float32 softmax, matmul; prefill only, skipped when its N x N
-buffers would pass 40 GiB or N >= 8k). An implementation that fails (unsupported shape, out of
-memory) is recorded with its error and the run goes on.
+Implementations (same process, same inputs, same CUDA stream): cuflash; FlashAttention-4
+(flash_attn.cute.flash_attn_func); torch SDPA with the flash, cuDNN, efficient and (wide dtypes) math
+backends; FlexAttention with a block mask (mask cases); naive CuPy attention (matmul, softmax in the
+accumulator dtype, matmul; dense and wide cases, skipped when its N x N buffers would pass 40 GiB or
+N >= 8k). torch tensors share the CuPy buffers through DLPack, no copy. A peer that is not
+importable, or that refuses a case, is recorded as skipped with the reason; one that fails
+otherwise (out of memory) is recorded with its error, and the run goes on.
 
 FLOPs (the FlashAttention convention): forward = 4 * B * H * D * (visible query-key pairs per head),
-with D = (Dk + Dv) / 2; causal counts the exact visible pairs (N (N + 1) / 2 for Nq = Nk, bottom-right
-alignment in general); backward = 2.5 x forward. The same count is used for every implementation,
-whatever work it actually does.
+with D = (Dk + Dv) / 2; causal and windows count the exact visible pairs (bottom-right alignment),
+boolean masks their True entries; backward = 2.5 x forward. The same count is used for every
+implementation, whatever work it actually does.
 
 Timing: CUDA events on one stream shared by CuPy and torch; before each timed call a short spin
 kernel (so the host can enqueue the call before the GPU reaches the start event) and a write of
 2 x L2 bytes (so no input is served from L2); the first call (compilation, planning) is untimed;
-median of as many runs as fit in --target-seconds (3 to 1000).
+median of as many runs as fit in --target-seconds (3 to 1000). Then as many calls back to back,
+with no spin, no flush and no sync between them: wall time per call (loop_us) and the host's
+enqueue time per call (host_us).
 
 Outputs under --out: bench_<stamp>.json (every number, written after every measurement, plus GPU,
 date, git commit and versions), table_<stamp>.txt (the printed table), one PNG per case of TFLOP/s vs
-N (one line per implementation) and decode.png (KV bytes per second per shape). The report gives
+N (one line per implementation), options.png and decode.png (bars per case). The report gives
 measured numbers and ratios (cuflash / peer, decode / copy bandwidth), no pass/fail verdicts.
 
 Modules (next to this file): cases (the case matrix, FLOPs and bytes), implementations (cuflash
@@ -52,14 +68,14 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules below
-from cases import (ALL_IMPLS, DTYPES, FLOP_CONVENTION, HEAD_DIMS, HIDDEN,  # noqa: E402
-                   QUICK_DTYPES, QUICK_HEAD_DIMS, QUICK_SEQLENS, SEQLENS, TOTAL_TOKENS,
-                   build_cases, case_flops, impls_for, kv_bytes, self_test, skip_reason)
-from implementations import (load_cuflash, load_cupy, load_torch, make_inputs,  # noqa: E402
-                             make_to_torch, prepare)
+from cases import (ALL_IMPLS, CASE_SETS, DTYPES, FLOP_CONVENTION, HEAD_DIMS,  # noqa: E402
+                   HIDDEN, LAYOUTS, QUICK_DTYPES, QUICK_HEAD_DIMS, QUICK_SEQLENS, SEQLENS,
+                   TORCH_IMPLS, TOTAL_TOKENS, build_cases, case_flops, impls_for, kv_bytes,
+                   self_test, skip_reason)
+from implementations import (Refused, load_cuflash, load_cupy, load_fa4,  # noqa: E402
+                             load_flex, load_torch, make_inputs, make_to_torch, prepare)
 from report import (add_ratios, collect_meta, decode_summary, format_table,  # noqa: E402
                     print_plan, read_rows, uneven_summary, write_json, write_plots)
 from timer import (DEFAULT_L2_BYTES, Timer, cupy_peak_bytes,  # noqa: E402
@@ -83,7 +99,9 @@ class Env:
     cp: object
     cf: object
     torch: object
-    torch_reason: Optional[str]
+    fa4: object                       # flash_attn.cute.flash_attn_func, or None
+    flex: object                      # (compiled flex_attention, create_block_mask), or None
+    unavailable: dict                 # {impl: why it cannot run in this process}
     to_torch: object
     stream: object
     timer: object
@@ -92,7 +110,7 @@ class Env:
 def base_row(case, impl):
     row = {k: v for k, v in asdict(case).items() if k != "kv_lens"}
     row.update(impl=impl, group=case.group, label=case.label, flops=case_flops(case),
-               uneven=bool(case.kv_lens))
+               uneven=bool(case.kv_lens), dv=case.d_v)
     if case.kind == "decode":
         row["kv_bytes"] = kv_bytes(case)
         row["valid_keys"] = sum(case.kv_lens or (case.nk,) * case.b)
@@ -100,7 +118,8 @@ def base_row(case, impl):
 
 
 def measure_one(env, case, impl, x):
-    """Time one implementation on one case; every failure becomes an error string."""
+    """Time one implementation on one case; a peer's refusal becomes a skip reason, every other
+    failure an error string."""
     try:
         prepared = prepare(env, case, x, impl)
         with prepared.context():
@@ -115,6 +134,8 @@ def measure_one(env, case, impl, x):
         if case.kind == "decode":
             result["tbps"] = kv_bytes(case) / seconds / 1e12
         return result
+    except Refused as e:
+        return {"skipped": f"skipped: {e}"}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e).strip()[:400]}"}
     finally:
@@ -155,7 +176,7 @@ def run_cases(env, cases, impls, args, deadline, save):
             for impl in impls_for(case, impls):
                 bar.set_description(f"{case.label} {impl}", refresh=False)
                 row = base_row(case, impl)
-                reason = skip_reason(case, impl, env.torch_reason)
+                reason = skip_reason(case, impl, env.unavailable)
                 if reason is None and time.monotonic() > deadline:
                     reason = "skipped: --max-seconds budget spent"
                 if reason:
@@ -194,16 +215,21 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=FLOP_CONVENTION)
     p.add_argument("--quick", action="store_true",
-                   help="small subset: N = 1k, 4k; bf16; D = 128; decode B=8 L=32k + uneven; "
-                        "0.15 s per measurement")
-    p.add_argument("--cases", type=_csv(str, ("fwd", "bwd", "decode")),
-                   default=["fwd", "bwd", "decode"], help="comma list of fwd,bwd,decode")
+                   help="small subset: dense N = 1k, 4k, bf16, D = 128; every option case; wide "
+                        "fp32 N = 1k; decode B=8 L=32k + uneven; 0.15 s per measurement")
+    p.add_argument("--cases", type=_csv(str, CASE_SETS), default=list(CASE_SETS),
+                   help="comma list of " + ",".join(CASE_SETS) + " (fwd, bwd: the dense grid; "
+                        "options and wide: forward and backward each; default all)")
+    p.add_argument("--layouts", type=_csv(str, LAYOUTS), default=list(LAYOUTS),
+                   help="storage layouts of the prefill inputs (dense, options, wide), comma list "
+                        "of bhnd,bnhd (default both; decode is bhnd)")
     p.add_argument("--dtypes", type=_csv(str, DTYPES), default=None,
-                   help="comma list of bf16,fp16 (prefill; decode is bf16)")
+                   help="comma list of bf16,fp16 (dense grid; options and decode are bf16, wide "
+                        "fp32 and fp64)")
     p.add_argument("--heads-dims", type=_csv(int), default=None,
-                   help="comma list of prefill head dims (default 64,128; heads = 2048 // D)")
+                   help="comma list of dense head dims (default 64,128; heads = 2048 // D)")
     p.add_argument("--seqlens", type=_csv(int), default=None,
-                   help="comma list of prefill N (default 512,...,16384)")
+                   help="comma list of dense N (default 512,...,16384)")
     p.add_argument("--impls", type=_csv(str, ALL_IMPLS), default=list(ALL_IMPLS),
                    help="comma list of " + ",".join(ALL_IMPLS))
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default benchmarks/results)")
@@ -217,7 +243,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the plan and FLOPs; no GPU")
     p.add_argument("--self-test", action="store_true",
-                   help="check the FLOP counting against NumPy; no GPU")
+                   help="check the FLOP and mask counting against NumPy; no GPU")
     args = p.parse_args(argv)
     args.dtypes = args.dtypes or list(QUICK_DTYPES if args.quick else DTYPES)
     args.heads_dims = args.heads_dims or list(QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
@@ -251,6 +277,16 @@ def main(argv=None):
     cp = load_cupy()
     cf = load_cuflash()
     torch, torch_reason = load_torch(cp.cuda.Device().id)
+    fa4 = flex = None
+    if torch is None:   # FA4 and FlexAttention take torch tensors too
+        unavailable = dict.fromkeys(TORCH_IMPLS + ("fa4", "flex"), torch_reason)
+    else:
+        unavailable = {}
+        if "fa4" in args.impls:
+            fa4, unavailable["fa4"] = load_fa4()
+        if "flex" in args.impls:
+            flex, unavailable["flex"] = load_flex(torch)
+        unavailable = {impl: why for impl, why in unavailable.items() if why}
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     json_path = os.path.join(args.out, f"bench_{stamp}.json")
@@ -266,12 +302,14 @@ def main(argv=None):
             stack.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)))
             to_torch, bf16_dlpack = make_to_torch(cp, torch)
         meta = collect_meta(cp, cf, torch, args, bf16_dlpack)
-        meta["torch_skipped"] = torch_reason
+        meta["unavailable"] = unavailable
         l2 = meta["l2_bytes"] or DEFAULT_L2_BYTES
         timer = Timer(cp, stream, args.target_seconds, args.spin_us, l2)
-        env = Env(cp, cf, torch, torch_reason, to_torch, stream, timer)
-        print(f"{meta['gpu']}  cupy {meta['cupy']}  torch {meta['torch']}  "
+        env = Env(cp, cf, torch, fa4, flex, unavailable, to_torch, stream, timer)
+        print(f"{meta['gpu']}  cupy {meta['cupy']}  torch {meta['torch']}  fa4 {meta['fa4']}  "
               f"commit {meta['git_commit']}  -> {json_path}", file=sys.stderr)
+        for impl, why in unavailable.items():
+            print(f"  {impl}: {why}", file=sys.stderr)
         try:
             if any(c.kind == "decode" for c in cases):
                 copy = measure_copy_bandwidth(cp, timer)

@@ -1,19 +1,28 @@
-"""What is timed: cuflash and each peer (torch SDPA's flash, cuDNN and efficient backends; naive
-CuPy attention), each prepared as a Prepared whose fn is exactly the timed work, and the inputs
-they share. CuPy, cuflash and torch are imported only when a GPU run asks for them (load_*), so
-that this module imports on a machine without them."""
+"""What is timed: cuflash and each peer (FlashAttention-4; torch SDPA's flash, cuDNN, efficient and
+math backends; FlexAttention; naive CuPy attention), each prepared as a Prepared whose fn is exactly
+the timed work, and the inputs they share. CuPy, cuflash, torch and FA4 are imported only when a GPU
+run asks for them (load_*), so that this module imports on a machine without them."""
 import contextlib
 import math
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
+
+from cases import BLOCK, block_pattern, mask_array, padding_lens, visible_mask
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
-                  "torch-efficient": "EFFICIENT_ATTENTION"}   # cases.TORCH_IMPLS -> SDPBackend
+                  "torch-efficient": "EFFICIENT_ATTENTION",
+                  "torch-math": "MATH"}                      # cases.TORCH_IMPLS -> SDPBackend
+FLEX_RECOMPILE_LIMIT = 64            # torch.compile variants of flex_attention one run may need
+
+
+class Refused(Exception):
+    """A peer does not take this case (its untimed trial call failed): recorded as skipped."""
 
 
 def load_cupy():
@@ -52,13 +61,39 @@ def load_torch(device_id):
     return torch, None
 
 
-# ---- inputs, and CuPy <-> torch sharing -----------------------------------------------------
+def load_fa4():
+    """(FlashAttention-4's flash_attn_func, None), or (None, why not)."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # ImportError, or the CuTe DSL failing as it loads
+        return None, f"fa4 not importable: {type(e).__name__}: {str(e).strip()[:200]}"
+    return flash_attn_func, None
+
+
+def load_flex(torch):
+    """((compiled flex_attention, create_block_mask), None), or (None, why not). Compiled once here,
+    with static shapes; each case's shapes are traced by prepare_flex's untimed trial call."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        config = torch._dynamo.config
+        for name in ("cache_size_limit", "recompile_limit"):  # the older and the newer name
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
+        return (torch.compile(flex_attention, dynamic=False), create_block_mask), None
+    except Exception as e:
+        return None, f"FlexAttention not importable: {type(e).__name__}: {str(e).strip()[:200]}"
+
+
+# ---- inputs, layouts, and CuPy <-> torch sharing -------------------------------------------
+
+NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "fp64": np.float64}
+
 
 def np_dtype(name):
     if name == "bf16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(np.float16)
+    return np.dtype(NP_DTYPES[name])
 
 
 def to_dtype(cp, x32, dtype):
@@ -74,19 +109,29 @@ def to_dtype(cp, x32, dtype):
 
 
 def make_inputs(cp, case, seed):
-    """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), and dout like q for the backward; N(0, 1)."""
+    """q (Hq heads, Nq, Dk), k (Hkv, Nk, Dk), v (Hkv, Nk, Dv) and, for the backward, dout like the
+    output, all N(0, 1) and stored in the case's layout: (B, H, N, D) for "bhnd", (B, N, H, D) for
+    "bnhd"; for a bias case also bias (1, Hq, Nq, Nk) float32 N(0, 1)."""
     rng = cp.random.RandomState(seed)
     dtype = np_dtype(case.dtype)
 
-    def draw(*shape):
+    def draw(h, n, d):
+        shape = (case.b, h, n, d) if case.layout == "bhnd" else (case.b, n, h, d)
         return to_dtype(cp, rng.standard_normal(shape, dtype=cp.float32), dtype)
 
-    inputs = {"q": draw(case.b, case.hq, case.nq, case.d),
-              "k": draw(case.b, case.hkv, case.nk, case.d),
-              "v": draw(case.b, case.hkv, case.nk, case.d)}
+    inputs = {"q": draw(case.hq, case.nq, case.d), "k": draw(case.hkv, case.nk, case.d),
+              "v": draw(case.hkv, case.nk, case.d_v)}
     if case.kind == "bwd":
-        inputs["dout"] = draw(case.b, case.hq, case.nq, case.d)
+        inputs["dout"] = draw(case.hq, case.nq, case.d_v)
+    if case.bias:
+        inputs["bias"] = rng.standard_normal((1, case.hq, case.nq, case.nk), dtype=cp.float32)
     return inputs
+
+
+def as_layout(x, stored, wanted):
+    """A CuPy array or torch tensor stored as `stored` ("bhnd" or "bnhd"), seen as `wanted`: itself,
+    or a view with axes 1 and 2 swapped (no copy)."""
+    return x if stored == wanted else x.swapaxes(1, 2)
 
 
 def make_to_torch(cp, torch):
@@ -107,6 +152,21 @@ def make_to_torch(cp, torch):
     return to_torch, "direct" if direct else "int16 view"
 
 
+def torch_views(env, case, x, names, layout):
+    """torch tensors sharing the CuPy buffers x[name] (no copy), seen in `layout`."""
+    return [as_layout(env.to_torch(x[name]), case.layout, layout) for name in names]
+
+
+def trial(torch, fn, who):
+    """fn() once, untimed; a failure other than running out of memory is `who` refusing the case."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:
+        raise Refused(f"{who} refused: {type(e).__name__}: {str(e).strip()[:300]}") from e
+
+
 # ---- the implementations: each returns Prepared(fn = exactly the timed work, context, notes) --
 
 @dataclass
@@ -122,13 +182,47 @@ def prepare_cuflash(env, case, x):
     opts = {"causal": case.causal}
     if case.kv_lens:
         opts["kv_lens"] = [[n] for n in case.kv_lens]        # host ints, shape (B, 1)
-    q, k, v = x["q"], x["k"], x["v"]
+    if case.window:
+        opts["window"] = case.window
+    if case.mask:
+        opts["mask"] = env.cp.asarray(mask_array(case))
+    if case.bias:
+        opts["bias"] = x["bias"]
+    # (B, H, N, D) views: of the buffers themselves for bhnd, swapaxes(1, 2) of them for bnhd
+    q, k, v = (as_layout(x[name], case.layout, "bhnd") for name in ("q", "k", "v"))
     if case.kind != "bwd":
         return Prepared(lambda: cf.attention(q, k, v, **opts), contextlib.nullcontext, {}, "cupy")
     out, lse = cf.attention(q, k, v, return_lse=True, **opts)
-    dout = x["dout"]
+    dout = as_layout(x["dout"], case.layout, "bhnd")
     return Prepared(lambda: cf.attention_backward(dout, q, k, v, out, lse, **opts),
                     contextlib.nullcontext, {}, "cupy")
+
+
+def torch_backward(torch, forward, inputs, dout, **kw):
+    """The timed callable of a torch backward: autograd.grad of one retained forward graph,
+    out = forward(*inputs, **kw)."""
+    inputs = tuple(t.detach().requires_grad_() for t in inputs)
+    out = forward(*inputs, **kw)
+
+    def fn():
+        return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+    return fn
+
+
+def sdpa_visible(env, case, x, q):
+    """SDPA's keywords for which pairs are visible (is_causal, or an attn_mask made here, outside
+    the timed region), and the note that says which."""
+    torch = env.torch
+    if case.bias:
+        # cast once: SDPA's fused backends take an attn_mask of the query dtype
+        return ({"attn_mask": env.to_torch(x["bias"]).to(q.dtype)},
+                {"bias": f"float32 bias cast to {case.dtype} attn_mask, untimed"})
+    visible = visible_mask(case)
+    if visible is None:
+        # SDPA's is_causal is top-left; the prefill grid has Nq = Nk, where it equals bottom-right
+        return {"is_causal": case.causal}, {}
+    return ({"attn_mask": torch.from_numpy(visible).to(q.device)},
+            {"mask": f"boolean attn_mask {tuple(visible.shape)}"})
 
 
 def prepare_torch(env, case, x, impl):
@@ -140,30 +234,18 @@ def prepare_torch(env, case, x, impl):
     def context():                    # sdpa_kernel's context manager is single-use
         return sdpa_kernel(backend)
 
-    q, k, v = (env.to_torch(x[name]) for name in ("q", "k", "v"))
-    # SDPA's is_causal is top-left; the prefill grid has Nq = Nk, where it equals bottom-right
-    kw = {"is_causal": case.causal}
-    notes = {}
-    if case.kv_lens:
-        valid = torch.arange(case.nk, device=q.device)[None, :] < torch.tensor(
-            case.kv_lens, device=q.device)[:, None]
-        kw["attn_mask"] = valid.view(case.b, 1, 1, case.nk)
-        notes["kv_lens"] = "boolean attn_mask (B, 1, 1, L): work in proportion to B x L"
+    # (B, H, N, D): the buffers themselves for bhnd, .transpose(1, 2) views of them for bnhd
+    q, k, v = torch_views(env, case, x, ("q", "k", "v"), "bhnd")
+    kw, notes = sdpa_visible(env, case, x, q)
     if case.hq != case.hkv:
         k, v, notes["gqa"] = torch_gqa(sdpa, context, q, k, v, kw, case.hq // case.hkv)
         if "enable_gqa" in notes["gqa"]:
             kw["enable_gqa"] = True
     if case.kind != "bwd":
-        def fn():
-            return sdpa(q, k, v, **kw)
-        return Prepared(fn, context, notes, "torch")
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        return Prepared(lambda: sdpa(q, k, v, **kw), context, notes, "torch")
+    (dout,) = torch_views(env, case, x, ("dout",), "bhnd")
     with context():
-        out = sdpa(q, k, v, **kw)
-    dout = env.to_torch(x["dout"])
-
-    def fn():
-        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        fn = torch_backward(torch, sdpa, (q, k, v), dout, **kw)
     return Prepared(fn, context, notes, "torch")
 
 
@@ -180,6 +262,61 @@ def torch_gqa(sdpa, context, q, k, v, kw, groups):
                       f"{type(e).__name__}); the kernel reads {groups}x the KV bytes counted")
 
 
+def prepare_fa4(env, case, x):
+    """FlashAttention-4 on (B, N, H, D) tensors: the buffers themselves for bnhd; for bhnd a
+    .transpose(1, 2) view of them, no copy (FA4 takes any strides with a unit-stride last dim, as
+    a caller holding (B, H, N, D) tensors would hand them over). GQA: k, v with fewer heads."""
+    torch = env.torch
+    q, k, v = torch_views(env, case, x, ("q", "k", "v"), "bnhd")
+    kw = {"causal": case.causal}
+    if case.window:
+        kw["window_size"] = case.window
+
+    def forward(q, k, v):
+        result = env.fa4(q, k, v, **kw)
+        return result[0] if isinstance(result, (tuple, list)) else result   # out, or (out, lse)
+
+    if case.kind != "bwd":
+        fn = partial(forward, q, k, v)
+    else:
+        (dout,) = torch_views(env, case, x, ("dout",), "bnhd")
+        fn = trial(torch, lambda: torch_backward(torch, forward, (q, k, v), dout), "fa4")
+    trial(torch, fn, "fa4")
+    return Prepared(fn, contextlib.nullcontext, {}, "torch")
+
+
+def prepare_flex(env, case, x):
+    """FlexAttention with a block mask of the case's boolean mask (padding: kv < valid length of
+    the batch entry; block-sparse: the 128 x 128 block pattern), made and compiled untimed."""
+    torch = env.torch
+    flex, create_block_mask = env.flex
+    q, k, v = torch_views(env, case, x, ("q", "k", "v"), "bhnd")
+    if case.mask == "padding":
+        lens = torch.tensor(padding_lens(case), device=q.device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx < lens[b]
+        batch = case.b
+    else:
+        blocks = torch.from_numpy(block_pattern(case)).to(q.device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return blocks[q_idx // BLOCK, kv_idx // BLOCK]
+        batch = None                  # one pattern for every batch entry
+    block_mask = trial(torch, lambda: create_block_mask(mask_mod, batch, None, case.nq, case.nk,
+                                                        device=q.device, BLOCK_SIZE=BLOCK),
+                       "FlexAttention")
+    kw = {"block_mask": block_mask}
+    if case.kind != "bwd":
+        fn = partial(flex, q, k, v, **kw)
+    else:
+        (dout,) = torch_views(env, case, x, ("dout",), "bhnd")
+        fn = trial(torch, lambda: torch_backward(torch, flex, (q, k, v), dout, **kw),
+                   "FlexAttention")
+    trial(torch, fn, "FlexAttention")
+    return Prepared(fn, contextlib.nullcontext, {}, "torch")
+
+
 def naive_matmul(cp, dtype):
     """cp.matmul in the input dtype, or through float32 when CuPy cannot multiply this dtype."""
     a = to_dtype(cp, cp.ones((2, 16, 16), dtype=cp.float32), dtype)
@@ -192,9 +329,9 @@ def naive_matmul(cp, dtype):
         return matmul, f"{dtype} matmul failed ({type(e).__name__}): GEMMs in float32"
 
 
-def naive_probabilities(cp, mm, q, k, scale, causal_bias):
-    """softmax(q kᵀ scale + bias) in float32, in place on one N x N buffer."""
-    s = mm(q, k.swapaxes(-1, -2)).astype(cp.float32)
+def naive_probabilities(cp, mm, q, k, scale, causal_bias, acc):
+    """softmax(q kᵀ scale + bias) in the accumulator dtype, in place on one N x N buffer."""
+    s = mm(q, k.swapaxes(-1, -2)).astype(acc)
     s *= scale
     if causal_bias is not None:
         s += causal_bias
@@ -204,16 +341,16 @@ def naive_probabilities(cp, mm, q, k, scale, causal_bias):
     return s
 
 
-def naive_forward(cp, mm, q, k, v, scale, causal_bias):
-    p = naive_probabilities(cp, mm, q, k, scale, causal_bias)
+def naive_forward(cp, mm, q, k, v, scale, causal_bias, acc):
+    p = naive_probabilities(cp, mm, q, k, scale, causal_bias, acc)
     return mm(p.astype(q.dtype), v)
 
 
-def naive_backward(cp, mm, dout, q, k, v, out, scale, causal_bias):
-    p = naive_probabilities(cp, mm, q, k, scale, causal_bias)
+def naive_backward(cp, mm, dout, q, k, v, out, scale, causal_bias, acc):
+    p = naive_probabilities(cp, mm, q, k, scale, causal_bias, acc)
     dv = mm(p.astype(q.dtype).swapaxes(-1, -2), dout)
-    dp = mm(dout, v.swapaxes(-1, -2)).astype(cp.float32)
-    dp -= (dout.astype(cp.float32) * out.astype(cp.float32)).sum(axis=-1, keepdims=True)
+    dp = mm(dout, v.swapaxes(-1, -2)).astype(acc)
+    dp -= (dout.astype(acc) * out.astype(acc)).sum(axis=-1, keepdims=True)
     dp *= p
     dp *= scale
     del p
@@ -222,33 +359,36 @@ def naive_backward(cp, mm, dout, q, k, v, out, scale, causal_bias):
     return mm(ds, k), mm(ds.swapaxes(-1, -2), q), dv
 
 
-def causal_bias(cp, nq, nk):
-    """(Nq, Nk) float32: 0 where visible (bottom-right), -inf elsewhere."""
+def causal_bias(cp, nq, nk, acc):
+    """(Nq, Nk) in the accumulator dtype: 0 where visible (bottom-right), -inf elsewhere."""
     i = cp.arange(nq)[:, None]
     j = cp.arange(nk)[None, :]
-    return cp.where(j <= i + (nk - nq), 0.0, -np.inf).astype(cp.float32)
+    return cp.where(j <= i + (nk - nq), 0.0, -np.inf).astype(acc)
 
 
 def prepare_naive(env, case, x):
     cp = env.cp
-    q, k, v = x["q"], x["k"], x["v"]
+    q, k, v = (as_layout(x[name], case.layout, "bhnd") for name in ("q", "k", "v"))
     mm, note = naive_matmul(cp, q.dtype)
     notes = {"matmul": note} if note else {}
+    acc = cp.float64 if q.dtype == cp.float64 else cp.float32
     scale = 1.0 / math.sqrt(case.d)
-    bias = causal_bias(cp, case.nq, case.nk) if case.causal else None
+    bias = causal_bias(cp, case.nq, case.nk, acc) if case.causal else None
     if case.kind != "bwd":
-        return Prepared(lambda: naive_forward(cp, mm, q, k, v, scale, bias),
+        return Prepared(lambda: naive_forward(cp, mm, q, k, v, scale, bias, acc),
                         contextlib.nullcontext, notes, "cupy")
-    out = naive_forward(cp, mm, q, k, v, scale, bias)
-    dout = x["dout"]
-    return Prepared(lambda: naive_backward(cp, mm, dout, q, k, v, out, scale, bias),
+    out = naive_forward(cp, mm, q, k, v, scale, bias, acc)
+    dout = as_layout(x["dout"], case.layout, "bhnd")
+    return Prepared(lambda: naive_backward(cp, mm, dout, q, k, v, out, scale, bias, acc),
                     contextlib.nullcontext, notes, "cupy")
+
+
+PREPARE = {"cuflash": prepare_cuflash, "fa4": prepare_fa4, "flex": prepare_flex,
+           "naive": prepare_naive}
 
 
 def prepare(env, case, x, impl):
     """The Prepared of implementation `impl` (a name of cases.ALL_IMPLS) on inputs x."""
-    if impl == "cuflash":
-        return prepare_cuflash(env, case, x)
-    if impl == "naive":
-        return prepare_naive(env, case, x)
-    return prepare_torch(env, case, x, impl)
+    if impl in TORCH_BACKENDS:
+        return prepare_torch(env, case, x, impl)
+    return PREPARE[impl](env, case, x)

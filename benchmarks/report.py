@@ -1,6 +1,7 @@
 """What comes out: run metadata, cuflash/peer ratios, the printed table, the JSON file, the plots
 and the dry-run plan. Measured numbers and ratios only; no pass/fail verdicts."""
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -32,6 +33,13 @@ def git_commit():
     return commit.stdout.strip(), bool(dirty.stdout.strip())
 
 
+def package_version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def collect_meta(cp, cf, torch, args, bf16_dlpack):
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -51,6 +59,9 @@ def collect_meta(cp, cf, torch, args, bf16_dlpack):
         "torch": torch.__version__ if torch else None,
         "torch_cuda": torch.version.cuda if torch else None,
         "cudnn": torch.backends.cudnn.version() if torch else None,
+        # where FA4 was imported from (a source tree on PYTHONPATH has no package version)
+        "fa4": getattr(sys.modules.get("flash_attn.cute"), "__file__", None),
+        "cutlass_dsl": package_version("nvidia-cutlass-dsl"), "triton": package_version("triton"),
         "bf16_dlpack": bf16_dlpack,
         "flop_convention": FLOP_CONVENTION,
         "args": {k: v for k, v in vars(args).items()},
@@ -104,9 +115,10 @@ def _fmt(value, spec):
 
 
 def format_table(rows, copy):
-    header = (f"{'case':<28} {'N/L':>6} {'impl':<16} {'ms':>9} {'TFLOP/s':>8} {'TB/s':>6} "
-              f"{'cuflash/':>8} {'peak':>9}  note")
-    sub = f"{'':<28} {'':>6} {'':<16} {'':>9} {'':>8} {'':>6} {'peer':>8} {'MiB':>9}"
+    header = (f"{'case':<34} {'N/L':>6} {'impl':<16} {'ms':>9} {'TFLOP/s':>8} {'TB/s':>6} "
+              f"{'cuflash/':>8} {'loop':>9} {'host':>7} {'peak':>7}  note")
+    sub = (f"{'':<34} {'':>6} {'':<16} {'':>9} {'':>8} {'':>6} {'peer':>8} {'us/call':>9} "
+           f"{'us/call':>7} {'MiB':>7}")
     lines = [FLOP_CONVENTION, "", header, sub]
     previous = None
     for r in rows:
@@ -121,11 +133,12 @@ def format_table(rows, copy):
             + (["host-bound?"] if "host_bound_warning" in r else []))
         peak = r.get("peak_bytes")
         lines.append(
-            f"{case:<28} {r['nk'] if r['kind'] == 'decode' else r['nq']:>6} {r['impl']:<16} "
+            f"{case:<34} {r['nk'] if r['kind'] == 'decode' else r['nq']:>6} {r['impl']:<16} "
             f"{_fmt(r.get('ms'), '9.4f'):>9} {_fmt(r.get('tflops'), '8.1f'):>8} "
             f"{_fmt(r.get('tbps'), '6.2f'):>6} "
             f"{(_fmt(ratio, '.2f') + 'x') if ratio else '':>8} "
-            f"{_fmt(None if peak is None else peak / 2**20, '9.0f'):>9}  {note[:70]}")
+            f"{_fmt(r.get('loop_us'), '9.1f'):>9} {_fmt(r.get('host_us'), '7.1f'):>7} "
+            f"{_fmt(None if peak is None else peak / 2**20, '7.0f'):>7}  {note[:90]}")
     if copy:
         lines += ["", f"device-to-device copy: {copy['tbps']:.2f} TB/s (bytes read + written, "
                       f"{copy['bytes_each_way'] / 2**30:.0f} GiB each way, median of {copy['runs']})"]
@@ -142,7 +155,8 @@ def write_json(path, meta, rows, copy, uneven=None, status="running"):
 
 
 def write_plots(out_dir, rows, copy, meta):
-    """One PNG per prefill case (TFLOP/s vs N, a line per implementation) and decode.png."""
+    """One PNG per dense or wide case (TFLOP/s vs N, a line per implementation), options.png
+    (TFLOP/s per option case) and decode.png (KV bytes per second per shape)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -151,7 +165,8 @@ def write_plots(out_dir, rows, copy, meta):
         print(f"no plots: matplotlib not importable ({e})", file=sys.stderr)
         return []
     paths = []
-    for group in dict.fromkeys(r["group"] for r in rows if r["kind"] != "decode"):
+    for group in dict.fromkeys(r["group"] for r in rows
+                               if r["kind"] != "decode" and not r.get("option")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for impl in dict.fromkeys(r["impl"] for r in rows):
             pts = [(r["nq"], r["tflops"]) for r in rows
@@ -167,26 +182,41 @@ def write_plots(out_dir, rows, copy, meta):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         paths.append(_save(fig, plt, os.path.join(out_dir, f"{group}.png")))
+    options = [r for r in rows if r.get("option")]
+    if options:
+        paths.append(_bars(plt, options, "tflops", "TFLOP/s (FlashAttention convention)",
+                           f"options, N = {options[0]['nq']} — {meta.get('gpu', '')}",
+                           os.path.join(out_dir, "options.png"), lambda r: r["group"]))
     decode = [r for r in rows if r["kind"] == "decode"]
     if decode:
-        labels = list(dict.fromkeys(r["label"] for r in decode))
-        impls = list(dict.fromkeys(r["impl"] for r in decode))
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        width = 0.8 / len(impls)
-        for i, impl in enumerate(impls):
-            vals = [next((r.get("tbps", 0) for r in decode
-                          if r["label"] == lab and r["impl"] == impl), 0) for lab in labels]
-            ax.bar([j + i * width for j in range(len(labels))], vals, width, label=impl)
-        if copy:
-            ax.axhline(copy["tbps"], color="k", linestyle="--", label="d2d copy")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
-        ax.set_xticklabels([lab.split(" ", 2)[2] for lab in labels], fontsize=8)
-        ax.set_ylabel("KV bytes read / s (TB/s)")
-        ax.set_title(f"decode, Hq={DECODE_HQ} Hkv={DECODE_HKV} D={DECODE_D} {DECODE_DTYPE}, Nq=1 "
-                     f"— {meta.get('gpu', '')}", fontsize=10)
-        ax.legend(fontsize=8)
-        paths.append(_save(fig, plt, os.path.join(out_dir, "decode.png")))
+        paths.append(_bars(plt, decode, "tbps", "KV bytes read / s (TB/s)",
+                           f"decode, Hq={DECODE_HQ} Hkv={DECODE_HKV} D={DECODE_D} {DECODE_DTYPE}, "
+                           f"Nq=1 — {meta.get('gpu', '')}", os.path.join(out_dir, "decode.png"),
+                           lambda r: r["label"].split(" ", 2)[2],
+                           ("d2d copy", copy["tbps"]) if copy else None))
     return paths
+
+
+def _bars(plt, rows, key, ylabel, title, path, name, line=None):
+    """Grouped bars of r[key]: a group per case (named name(r)), a bar per implementation; line:
+    (label, value) of a horizontal reference line."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    names = {r["label"]: name(r) for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(labels)), 4.5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        vals = [next((r.get(key, 0) for r in rows if r["label"] == lab and r["impl"] == impl), 0)
+                for lab in labels]
+        ax.bar([j + i * width for j in range(len(labels))], vals, width, label=impl)
+    if line:
+        ax.axhline(line[1], color="k", linestyle="--", label=line[0])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels([names[lab] for lab in labels], fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, path)
 
 
 def _save(fig, plt, path):
@@ -210,7 +240,7 @@ def read_rows(path):
 def print_plan(cases, impls):
     print(FLOP_CONVENTION)
     print()
-    print(f"{'case':<36} {'B':>3} {'Hq':>3} {'Hkv':>3} {'Nq':>6} {'Nk':>6} {'D':>4} "
+    print(f"{'case':<42} {'B':>3} {'Hq':>3} {'Hkv':>3} {'Nq':>6} {'Nk':>6} {'Dk':>4} {'Dv':>4} "
           f"{'GFLOP':>10} {'KV MiB':>8}  implementations")
     measurements = 0
     for case in cases:
@@ -220,7 +250,8 @@ def print_plan(cases, impls):
             parts.append(f"{impl} ({reason})" if reason else impl)
             measurements += reason is None
         kv = f"{kv_bytes(case) / 2**20:8.0f}" if case.kind == "decode" else f"{'':>8}"
-        print(f"{case.label:<36} {case.b:>3} {case.hq:>3} {case.hkv:>3} {case.nq:>6} {case.nk:>6} "
-              f"{case.d:>4} {case_flops(case) / 1e9:>10.1f} {kv}  {', '.join(parts)}")
-    print(f"\n{len(cases)} cases, up to {measurements} measurements (torch peers only if torch "
-          f"is importable on the GPU machine)")
+        print(f"{case.label:<42} {case.b:>3} {case.hq:>3} {case.hkv:>3} {case.nq:>6} {case.nk:>6} "
+              f"{case.d:>4} {case.d_v:>4} {case_flops(case) / 1e9:>10.1f} {kv}  {', '.join(parts)}")
+    print(f"\n{len(cases)} cases, up to {measurements} measurements (torch SDPA, FA4 and "
+          f"FlexAttention only where importable on the GPU machine; a peer that refuses a case "
+          f"there is recorded as skipped)")

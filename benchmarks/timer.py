@@ -1,6 +1,7 @@
 """Timing on one CUDA stream: the device time of a call (CUDA events around each run, which is
 queued behind a GPU spin that hides the host's enqueue time and a write of 2 x L2 that flushes
-the cache), the host's enqueue time per call in the same runs, the device-to-device copy
+the cache), the host's enqueue time in the same runs, the wall and host time per call of a plain
+back-to-back loop (no spin, no flush, no sync between calls), the device-to-device copy
 bandwidth, and the peak device memory of one call."""
 import statistics
 import time
@@ -49,7 +50,25 @@ class Timer:
         self.stream.synchronize()
         return [cp.cuda.get_elapsed_time(s, e) for s, e in events], host
 
+    def loop(self, fn, calls):
+        """Back to back, as an application calls it: the device synchronized once before and once
+        after `calls` calls, nothing in between. Wall time per call, and the host's enqueue time
+        per call (perf_counter around each call, median)."""
+        device = self.cp.cuda.Device()
+        host = []
+        device.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+        device.synchronize()
+        wall = time.perf_counter() - start
+        return {"loop_us": wall / calls * 1e6, "host_us": statistics.median(host) * 1e6,
+                "loop_calls": calls}
+
     def measure(self, fn):
+        """Device time behind the spin (ms and its spread), then the plain loop (loop_us, host_us)."""
         fn()                                   # untimed: compilation, planning, handles
         self.stream.synchronize()
         probe, _ = self._runs(fn, 1)
@@ -62,16 +81,17 @@ class Timer:
         times, host = self._runs(fn, runs)
         if runs == 2:
             times = probe + times
-        host_us = statistics.median(host) * 1e6
+        spin_host_us = statistics.median(host) * 1e6
         result = {
             "ms": statistics.median(times), "ms_min": min(times), "ms_mean": statistics.fmean(times),
             "ms_p20": float(np.percentile(times, 20)), "ms_p80": float(np.percentile(times, 80)),
-            "runs": len(times), "host_us": host_us,
+            "runs": len(times), "spin_host_us": spin_host_us,
             "times_ms": [round(t, 5) for t in times],
         }
-        if host_us > self.spin_us:
-            result["host_bound_warning"] = (f"enqueueing took {host_us:.0f} us > spin "
+        if spin_host_us > self.spin_us:
+            result["host_bound_warning"] = (f"enqueueing took {spin_host_us:.0f} us > spin "
                                             f"{self.spin_us:.0f} us: host time may be included")
+        result.update(self.loop(fn, len(times)))      # as many calls as timed runs
         return result
 
 
