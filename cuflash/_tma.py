@@ -12,8 +12,10 @@ import functools
 import numpy as np
 
 MAP_DTYPE = np.dtype([("v", "<u8", (16,))])
-_DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
-_SWIZZLE_128B = 3
+NO_MAP = np.zeros((), dtype=MAP_DTYPE)[()]  # the argument where an input is absent
+# CU_TENSOR_MAP_DATA_TYPE_UINT8, _FLOAT16, _FLOAT32, _BFLOAT16
+_DATA_TYPE = {"bool": 0, "uint8": 0, "float16": 6, "float32": 7, "bfloat16": 9}
+SWIZZLE_NONE, SWIZZLE_128B = 0, 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0
 MAX_BOX = 256
@@ -31,11 +33,11 @@ def _encode():
 
 
 @functools.lru_cache(maxsize=1024)
-def tiled_map(dtype_name, ptr, dims, byte_strides, box):
-    """The tensor map (a NumPy scalar of MAP_DTYPE) of a 16-bit tensor at device address `ptr`:
-    `dims` innermost first (the innermost one contiguous), `byte_strides` of the others, `box`
-    the elements one copy moves per dimension (box[0] * 2 == 128: one 128-byte swizzled row);
-    128-byte swizzle, zeros outside the tensor. None where the driver refuses the layout."""
+def tiled_map(dtype_name, ptr, dims, byte_strides, box, swizzle=SWIZZLE_128B):
+    """The tensor map (a NumPy scalar of MAP_DTYPE) of a tensor at device address `ptr`: `dims`
+    innermost first (the innermost one contiguous), `byte_strides` of the others, `box` the
+    elements one copy moves per dimension (with the 128-byte swizzle, box[0] elements make one
+    128-byte row); zeros outside the tensor. None where the driver refuses the layout."""
     c = ctypes
     rank = len(dims)
     store = np.zeros(2 * MAP_DTYPE.itemsize // 8, dtype=np.uint64)  # 64-byte-aligned window
@@ -45,7 +47,7 @@ def tiled_map(dtype_name, ptr, dims, byte_strides, box):
         out.ctypes.data, _DATA_TYPE[dtype_name], rank, c.c_void_p(ptr),
         (c.c_uint64 * rank)(*dims), (c.c_uint64 * (rank - 1))(*byte_strides),
         (c.c_uint32 * rank)(*box), (c.c_uint32 * rank)(*([1] * rank)),
-        0, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+        0, swizzle, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
     if status != 0:
         return None
     return np.frombuffer(out.tobytes(), dtype=MAP_DTYPE)[0]

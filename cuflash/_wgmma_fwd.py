@@ -1,6 +1,6 @@
 """The Hopper forward (kernels_cu/fwd_wgmma.cu): TMA + wgmma, a producer warpgroup and consumer
 warpgroups; float16 / bfloat16, head dims up to 256 (padded to the next multiple of 64 inside the
-kernel, TILES), no mask or bias, compute capability 9.0; then the lost-row fix of its flagged
+kernel, TILES), any mask and bias, compute capability 9.0; then the lost-row fix of its flagged
 blocks (cuflash._generic), as after fwd_mma.
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, cc90_only.
@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _generic, _mma_fwd, _runtime, _tma
+from . import _broadcast, _config, _generic, _mma_fwd, _runtime, _tma
 from ._validate import element_strides
 
 NAME = "wgmma"
@@ -28,6 +28,25 @@ TILES = {
     (192, 192): Tile(64, 2, 2, 240, True),
     (256, 256): Tile(64, 2, 2, 240, True),
 }
+# With a mask or bias: fewer keys per tile (the modifier's registers: zero spills; the staged
+# mask and bias rings: shared memory) and two consumers at D=64.
+TILES_MB = {
+    (64, 64): Tile(64, 2, 2, 240, True),
+    (128, 128): Tile(64, 2, 2, 240, True),
+    (192, 128): Tile(64, 2, 2, 240, True),
+    (192, 192): Tile(64, 2, 2, 240, True),
+    (256, 256): Tile(32, 2, 2, 240, True),
+}
+
+
+# How the kernel reads a mask / bias (fwd_wgmma.cu MB_*): none; from global memory; staged tiles.
+MB_NONE, MB_GLOBAL, MB_STAGED = 0, 1, 2
+# InputHeads (fwd_wgmma.cu): per input q, k, v, mask, bias, head h / hdiv, batch b * bmul
+HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
+
+
+def pick_tile(dims, mb):
+    return (TILES if mb == MB_NONE else TILES_MB)[dims]
 
 
 def padded(p):
@@ -39,24 +58,26 @@ def block_m(tile):
     return 64 * tile.consumers
 
 
-def smem_bytes(dims, tile):
-    """Q tile, `stages` K and V tiles (16-bit), the mbarriers and the slack that aligns the tiles
-    to 1024 bytes."""
+def smem_bytes(dims, tile, mb):
+    """Q tile, `stages` K and V tiles (16-bit), the staged mask (bytes) and bias (float32) rings,
+    the mbarriers and the slack that aligns the tiles to 1024 bytes."""
     dk, dv = dims
+    staged = block_m(tile) * tile.block_n * (1 + 4) if mb == MB_STAGED else 0
     return (block_m(tile) * dk + tile.stages * tile.block_n * (dk + dv)) * 2 \
-        + 8 * (1 + 4 * tile.stages) + 1024
+        + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
 
-def name_expression(dtype, dims, tile):
+def name_expression(dtype, dims, tile, mb):
     b = "true" if tile.pingpong else "false"
     return (f"fwd_wgmma<{_config.c_types(dtype)[0]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
-            f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}>")
+            f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}, {mb}>")
 
 
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
-    return [("fwd_wgmma", dt, dims[0], SOURCE, name_expression(dt, dims, t))
-            for dt in _config.MMA_DTYPES for dims, t in TILES.items()]
+    return [("fwd_wgmma", dt, dims[0], SOURCE, name_expression(dt, dims, pick_tile(dims, mb), mb))
+            for dt in _config.MMA_DTYPES for dims in TILES
+            for mb in (MB_NONE, MB_GLOBAL, MB_STAGED)]
 
 
 def cc90_only():
@@ -69,61 +90,98 @@ def _grid_shape(p):
     return p.BH // H, H
 
 
+# Launch: the kernel's choice of mask / bias reading, the 5 tensor maps (q, k, v, mask, bias),
+# InputHeads, and the rows per staged mask / bias tile (0: absent, 1: one row for every query).
+Launch = namedtuple("Launch", "mb maps heads mask_rows bias_rows")
 _MAP_CACHE_SIZE = 256
 _map_cache = {}
 
 
-def _maps(p, tile):
-    """(q, k, v tensor maps, (hdiv, bmul) per input) or None where a map cannot describe them;
-    memoized by the inputs' addresses and layouts (the host work of a call repeats with them)."""
-    key = (tile, p.lead, p.Nq, p.Nk) + tuple((x.data.ptr, x.shape, x.strides, x.dtype.str)
-                                             for x in (p.q, p.k, p.v))
+def _launch(p, dims):
+    """The Launch of a Problem, or None where no tensor map describes q, k or v; memoized by the
+    inputs' addresses and layouts (the host work of a call repeats with them)."""
+    key = (dims, p.lead, p.Nq, p.Nk) + tuple(
+        None if x is None else (x.data.ptr, x.shape, x.strides, x.dtype.str)
+        for x in (p.q, p.k, p.v, p.mask, p.bias))
     if key not in _map_cache:
         if len(_map_cache) >= _MAP_CACHE_SIZE:
             _map_cache.pop(next(iter(_map_cache)))  # oldest first
-        _map_cache[key] = _encode_maps(p, tile)
+        _map_cache[key] = _encode(p, dims)
     return _map_cache[key]
 
 
-def _encode_maps(p, tile):
+def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
+    """(map, hdiv, bmul, rows per box) of input x read as (cols, rows, heads, batches) in boxes of
+    box = (columns, rows) elements, or None. With one_row_ok an input that is the same for every
+    row (row stride 0) is read as one row (rows per box 1)."""
+    lay = _tma.head_layout(x, x_map, B, H)
+    if lay is None or x.data.ptr % 16:
+        return None
+    hdiv, bmul, Hx, Bx, sh, sb = lay
+    es = element_strides(x)
+    item = x.dtype.itemsize
+    rs = es[-2] * item
+    one_row = rs == 0
+    if one_row and not one_row_ok:
+        return None
+    if one_row:  # any valid stride: the row coordinate is always 0
+        rows, rs = 1, -(-cols * item // 16) * 16
+    sh = sh * item if Hx > 1 else rs * rows
+    sb = sb * item if Bx > 1 else sh * Hx
+    if es[-1] != 1 or min(rs, sh, sb) <= 0 or (rs | sh | sb) % 16:
+        return None
+    box_rows = 1 if one_row else box[1]
+    m = _tma.tiled_map(x.dtype.name, x.data.ptr, (cols, rows, Hx, Bx), (rs, sh, sb),
+                       (box[0], box_rows, 1, 1), swizzle)
+    return None if m is None else (m, hdiv, bmul, box_rows)
+
+
+def _encode(p, dims):
     B, H = _grid_shape(p)
-    maps, coords = [], []
-    for x, x_map, n, rows in ((p.q, p.q_map, p.Nq, block_m(tile)),
-                              (p.k, p.k_map, p.Nk, tile.block_n),
-                              (p.v, p.v_map, p.Nk, tile.block_n)):
-        lay = _tma.head_layout(x, x_map, B, H)
-        if lay is None:
-            return None
-        hdiv, bmul, Hx, Bx, sh, sb = lay
-        es = element_strides(x)
-        item = x.dtype.itemsize
-        rs = es[-2] * item
-        sh = sh * item if Hx > 1 else rs * n
-        sb = sb * item if Bx > 1 else sh * Hx
-        if es[-1] != 1 or min(rs, sh, sb) <= 0 or (rs | sh | sb) % 16 or x.data.ptr % 16:
-            return None
-        m = _tma.tiled_map(x.dtype.name, x.data.ptr, (x.shape[-1], n, Hx, Bx), (rs, sh, sb),
-                           (64, rows, 1, 1))
-        if m is None:
-            return None
+    tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED)
+    bm, bn = block_m(tile), tile.block_n
+    found = [_tensor_map(x, x_map, B, H, n, x.shape[-1], (64, rows), _tma.SWIZZLE_128B)
+             for x, x_map, n, rows in ((p.q, p.q_map, p.Nq, bm), (p.k, p.k_map, p.Nk, bn),
+                                       (p.v, p.v_map, p.Nk, bn))]
+    if None in found:
+        return None
+    mb = MB_NONE
+    staged = []  # mask, bias: (map, hdiv, bmul, rows per box) or None where absent
+    for x, box, swizzle in ((p.mask, (bn, bm), _tma.SWIZZLE_NONE),
+                            (p.bias, (32, bm), _tma.SWIZZLE_128B)):
+        if x is None:
+            staged.append(None)
+            continue
+        x_map = _broadcast.lead_offsets(p.lead, p.lead, element_strides(x)[:-2])
+        m = _tensor_map(x, x_map, B, H, p.Nq, p.Nk, box, swizzle, one_row_ok=True)
+        mb = MB_STAGED if m is not None and mb != MB_GLOBAL else MB_GLOBAL
+        staged.append(m)
+    if mb == MB_GLOBAL:
+        staged = [None, None]
+    heads = np.zeros((), dtype=HEADS_DTYPE)
+    maps = []
+    for x, found_x in enumerate(found + staged):
+        m, hdiv, bmul, _ = found_x if found_x is not None else (_tma.NO_MAP, 1, 0, 0)
         maps.append(m)
-        coords.append((hdiv, bmul))
-    return maps, coords
+        heads["hdiv"][x], heads["bmul"][x] = hdiv, bmul
+    rows = [0 if x is None else x[3] for x in staged]
+    return Launch(mb, tuple(maps), heads[()], rows[0], rows[1])
 
 
 def takes(p):
     """Whether the Hopper forward takes this Problem."""
     dims = padded(p)
-    if dims not in TILES or p.Dv % 8 or p.mask is not None or p.bias is not None:
+    if dims not in TILES or p.Dv % 8:
         return False
     if p.dtype.name not in _config.MMA_DTYPES or not p.scale > 0:
         return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
     if max(p.Nq, p.Nk) > _mma_fwd.MAX_LEN or not _runtime.wgmma_available():
         return False
-    tile = TILES[dims]
-    if smem_bytes(dims, tile) > _runtime.device_info().smem_optin:
+    launch = _launch(p, dims)
+    if launch is None:
         return False
-    return _maps(p, tile) is not None
+    return smem_bytes(dims, pick_tile(dims, launch.mb), launch.mb) <= \
+        _runtime.device_info().smem_optin
 
 
 def forward(p):
@@ -132,13 +190,14 @@ def forward(p):
     import cupy
 
     dims = padded(p)
-    tile = TILES[dims]
-    maps, coords = _maps(p, tile)
+    launch = _launch(p, dims)
+    tile = pick_tile(dims, launch.mb)
     args = _runtime.Args(p)
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile), arch=ARCH)
-    smem = smem_bytes(dims, tile)
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, launch.mb),
+                                 arch=ARCH)
+    smem = smem_bytes(dims, tile, launch.mb)
     _runtime.opt_in(kern, smem)
     blocks = -(-p.Nq // block_m(tile)) * p.BH
     if blocks > _runtime.MAX_GRID_X:
@@ -146,11 +205,15 @@ def forward(p):
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_wgmma
     _, H = _grid_shape(p)
     i32 = np.int32
-    (qd, qm), (kd, km), (vd, vm) = coords
     kern((blocks,), ((tile.consumers + 1) * 128,),
-         tuple(maps) + (out, lse, _runtime.ptr(args.kv_lens), fix, i32(H), i32(p.Nq), i32(p.Nk),
-                        i32(p.Dv), np.float32(p.scale), i32(p.left), i32(p.right), i32(bool(p.bottom_right)),
-                        i32(qd), i32(kd), i32(vd), i32(qm), i32(km), i32(vm)),
+         launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix, i32(H),
+                        i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
+                        i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
+                        i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
+                        _runtime.ptr(p.bias), i32(p.BH))
+         + tuple(np.int64(x) for x in args.strides[3:]),
          shared_mem=smem)
-    _generic.launch_fwd_lost(args, out, lse, fix, block_m(tile))
+    has_mb = launch.mb != MB_NONE
+    # as after fwd_mma: with a mask or bias, rows of l = 0 (all masked: empty, or all -inf: NaN)
+    _generic.launch_fwd_lost(args, out, lse, fix, block_m(tile), np.inf if has_mb else None)
     return out, lse

@@ -91,6 +91,19 @@ __device__ __forceinline__ void for_row(float (&s)[NF][4], int h, F f) {
     for (int e = 0; e < 2; ++e) s[nf][2 * h + e] = f(s[nf][2 * h + e], nf, e);
 }
 
+// Query i's visible key columns [lo, hi] of the tile starting at key j0 (none when hi < lo):
+// the visibility rule with keys below key_floor hidden too; padding rows (i >= Nq) see nothing.
+struct ColRange {
+  int lo, hi;
+};
+__device__ __forceinline__ ColRange visible_columns(int i, int j0, int Nq, const Bounds32& b,
+                                                    int key_floor) {
+  ColRange r;
+  r.lo = max(i + b.dlo, key_floor) - j0;
+  r.hi = i < Nq ? min(i + b.dhi, b.L_last) - j0 : -1;
+  return r;
+}
+
 // Row h of an m-fragment's scores, key column c = 8 nf + 2 t + e of the tile starting at key j0
 // (t = lane % 4): entries outside [c_lo, c_hi] become -inf, the others go through the modifier
 // (query i).
@@ -112,10 +125,9 @@ template <int NF, typename Mod>
 __device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int t, int Nq,
                                           const Bounds32& b, const Mod& mod, int key_floor = 0) {
   for_pair([&](int h) {
-    const int ih = i + 8 * h;  // its visible key columns, relative to j0:
-    const int c_lo = max(ih + b.dlo, key_floor) - j0;
-    const int c_hi = ih < Nq ? min(ih + b.dhi, b.L_last) - j0 : -1;
-    mask_columns(s, h, c_lo, c_hi, t, ih, j0, mod);
+    const int ih = i + 8 * h;
+    const ColRange cr = visible_columns(ih, j0, Nq, b, key_floor);
+    mask_columns(s, h, cr.lo, cr.hi, t, ih, j0, mod);
   });
 }
 

@@ -1,7 +1,7 @@
 // fwd_wgmma.cu: the Hopper forward (sm_90a): TMA loads into an mbarrier ring, a producer warpgroup
-// and CONSUMERS consumer warpgroups, wgmma for both products. float16 / bfloat16; head dims Dk <= DK
-// and Dv <= DV, DK and DV multiples of 64: the tensor maps fill the columns past Dk (Dv) with zeros,
-// which add nothing to Q K^T and give output columns that are not stored.
+// and CONSUMERS consumer warpgroups, wgmma for both products. float16 / bfloat16; head dims
+// Dk <= DK and Dv <= DV, DK and DV multiples of 64: the tensor maps fill the columns past Dk (Dv)
+// with zeros, which add nothing to Q K^T and give output columns that are not stored.
 //
 // One block owns BLOCK_M = 64 * CONSUMERS query rows of one (batch, head); consumer warpgroup c
 // owns rows 64 c .. 64 c + 63 (warp w of it rows 16 w .. 16 w + 15, mma.sync's fragment layout,
@@ -19,6 +19,12 @@
 // read (kv_lens: "the rest may hold anything, NaN included"; rows before 0 arrive as zeros). Its
 // keys below the previous tile's end are masked (key_floor). Tiles entirely visible to the
 // warpgroup's rows skip the per-element predicate.
+//
+// A boolean mask or a bias (MB != MB_NONE) sends every tile through a score modifier
+// (logits in log2 units). MB_STAGED (StagedMaskBias below): the producer
+// brings their tiles with K (tensor maps tm, tb; one that is the same for every query row comes
+// as one row per tile). MB_GLOBAL (MaskBiasMod): read from global memory, where no tensor map
+// describes them.
 //
 // PINGPONG (two consumers): the warpgroups take turns issuing their products (named barriers
 // 3 and 4), so that one's softmax runs while the other's products use the tensor cores.
@@ -46,20 +52,74 @@ __device__ __forceinline__ void pv_product(float (&o)[DV / 8][4], const tc::u32 
     wg::regs_times_tile<T, DV, KN, KV_BLK>(o, p, sv);
   } else {
     constexpr int HI = DV - 128;
-    wg::regs_times_tile<T, 128, KN, KV_BLK, false>(*reinterpret_cast<float(*)[16][4]>(&o[0]), p, sv);
+    wg::regs_times_tile<T, 128, KN, KV_BLK, false>(*reinterpret_cast<float(*)[16][4]>(&o[0]), p,
+                                                   sv);
     wg::regs_times_tile<T, HI, KN, KV_BLK>(*reinterpret_cast<float(*)[HI / 8][4]>(&o[16]), p,
                                            sv + 2 * KV_BLK);
   }
 }
 
+constexpr int MB_NONE = 0, MB_GLOBAL = 1, MB_STAGED = 2;
+
+// How each input's matrix of output (batch b, head h) is found in its tensor map: head h / hdiv,
+// batch b * bmul (0 where the input is broadcast); inputs q, k, v, mask, bias.
+struct InputHeads {
+  int hdiv[5], bmul[5];
+};
+
+// The staged mask and bias of one key tile, applied as attn_core.cuh's score modifier: the mask
+// as BLOCK_M rows of BLOCK_N bytes, the bias as BLOCK_N / 32 boxes of BLOCK_M rows x 32 floats with
+// the 128-byte swizzle; one that is the same for every query row was staged as its row 0 (step
+// 0). A lane's pair of columns is one 2-byte and one 8-byte shared load.
+template <int BLOCK_M, int BLOCK_N>
+struct StagedMaskBias {
+  tc::u32 mask_s, bias_s;  // this tile's stages
+  bool has_mask, has_bias;
+  int mask_step, bias_step;
+  float scale_log2;
+  // This lane's scores s (query rows i, i + 8, block rows r, r + 8) of the key tile at j0:
+  // invisible by position or masked -> -inf, else s * scale_log2 + bias * log2e.
+  template <int NF>
+  __device__ __forceinline__ void apply(float (&s)[NF][4], int i, int r, int j0, int t, int Nq,
+                                        const Bounds32& b, int key_floor) const {
+    for_pair([&](int h) {
+      const ColRange cr = visible_columns(i + 8 * h, j0, Nq, b, key_floor);
+      const int rm = (r + 8 * h) * mask_step, rb = (r + 8 * h) * bias_step;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf) {
+        const int c0 = nf * 8 + 2 * t;
+        unsigned m = 0x0101u;
+        if (has_mask)
+          asm volatile("ld.shared.u16 %0, [%1];" : "=r"(m) : "r"(mask_s + rm * BLOCK_N + c0));
+        float bv[2] = {0.f, 0.f};
+        if (has_bias)
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                       : "=f"(bv[0]), "=f"(bv[1])
+                       : "r"(bias_s + (c0 / 32) * (BLOCK_M * 128) + rb * 128 +
+                             tc::stored_chunk<true>(rb, (c0 % 32) / 4) * 16 + (c0 % 4) * 4));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = c0 + e;
+          const bool keep = c >= cr.lo && c <= cr.hi && ((m >> (8 * e)) & 0xffu) != 0;
+          float& x = s[nf][2 * h + e];
+          x = keep ? fmaf(bv[e], LOG2E, x * scale_log2) : neg_inf<float>();
+        }
+      }
+    });
+  }
+};
+
 template <typename T, int DK, int DV, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS,
-          bool PINGPONG>
+          bool PINGPONG, int MB>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
-          const __grid_constant__ TmaMap tv, T* __restrict__ out, float* __restrict__ lse,
-          const long long* __restrict__ kv_lens, int* __restrict__ fix, int H, int Nq, int Nk,
-          int Dv, float scale, int left, int right, int bottom_right, int q_hdiv, int k_hdiv,
-          int v_hdiv, int q_bmul, int k_bmul, int v_bmul) {
+          const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
+          const __grid_constant__ TmaMap tb, const InputHeads heads, T* __restrict__ out,
+          float* __restrict__ lse, const long long* __restrict__ kv_lens, int* __restrict__ fix,
+          int H, int Nq, int Nk, int Dv, float scale, int left, int right, int bottom_right,
+          int mask_box_rows, int bias_box_rows, const long long* __restrict__ offsets,
+          const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
+          long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
@@ -74,6 +134,12 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   static_assert(DV <= DK, "the output is staged in the Q tile");
   static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong between two consumer warpgroups");
   static_assert(128 * (24 + CONSUMERS * CONSUMER_REGS) <= 65536, "register budget");
+  constexpr bool HAS_MB = MB != MB_NONE;
+  // staged mask / bias slots (MB_STAGED); mask_box_rows, bias_box_rows: rows per staged tile
+  // (0: absent, 1: the same for every query row, BLOCK_M)
+  constexpr u32 M_BYTES = MB == MB_STAGED ? BLOCK_M * BLOCK_N : 0;
+  constexpr u32 B_BYTES = MB == MB_STAGED ? BLOCK_M * BLOCK_N * 4 : 0;
+  static_assert(MB != MB_STAGED || (BLOCK_N % 32 == 0 && M_BYTES % 1024 == 0), "staged tiles");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
   const long long bh = blockIdx.x / n_mtiles;
@@ -99,7 +165,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   const u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzled tiles: 1024-aligned
   const u32 sK = sQ + Q_BYTES;
   const u32 sV = sK + STAGES * K_BYTES;
-  const u32 bars = sV + STAGES * V_BYTES;
+  const u32 sM = sV + STAGES * V_BYTES;
+  const u32 sB = sM + STAGES * M_BYTES;
+  const u32 bars = sB + STAGES * B_BYTES;
   const u32 q_full = bars;
   auto k_full = [&](int s) { return bars + 8 * (1 + s); };
   auto v_full = [&](int s) { return bars + 8 * (1 + STAGES + s); };
@@ -119,6 +187,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     tma::prefetch_map(tq);
     tma::prefetch_map(tk);
     tma::prefetch_map(tv);
+    if (mask_box_rows) tma::prefetch_map(tm);
+    if (bias_box_rows) tma::prefetch_map(tb);
     fix[blockIdx.x] = 0;  // the block's fix-up flag: 0 now, 1 at the end if a row needs it
   }
   __syncthreads();
@@ -126,20 +196,33 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   if (warp < 4) {  // ---- producer warpgroup: one thread issues every copy
     tma::regs_dec<24>();
     if (tid == 0) {
-      const int qh = h / q_hdiv, kh = h / k_hdiv, vh = h / v_hdiv;
-      const int qb = b * q_bmul, kb = b * k_bmul, vb = b * v_bmul;
+      auto head = [&](int x) { return h / heads.hdiv[x]; };
+      auto batch = [&](int x) { return b * heads.bmul[x]; };
+      const int kh = head(1), kb = batch(1), vh = head(2), vb = batch(2);
+      // the staged mask / bias rows of this block (one row when the same for all) come with K
+      const u32 mb_bytes = MB == MB_STAGED ? (mask_box_rows + 4 * bias_box_rows) * BLOCK_N : 0;
       tma::arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-      for (int cb = 0; cb < NCK; ++cb) tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, qh, qb, q_full);
+      for (int cb = 0; cb < NCK; ++cb)
+        tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, head(0), batch(0), q_full);
       for (int it = 0; it < n_tiles; ++it) {
         const int slot = it % STAGES;
         const u32 parity = ((it / STAGES) & 1) ^ 1;  // the slot's previous use
         const int j0 = tile_start(it);
         tma::wait(k_empty(slot), parity);
-        tma::arrive_expect_tx(k_full(slot), K_BYTES);
+        tma::arrive_expect_tx(k_full(slot), K_BYTES + mb_bytes);
 #pragma unroll
         for (int cb = 0; cb < NCK; ++cb)
           tma::load_4d(sK + slot * K_BYTES + cb * KV_BLK, tk, cb * 64, j0, kh, kb, k_full(slot));
+        if (MB == MB_STAGED && mask_box_rows)
+          tma::load_4d(sM + slot * M_BYTES, tm, j0, mask_box_rows == 1 ? 0 : i0, head(3),
+                       batch(3), k_full(slot));
+        if (MB == MB_STAGED && bias_box_rows) {
+#pragma unroll
+          for (int cb = 0; cb < BLOCK_N / 32; ++cb)
+            tma::load_4d(sB + slot * B_BYTES + cb * BLOCK_M * 128, tb, j0 + 32 * cb,
+                         bias_box_rows == 1 ? 0 : i0, head(4), batch(4), k_full(slot));
+        }
         tma::wait(v_empty(slot), parity);
         tma::arrive_expect_tx(v_full(slot), V_BYTES);
 #pragma unroll
@@ -165,15 +248,37 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   for (int df = 0; df < DF; ++df)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[df][e] = 0.f;
-  const float sl2 = scale * LOG2E;  // the scale folds into the exponent's FFMA
+  // With a mask or bias the modifier forms the logits in log2 units; otherwise the scale folds
+  // into the exponent's FFMA.
+  const float sl2 = HAS_MB ? 1.f : scale * LOG2E;
+  const bool global_mb = MB == MB_GLOBAL;
+  const MaskBiasMod mb = make_mask_bias(global_mb ? mask : nullptr, global_mb ? bias : nullptr,
+                                        offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                                        scale * LOG2E);
   float s[1][NF][4];
   u32 p[KN][4];
 
   // Mask by global position where the tile is not entirely visible to the warpgroup's rows.
   auto mask_tile = [&](int it) {
     const int j0 = tile_start(it), floor = it == 0 ? key_floor : 0;
-    if (j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N))
-      mask_rows(s[0], i0 + row_w + g, j0, t, Nq, b32, NoMod(), floor);
+    if (HAS_MB || j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
+      const int i = i0 + row_w + g;
+      if constexpr (MB == MB_STAGED) {
+        const int slot = it % STAGES;
+        const StagedMaskBias<BLOCK_M, BLOCK_N> st{
+            sM + slot * M_BYTES, sB + slot * B_BYTES, mask_box_rows != 0, bias_box_rows != 0,
+            mask_box_rows == 1 ? 0 : 1, bias_box_rows == 1 ? 0 : 1, scale * LOG2E};
+        st.apply(s[0], i, row_w + g, j0, t, Nq, b32, floor);
+      } else if constexpr (MB == MB_GLOBAL) {
+        mask_rows(s[0], i, j0, t, Nq, b32, mb, floor);
+      } else {
+        mask_rows(s[0], i, j0, t, Nq, b32, NoMod(), floor);
+      }
+    }
+  };
+  // K's slot is free once S = Q K^T is done, or with staged tiles once they are read too.
+  auto release_k = [&](int it, bool after_mask) {
+    if (after_mask == (MB == MB_STAGED)) tma::arrive(k_empty(it % STAGES));
   };
   auto to_p = [&]() {
 #pragma unroll
@@ -198,8 +303,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     turn_pass(false);
     wg::wait<0>();
     wg::fence_acc(s[0]);
-    tma::arrive(k_empty(0));
+    release_k(0, false);
     mask_tile(0);
+    release_k(0, true);
     sm.step(s, sl2);
     to_p();
   }
@@ -213,8 +319,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     turn_pass(false);
     wg::wait<1>();  // S(it) is done; P(it - 1) V(it - 1) may still run
     wg::fence_acc(s[0]);
-    tma::arrive(k_empty(slot));
+    release_k(it, false);
     mask_tile(it);
+    release_k(it, true);
     sm.step(s, sl2);
     wg::wait<0>();
     wg::fence_acc(o);
@@ -246,7 +353,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     const int i = i0 + r;
     const bool empty = (i >= Nq) | (max(i + b32.dlo, 0) > min(i + b32.dhi, b32.L_last));
     const float inv_l = sm.out_scale(l_row, empty);
-    refix |= !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);
+    refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())  // fwd_mma.cu's rules
+                    : !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);
     if (t == 0 && i < Nq) lse[bh * Nq + i] = sm.lse(0, hh, empty, l_row);
 #pragma unroll
     for (int df = 0; df < DF; ++df) {

@@ -175,6 +175,41 @@ def test_hopper_forward(case, dims, dtype, rng):
     check(q, k, v, rng, **options)
 
 
+@pytest.mark.parametrize("Nk, staged", [(272, True), (270, False)], ids=["staged", "global"])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)], ids=str)
+@pytest.mark.parametrize("kind", ["padding-mask", "mask", "bias", "mask-bias-causal"])
+def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng):
+    """Masks and biases through the score modifier, with rows that see no key (0 / -inf) and a
+    padding bias of finfo.min (uniform rows, settled by the lost-row fix); staged by the producer
+    where their strides are 16-byte multiples (272 keys), else read from global memory (270). A
+    padding mask, the same for every query, is staged as one row."""
+    import cupy
+    from cuflash import _validate, _wgmma_fwd
+    B, Hq, Hk, Nq = 2, 4, 2, 150
+    dk, dv = dims
+    q = randn(rng, (B, Hq, Nq, dk), "float16")
+    k, v = randn(rng, (B, Hk, Nk, dk), "float16"), randn(rng, (B, Hk, Nk, dv), "float16")
+    options = {}
+    if kind == "padding-mask":
+        valid = np.arange(Nk)[None, :] < np.array([[200], [1]])
+        options["mask"] = cupy.asarray(valid[:, None, None, :])
+    if kind in ("mask", "mask-bias-causal"):
+        mask = rng.random((B, Hq, Nq, Nk)) < 0.6
+        mask[0, 1, 7] = False  # a row with no visible key
+        options["mask"] = cupy.asarray(mask)
+    if kind in ("bias", "mask-bias-causal"):
+        bias = rng.standard_normal((Hq, Nq, Nk)).astype(np.float32)
+        bias[2, 3, :] = np.finfo(np.float32).min  # a padding row: uniform weights
+        options["bias"] = cupy.asarray(bias)
+    if kind == "mask-bias-causal":
+        options["causal"] = True
+    _wgmma_forward_or_skip(q, k, v, options)
+    p = _validate.make_problem(q, k, v, **options)
+    want = _wgmma_fwd.MB_STAGED if staged else _wgmma_fwd.MB_GLOBAL
+    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == want
+    check(q, k, v, rng, **options)
+
+
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd-strided-rows"])
 def test_hopper_forward_layouts(layout, rng):
     """(B, N, H, D) storage read through the tensor maps' strides, and rows padded apart."""

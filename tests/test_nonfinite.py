@@ -23,10 +23,11 @@ F32MIN = float(np.finfo(np.float32).min)
 # (name, forced path: cuflash._gpu.override) of the runs: NumPy, then the CUDA paths
 RUNS = [("numpy", None),
         pytest.param(("generic", "generic"), marks=pytest.mark.gpu),
+        pytest.param(("mma", "mma"), marks=pytest.mark.gpu),
         pytest.param(("auto", None), marks=pytest.mark.gpu),
         pytest.param(("split", "split"), marks=pytest.mark.gpu),
         pytest.param(("split-simt", "split-simt"), marks=pytest.mark.gpu)]
-RUN_IDS = ["numpy", "generic", "auto", "split", "split-simt"]
+RUN_IDS = ["numpy", "generic", "mma", "auto", "split", "split-simt"]
 
 
 @pytest.fixture(params=[r if isinstance(r, tuple) else r for r in RUNS], ids=RUN_IDS)
