@@ -136,6 +136,18 @@ def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
     return None if m is None else (m, hdiv, bmul, box_rows)
 
 
+def _key_tiles_aligned(p):
+    """Whether every key tile of every block starts at a multiple of 16 keys, which the staged
+    mask and bias copies need (their key coordinate is innermost: 16-byte aligned, or the copy
+    faults with an illegal instruction, seen on the H200): every query sees keys 0 .. L - 1 (no
+    causal or window bound) and every L is a multiple of 16."""
+    unbounded = p.Nq + p.Nk
+    if p.left < unbounded or p.right < unbounded:
+        return False
+    lens = [p.Nk] if p.kv_lens is None else np.unique(p.kv_lens)
+    return all(int(x) % 16 == 0 for x in lens)
+
+
 def _encode(p, dims):
     B, H = _grid_shape(p)
     tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED)
@@ -145,7 +157,8 @@ def _encode(p, dims):
                                        (p.v, p.v_map, p.Nk, bn))]
     if None in found:
         return None
-    mb = MB_NONE
+    mb = MB_NONE if p.mask is None and p.bias is None else \
+        (MB_STAGED if _key_tiles_aligned(p) else MB_GLOBAL)
     staged = []  # mask, bias: (map, hdiv, bmul, rows per box) or None where absent
     for x, box, swizzle in ((p.mask, (bn, bm), _tma.SWIZZLE_NONE),
                             (p.bias, (32, bm), _tma.SWIZZLE_128B)):

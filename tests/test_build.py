@@ -38,8 +38,8 @@ def _usage(filename, arch):
 
 def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
-    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_mma", "decode_split", "fwd_lost_rows",
-                       "decode_tc", "bwd_mma_prep", "bwd_mma_dkdv",
+    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_mma", "fwd_wgmma",
+                       "decode_split", "fwd_lost_rows", "decode_tc", "bwd_mma_prep", "bwd_mma_dkdv",
                        "bwd_mma_dkdv_grid", "bwd_mma_dq",
                        "bwd_lost_rows", "bwd_lost_keys"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
