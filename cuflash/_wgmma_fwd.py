@@ -137,15 +137,17 @@ def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
 
 
 def _key_tiles_aligned(p):
-    """Whether every key tile of every block starts at a multiple of 16 keys, which the staged
-    mask and bias copies need (their key coordinate is innermost: 16-byte aligned, or the copy
-    faults with an illegal instruction, seen on the H200): every query sees keys 0 .. L - 1 (no
-    causal or window bound) and every L is a multiple of 16."""
+    """Whether every key tile of every block starts at a non-negative multiple of 16 keys, which
+    the staged mask and bias copies need (their key coordinate is innermost: off 16 bytes the copy
+    faulted with an illegal instruction on the H200; negative ones were never tried there): every
+    query sees keys 0 .. L - 1 (no causal or window bound) and every L is 0 or a multiple of 16 of
+    at least 64 keys (the widest staged tile, which ends at L)."""
     unbounded = p.Nq + p.Nk
     if p.left < unbounded or p.right < unbounded:
         return False
+    widest = max(t.block_n for t in TILES_MB.values())
     lens = [p.Nk] if p.kv_lens is None else np.unique(p.kv_lens)
-    return all(int(x) % 16 == 0 for x in lens)
+    return all(x == 0 or (x % 16 == 0 and x >= widest) for x in map(int, lens))
 
 
 def _encode(p, dims):

@@ -21,6 +21,8 @@ def _problem(rng, Nq, Nk, lead=(2, 4), kv_lead=None, **options):
     (dict(window=(10**6, None)), 256, True),  # a bound beyond every key is no bound
     (dict(kv_lens=[[64], [128]]), 256, True),
     (dict(kv_lens=[[64], [100]]), 256, False),
+    (dict(kv_lens=[[0], [256]]), 256, True),
+    ({}, 32, False),                       # a tile ending at 32 would start at -32
 ], ids=str)
 def test_staged_tiles_need_key_tiles_at_multiples_of_16(rng, options, Nk, aligned):
     """Staging a mask / bias tile whose first key is not 16-byte aligned faulted on the H200
