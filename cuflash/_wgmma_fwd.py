@@ -20,24 +20,24 @@ ARCH = "sm_90a"
 # consumers), a `stages`-deep K and V ring, the registers each consumer thread gets (setmaxnreg;
 # the producer warpgroup keeps 24), and whether the two consumers take turns (ping-pong).
 Tile = namedtuple("Tile", "block_n consumers stages consumer_regs pingpong")
+_T = Tile
 TILES = {
-    # (Dk, Dv) padded to multiples of 64 -> tile
-    (64, 64): Tile(128, 3, 2, 160, False),
-    (128, 128): Tile(128, 2, 2, 240, True),
-    (192, 128): Tile(128, 2, 2, 240, True),
-    (192, 192): Tile(64, 2, 2, 240, True),
-    (256, 256): Tile(64, 2, 2, 240, True),
+    # ((Dk, Dv) padded to multiples of 64, has mask or bias) -> tile. With a mask or bias: fewer
+    # keys per tile (the modifier's registers: zero spills; the staged mask and bias rings: shared
+    # memory) and two consumers at D=64.
+    ((64, 64), False): _T(128, 3, 2, 160, False),
+    ((128, 128), False): _T(128, 2, 2, 240, True),
+    ((192, 128), False): _T(128, 2, 2, 240, True),
+    ((192, 192), False): _T(64, 2, 2, 240, True),
+    ((256, 256), False): _T(64, 2, 2, 240, True),
+    ((64, 64), True): _T(64, 2, 2, 240, True),
+    ((128, 128), True): _T(64, 2, 2, 240, True),
+    ((192, 128), True): _T(64, 2, 2, 240, True),
+    ((192, 192), True): _T(64, 2, 2, 240, True),
+    ((256, 256), True): _T(32, 2, 2, 240, True),
 }
-# With a mask or bias: fewer keys per tile (the modifier's registers: zero spills; the staged
-# mask and bias rings: shared memory) and two consumers at D=64.
-TILES_MB = {
-    (64, 64): Tile(64, 2, 2, 240, True),
-    (128, 128): Tile(64, 2, 2, 240, True),
-    (192, 128): Tile(64, 2, 2, 240, True),
-    (192, 192): Tile(64, 2, 2, 240, True),
-    (256, 256): Tile(32, 2, 2, 240, True),
-}
-
+del _T
+DIMS = sorted({dims for dims, _ in TILES})
 
 # How the kernel reads a mask / bias (fwd_wgmma.cu MB_*): none; from global memory; staged tiles.
 MB_NONE, MB_GLOBAL, MB_STAGED = 0, 1, 2
@@ -46,7 +46,7 @@ HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
 
 
 def pick_tile(dims, mb):
-    return (TILES if mb == MB_NONE else TILES_MB)[dims]
+    return TILES[(dims, mb != MB_NONE)]
 
 
 def padded(p):
@@ -76,7 +76,7 @@ def name_expression(dtype, dims, tile, mb):
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     return [("fwd_wgmma", dt, dims[0], SOURCE, name_expression(dt, dims, pick_tile(dims, mb), mb))
-            for dt in _config.MMA_DTYPES for dims in TILES
+            for dt in _config.MMA_DTYPES for dims in DIMS
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED)]
 
 
@@ -145,7 +145,7 @@ def _key_tiles_aligned(p):
     unbounded = p.Nq + p.Nk
     if p.left < unbounded or p.right < unbounded:
         return False
-    widest = max(t.block_n for t in TILES_MB.values())
+    widest = max(t.block_n for (_, has_mb), t in TILES.items() if has_mb)
     lens = [p.Nk] if p.kv_lens is None else np.unique(p.kv_lens)
     return all(x == 0 or (x % 16 == 0 and x >= widest) for x in map(int, lens))
 
@@ -186,7 +186,7 @@ def _encode(p, dims):
 def takes(p):
     """Whether the Hopper forward takes this Problem."""
     dims = padded(p)
-    if dims not in TILES or p.Dv % 8:
+    if dims not in DIMS or p.Dv % 8:
         return False
     if p.dtype.name not in _config.MMA_DTYPES or not p.scale > 0:
         return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores

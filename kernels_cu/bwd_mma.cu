@@ -106,10 +106,7 @@ template <typename T, int NQF, int KD, bool KV_IN_REGS, int ROW_BYTES, bool SWZ,
 __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u32 (&areg)[NA][4],
                                                    u32 a_row, u32 b_row) {
   using namespace tc;
-#pragma unroll
-  for (int nf = 0; nf < NQF; ++nf)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nf][e] = 0.f;
+  zero(acc);
 #pragma unroll
   for (int kk = 0; kk < KD; ++kk) {
     u32 a[4];
@@ -497,10 +494,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       wg::fence_acc(acc);
     } else if (DQ_ATOMIC) {
       __syncthreads();  // dS^T of every warp in shared memory
-#pragma unroll
-      for (int nf = 0; nf < QF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nf][e] = 0.f;
+      zero(acc);
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         u32 a[4];
@@ -646,10 +640,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   }
 
   float dq[DF][4];
-#pragma unroll
-  for (int df = 0; df < DF; ++df)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dq[df][e] = 0.f;
+  zero(dq);
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,

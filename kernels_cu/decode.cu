@@ -1005,10 +1005,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     MmaSoftmax<1> sm;  // the online softmax of this lane's rows g and g + 8
     sm.init(0);
     float acc[DF][4];
-#pragma unroll
-    for (int df = 0; df < DF; ++df)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[df][e] = 0.f;
+    tc::zero(acc);
 
     // Stage n of the item: its first key `key` (keys >= k1 are zero-filled).
     int n = 0, key = blo;

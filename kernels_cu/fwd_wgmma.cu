@@ -244,10 +244,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   MmaSoftmax<1> sm;
   sm.init(0);
   float o[DF][4];
-#pragma unroll
-  for (int df = 0; df < DF; ++df)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[df][e] = 0.f;
+  zero(o);
   // With a mask or bias the modifier forms the logits in log2 units; otherwise the scale folds
   // into the exponent's FFMA.
   const float sl2 = HAS_MB ? 1.f : scale * LOG2E;

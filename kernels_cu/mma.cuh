@@ -77,6 +77,15 @@ TC_MMA(half_t, "f16")
 TC_MMA(bf16_t, "bf16")
 #undef TC_MMA
 
+// Every entry of an array of accumulator fragments set to 0 (before its first product).
+template <int N>
+__device__ __forceinline__ void zero(float (&a)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[j][e] = 0.f;
+}
+
 // Two 16x8 float accumulator fragments (n-fragments 2 kk and 2 kk + 1 of one product) as the
 // 16x16 16-bit A fragment of k-step kk of the next product: P (or dS) stays in registers.
 template <typename T>

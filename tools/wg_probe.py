@@ -85,8 +85,8 @@ for dk, dv, N, causal in cases:
     p = _validate.make_problem(q, k, v, causal=causal)
     row = [f"D={dk}/{dv} N={N:5d} {'causal' if causal else 'full  '} {_gpu.forward_path(p)}"]
     dims = W.padded(p)
-    for name, tile in (VARIANTS.get(dims) or {"def": default[dims]}).items():
-        W.TILES[dims] = tile
+    for name, tile in (VARIANTS.get(dims) or {"def": default[(dims, False)]}).items():
+        W.TILES[(dims, False)] = tile
         ms = bench(lambda: cuflash.attention(q, k, v, causal=causal))
         row.append(f"{name} {tflops(B,H,N,dk,causal,ms):6.1f}")
     W.TILES.update(default)
