@@ -33,6 +33,23 @@ def git_commit():
     return commit.stdout.strip(), bool(dirty.stdout.strip())
 
 
+def source_fingerprint():
+    """SHA-256 of the package and kernel sources (cuflash/*.py, kernels_cu/*, by relative path):
+    names the code that ran where the checkout's .git is missing or stale (the device machine's
+    copy); compare with the same hash of `git archive <rev> cuflash kernels_cu`."""
+    import hashlib
+    h = hashlib.sha256()
+    for folder in ("cuflash", "kernels_cu"):
+        root = os.path.join(REPO_ROOT, folder)
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not name.endswith(".pyc"):
+                h.update(f"{folder}/{name}\0".encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
 def package_version(name):
     try:
         return importlib.metadata.version(name)
@@ -46,7 +63,7 @@ def collect_meta(cp, cf, torch, args, bf16_dlpack):
     commit, dirty = git_commit()
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit, "git_dirty": dirty,
+        "git_commit": commit, "git_dirty": dirty, "source_sha256": source_fingerprint(),
         "gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
         "compute_capability": dev.compute_capability,
         "sm_count": props.get("multiProcessorCount"),
