@@ -3,8 +3,8 @@ cuTensorMapEncodeTiled through ctypes (libcuda ships with every CUDA driver; no 
 
 A map is 128 opaque bytes, passed to a kernel by value as a NumPy scalar of MAP_DTYPE (CuPy hands
 each argument to the driver by pointer, and the driver lays it out as the kernel declares it).
-Maps are memoized by (data type, address, dims, strides, box): the host work of a call repeats
-with its buffers and layout, and encoding costs microseconds.
+The caller memoizes the maps it makes (cuflash/_wgmma_fwd.py: one Launch per inputs' addresses
+and layouts): encoding costs microseconds.
 """
 import ctypes
 import functools
@@ -32,7 +32,6 @@ def _encode():
     return fn
 
 
-@functools.lru_cache(maxsize=1024)
 def tiled_map(dtype_name, ptr, dims, byte_strides, box, swizzle=SWIZZLE_128B):
     """The tensor map (a NumPy scalar of MAP_DTYPE) of a tensor at device address `ptr`: `dims`
     innermost first (the innermost one contiguous), `byte_strides` of the others, `box` the

@@ -104,6 +104,12 @@ __device__ __forceinline__ ColRange visible_columns(int i, int j0, int Nq, const
   return r;
 }
 
+// Whether query i sees no key by position (padding rows i >= Nq included); | rather than ||: no
+// branch.
+__device__ __forceinline__ bool row_empty(int i, int Nq, const Bounds32& b) {
+  return (i >= Nq) | (max(i + b.dlo, 0) > min(i + b.dhi, b.L_last));
+}
+
 // Row h of an m-fragment's scores, key column c = 8 nf + 2 t + e of the tile starting at key j0
 // (t = lane % 4): entries outside [c_lo, c_hi] become -inf, the others go through the modifier
 // (query i).

@@ -120,8 +120,7 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
     for (int p = 0; p < NQF / 2; ++p) {
       u32 b[4];
       ldsm_x4(tile_addr<SWZ>(b_row, p * 16 * ROW_BYTES, kk * 32), b);
-      Mma<T>::run(acc[2 * p], a, b[0], b[1]);
-      Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
+      Mma<T>::run2(acc[2 * p], acc[2 * p + 1], a, b);
     }
   }
 }
@@ -172,6 +171,38 @@ __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD,
     const int c = tid - BLOCK_M / 4;
     cp_async16(sD + slot * BLOCK_M * 4 + c * 16, dh + i0 + c * 4, 16);
   }
+}
+// One dK/dV block's view of its head: the window and its 32-bit bounds, the query tiles that
+// can see the keys [j0, j0 + BLOCK_N) by position (m_first and the n_mt after it), and the head's
+// inputs (dO, lse2, delta per output row; q, k, v through the offset table).
+template <typename T>
+struct KeyBlock {
+  Window w;
+  Bounds32 pr;
+  int m_first, n_mt;
+  const T *q, *k, *v, *dout;
+  const float *lse2, *delta;
+};
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, typename T>
+__device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* q, const T* k,
+                                                 const T* v, const T* dout, const float* lse2,
+                                                 const float* delta, const long long* offsets,
+                                                 const long long* kv_lens, int BH, int Nq, int Nk,
+                                                 int left, int right, int bottom_right,
+                                                 int Nq_pad) {
+  KeyBlock<T> b;
+  b.w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
+  b.pr = make_bounds32(b.w);
+  const KeyRange qr = tile_query_range(b.w, j0, j0 + BLOCK_N - 1, Nq);
+  b.m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
+  b.n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - b.m_first + 1 : 0;
+  b.q = q + offsets[0 * BH + bh];
+  b.k = k + offsets[1 * BH + bh];
+  b.v = v + offsets[2 * BH + bh];
+  b.dout = dout + bh * Nq * HEAD_DIM;
+  b.lse2 = lse2 + bh * Nq_pad;
+  b.delta = delta + bh * Nq_pad;
+  return b;
 }
 }  // namespace tcb
 
@@ -287,20 +318,11 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // fragment coordinates: row g (+8), columns 2t, 2t+1
 
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  const Window w = make_window(Nq, L, left, right, bottom_right);
-  const Bounds32 pr = make_bounds32(w);
-  const KeyRange qr = tile_query_range(w, j0, j0 + BLOCK_N - 1, Nq);
-  const int m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
-  const int n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - m_first + 1 : 0;
-
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
-  const T* doh = dout + bh * Nq * HEAD_DIM;
-  const float* l2h = lse2 + bh * Nq_pad;
-  const float* dh = delta + bh * Nq_pad;
+  const tcb::KeyBlock<T> kb = tcb::key_block<HEAD_DIM, BLOCK_M, BLOCK_N>(
+      bh, j0, q, k, v, dout, lse2, delta, offsets, kv_lens, BH, Nq, Nk, left, right,
+      bottom_right, Nq_pad);
+  const Window& w = kb.w;
+  const Bounds32& pr = kb.pr;
 
   // Shared layout (mirrored by _mma_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
   // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
@@ -332,15 +354,15 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   // One query tile into ring slot `slot` (tcb::copy_query_tile).
   auto load_query_tile = [&](int slot, int i0) {
-    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sQ, sdO, sL, sD, slot, qh, q_rs, doh,
-                                                             l2h, dh, i0, Nq);
+    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sQ, sdO, sL, sD, slot, kb.q, q_rs,
+                                                             kb.dout, kb.lse2, kb.delta, i0, Nq);
   };
 
   // Prologue: K, V (zeros from key L on) with the first query tile, one commit group.
-  if (n_mt > 0) {
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sK, kh, k_rs, j0, static_cast<int>(L));
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sV, vh, v_rs, j0, static_cast<int>(L));
-    load_query_tile(0, m_first * BLOCK_M);
+  if (kb.n_mt > 0) {
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sK, kb.k, k_rs, j0, static_cast<int>(w.L));
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sV, kb.v, v_rs, j0, static_cast<int>(w.L));
+    load_query_tile(0, kb.m_first * BLOCK_M);
   }
   cp_async_commit();
 
@@ -359,13 +381,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   u32 ka[KV_IN_REGS ? KD : 1][4], va[KV_IN_REGS ? KD : 1][4];
 
-  for (int it = 0; it < n_mt; ++it) {
-    const int i0 = (m_first + it) * BLOCK_M;
+  for (int it = 0; it < kb.n_mt; ++it) {
+    const int i0 = (kb.m_first + it) * BLOCK_M;
     const int slot = it & 1;
     cp_async_wait<0>();
     if (WG) wg::fence_shared();  // the copies are read by wgmma (the async proxy)
     __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot and dS^T)
-    if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
+    if (it + 1 < kb.n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
 
     if (KV_IN_REGS && it == 0) {
@@ -429,8 +451,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
         ldsm_x4_t(tile_addr<SWZ>(dos + bt_lane, kk * 16 * LROW, p * 32), b);
-        Mma<T>::run(dv[2 * p], pa, b[0], b[1]);
-        Mma<T>::run(dv[2 * p + 1], pa, b[2], b[3]);
+        Mma<T>::run2(dv[2 * p], dv[2 * p + 1], pa, b);
       }
     }
 
@@ -503,8 +524,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         for (int p = 0; p < QF / 2; ++p) {
           u32 b[4];
           ldsm_x4_t(tile_addr<SWZ, KBLK>(sK + bt_lane, kk * 16 * LROW, col0 * 2 + p * 32), b);
-          Mma<T>::run(acc[2 * p], a, b[0], b[1]);
-          Mma<T>::run(acc[2 * p + 1], a, b[2], b[3]);
+          Mma<T>::run2(acc[2 * p], acc[2 * p + 1], a, b);
         }
       }
     }
@@ -540,8 +560,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
         ldsm_x4_t(tile_addr<SWZ>(qs + bt_lane, kk * 16 * LROW, p * 32), b);
-        Mma<T>::run(dk[2 * p], da[kk], b[0], b[1]);
-        Mma<T>::run(dk[2 * p + 1], da[kk], b[2], b[3]);
+        Mma<T>::run2(dk[2 * p], dk[2 * p + 1], da[kk], b);
       }
     }
   }
@@ -591,9 +610,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
 
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const Bounds32 pr = make_bounds32(w);
   const KeyRange range = tile_key_range(w, i0, i_last);
   const int n_tiles = range.hi >= range.lo
@@ -646,7 +663,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
                                         BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, L));
+  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
 
   for (int n = 0; n < n_tiles; ++n) {
@@ -680,8 +697,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       for (int p = 0; p < NF / 2; ++p) {
         u32 b[4];
         ldsm_x4(kbuf + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run(s[2 * p], a, b[0], b[1]);
-        Mma<T>::run(s[2 * p + 1], a, b[2], b[3]);
+        Mma<T>::run2(s[2 * p], s[2 * p + 1], a, b);
       }
     }
 #pragma unroll
@@ -692,8 +708,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       for (int p = 0; p < NF / 2; ++p) {
         u32 b[4];
         ldsm_x4(vbuf + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run(dp[2 * p], a, b[0], b[1]);
-        Mma<T>::run(dp[2 * p + 1], a, b[2], b[3]);
+        Mma<T>::run2(dp[2 * p], dp[2 * p + 1], a, b);
       }
     }
 
@@ -721,8 +736,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
         ldsm_x4_t(kbuf + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
-        Mma<T>::run(dq[2 * p], da, b[0], b[1]);
-        Mma<T>::run(dq[2 * p + 1], da, b[2], b[3]);
+        Mma<T>::run2(dq[2 * p], dq[2 * p + 1], da, b);
       }
     }
   }
@@ -778,8 +792,7 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[MF][NF][4], u32 a_base, u32
       ldsm_x4(b_base + p * 16 * B_ROW + kk * 32, b);
 #pragma unroll
       for (int mi = 0; mi < MF; ++mi) {
-        Mma<T>::run(acc[mi][2 * p], a[mi], b[0], b[1]);
-        Mma<T>::run(acc[mi][2 * p + 1], a[mi], b[2], b[3]);
+        Mma<T>::run2(acc[mi][2 * p], acc[mi][2 * p + 1], a[mi], b);
       }
     }
   }
@@ -812,8 +825,7 @@ __device__ __forceinline__ void gemm_nn(float (&acc)[MF][NF][4], u32 a_base, u32
       ldsm_x4_t(b_base + kk * 16 * B_ROW + p * 32, b);
 #pragma unroll
       for (int mi = 0; mi < MF; ++mi) {
-        Mma<T>::run(acc[mi][2 * p], a[mi], b[0], b[1]);
-        Mma<T>::run(acc[mi][2 * p + 1], a[mi], b[2], b[3]);
+        Mma<T>::run2(acc[mi][2 * p], acc[mi][2 * p + 1], a[mi], b);
       }
     }
     hook(kk);
@@ -895,20 +907,11 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   const int qq0 = (warp % DQ_WM) * QQ;   // this warp's first query row of dQ
   const int dq0 = (warp / DQ_WM) * QDW;  // this warp's first head dim of dQ
 
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  const Window w = make_window(Nq, L, left, right, bottom_right);
-  const Bounds32 pr = make_bounds32(w);
-  const KeyRange qr = tile_query_range(w, j0, j0 + BLOCK_N - 1, Nq);
-  const int m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
-  const int n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - m_first + 1 : 0;
-
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
-  const T* doh = dout + bh * Nq * HEAD_DIM;
-  const float* l2h = lse2 + bh * Nq_pad;
-  const float* dh = delta + bh * Nq_pad;
+  const tcb::KeyBlock<T> kb = tcb::key_block<HEAD_DIM, BLOCK_M, BLOCK_N>(
+      bh, j0, q, k, v, dout, lse2, delta, offsets, kv_lens, BH, Nq, Nk, left, right,
+      bottom_right, Nq_pad);
+  const Window& w = kb.w;
+  const Bounds32& pr = kb.pr;
 
   // K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows of ROW_BYTES; dS^T, P^T [BLOCK_N] rows of PS_ROW;
   // lse2, delta [2][BLOCK_M] floats.
@@ -936,14 +939,14 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   const u32 ds_lane = (lane % 8 + 8 * (lane / 16)) * PS_ROW + ((lane / 8) % 2) * 16;
 
   auto load_query_tile = [&](int slot, int i0) {
-    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, sdO, sL, sD, slot, qh, q_rs, doh, l2h, dh,
-                                                     i0, Nq);
+    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, sdO, sL, sD, slot, kb.q, q_rs, kb.dout,
+                                                     kb.lse2, kb.delta, i0, Nq);
   };
 
-  if (n_mt > 0) {
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK, kh, k_rs, j0, static_cast<int>(L));
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV, vh, v_rs, j0, static_cast<int>(L));
-    load_query_tile(0, m_first * BLOCK_M);
+  if (kb.n_mt > 0) {
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK, kb.k, k_rs, j0, static_cast<int>(w.L));
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV, kb.v, v_rs, j0, static_cast<int>(w.L));
+    load_query_tile(0, kb.m_first * BLOCK_M);
   }
   cp_async_commit();
 
@@ -955,12 +958,12 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   const float sl2 = scale * LOG2E;
   const int jw0 = j0 + kr0;  // this warp's first key (phases 1, 2)
 
-  for (int it = 0; it < n_mt; ++it) {
-    const int i0 = (m_first + it) * BLOCK_M;
+  for (int it = 0; it < kb.n_mt; ++it) {
+    const int i0 = (kb.m_first + it) * BLOCK_M;
     const int slot = it & 1;
     cp_async_wait<0>();
     __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot, P^T, dS^T)
-    if (it + 1 < n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
+    if (it + 1 < kb.n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
     cp_async_commit();
 
     const u32 qs = sQ + slot * QT_BYTES, dos = sdO + slot * QT_BYTES;

@@ -1038,8 +1038,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           for (int p = 0; p < NF / 2; ++p) {
             u32 kb[4];
             ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
-            Mma<T>::run(s[0][2 * p], qa[kk], kb[0], kb[1]);
-            Mma<T>::run(s[0][2 * p + 1], qa[kk], kb[2], kb[3]);
+            Mma<T>::run2(s[0][2 * p], s[0][2 * p + 1], qa[kk], kb);
           }
 
         // Mask by global position unless every row of the tile sees all KW keys.
@@ -1068,8 +1067,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           for (int p = 0; p < DF / 2; ++p) {
             u32 vb[4];
             ldsm_x4_t(vbuf + kk * 16 * ROW_BYTES + p * 32, vb);
-            Mma<T>::run(acc[2 * p], pa, vb[0], vb[1]);
-            Mma<T>::run(acc[2 * p + 1], pa, vb[2], vb[3]);
+            Mma<T>::run2(acc[2 * p], acc[2 * p + 1], pa, vb);
           }
         }
       }

@@ -40,9 +40,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;
 
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const T* qh = q + offsets[0 * BH + bh];
   const T* kh = k + offsets[1 * BH + bh];
   const T* vh = v + offsets[2 * BH + bh];

@@ -70,13 +70,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row g (+8), columns 2t, 2t+1
   const int warp_row0 = warp * MF * 16;
 
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const KeyRange range = tile_key_range(w, i0, i_last);
   // A tile [j0, j0 + BLOCK_N) with lo(i_last) <= j0 and j0 + BLOCK_N - 1 <= hi(i0) is visible to
   // every row of the block (lo, hi are non-decreasing): no per-element test there.
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, L));
+  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
   const Bounds32 b32 = make_bounds32(w);  // the same predicate for the boundary tiles
   const int n_tiles = range.hi >= range.lo
@@ -193,8 +191,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          Mma<T>::run(s[mf][2 * p], qa[mf], kb[0], kb[1]);
-          Mma<T>::run(s[mf][2 * p + 1], qa[mf], kb[2], kb[3]);
+          Mma<T>::run2(s[mf][2 * p], s[mf][2 * p + 1], qa[mf], kb);
         }
       }
     }
@@ -242,8 +239,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
           if (kk == 0) sm.rescale(acc[mf][2 * p], acc[mf][2 * p + 1], mf);  // O *= alpha
-          Mma<T>::run(acc[mf][2 * p], pa[mf], vb[0], vb[1]);
-          Mma<T>::run(acc[mf][2 * p + 1], pa[mf], vb[2], vb[3]);
+          Mma<T>::run2(acc[mf][2 * p], acc[mf][2 * p + 1], pa[mf], vb);
         }
       }
     }
@@ -267,8 +263,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       const float l_row = sm.row_sum(mf, h);
       const int r = warp_row0 + mf * 16 + g + 8 * h;
       const int i = i0 + r;
-      const bool empty =  // by position (| rather than ||: no branch)
-          (i >= Nq) | (max(i + b32.dlo, 0) > min(i + b32.dhi, b32.L_last));
+      const bool empty = row_empty(i, Nq, b32);  // by position
       const float inv_l = sm.out_scale(l_row, empty);
       // HAS_MB: l = 0 may be an all-masked row, and l = 0, NaN or inf a bias that overflowed in
       // log2 units (|bias| > FLT_MAX / log2e); else a max beyond the folded FFMA's accuracy

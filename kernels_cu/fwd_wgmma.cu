@@ -146,9 +146,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
   const int b = static_cast<int>(bh / H), h = static_cast<int>(bh % H);
 
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  const Window w = make_window(Nq, L, left, right, bottom_right);
+  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const KeyRange range = tile_key_range(w, i0, min(i0 + BLOCK_M, Nq) - 1);
   const Bounds32 b32 = make_bounds32(w);
   const int n_tiles = range.hi >= range.lo
@@ -348,7 +346,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     const float l_row = sm.row_sum(0, hh);
     const int r = row_w + g + 8 * hh;
     const int i = i0 + r;
-    const bool empty = (i >= Nq) | (max(i + b32.dlo, 0) > min(i + b32.dhi, b32.L_last));
+    const bool empty = row_empty(i, Nq, b32);
     const float inv_l = sm.out_scale(l_row, empty);
     refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())  // fwd_mma.cu's rules
                     : !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);

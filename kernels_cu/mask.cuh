@@ -31,6 +31,15 @@ __device__ __forceinline__ Window make_window(int Nq, long long L, int left, int
   return w;
 }
 
+// The window of head bh: its valid keys L = kv_lens[bh] (all Nk without kv_lens), clamped to
+// [0, Nk].
+__device__ __forceinline__ Window head_window(const long long* kv_lens, long long bh, int Nq,
+                                              int Nk, int left, int right, int bottom_right) {
+  long long L = kv_lens ? kv_lens[bh] : Nk;
+  L = L < 0 ? 0 : (L > Nk ? Nk : L);
+  return make_window(Nq, L, left, right, bottom_right);
+}
+
 // Keys visible to query i by position alone (before mask and bias). lo and hi are
 // non-decreasing in i.
 __device__ __forceinline__ KeyRange key_range(const Window& w, long long i) {
@@ -123,9 +132,7 @@ __device__ __forceinline__ HeadInputs<T, Acc> head_inputs(
     const long long* kv_lens, long long mask_rs, long long mask_cs, long long bias_rs,
     long long bias_cs, int BH, int Nq, int Nk, int Dv, int left, int right, int bottom_right) {
   HeadInputs<T, Acc> h;
-  long long L = kv_lens ? kv_lens[bh] : Nk;
-  L = L < 0 ? 0 : (L > Nk ? Nk : L);
-  h.w = make_window(Nq, L, left, right, bottom_right);
+  h.w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   h.q = q + offsets[0 * BH + bh];
   h.k = k + offsets[1 * BH + bh];
   h.v = v + offsets[2 * BH + bh];

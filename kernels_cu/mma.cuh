@@ -67,6 +67,12 @@ template <typename T> struct Mma;
           : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                    \
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                    \
     }                                                                                         \
+    /* two products sharing A: c0 += A (b[0], b[1]), c1 += A (b[2], b[3]) (an x4 B load) */  \
+    static __device__ __forceinline__ void run2(float (&c0)[4], float (&c1)[4],               \
+                                                const u32 (&a)[4], const u32 (&b)[4]) {       \
+      run(c0, a, b[0], b[1]);                                                                 \
+      run(c1, a, b[2], b[3]);                                                                 \
+    }                                                                                         \
     static __device__ __forceinline__ u32 pack(float lo, float hi) {                          \
       u32 r;                                                                                  \
       asm("cvt.rn." TY "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                    \

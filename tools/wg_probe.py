@@ -30,6 +30,18 @@ def bench(fn, iters=10):
 
 import torch
 from torch.nn.attention import sdpa_kernel, SDPBackend
+
+
+def sdpa_rows(row, backends, q, k, v, rate, **kw):
+    """Appends 'name TFLOP/s' per torch SDPA backend (rate: ms -> TFLOP/s); '-' where refused."""
+    for name, be in backends:
+        try:
+            with sdpa_kernel(be):
+                ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw))
+            row.append(f"{name} {rate(ms):6.1f}")
+        except Exception:
+            row.append(f"{name} -")
+
 try:
     from flash_attn.cute import flash_attn_func
 except Exception as ex:
@@ -64,13 +76,8 @@ if mode == "opts":
         with _gpu.override(path="mma"):
             ms = bench(lambda: cuflash.attention(q, k, v, **opts))
         row.append(f"mma {fl / ms / 1e9:6.1f}")
-        for bn, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("eff", SDPBackend.EFFICIENT_ATTENTION)):
-            try:
-                with sdpa_kernel(be):
-                    ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tmask))
-                row.append(f"{bn} {fl / ms / 1e9:6.1f}")
-            except Exception:
-                row.append(f"{bn} err")
+        backends = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("eff", SDPBackend.EFFICIENT_ATTENTION))
+        sdpa_rows(row, backends, tq, tk, tv, lambda ms: fl / ms / 1e9, attn_mask=tmask)
         print("  ".join(row), flush=True)
     raise SystemExit
 if mode == "grid":
@@ -94,13 +101,8 @@ for dk, dv, N, causal in cases:
         ms = bench(lambda: cuflash.attention(q, k, v, causal=causal))
     row.append(f"mma {tflops(B,H,N,dk,causal,ms):6.1f}")
     tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel(be):
-                ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
-            row.append(f"{name} {tflops(B,H,N,dk,causal,ms):6.1f}")
-        except Exception:
-            row.append(f"{name} -")
+    sdpa_rows(row, (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)),
+              tq, tk, tv, lambda ms: tflops(B, H, N, dk, causal, ms), is_causal=causal)
     if flash_attn_func is not None:
         bq, bk, bv = (x.transpose(1, 2).contiguous() for x in (tq, tk, tv))
         try:
