@@ -45,6 +45,12 @@ MB_NONE, MB_GLOBAL, MB_STAGED = 0, 1, 2
 HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
 
 
+# At D = 64 the 192-row tiles lose to fwd_mma's on rows that see few keys under a causal or window
+# bound (mostly diagonal tiles, one block per SM): fwd_mma runs those whose rows see fewer than
+# SHORT_ROW_KEYS keys on average (benchmarks/RESULTS.md, tenth session).
+SHORT_ROW_KEYS = 768
+
+
 def pick_tile(dims, mb):
     return TILES[(dims, mb != MB_NONE)]
 
@@ -136,6 +142,22 @@ def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
     return None if m is None else (m, hdiv, bmul, box_rows)
 
 
+def mean_row_keys(p, samples=17):
+    """The mean number of keys a query row sees by position alone (L = Nk), over `samples` rows
+    spread evenly: the visibility rule of DESIGN.md, lo = max(i + shift - left, 0),
+    hi = min(i + shift + right, Nk - 1)."""
+    shift = p.Nk - p.Nq if p.bottom_right else 0
+    rows = [(p.Nq - 1) * s // (samples - 1) for s in range(samples)]
+    return sum(max(min(i + shift + p.right, p.Nk - 1) - max(i + shift - p.left, 0) + 1, 0)
+               for i in rows) / samples
+
+
+def short_bounded_rows(p, dims):
+    """Whether fwd_mma is the faster forward (SHORT_ROW_KEYS)."""
+    bounded = min(p.left, p.right) < p.Nq + p.Nk
+    return dims == (64, 64) and bounded and mean_row_keys(p) < SHORT_ROW_KEYS
+
+
 def _key_tiles_aligned(p):
     """Whether every key tile of every block starts at a non-negative multiple of 16 keys, which
     the staged mask and bias copies need (their key coordinate is innermost: off 16 bytes the copy
@@ -191,6 +213,8 @@ def takes(p):
     if p.dtype.name not in _config.MMA_DTYPES or not p.scale > 0:
         return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
     if max(p.Nq, p.Nk) > _mma_fwd.MAX_LEN or not _runtime.wgmma_available():
+        return False
+    if short_bounded_rows(p, dims) and _runtime.overrides().path != NAME:
         return False
     launch = _launch(p, dims)
     if launch is None:

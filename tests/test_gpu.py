@@ -405,6 +405,10 @@ def test_fast_path_is_chosen_where_it_applies(rng, override):
     assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "generic"
     p80 = _validate.make_problem(q[..., :80], k[..., :80], v[..., :80])
     assert _gpu.forward_path(p80) == ("wgmma" if hopper else "generic")
+    q64 = q[..., :64]
+    short = _validate.make_problem(q64, q64, q64, causal=True)  # rows see 128 keys on average
+    assert _gpu.forward_path(short) == "mma"
+    assert _gpu.forward_path(_validate.make_problem(q64, q64, q64)) == ("wgmma" if hopper else "mma")
     override(path="mma")
     assert _gpu.forward_path(p) == "mma" and _gpu.forward_path(p80) == "generic"
 

@@ -1,6 +1,6 @@
 """The Hopper forward's host decisions that need no device (cuflash/_wgmma_fwd.py, _tma.py): how
-an input's (batch, head) matrices map onto a 4-D tensor map, and which problems may stage their
-mask and bias tiles."""
+an input's (batch, head) matrices map onto a 4-D tensor map, which problems may stage their mask
+and bias tiles, and which it leaves to fwd_mma."""
 import numpy as np
 import pytest
 
@@ -47,3 +47,31 @@ def test_head_layout_refuses_offsets_no_map_describes(rng):
     k = rng.standard_normal((2, 1, 4, 16, 64)).astype(np.float32)
     p = _validate.make_problem(q, k, k)
     assert _tma.head_layout(p.k, p.k_map, 6, 4) is None
+
+
+@pytest.mark.parametrize("options, Nq, Nk", [
+    ({}, 100, 300), (dict(causal=True), 100, 300), (dict(causal=True, align="top-left"), 300, 100),
+    (dict(window=(17, 5)), 257, 257), (dict(window=(3, None), align="top-left"), 50, 400),
+], ids=str)
+def test_mean_row_keys_counts_the_visible_keys(rng, options, Nq, Nk):
+    """The sampled mean against the dense visibility of the reference (every row sampled)."""
+    from cuflash import reference
+    p = _problem(rng, Nq, Nk, **options)
+    visible = reference._visible((), Nq, Nk, options.get("causal", False),
+                                 options.get("align", "bottom-right"), options.get("window"),
+                                 None, None, None)
+    assert _wgmma_fwd.mean_row_keys(p, samples=Nq) == pytest.approx(visible.sum() / Nq)
+
+
+@pytest.mark.parametrize("D, N, options, short", [
+    (64, 1024, dict(causal=True), True),     # rows see 512 keys on average
+    (64, 2048, dict(causal=True), False),
+    (64, 4096, dict(window=(256, 0)), True),
+    (64, 4096, dict(window=(1024, 0)), False),
+    (64, 512, {}, False),                    # unbounded rows stay on the Hopper kernel
+    (128, 512, dict(causal=True), False),    # so does every other head dim
+], ids=str)
+def test_short_bounded_rows_go_to_fwd_mma(rng, D, N, options, short):
+    q = rng.standard_normal((1, 1, N, D)).astype(np.float32)
+    p = _validate.make_problem(q, q, q, **options)
+    assert _wgmma_fwd.short_bounded_rows(p, _wgmma_fwd.padded(p)) == short
