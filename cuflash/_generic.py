@@ -5,7 +5,7 @@ paths call too.
 Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward, instantiations.
 Callers pass Problems with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones) whose arrays
 satisfy DESIGN.md "Kernel ABI"; nothing is checked again here. Scalars go to the kernels as NumPy
-scalars of the C parameter's type (cuflash._runtime.Args.tail).
+scalars of the C parameter's type, the shared ones in one struct (cuflash._runtime.Args).
 """
 import numpy as np
 
@@ -100,7 +100,7 @@ def forward(p):
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     kern, (bm, _), smem = _prepare("fwd", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
-         (p.q, p.k, p.v, out, lse) + args.tail(p.acc_dtype.type), shared_mem=smem)
+         (p.q, p.k, p.v, out, lse) + args.tail, shared_mem=smem)
     return out, lse
 
 
@@ -126,13 +126,12 @@ def backward(p, dout, out, lse, deterministic=False):
     dq = _runtime.empty((BH, p.Nq, p.Dk), dtype=acc)
     dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
     dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
-    tail = args.tail(acc.type)
     kern, (_, bn), smem = _prepare("bwd_dkdv", p)
     kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + tail, shared_mem=smem)
+         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.tail, shared_mem=smem)
     kern, (bm, _), smem = _prepare("bwd_dq", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + tail, shared_mem=smem)
+         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.tail, shared_mem=smem)
     launch_lost(args, dout, out, lse, dq, dk, dv)
     return dq, dk, dv
 
@@ -146,8 +145,8 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
     per_block = _config.GENERIC_THREADS // 32
     blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
     limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
-    fn((blocks,), (_config.GENERIC_THREADS,), (p.q, p.k, p.v, out, lse) + args.tail(np.float64)
-       + (np.float64(limit), fix, np.int32(block_m)))
+    fn((blocks,), (_config.GENERIC_THREADS,),
+       (p.q, p.k, p.v, out, lse) + args.tail + (np.float64(limit), fix, np.int32(block_m)))
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):
@@ -167,8 +166,7 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):
     if flags is None:
         flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
     lost = _config.lost_lse_limit(lse.dtype)
-    common = (p.q, p.k, p.v, dout, out, lse) + args.tail(np.float64) + (np.float64(lost), stats,
-                                                                          flags)
+    common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (np.float64(lost), stats, flags)
     threads = (_config.GENERIC_THREADS,)
     warps = _config.GENERIC_THREADS // 32
     cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp

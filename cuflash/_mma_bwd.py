@@ -241,7 +241,7 @@ def backward(p, dout, out, lse, deterministic=False):
     out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
     kv_dtype = p.dtype if out16 else np.float32
     Nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
-    tail = args.tail(np.float32) + (np.int32(Nq_pad),)
+    tail = args.tail + (np.int32(Nq_pad),)
     dout = _contiguous16(dout, (BH, Nq, D))
     out = _contiguous16(out, (BH, Nq, D))
     lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)

@@ -132,7 +132,7 @@ def forward(p):
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_mma
     kern((blocks,), (tile.warps * 32,),
-         (p.q, p.k, p.v, out, lse) + args.tail(np.float32) + (fix,), shared_mem=smem)
+         (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.

@@ -7,8 +7,9 @@
 * the device facts the kernel choices read (`device_info`, `nvrtc_version`), cached per device;
 * output allocation, NaN-poisoned under the tests' override (`empty`), and the device copies of
   small host tables, cached by content (`on_device`);
-* the kernel argument pack: the offset table and the 20 parameters every main kernel takes after
-  its own tensors (`Args`), and the grid and shared-memory helpers (`bh_grid`, `opt_in`);
+* the kernel argument pack: the offset table and what every main kernel takes after its own
+  tensors, four input pointers and the AttnArgs struct (`Args`, `ARGS_FIELDS`), and the grid and
+  shared-memory helpers (`bh_grid`, `opt_in`);
 * the test switches (`overrides`; cuflash._gpu.override sets them).
 
 CuPy is imported lazily: this module imports on machines without CuPy. Launches go to the current
@@ -265,25 +266,34 @@ def offset_table(p):
     return table, tuple(strides)
 
 
+# The kernels' AttnArgs (kernels_cu/args.cuh), field by field in its order and C types: the
+# strides (int64), the sizes (int32), the scale (double), the window (int32).
+ARGS_FIELDS = (tuple((f"{x}_{s}", "<i8") for x, s in (("q", "rs"), ("k", "rs"), ("v", "rs"),
+                                                    ("mask", "rs"), ("mask", "cs"),
+                                                    ("bias", "rs"), ("bias", "cs")))
+               + tuple((x, "<i4") for x in ("BH", "Nq", "Nk", "Dk", "Dv"))
+               + (("scale", "<f8"),)
+               + tuple((x, "<i4") for x in ("left", "right", "bottom_right")))
+ARGS_DTYPE = np.dtype(list(ARGS_FIELDS), align=True)  # C's layout: fields on natural alignment
+
+
 class Args:
-    """The arguments shared by the main kernels of one Problem, their offset table on the device."""
+    """The arguments shared by the main kernels of one Problem. `tail`: what every main kernel
+    takes after its own tensors (kernels_cu/args.cuh): offsets, mask, bias, kv_lens (null where
+    absent), then AttnArgs as a NumPy structured scalar (passed by value)."""
 
     def __init__(self, p):
         self.p = p
         table, self.strides = offset_table(p)
         self.offsets = on_device(table)
         self.kv_lens = None if p.kv_lens is None else on_device(p.kv_lens.reshape(p.BH))
-
-    def tail(self, scale_type):
-        """The 20 parameters every main kernel takes after its own tensors, in the C order and C
-        types (CuPy turns a Python float into a C double and checks nothing): offsets, mask, bias,
-        kv_lens (null where absent), the 7 strides (int64), BH, Nq, Nk, Dk, Dv (int32), scale as
-        `scale_type`, left, right, bottom_right (int32)."""
-        p, i32 = self.p, np.int32
-        return ((self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens))
-                + tuple(np.int64(s) for s in self.strides)
-                + (i32(p.BH), i32(p.Nq), i32(p.Nk), i32(p.Dk), i32(p.Dv), scale_type(p.scale),
-                   i32(p.left), i32(p.right), i32(bool(p.bottom_right))))
+        a = np.zeros((), dtype=ARGS_DTYPE)
+        for (name, _), s in zip(ARGS_FIELDS, self.strides):
+            a[name] = s
+        for name in ("BH", "Nq", "Nk", "Dk", "Dv", "scale", "left", "right"):
+            a[name] = getattr(p, name)
+        a["bottom_right"] = bool(p.bottom_right)
+        self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a[()])
 
 
 def ptr(a):

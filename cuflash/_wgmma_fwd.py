@@ -245,13 +245,8 @@ def forward(p):
     _, H = _grid_shape(p)
     i32 = np.int32
     kern((blocks,), ((tile.consumers + 1) * 128,),
-         launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix, i32(H),
-                        i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
-                        i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
-                        i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
-                        _runtime.ptr(p.bias), i32(p.BH))
-         + tuple(np.int64(x) for x in args.strides[3:]),
-         shared_mem=smem)
+         launch.maps + (launch.heads, out, lse, fix, i32(H), i32(launch.mask_rows),
+                        i32(launch.bias_rows)) + args.tail, shared_mem=smem)
     has_mb = launch.mb != MB_NONE
     # as after fwd_mma: with a mask or bias, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, block_m(tile), np.inf if has_mb else None)

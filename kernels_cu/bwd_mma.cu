@@ -264,14 +264,10 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse2,
              const float* __restrict__ delta, float* __restrict__ dq_acc,
-             float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-             const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-             const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-             long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-             long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-             int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-             int out16) {
+             float* __restrict__ dk_acc, float* __restrict__ dv_acc, ATTN_INPUTS(float),
+             const AttnArgs a, int Nq_pad, int out16) {
   using namespace tc;
+  ATTN_ARGS_LOCALS(a, float);
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * NWARPS;  // keys per block, 16 per warp
   constexpr int NQF = BLOCK_M / 8;      // n-fragments of S^T / dP^T (queries)
@@ -583,13 +579,10 @@ template <typename T, int HEAD_DIM, int BLOCK_N, int NWARPS, int STAGES, bool HA
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
            const T* __restrict__ dout, const float* __restrict__ lse2,
-           const float* __restrict__ delta, float* __restrict__ dq_acc,
-           const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-           const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-           long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-           long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-           int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad) {
+           const float* __restrict__ delta, float* __restrict__ dq_acc, ATTN_INPUTS(float),
+           const AttnArgs a, int Nq_pad) {
   using namespace tc;
+  ATTN_ARGS_LOCALS(a, float);
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_M = 16 * NWARPS;
   constexpr int NF = BLOCK_N / 8;   // n-fragments of S / dP (keys)
@@ -861,14 +854,10 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS)
 bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse2,
                   const float* __restrict__ delta, float* __restrict__ dq_acc,
-                  float* __restrict__ dk_acc, float* __restrict__ dv_acc,
-                  const long long* __restrict__ offsets, const unsigned char* __restrict__ mask,
-                  const float* __restrict__ bias, const long long* __restrict__ kv_lens,
-                  long long q_rs, long long k_rs, long long v_rs, long long mask_rs,
-                  long long mask_cs, long long bias_rs, long long bias_cs, int BH, int Nq, int Nk,
-                  int Dk, int Dv, float scale, int left, int right, int bottom_right, int Nq_pad,
-                  int out16) {
+                  float* __restrict__ dk_acc, float* __restrict__ dv_acc, ATTN_INPUTS(float),
+                  const AttnArgs a, int Nq_pad, int out16) {
   using namespace tc;
+  ATTN_ARGS_LOCALS(a, float);
   constexpr int THREADS = 256;
   constexpr int BLOCK_N = 128;
   constexpr int WN = 32;                // keys per warp (phases 1 and 2)

@@ -42,13 +42,10 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int ST
           bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-        T* __restrict__ out, float* __restrict__ lse, const long long* __restrict__ offsets,
-        const unsigned char* __restrict__ mask, const float* __restrict__ bias,
-        const long long* __restrict__ kv_lens, long long q_rs, long long k_rs, long long v_rs,
-        long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
-        int Nq, int Nk, int Dk, int Dv, float scale, int left, int right, int bottom_right,
+        T* __restrict__ out, float* __restrict__ lse, ATTN_INPUTS(float), const AttnArgs a,
         int* __restrict__ fix) {
   using namespace tc;
+  ATTN_ARGS_LOCALS(a, float);
   constexpr int THREADS = NWARPS * 32;
   constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp
   constexpr int NF = BLOCK_N / 8;              // score n-fragments (keys)

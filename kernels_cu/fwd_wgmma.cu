@@ -115,12 +115,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
           const __grid_constant__ TmaMap tb, const InputHeads heads, T* __restrict__ out,
-          float* __restrict__ lse, const long long* __restrict__ kv_lens, int* __restrict__ fix,
-          int H, int Nq, int Nk, int Dv, float scale, int left, int right, int bottom_right,
-          int mask_box_rows, int bias_box_rows, const long long* __restrict__ offsets,
-          const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
-          long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs) {
+          float* __restrict__ lse, int* __restrict__ fix, int H, int mask_box_rows,
+          int bias_box_rows, ATTN_INPUTS(float), const AttnArgs a) {
   using namespace tc;
+  ATTN_ARGS_LOCALS(a, float);
   constexpr int BLOCK_M = 64 * CONSUMERS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
   constexpr int DF = DV / 8;        // output n-fragments per warp

@@ -109,17 +109,12 @@ struct LostHead : HeadInputs<T, Acc> {
   }
 };
 
-// The argument tail of every lost-row kernel, in the host's order (_runtime.Args.tail).
-#define LOST_TAIL_PARAMS                                                                       \
-  const long long *__restrict__ offsets, const unsigned char *__restrict__ mask,               \
-      const Acc *__restrict__ bias, const long long *__restrict__ kv_lens, long long q_rs,     \
-      long long k_rs, long long v_rs, long long mask_rs, long long mask_cs, long long bias_rs, \
-      long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, double scale, int left,       \
-      int right, int bottom_right, double lost
+// The parameters of both backward lost-row kernels before their own outputs.
 #define LOST_PARAMS                                                                            \
   const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                   \
       const T *__restrict__ dout, const T *__restrict__ out, const Acc *__restrict__ lse,      \
-      LOST_TAIL_PARAMS, double *__restrict__ stats, int *__restrict__ flags
+      ATTN_INPUTS(Acc), const AttnArgs a, double lost, double *__restrict__ stats,              \
+      int *__restrict__ flags
 // The LostHead of (batch, head) bh from those arguments (no lost-row kernel reads a delta).
 #define LOST_HEAD(dout)                                                                        \
   LostHead<T, Acc>{head_inputs<T, Acc>(bh, q, k, v, dout, lse, nullptr, offsets, mask, bias,   \
@@ -161,6 +156,7 @@ __device__ __forceinline__ void for_each_row(unsigned bits, long long row0, F&& 
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
+  ATTN_ARGS_LOCALS(a, double);
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
   const long long n_items = static_cast<long long>(BH) * ((Nq + LOST_SEG - 1) / LOST_SEG);
   const int lane = threadIdx.x % 32;
@@ -234,6 +230,7 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
 template <typename T, typename Acc, typename DK>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
+  ATTN_ARGS_LOCALS(a, double);
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
   const int lane = threadIdx.x % 32;
@@ -297,8 +294,9 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-              T* __restrict__ out, Acc* __restrict__ lse, LOST_TAIL_PARAMS,
-              const int* __restrict__ fix, int block_m) {
+              T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs a,
+              double lost, const int* __restrict__ fix, int block_m) {
+  ATTN_ARGS_LOCALS(a, double);
   const int n_mtiles = (Nq + block_m - 1) / block_m;
   const long long n_blocks = static_cast<long long>(BH) * n_mtiles;
   const long long warps = static_cast<long long>(gridDim.x) * LOST_WARPS;

@@ -9,6 +9,7 @@
 // (right <= 0). Positions are int64: p + right can exceed int32 for long sequences.
 #pragma once
 #include "common.cuh"
+#include "args.cuh"
 
 struct KeyRange {
   long long lo, hi;  // inclusive; empty when lo > hi

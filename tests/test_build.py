@@ -82,3 +82,21 @@ def test_decode_tc_fits_sm80():
 def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
     """Tiles that exceed sm_80's 163 KiB are only taken where the device allows (_mma_fwd.takes)."""
     assert _mma_fwd.smem_bytes(head_dim, has_mb) <= 227 * 1024
+
+
+def test_kernel_args_struct_matches_its_host_mirror():
+    """kernels_cu/args.cuh AttnArgs and cuflash._runtime.ARGS_FIELDS: the same fields in the same
+    order with the same C types (NumPy's aligned layout is then C's)."""
+    import re
+    src = (_runtime.kernels_dir() / "args.cuh").read_text()
+    body = re.search(r"struct AttnArgs \{(.*?)\};", src, re.S).group(1)
+    c_types = {"const long long*": "<u8", "const unsigned char*": "<u8", "const void*": "<u8",
+               "long long": "<i8", "int": "<i4", "double": "<f8"}
+    fields = []
+    for decl in re.sub(r"//[^\n]*", "", body).split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        ctype = next(t for t in sorted(c_types, key=len, reverse=True) if decl.startswith(t + " "))
+        fields += [(name.strip(), c_types[ctype]) for name in decl[len(ctype):].split(",")]
+    assert fields == list(_runtime.ARGS_FIELDS)

@@ -1,0 +1,30 @@
+// args.cuh: the parameters every attention kernel takes after its own tensors: the per-head input
+// tables as __restrict__ pointers (ATTN_INPUTS), then one struct of scalars passed by value
+// (AttnArgs). The pointers stay separate parameters because ptxas gives loads through a pointer
+// read from a struct parameter no read-only (ld.global.nc) path, __restrict__ or not. The host
+// mirror of AttnArgs is cuflash/_runtime.py ARGS_FIELDS (a NumPy structured scalar with the same
+// fields, order and C types; tests/test_build.py holds the two in step).
+#pragma once
+
+// offsets (5, BH): element offsets of each (batch, head) in q, k, v, mask, bias; mask, bias (of
+// type Bias) and kv_lens (BH) are null where absent.
+#define ATTN_INPUTS(Bias)                                                                      \
+  const long long *__restrict__ offsets, const unsigned char *__restrict__ mask,               \
+      const Bias *__restrict__ bias, const long long *__restrict__ kv_lens
+
+struct AttnArgs {
+  long long q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs;  // strides, in elements
+  int BH, Nq, Nk, Dk, Dv;
+  double scale;  // rounded to the kernel's arithmetic type by ATTN_ARGS_LOCALS
+  int left, right, bottom_right;  // the window (cuflash/_validate.py) and the alignment
+};
+
+// The fields as the const locals a kernel body reads (the names the positional parameters had),
+// the scale rounded to `Scale` as the host rounded it when it passed a scalar of that type.
+#define ATTN_ARGS_LOCALS(a, Scale)                                                             \
+  const long long q_rs = (a).q_rs, k_rs = (a).k_rs, v_rs = (a).v_rs;                         \
+  const long long mask_rs = (a).mask_rs, mask_cs = (a).mask_cs;                              \
+  const long long bias_rs = (a).bias_rs, bias_cs = (a).bias_cs;                              \
+  const int BH = (a).BH, Nq = (a).Nq, Nk = (a).Nk, Dk = (a).Dk, Dv = (a).Dv;                 \
+  const Scale scale = static_cast<Scale>((a).scale);                                         \
+  const int left = (a).left, right = (a).right, bottom_right = (a).bottom_right
