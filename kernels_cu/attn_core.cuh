@@ -38,6 +38,14 @@ struct NoMod {
   static constexpr bool READS_INPUTS = false;
   __device__ __forceinline__ float operator()(float x, int, long long) const { return x; }
 };
+// The raw score to log2 units, for a tile of a masked kernel that its mask shows entirely.
+struct ScaleMod {
+  static constexpr bool READS_INPUTS = false;
+  float scale_log2;
+  __device__ __forceinline__ float operator()(float x, int, long long) const {
+    return x * scale_log2;
+  }
+};
 // A boolean mask and / or an additive bias, offset to this (batch, head): the raw score x is
 // scaled to log2 units here (the kernels fold the scale into exp2 only without a modifier). A -inf
 // bias gives x = -inf (no mass), a NaN bias NaN; one below -FLT_MAX / log2e overflows to -inf (the

@@ -61,6 +61,57 @@ __device__ __forceinline__ void pv_product(float (&o)[DV / 8][4], const tc::u32 
 
 constexpr int MB_NONE = 0, MB_GLOBAL = 1, MB_STAGED = 2;
 
+// What a staged mask shows of a tile (mask_tile_classes): no key, every key, or some.
+constexpr unsigned char TILE_HIDDEN = 0, TILE_VISIBLE = 1, TILE_MIXED = 2;
+
+// The classes of one call's mask, by the main kernel's tiles: per mask matrix (batch
+// b * bmul, head h / hdiv of InputHeads; `heads` of them per batch), query tile of BLOCK_M rows
+// (`qtiles` of them; 1 for a mask that is the same for every query row) and key chunk
+// [c BLOCK_N, (c + 1) BLOCK_N) (`chunks` of them). Null: no classes (every tile TILE_MIXED).
+struct TileClasses {
+  const unsigned char* cls;
+  int qtiles, heads, chunks;
+};
+
+// One class per block: the mask bytes of its chunk of rows [qt BLOCK_M, +BLOCK_M) (of `rows`)
+// and keys [c BLOCK_N, +BLOCK_N) (of Nk) of mask matrix z (batch z / heads, head z % heads), read
+// 16 bytes at a time (a staged mask's base and strides are 16-byte aligned), the keys of a last
+// group short of 16 one by one. Run before fwd_wgmma on every call: the mask may change in place.
+template <int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(128)
+mask_tile_classes(const unsigned char* __restrict__ mask, long long rs, long long sh,
+                  long long sb, int rows, int Nk, int heads, unsigned char* __restrict__ cls) {
+  constexpr int GROUPS = BLOCK_N / 16;  // 16-byte groups of a chunk row
+  const int c0 = blockIdx.x * BLOCK_N, r0 = blockIdx.y * BLOCK_M;
+  const int n_rows = min(BLOCK_M, rows - r0), n_keys = min(BLOCK_N, Nk - c0);
+  const unsigned char* m = mask + (blockIdx.z / heads) * sb + (blockIdx.z % heads) * sh +
+                           r0 * rs + c0;
+  bool any = false, all = true;
+  for (int idx = threadIdx.x; idx < n_rows * GROUPS; idx += 128) {
+    const int r = idx / GROUPS, c = 16 * (idx % GROUPS);
+    if (c + 16 <= n_keys) {
+      const uint4 w = *reinterpret_cast<const uint4*>(m + r * rs + c);
+      const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        any |= words[e] != 0u;
+        all &= __vcmpeq4(words[e], 0u) == 0u;  // no zero byte among the 4 keys
+      }
+    } else {
+      for (int j = c; j < n_keys; ++j) {
+        const bool shown = m[r * rs + j] != 0;
+        any |= shown;
+        all &= shown;
+      }
+    }
+  }
+  any = __syncthreads_or(any);
+  all = __syncthreads_and(all);
+  if (threadIdx.x == 0)
+    cls[(static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] =
+        !any ? TILE_HIDDEN : all ? TILE_VISIBLE : TILE_MIXED;
+}
+
 // How each input's matrix of output (batch b, head h) is found in its tensor map: head h / hdiv,
 // batch b * bmul (0 where the input is broadcast); inputs q, k, v, mask, bias.
 struct InputHeads {
@@ -116,7 +167,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
           const __grid_constant__ TmaMap tb, const InputHeads heads, T* __restrict__ out,
           float* __restrict__ lse, int* __restrict__ fix, int H, int mask_box_rows,
-          int bias_box_rows, ATTN_INPUTS(float), const AttnArgs a) {
+          int bias_box_rows, const TileClasses classes, ATTN_INPUTS(float), const AttnArgs a) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr int BLOCK_M = 64 * CONSUMERS;
@@ -155,6 +206,25 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // First key of the it-th tile visited (tile n_tiles - 1 - it).
   auto tile_start = [&](int it) {
     return it == 0 ? j_limit - BLOCK_N : j_first + (n_tiles - 1 - it) * BLOCK_N;
+  };
+  // What the staged mask shows of the it-th tile (TileClasses; the tile spans at most two
+  // chunks): producer and consumers skip the TILE_HIDDEN ones alike.
+  const unsigned char* cls_row =
+      MB == MB_STAGED && classes.cls != nullptr
+          ? classes.cls + ((static_cast<long long>(b * heads.bmul[3]) * classes.heads +
+                            h / heads.hdiv[3]) * classes.qtiles +
+                           (classes.qtiles > 1 ? i0 / BLOCK_M : 0)) * classes.chunks
+          : nullptr;
+  auto tile_class = [&](int it) -> int {
+    if (MB != MB_STAGED || cls_row == nullptr) return TILE_MIXED;
+    const int j0 = tile_start(it);
+    const int first = cls_row[j0 / BLOCK_N], last = cls_row[(j0 + BLOCK_N - 1) / BLOCK_N];
+    return first == last ? first : TILE_MIXED;
+  };
+  auto next_tile = [&](int it) {  // the first tile at or after `it` that is not skipped
+    if (MB == MB_STAGED)
+      while (it < n_tiles && tile_class(it) == TILE_HIDDEN) ++it;
+    return it;
   };
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -201,9 +271,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
 #pragma unroll
       for (int cb = 0; cb < NCK; ++cb)
         tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, head(0), batch(0), q_full);
-      for (int it = 0; it < n_tiles; ++it) {
-        const int slot = it % STAGES;
-        const u32 parity = ((it / STAGES) & 1) ^ 1;  // the slot's previous use
+      for (int it = next_tile(0), k = 0; it < n_tiles; it = next_tile(it + 1), ++k) {
+        const int slot = k % STAGES;  // k: tiles issued before this one
+        const u32 parity = ((k / STAGES) & 1) ^ 1;  // the slot's previous use
         const int j0 = tile_start(it);
         tma::wait(k_empty(slot), parity);
         tma::arrive_expect_tx(k_full(slot), K_BYTES + mb_bytes);
@@ -251,13 +321,26 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   float s[1][NF][4];
   u32 p[KN][4];
 
-  // Mask by global position where the tile is not entirely visible to the warpgroup's rows.
-  auto mask_tile = [&](int it) {
+  // Mask by global position where the tile is not entirely visible to the warpgroup's rows. A
+  // staged tile its mask shows entirely (and no bias) is only scaled to log2 units.
+  auto mask_tile = [&](int it, int slot) {
     const int j0 = tile_start(it), floor = it == 0 ? key_floor : 0;
-    if (HAS_MB || j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
+    const bool by_position = j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N);
+    if (HAS_MB || by_position) {
       const int i = i0 + row_w + g;
       if constexpr (MB == MB_STAGED) {
-        const int slot = it % STAGES;
+        if (tile_class(it) == TILE_VISIBLE && bias_box_rows == 0) {
+          const ScaleMod to_log2{scale * LOG2E};
+          if (by_position) {
+            mask_rows(s[0], i, j0, t, Nq, b32, to_log2, floor);
+          } else {
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) s[0][nf][e] = to_log2(s[0][nf][e], 0, 0);
+          }
+          return;
+        }
         const StagedMaskBias<BLOCK_M, BLOCK_N> st{
             sM + slot * M_BYTES, sB + slot * B_BYTES, mask_box_rows != 0, bias_box_rows != 0,
             mask_box_rows == 1 ? 0 : 1, bias_box_rows == 1 ? 0 : 1, scale * LOG2E};
@@ -270,26 +353,30 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     }
   };
   // K's slot is free once S = Q K^T is done, or with staged tiles once they are read too.
-  auto release_k = [&](int it, bool after_mask) {
-    if (after_mask == (MB == MB_STAGED)) tma::arrive(k_empty(it % STAGES));
+  auto release_k = [&](int slot, bool after_mask) {
+    if (after_mask == (MB == MB_STAGED)) tma::arrive(k_empty(slot));
   };
   auto to_p = [&]() {
 #pragma unroll
     for (int kk = 0; kk < KN; ++kk) acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
   };
   // PINGPONG: a warpgroup issues its products between its turn's barrier and the other's. There
-  // are n_tiles + 1 issue points per warpgroup; warpgroup 0 goes first, and warpgroup 1 passes
-  // the turn back after every issue point but its last.
+  // are (tiles computed) + 1 issue points per warpgroup; warpgroup 0 goes first, and warpgroup 1
+  // passes the turn back after every issue point but its last.
   auto turn_take = [&]() {
     if (PINGPONG) tma::named_sync(3 + cw, 256);
   };
   auto turn_pass = [&](bool last) {
     if (PINGPONG && !(last && cw == 1)) tma::named_arrive(3 + (cw ^ 1), 256);
   };
-  if (PINGPONG && cw == 1 && n_tiles > 0) tma::named_arrive(3, 256);
+  // k counts the tiles computed (the ring's sequence); `it` is the tile's place in the visit
+  // order (next_tile skips the hidden ones).
+  const int first = next_tile(0);
+  if (PINGPONG && cw == 1 && first < n_tiles) tma::named_arrive(3, 256);
 
   tma::wait(q_full, 0);
-  if (n_tiles > 0) {
+  int k = 0;
+  if (first < n_tiles) {
     tma::wait(k_full(0), 0);
     turn_take();
     wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK);
@@ -297,24 +384,25 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     wg::wait<0>();
     wg::fence_acc(s[0]);
     release_k(0, false);
-    mask_tile(0);
+    mask_tile(first, 0);
     release_k(0, true);
     sm.step(s, sl2);
     to_p();
   }
-  for (int it = 1; it < n_tiles; ++it) {
-    const int slot = it % STAGES, prev = (it - 1) % STAGES;
-    tma::wait(k_full(slot), (it / STAGES) & 1);
-    tma::wait(v_full(prev), ((it - 1) / STAGES) & 1);
+  for (int it = next_tile(first + 1); it < n_tiles; it = next_tile(it + 1)) {
+    ++k;
+    const int slot = k % STAGES, prev = (k - 1) % STAGES;
+    tma::wait(k_full(slot), (k / STAGES) & 1);
+    tma::wait(v_full(prev), ((k - 1) / STAGES) & 1);
     turn_take();
     wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK + slot * K_BYTES);
     pv_product<T, DV, KN, KV_BLK>(o, p, sV + prev * V_BYTES);
     turn_pass(false);
-    wg::wait<1>();  // S(it) is done; P(it - 1) V(it - 1) may still run
+    wg::wait<1>();  // S(k) is done; P(k - 1) V(k - 1) may still run
     wg::fence_acc(s[0]);
-    release_k(it, false);
-    mask_tile(it);
-    release_k(it, true);
+    release_k(slot, false);
+    mask_tile(it, slot);
+    release_k(slot, true);
     sm.step(s, sl2);
     wg::wait<0>();
     wg::fence_acc(o);
@@ -323,9 +411,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     for (int pf = 0; pf < DF / 2; ++pf) sm.rescale(o[2 * pf], o[2 * pf + 1], 0);  // O *= alpha
     to_p();
   }
-  if (n_tiles > 0) {
-    const int last = (n_tiles - 1) % STAGES;
-    tma::wait(v_full(last), ((n_tiles - 1) / STAGES) & 1);
+  if (first < n_tiles) {
+    const int last = k % STAGES;
+    tma::wait(v_full(last), (k / STAGES) & 1);
     turn_take();
     pv_product<T, DV, KN, KV_BLK>(o, p, sV + last * V_BYTES);
     turn_pass(true);

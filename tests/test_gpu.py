@@ -149,10 +149,13 @@ WG_FWD_CASES = [
 ]
 
 
-def _wgmma_forward_or_skip(q, k, v, options):
+def _wgmma_forward_or_skip(override, q, k, v, options):
+    """Run the rest of the test's forwards on the Hopper kernel (also where dispatch would leave
+    the problem to fwd_mma: _wgmma_fwd.SHORT_ROW_KEYS), and check that it takes this one."""
     from cuflash import _gpu, _runtime, _validate
     if not _runtime.wgmma_available():
         pytest.skip("the Hopper forward: compute capability 9.0 and NVRTC 12.9+ only")
+    override(path="wgmma")
     assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == "wgmma"
 
 
@@ -165,20 +168,20 @@ WG_RUNS = [(c, d) for c in WG_FWD_CASES for d in [(64, 64), (128, 128)]] + [
 
 @pytest.mark.parametrize("dtype", ["float16"] + (["bfloat16"] if BFLOAT16 is not None else []))
 @pytest.mark.parametrize("case, dims", WG_RUNS, ids=[f"{c[0]}-{d[0]}x{d[1]}" for c, d in WG_RUNS])
-def test_hopper_forward(case, dims, dtype, rng):
+def test_hopper_forward(case, dims, dtype, rng, override):
     _, lq, lkv, Nq, Nk, options = case
     dk, dv = dims
     q = randn(rng, lq + (Nq, dk), dtype)
     k = randn(rng, lkv + (Nk, dk), dtype)
     v = randn(rng, lkv + (Nk, dv), dtype)
-    _wgmma_forward_or_skip(q, k, v, options)
+    _wgmma_forward_or_skip(override, q, k, v, options)
     check(q, k, v, rng, **options)
 
 
 @pytest.mark.parametrize("Nk, staged", [(272, True), (270, False)], ids=["staged", "global"])
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)], ids=str)
 @pytest.mark.parametrize("kind", ["padding-mask", "mask", "bias", "mask-bias-causal"])
-def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng):
+def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng, override):
     """Masks and biases through the score modifier, with rows that see no key (0 / -inf) and a
     padding bias of finfo.min (uniform rows, settled by the lost-row fix); staged by the producer
     where their strides are 16-byte multiples (272 keys), else read from global memory (270). A
@@ -203,7 +206,7 @@ def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng):
         options["bias"] = cupy.asarray(bias)
     if kind == "mask-bias-causal":
         options["causal"] = True
-    _wgmma_forward_or_skip(q, k, v, options)
+    _wgmma_forward_or_skip(override, q, k, v, options)
     p = _validate.make_problem(q, k, v, **options)
     # staged tiles need key tiles at multiples of 16 keys: no causal bound (its diagonal tiles
     # start anywhere; staging them faulted with an illegal instruction)
@@ -212,8 +215,46 @@ def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng):
     check(q, k, v, rng, **options)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)], ids=str)
+@pytest.mark.parametrize("kind", ["blocks", "blocks-bias", "blocks-kv-lens", "padding"])
+def test_hopper_forward_skips_hidden_tiles(kind, dims, rng, override):
+    """A staged mask's tiles are classified before the kernel (fwd_wgmma.cu mask_tile_classes):
+    tiles it hides entirely are skipped, tiles it shows entirely take no per-element mask (the
+    bias still applies), the rest are masked element by element. Masks made of 128 x 64 blocks
+    give all three kinds (and rows that see no key); the mask then changes in place, and the next
+    call must see the change."""
+    import cupy
+    from cuflash import _validate, _wgmma_fwd
+    B, H, Nq, Nk = 2, 2, 300, 320
+    dk, dv = dims
+    q = randn(rng, (B, H, Nq, dk), "bfloat16")
+    k, v = randn(rng, (B, H, Nk, dk), "bfloat16"), randn(rng, (B, H, Nk, dv), "bfloat16")
+    options = {}
+    if kind == "padding":  # one row for every query; batch 1 sees no key at all
+        valid = np.arange(Nk)[None, :] < np.array([[200], [0]])
+        mask = valid[:, None, None, :]
+    else:
+        blocks = rng.random((B, 1, -(-Nq // 128), Nk // 64)) < 0.5
+        mask = blocks.repeat(128, axis=2).repeat(64, axis=3)[:, :, :Nq].copy()
+        mask[0, 0, 5, :] = False                      # a row with no visible key
+        mask[1, 0, 130:140, 70:75] = ~mask[1, 0, 130:140, 70:75]  # a mixed tile
+    options["mask"] = cupy.asarray(mask)
+    if kind == "blocks-bias":
+        options["bias"] = cupy.asarray(rng.standard_normal((H, Nq, Nk)).astype(np.float32))
+    if kind == "blocks-kv-lens":
+        options["kv_lens"] = [[320, 256], [64, 192]]
+    _wgmma_forward_or_skip(override, q, k, v, options)
+    p = _validate.make_problem(q, k, v, **options)
+    launch = _wgmma_fwd._launch(p, _wgmma_fwd.padded(p))
+    assert launch.mb == _wgmma_fwd.MB_STAGED and launch.mask_layout is not None
+    check(q, k, v, rng, **options)
+    m = options["mask"]
+    m[..., 64:128] = ~m[..., 64:128]  # in place: hidden tiles become visible and back
+    check(q, k, v, rng, **options)
+
+
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd-strided-rows"])
-def test_hopper_forward_layouts(layout, rng):
+def test_hopper_forward_layouts(layout, rng, override):
     """(B, N, H, D) storage read through the tensor maps' strides, and rows padded apart."""
     B, N, H, D = 2, 333, 4, 128
     if layout == "bnhd":
@@ -221,12 +262,12 @@ def test_hopper_forward_layouts(layout, rng):
         q, k, v = (qkv[:, :, i].swapaxes(1, 2) for i in range(3))
     else:
         q, k, v = (randn(rng, (B, H, N, D + 64), "float16")[..., :D] for _ in range(3))
-    _wgmma_forward_or_skip(q, k, v, dict(causal=True))
+    _wgmma_forward_or_skip(override, q, k, v, dict(causal=True))
     check(q, k, v, rng, causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_forward_reads_no_key_past_kv_lens(causal, rng):
+def test_hopper_forward_reads_no_key_past_kv_lens(causal, rng, override):
     """Keys at and past kv_lens hold NaN: no row may see them (the last tile ends at the last
     visible key instead of running into them)."""
     import cupy
@@ -234,7 +275,7 @@ def test_hopper_forward_reads_no_key_past_kv_lens(causal, rng):
     lens = np.array([[1], [130], [517]])
     q = randn(rng, (B, H, Nq, D), "bfloat16" if BFLOAT16 is not None else "float16")
     k, v = (randn(rng, (B, H, Nk, D), q.dtype.name) for _ in range(2))
-    _wgmma_forward_or_skip(q, k, v, dict(kv_lens=lens, causal=causal))
+    _wgmma_forward_or_skip(override, q, k, v, dict(kv_lens=lens, causal=causal))
     out_clean, lse_clean = cuflash.attention(q, k, v, kv_lens=lens, causal=causal, return_lse=True)
     check_forward(out_clean, lse_clean, q, k, v, kv_lens=lens, causal=causal)
     for b, n in enumerate(lens[:, 0]):

@@ -64,6 +64,8 @@ def option_cases():
     yield "fp16 d64 n4096 full", dict(B=4, H=32, Nq=4096, Nk=4096, D=64, dtype="float16", opts={})
     yield "bf16 d128 n4096 mask", dict(B=4, H=16, Nq=4096, Nk=4096, D=128, dtype="bfloat16",
                                        opts=dict(mask="pad"))
+    yield "bf16 d128 n4096 block-sparse", dict(B=4, H=16, Nq=4096, Nk=4096, D=128,
+                                               dtype="bfloat16", opts=dict(mask="blocks"))
     yield "bf16 d128 n4096 bias", dict(B=4, H=16, Nq=4096, Nk=4096, D=128, dtype="bfloat16",
                                        opts=dict(bias="full"))
     yield "bf16 d64 n4096 gqa window", dict(B=4, H=32, Hkv=8, Nq=4096, Nk=4096, D=64,
@@ -94,6 +96,9 @@ def make(case, rng):
         m = np.ones((B, 1, 1, case["Nk"]), bool)
         m[..., int(case["Nk"] * 0.62):] = False
         opts["mask"] = cupy.asarray(m)
+    elif opts.get("mask") == "blocks":  # half of the 128 x 128 blocks, the same for every head
+        blocks = rng.random((case["Nq"] // 128, case["Nk"] // 128)) < 0.5
+        opts["mask"] = cupy.asarray(blocks.repeat(128, axis=0).repeat(128, axis=1)[None, None])
     if opts.get("bias") == "full":
         opts["bias"] = cupy.asarray(rng.standard_normal((1, H, case["Nq"], case["Nk"]),
                                                         dtype=np.float32))
