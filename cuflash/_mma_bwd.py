@@ -33,7 +33,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _generic, _mma_fwd, _runtime
+from . import _config, _generic, _mask_tiles, _mma_fwd, _runtime
 from ._broadcast import _padded
 
 NAME = "mma"
@@ -195,7 +195,11 @@ def instantiations():
         keys32 = _generic.lost_name_expressions(dt, False)[1]
         out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows)]
         out += [("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, k) for k in (keys16, keys32)]
-    return out
+    # the masks' tile classes of the dK/dV tiles with a mask
+    masked = {(t.block_m, 16 * t.warps) for t in (*DKDV_TILES_MB.values(),
+                                                  *DKDV_TILES_WG_MB.values())}
+    return out + [("mask_tile_classes", None, None, _mask_tiles.SOURCE,
+                   _mask_tiles.expression(*shape)) for shape in sorted(masked)]
 
 
 def _function(expr, smem, arch=None):
@@ -265,9 +269,13 @@ def backward(p, dout, out, lse, deterministic=False):
     smem = dkdv_smem_bytes(D, tile)
     fn = _function(dkdv_expr(p.dtype.name, D, tile, not deterministic, has_mb), smem,
                    dkdv_arch(tile))
+    # the mask's tile classes, for its key blocks of 16 * warps keys (the table must live until
+    # the launch is enqueued)
+    classes, _table = (_mask_tiles.classify(p, tile.block_m, 16 * tile.warps) if has_mb
+                       else (_mask_tiles.NO_CLASSES, None))
     fn((-(-Nk // (16 * tile.warps)) * BH,), (tile.warps * 32,),
-       (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv) + tail
-       + (np.int32(out16),), shared_mem=smem)
+       (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv, classes)
+       + tail + (np.int32(out16),), shared_mem=smem)
     if deterministic:  # dq every element, without atomics
         tile = DQ_TILES[D]
         smem = dq_smem_bytes(D, tile)

@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _broadcast, _config, _generic, _mma_fwd, _runtime, _tma
+from . import _broadcast, _config, _generic, _mask_tiles, _mma_fwd, _runtime, _tma
 from ._validate import element_strides
 
 NAME = "wgmma"
@@ -43,10 +43,6 @@ DIMS = sorted({dims for dims, _ in TILES})
 MB_NONE, MB_GLOBAL, MB_STAGED = 0, 1, 2
 # InputHeads (fwd_wgmma.cu): per input q, k, v, mask, bias, head h / hdiv, batch b * bmul
 HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
-# TileClasses (fwd_wgmma.cu): a staged mask's tile classes (null: none) and the table's shape
-CLASSES_DTYPE = np.dtype([("cls", "<u8"), ("qtiles", "<i4"), ("heads", "<i4"),
-                          ("chunks", "<i4")], align=True)
-NO_CLASSES = np.zeros((), dtype=CLASSES_DTYPE)[()]
 
 
 # At D = 64 the 192-row tiles lose to fwd_mma's on rows that see few keys under a causal or window
@@ -83,36 +79,24 @@ def name_expression(dtype, dims, tile, mb):
             f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}, {mb}>")
 
 
-def classes_expression(tile):
-    return f"mask_tile_classes<{block_m(tile)}, {tile.block_n}>"
-
-
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     main = [("fwd_wgmma", dt, dims[0], SOURCE, name_expression(dt, dims, pick_tile(dims, mb), mb))
             for dt in _config.MMA_DTYPES for dims in DIMS
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED)]
-    masks = {classes_expression(pick_tile(dims, MB_STAGED)) for dims in DIMS}
-    return main + [("mask_tile_classes", None, None, SOURCE, e) for e in sorted(masks)]
+    tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
+    masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
+    return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
 
 
 def cc90_only():
-    """Every expression of this path runs on compute capability 9.0 only."""
-    return {inst[-1] for inst in instantiations()}
-
-
-def _grid_shape(p):
-    H = p.lead[-1] if p.lead else 1
-    return p.BH // H, H
+    """Every fwd_wgmma expression runs on compute capability 9.0 only."""
+    return {inst[-1] for inst in instantiations() if inst[0] == "fwd_wgmma"}
 
 
 # Launch: the kernel's choice of mask / bias reading, the 5 tensor maps (q, k, v, mask, bias),
-# InputHeads, the rows per staged mask / bias tile (0: absent, 1: one row for every query), and
-# the staged mask's layout for its tile classes (None: no staged mask).
-Launch = namedtuple("Launch", "mb maps heads mask_rows bias_rows mask_layout")
-# How mask_tile_classes reads a staged mask: `heads` and `batches` of (rows, Nk) matrices with
-# strides rs, sh, sb (bytes; a broadcast axis has one matrix).
-MaskLayout = namedtuple("MaskLayout", "heads batches rows rs sh sb")
+# InputHeads, and the rows per staged mask / bias tile (0: absent, 1: one row for every query).
+Launch = namedtuple("Launch", "mb maps heads mask_rows bias_rows")
 _MAP_CACHE_SIZE = 256
 _map_cache = {}
 
@@ -131,9 +115,9 @@ def _launch(p, dims):
 
 
 def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
-    """(map, hdiv, bmul, rows per box, MaskLayout) of input x read as (cols, rows, heads, batches)
-    in boxes of box = (columns, rows) elements, or None. With one_row_ok an input that is the same
-    for every row (row stride 0) is read as one row (rows per box 1)."""
+    """(map, hdiv, bmul, rows per box) of input x read as (cols, rows, heads, batches) in boxes of
+    box = (columns, rows) elements, or None. With one_row_ok an input that is the same for every
+    row (row stride 0) is read as one row (rows per box 1)."""
     lay = _tma.head_layout(x, x_map, B, H)
     if lay is None or x.data.ptr % 16:
         return None
@@ -153,8 +137,7 @@ def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
     box_rows = 1 if one_row else box[1]
     m = _tma.tiled_map(x.dtype.name, x.data.ptr, (cols, rows, Hx, Bx), (rs, sh, sb),
                        (box[0], box_rows, 1, 1), swizzle)
-    return None if m is None else (m, hdiv, bmul, box_rows,
-                                   MaskLayout(Hx, Bx, rows, rs // item, sh // item, sb // item))
+    return None if m is None else (m, hdiv, bmul, box_rows)
 
 
 def mean_row_keys(p, samples=17):
@@ -188,7 +171,7 @@ def _key_tiles_aligned(p):
 
 
 def _encode(p, dims):
-    B, H = _grid_shape(p)
+    B, H = _mask_tiles.grid_shape(p)
     tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED)
     bm, bn = block_m(tile), tile.block_n
     found = [_tensor_map(x, x_map, B, H, n, x.shape[-1], (64, rows), _tma.SWIZZLE_128B)
@@ -217,31 +200,7 @@ def _encode(p, dims):
         maps.append(m)
         heads["hdiv"][x], heads["bmul"][x] = hdiv, bmul
     rows = [0 if x is None else x[3] for x in staged]
-    return Launch(mb, tuple(maps), heads[()], rows[0], rows[1],
-                  None if staged[0] is None else staged[0][4])
-
-
-def _tile_classes(p, launch, tile):
-    """(TileClasses, its table) for the launch: with a staged mask, mask_tile_classes classifies
-    the mask's tiles on the current stream (every call: the mask may have changed in place);
-    NO_CLASSES (every tile has the per-element mask) otherwise or where the grid cannot hold the
-    table."""
-    import cupy
-
-    lay = launch.mask_layout
-    if launch.mb != MB_STAGED or lay is None:
-        return NO_CLASSES, None
-    qtiles, chunks = -(-lay.rows // block_m(tile)), -(-p.Nk // tile.block_n)
-    if max(qtiles, lay.heads * lay.batches) > _runtime.MAX_GRID_Y:
-        return NO_CLASSES, None
-    table = cupy.empty((lay.batches * lay.heads, qtiles, chunks), dtype=np.uint8)
-    kern = _runtime.get_function(SOURCE, classes_expression(tile), arch=ARCH)
-    kern((chunks, qtiles, lay.batches * lay.heads), (128,),
-         (p.mask, np.int64(lay.rs), np.int64(lay.sh), np.int64(lay.sb), np.int32(lay.rows),
-          np.int32(p.Nk), np.int32(lay.heads), table))
-    c = np.zeros((), dtype=CLASSES_DTYPE)
-    c["cls"], c["qtiles"], c["heads"], c["chunks"] = table.data.ptr, qtiles, lay.heads, chunks
-    return c[()], table
+    return Launch(mb, tuple(maps), heads[()], rows[0], rows[1])
 
 
 def takes(p):
@@ -281,9 +240,11 @@ def forward(p):
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_wgmma
-    _, H = _grid_shape(p)
+    _, H = _mask_tiles.grid_shape(p)
     i32 = np.int32
-    classes, _table = _tile_classes(p, launch, tile)  # the table lives until after the launch
+    # the classes table must live until the launch is enqueued
+    classes, _table = (_mask_tiles.classify(p, block_m(tile), tile.block_n)
+                       if launch.mb == MB_STAGED else (_mask_tiles.NO_CLASSES, None))
     kern((blocks,), ((tile.consumers + 1) * 128,),
          launch.maps + (launch.heads, out, lse, fix, i32(H), i32(launch.mask_rows),
                         i32(launch.bias_rows), classes) + args.tail, shared_mem=smem)

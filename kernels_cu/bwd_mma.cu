@@ -37,6 +37,7 @@
 // Nq, Nk <= 2^29 (32-bit predicate, as fwd_mma.cu).
 #include "common.cuh"
 #include "mask.cuh"
+#include "mask_tiles.cuh"
 #include "attn_core.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -264,8 +265,8 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse2,
              const float* __restrict__ delta, float* __restrict__ dq_acc,
-             float* __restrict__ dk_acc, float* __restrict__ dv_acc, ATTN_INPUTS(float),
-             const AttnArgs a, int Nq_pad, int out16) {
+             float* __restrict__ dk_acc, float* __restrict__ dv_acc, const TileClasses classes,
+             ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr int THREADS = NWARPS * 32;
@@ -319,6 +320,20 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       bottom_right, Nq_pad);
   const Window& w = kb.w;
   const Bounds32& pr = kb.pr;
+  // What the mask shows of query tile m_first + it against this key block (mask_tiles.cuh, with
+  // HAS_MB): the tiles it hides are skipped (next_query_tile); the others keep the per-element
+  // mask (a shortcut for the tiles it shows entirely spilled the D=96 tile on sm_80).
+  const ClassColumn cls = class_column(classes, bh, j0 / BLOCK_N);
+  auto query_class = [&](int it) {
+    return HAS_MB && cls.column != nullptr ? cls.column[(kb.m_first + it) * cls.step]
+                                           : TILE_MIXED;
+  };
+  auto next_query_tile = [&](int it) {
+    if (HAS_MB)
+      while (it < kb.n_mt && query_class(it) == TILE_HIDDEN) ++it;
+    return it;
+  };
+  const int first = next_query_tile(0);
 
   // Shared layout (mirrored by _mma_bwd.dkdv_smem_bytes): K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows
   // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
@@ -355,10 +370,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   };
 
   // Prologue: K, V (zeros from key L on) with the first query tile, one commit group.
-  if (kb.n_mt > 0) {
+  if (first < kb.n_mt) {
     cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sK, kb.k, k_rs, j0, static_cast<int>(w.L));
     cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sV, kb.v, v_rs, j0, static_cast<int>(w.L));
-    load_query_tile(0, kb.m_first * BLOCK_M);
+    load_query_tile(0, (kb.m_first + first) * BLOCK_M);
   }
   cp_async_commit();
 
@@ -377,16 +392,18 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   u32 ka[KV_IN_REGS ? KD : 1][4], va[KV_IN_REGS ? KD : 1][4];
 
-  for (int it = 0; it < kb.n_mt; ++it) {
+  // n: the query tiles computed before this one (the ring's sequence)
+  for (int it = first, n = 0; it < kb.n_mt; it = next_query_tile(it + 1), ++n) {
     const int i0 = (kb.m_first + it) * BLOCK_M;
-    const int slot = it & 1;
+    const int slot = n & 1;
     cp_async_wait<0>();
     if (WG) wg::fence_shared();  // the copies are read by wgmma (the async proxy)
-    __syncthreads();  // tile `it` landed; every warp finished tile it - 1 (its slot and dS^T)
-    if (it + 1 < kb.n_mt) load_query_tile(slot ^ 1, i0 + BLOCK_M);
+    __syncthreads();  // this tile landed; every warp finished the previous one (its slot, dS^T)
+    const int next = next_query_tile(it + 1);
+    if (next < kb.n_mt) load_query_tile(slot ^ 1, (kb.m_first + next) * BLOCK_M);
     cp_async_commit();
 
-    if (KV_IN_REGS && it == 0) {
+    if (KV_IN_REGS && n == 0) {
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) {
         ldsm_x4(tile_addr<SWZ>(sK + a_lane, 0, kk * 32), ka[KV_IN_REGS ? kk : 0]);
@@ -854,8 +871,9 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS)
 bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse2,
                   const float* __restrict__ delta, float* __restrict__ dq_acc,
-                  float* __restrict__ dk_acc, float* __restrict__ dv_acc, ATTN_INPUTS(float),
-                  const AttnArgs a, int Nq_pad, int out16) {
+                  float* __restrict__ dk_acc, float* __restrict__ dv_acc,
+                  const TileClasses /* no mask here */, ATTN_INPUTS(float), const AttnArgs a,
+                  int Nq_pad, int out16) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr int THREADS = 256;

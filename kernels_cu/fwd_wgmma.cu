@@ -37,6 +37,7 @@
 // (16-byte aligned bases and strides, unit innermost stride), Dv a multiple of 8, scale > 0.
 #include "common.cuh"
 #include "mask.cuh"
+#include "mask_tiles.cuh"
 
 #include "attn_core.cuh"
 #include "mma.cuh"
@@ -60,57 +61,6 @@ __device__ __forceinline__ void pv_product(float (&o)[DV / 8][4], const tc::u32 
 }
 
 constexpr int MB_NONE = 0, MB_GLOBAL = 1, MB_STAGED = 2;
-
-// What a staged mask shows of a tile (mask_tile_classes): no key, every key, or some.
-constexpr unsigned char TILE_HIDDEN = 0, TILE_VISIBLE = 1, TILE_MIXED = 2;
-
-// The classes of one call's mask, by the main kernel's tiles: per mask matrix (batch
-// b * bmul, head h / hdiv of InputHeads; `heads` of them per batch), query tile of BLOCK_M rows
-// (`qtiles` of them; 1 for a mask that is the same for every query row) and key chunk
-// [c BLOCK_N, (c + 1) BLOCK_N) (`chunks` of them). Null: no classes (every tile TILE_MIXED).
-struct TileClasses {
-  const unsigned char* cls;
-  int qtiles, heads, chunks;
-};
-
-// One class per block: the mask bytes of its chunk of rows [qt BLOCK_M, +BLOCK_M) (of `rows`)
-// and keys [c BLOCK_N, +BLOCK_N) (of Nk) of mask matrix z (batch z / heads, head z % heads), read
-// 16 bytes at a time (a staged mask's base and strides are 16-byte aligned), the keys of a last
-// group short of 16 one by one. Run before fwd_wgmma on every call: the mask may change in place.
-template <int BLOCK_M, int BLOCK_N>
-__global__ void __launch_bounds__(128)
-mask_tile_classes(const unsigned char* __restrict__ mask, long long rs, long long sh,
-                  long long sb, int rows, int Nk, int heads, unsigned char* __restrict__ cls) {
-  constexpr int GROUPS = BLOCK_N / 16;  // 16-byte groups of a chunk row
-  const int c0 = blockIdx.x * BLOCK_N, r0 = blockIdx.y * BLOCK_M;
-  const int n_rows = min(BLOCK_M, rows - r0), n_keys = min(BLOCK_N, Nk - c0);
-  const unsigned char* m = mask + (blockIdx.z / heads) * sb + (blockIdx.z % heads) * sh +
-                           r0 * rs + c0;
-  bool any = false, all = true;
-  for (int idx = threadIdx.x; idx < n_rows * GROUPS; idx += 128) {
-    const int r = idx / GROUPS, c = 16 * (idx % GROUPS);
-    if (c + 16 <= n_keys) {
-      const uint4 w = *reinterpret_cast<const uint4*>(m + r * rs + c);
-      const unsigned words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        any |= words[e] != 0u;
-        all &= __vcmpeq4(words[e], 0u) == 0u;  // no zero byte among the 4 keys
-      }
-    } else {
-      for (int j = c; j < n_keys; ++j) {
-        const bool shown = m[r * rs + j] != 0;
-        any |= shown;
-        all &= shown;
-      }
-    }
-  }
-  any = __syncthreads_or(any);
-  all = __syncthreads_and(all);
-  if (threadIdx.x == 0)
-    cls[(static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] =
-        !any ? TILE_HIDDEN : all ? TILE_VISIBLE : TILE_MIXED;
-}
 
 // How each input's matrix of output (batch b, head h) is found in its tensor map: head h / hdiv,
 // batch b * bmul (0 where the input is broadcast); inputs q, k, v, mask, bias.
@@ -209,21 +159,13 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   };
   // What the staged mask shows of the it-th tile (TileClasses; the tile spans at most two
   // chunks): producer and consumers skip the TILE_HIDDEN ones alike.
-  const unsigned char* cls_row =
-      MB == MB_STAGED && classes.cls != nullptr
-          ? classes.cls + ((static_cast<long long>(b * heads.bmul[3]) * classes.heads +
-                            h / heads.hdiv[3]) * classes.qtiles +
-                           (classes.qtiles > 1 ? i0 / BLOCK_M : 0)) * classes.chunks
-          : nullptr;
-  auto tile_class = [&](int it) -> int {
-    if (MB != MB_STAGED || cls_row == nullptr) return TILE_MIXED;
-    const int j0 = tile_start(it);
-    const int first = cls_row[j0 / BLOCK_N], last = cls_row[(j0 + BLOCK_N - 1) / BLOCK_N];
-    return first == last ? first : TILE_MIXED;
+  const unsigned char* cls_row = MB == MB_STAGED ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
+  auto visit_class = [&](int it) {
+    return MB == MB_STAGED ? tile_class<BLOCK_N>(cls_row, tile_start(it)) : TILE_MIXED;
   };
   auto next_tile = [&](int it) {  // the first tile at or after `it` that is not skipped
     if (MB == MB_STAGED)
-      while (it < n_tiles && tile_class(it) == TILE_HIDDEN) ++it;
+      while (it < n_tiles && visit_class(it) == TILE_HIDDEN) ++it;
     return it;
   };
 
@@ -329,7 +271,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     if (HAS_MB || by_position) {
       const int i = i0 + row_w + g;
       if constexpr (MB == MB_STAGED) {
-        if (tile_class(it) == TILE_VISIBLE && bias_box_rows == 0) {
+        if (visit_class(it) == TILE_VISIBLE && bias_box_rows == 0) {
           const ScaleMod to_log2{scale * LOG2E};
           if (by_position) {
             mask_rows(s[0], i, j0, t, Nq, b32, to_log2, floor);
