@@ -1,6 +1,7 @@
 // attn_core.cuh: what every tensor-core kernel (forward, backward, decode) shares about attention
 // itself: the visibility rule of mask.cuh in the 32-bit form MMA fragments use, the score-modifier
-// hook, and the online softmax of mma.sync rows. A kernel's loop then reads as the seed's:
+// hook, and the online softmax of mma.sync rows; and the online softmax of scalar rows (CUDA-core
+// kernels: decode_split). A kernel's loop then reads as the seed's:
 //   S = Q K^T;  mask_rows(S) (visibility + modifier);  softmax.step(S -> P);  O = O * alpha + P V
 #pragma once
 #include "common.cuh"
@@ -288,5 +289,75 @@ struct MmaSoftmax {
   // Its lse (natural units), by the same rules: -inf when empty, NaN when l is 0.
   __device__ __forceinline__ float lse(int mf, int h, bool empty, float l_row) const {
     return empty ? neg_inf<float>() : l_row == 0.f ? quiet_nan<float>() : m[mf][h] * tc::LN2 + logf(l_row);
+  }
+};
+
+// ---- online softmax of scalar rows (CUDA cores) -------------------------------------------------
+// Units of a kernel's logits and maxima: base 2 (p = exp2(x - m)), or NATURAL (p = exp2((x - m) *
+// log2(e))), where a finite logit stays finite (finfo(float32).min * log2(e) overflows: a padding
+// row of such a bias is a uniform softmax, not an empty row). exp2_diff: the weight exp2 of a
+// difference d = x - m of two of them (d = -inf gives 0; in natural units d * log2(e) may only
+// overflow to -inf, giving 0, the right limit). natural_lse: the lse m + log l in natural units.
+template <bool NATURAL, typename Acc>
+__device__ __forceinline__ Acc exp2_diff(Acc d) {
+  return exp2_acc(NATURAL ? d * log2e<Acc>() : d);
+}
+template <bool NATURAL, typename Acc>
+__device__ __forceinline__ Acc natural_lse(Acc m, Acc l) {
+  return NATURAL ? m + log2_acc(l) * ln2<Acc>() : (m + log2_acc(l)) * ln2<Acc>();
+}
+
+// The ROWS rows of one thread, in Acc (float or double) and the units above: per row a running
+// max m, the thread's part of the denominator l, and the factor alpha by which the last step
+// rescaled l, and by which the caller rescales its accumulator. A row with no finite logit so far
+// keeps m = -inf and uses 0 as its reference, so no exp(-inf - (-inf)); NaN logits (dropped by
+// acc_max) reach l through exp2.
+// (One object for all rows, l declared before m: the order that keeps decode_split's PTX as it
+// was before the object existed.)
+template <typename Acc, bool NATURAL, int ROWS>
+struct RowSoftmax {
+  Acc l[ROWS], m[ROWS], alpha[ROWS];
+
+  // The empty state of row r: m = -inf, l = 0.
+  __device__ __forceinline__ void init(int r) {
+    m[r] = neg_inf<Acc>();
+    l[r] = Acc(0);
+  }
+
+  // Row r meets a tile whose logits' max is tile_max: m grows to include it, l is rescaled by
+  // alpha = exp2(m_old - m_ref) (0 while m was -inf); returns the reference m_ref (0 while m is
+  // -inf).
+  __device__ __forceinline__ Acc advance(int r, Acc tile_max) {
+    const Acc m_new = acc_max(m[r], tile_max);
+    const Acc m_ref = m_new == neg_inf<Acc>() ? Acc(0) : m_new;
+    alpha[r] = exp2_diff<NATURAL>(m[r] - m_ref);
+    l[r] *= alpha[r];
+    m[r] = m_new;
+    return m_ref;
+  }
+
+  // One logit x of that tile: its weight p = exp2(x - m_ref), added to l.
+  __device__ __forceinline__ Acc accumulate(int r, Acc x, Acc m_ref) {
+    const Acc p = exp2_diff<NATURAL>(x - m_ref);
+    l[r] += p;
+    return p;
+  }
+
+  // Merge row r of lane (this lane ^ offset), other keys of the same row, into this lane's; returns
+  // the weights by which the caller combines the accumulators, acc * self + acc_o * other. A side
+  // with m = -inf weighs 0 (no -inf - (-inf) when both are empty).
+  struct Weights {
+    Acc self, other;
+  };
+  __device__ __forceinline__ Weights merge_xor(int r, int offset) {
+    const Acc m_o = __shfl_xor_sync(FULL_WARP, m[r], offset);
+    const Acc l_o = __shfl_xor_sync(FULL_WARP, l[r], offset);
+    const Acc m_new = acc_max(m[r], m_o);
+    Weights w;
+    w.self = (m[r] > neg_inf<Acc>()) ? exp2_diff<NATURAL>(m[r] - m_new) : Acc(0);
+    w.other = (m_o > neg_inf<Acc>()) ? exp2_diff<NATURAL>(m_o - m_new) : Acc(0);
+    l[r] = l[r] * w.self + l_o * w.other;
+    m[r] = m_new;
+    return w;
   }
 };

@@ -104,31 +104,7 @@ struct DecodeShape {
 };
 
 // ---- small helpers -----------------------------------------------------------------------------
-template <typename Acc> __device__ __forceinline__ Acc log2e() { return Acc(1.4426950408889634); }
-template <typename Acc> __device__ __forceinline__ Acc ln2() { return Acc(0.6931471805599453); }
-// exp2 of a base-2 logit; exp2(-inf) = 0. float: the MUFU instruction (rel. error ~2^-22).
-__device__ __forceinline__ float exp2_acc(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
-__device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
-__device__ __forceinline__ double log2_acc(double x) { return log2(x); }
 #define POS_INF (-neg_inf<Acc>())
-// Units of a block's logits and maxima (the workspace's m): base 2, or natural (NATURAL:
-// decode_split with mask / bias, see the header). exp2_diff: the weight exp2 of a difference
-// d = x - m of two of them (d = -inf gives 0; in natural units d * log2(e) may only overflow to
-// -inf, giving 0, the right limit). natural_lse: the lse m + log l in natural units (the
-// output's).
-template <bool NATURAL, typename Acc>
-__device__ __forceinline__ Acc exp2_diff(Acc d) {
-  return exp2_acc(NATURAL ? d * log2e<Acc>() : d);
-}
-template <bool NATURAL, typename Acc>
-__device__ __forceinline__ Acc natural_lse(Acc m, Acc l) {
-  return NATURAL ? m + log2_acc(l) * ln2<Acc>() : (m + log2_acc(l)) * ln2<Acc>();
-}
 
 // Workspace reads of partials written by other blocks of this launch: L2 only (.cg), never a
 // stale L1 line.
@@ -663,15 +639,15 @@ decode_split(DECODE_SPLIT_PARAMS) {
   const T* kh = k + offsets[1 * BH + bh0];
   const T* vh = v + offsets[2 * BH + bh0];
 
-  // Per-row state (DESIGN.md "Empty state"), per key slot: m = -inf, l = 0, acc = 0; with mask /
-  // bias also vis (bit r: row r has seen a visible key; m and l cannot tell, a visible logit may
-  // be -inf).
-  Acc m[ROWS], l[ROWS], acc[ROWS][COLS];
+  // Per-row state (DESIGN.md "Empty state"), per key slot: the online softmax (m = -inf, l = 0)
+  // and acc = 0; with mask / bias also vis (bit r: row r has seen a visible key; m and l cannot
+  // tell, a visible logit may be -inf).
+  RowSoftmax<Acc, HAS_MB, ROWS> sm;
+  Acc acc[ROWS][COLS];
   unsigned vis = 0u;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    m[r] = NEG_INF;
-    l[r] = Acc(0);
+    sm.init(r);
 #pragma unroll
     for (int c = 0; c < COLS; ++c) acc[r][c] = Acc(0);
   }
@@ -721,17 +697,11 @@ decode_split(DECODE_SPLIT_PARAMS) {
         KeyRange kr;
         kr.lo = rows[r].lo;
         kr.hi = rows[r].hi;
-        MaskBias<Acc> mb;
-        mb.mask = nullptr;
-        mb.bias = nullptr;
-        mb.mask_rs = mask_rs;
-        mb.mask_cs = mask_cs;
-        mb.bias_rs = bias_rs;
-        mb.bias_cs = bias_cs;
-        if (HAS_MB && rows[r].bh >= 0) {
-          if (mask) mb.mask = mask + offsets[3 * BH + rows[r].bh];
-          if (bias) mb.bias = bias + offsets[4 * BH + rows[r].bh];
-        }
+        // Padding rows (bh < 0: no head) and kernels without mask / bias read neither.
+        MaskBias<Acc> mb{nullptr, mask_rs, mask_cs, nullptr, bias_rs, bias_cs};
+        if (HAS_MB && rows[r].bh >= 0)
+          mb = head_mask_bias(mask, bias, offsets, BH, rows[r].bh, mask_rs, mask_cs, bias_rs,
+                              bias_cs);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const long long j = base + u * KPL + slot;
@@ -748,26 +718,18 @@ decode_split(DECODE_SPLIT_PARAMS) {
       }
     }
 
-    // Online softmax per row: new max, rescale BOTH l and acc, add this chunk's mass. No test on
-    // the logits: an invisible key's -inf gives p = 0, a NaN logit reaches l (fmaxf leaves it out
-    // of the max), and while the row has no finite max its reference is 0 (no -inf - (-inf)).
+    // Online softmax per row (RowSoftmax): new max, rescale BOTH l and acc, add this chunk's
+    // mass. No test on the logits: an invisible key's -inf gives p = 0.
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       Acc tile_max = s[r];
 #pragma unroll
       for (int u = 1; u < U; ++u) tile_max = acc_max(tile_max, s[u * ROWS + r]);
-      const Acc m_new = acc_max(m[r], tile_max);
-      const Acc m_ref = m_new == NEG_INF ? Acc(0) : m_new;
-      const Acc alpha = exp2_diff<HAS_MB>(m[r] - m_ref);  // 0 while m = -inf
-      l[r] *= alpha;
+      const Acc m_ref = sm.advance(r, tile_max);
 #pragma unroll
-      for (int c = 0; c < COLS; ++c) acc[r][c] *= alpha;
+      for (int c = 0; c < COLS; ++c) acc[r][c] *= sm.alpha[r];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        s[u * ROWS + r] = exp2_diff<HAS_MB>(s[u * ROWS + r] - m_ref);
-        l[r] += s[u * ROWS + r];
-      }
-      m[r] = m_new;
+      for (int u = 0; u < U; ++u) s[u * ROWS + r] = sm.accumulate(r, s[u * ROWS + r], m_ref);
     }
 
     // acc += P V over the chunk's keys (this lane's columns).
@@ -804,16 +766,10 @@ decode_split(DECODE_SPLIT_PARAMS) {
   for (int off = LK; off < 32; off *= 2) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const Acc m_o = __shfl_xor_sync(FULL_WARP, m[r], off);
-      const Acc l_o = __shfl_xor_sync(FULL_WARP, l[r], off);
-      const Acc m_new = acc_max(m[r], m_o);
-      const Acc a = (m[r] > NEG_INF) ? exp2_diff<HAS_MB>(m[r] - m_new) : Acc(0);
-      const Acc b = (m_o > NEG_INF) ? exp2_diff<HAS_MB>(m_o - m_new) : Acc(0);
-      l[r] = l[r] * a + l_o * b;
+      const auto w = sm.merge_xor(r, off);
 #pragma unroll
       for (int c = 0; c < COLS; ++c)
-        acc[r][c] = acc[r][c] * a + __shfl_xor_sync(FULL_WARP, acc[r][c], off) * b;
-      m[r] = m_new;
+        acc[r][c] = acc[r][c] * w.self + __shfl_xor_sync(FULL_WARP, acc[r][c], off) * w.other;
     }
   }
   if (slot == 0) {
@@ -824,8 +780,8 @@ decode_split(DECODE_SPLIT_PARAMS) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) red_acc[warp][r][(n * LK + t) * VEC + e] = acc[r][n * VEC + e];
       if (t == 0) {
-        red_m[warp][r] = m[r];
-        red_l[warp][r] = l[r];
+        red_m[warp][r] = sm.m[r];
+        red_l[warp][r] = sm.l[r];
       }
     }
   }

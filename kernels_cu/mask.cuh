@@ -90,6 +90,24 @@ struct MaskBias {
   long long bias_rs, bias_cs;
 };
 
+// The mask and bias of head bh (offsets: the host's (5, BH) table, rows 3 and 4); a null input
+// stays null.
+template <typename Acc>
+__device__ __forceinline__ MaskBias<Acc> head_mask_bias(const unsigned char* mask, const Acc* bias,
+                                                        const long long* offsets, int BH,
+                                                        long long bh, long long mask_rs,
+                                                        long long mask_cs, long long bias_rs,
+                                                        long long bias_cs) {
+  MaskBias<Acc> mb;
+  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  mb.mask_rs = mask_rs;
+  mb.mask_cs = mask_cs;
+  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  mb.bias_rs = bias_rs;
+  mb.bias_cs = bias_cs;
+  return mb;
+}
+
 // The per-element test: whether key j is visible to query i (position range, mask, and a bias
 // entry other than -inf; a NaN bias is visible and makes the logit NaN). When it is, `s` (the
 // scaled logit, natural units) becomes the biased logit; otherwise `s` is left unchanged.
@@ -140,11 +158,6 @@ __device__ __forceinline__ HeadInputs<T, Acc> head_inputs(
   h.dout = dout + bh * Nq * Dv;
   h.lse = lse + bh * Nq;
   h.delta = delta + bh * Nq;
-  h.mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-  h.mb.mask_rs = mask_rs;
-  h.mb.mask_cs = mask_cs;
-  h.mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-  h.mb.bias_rs = bias_rs;
-  h.mb.bias_cs = bias_cs;
+  h.mb = head_mask_bias(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
   return h;
 }

@@ -224,7 +224,7 @@ def test_hopper_forward_skips_hidden_tiles(kind, dims, rng, override):
     give all three kinds (and rows that see no key); the mask then changes in place, and the next
     call must see the change."""
     import cupy
-    from cuflash import _validate, _wgmma_fwd
+    from cuflash import _mask_tiles, _validate, _wgmma_fwd
     B, H, Nq, Nk = 2, 2, 300, 320
     dk, dv = dims
     q = randn(rng, (B, H, Nq, dk), "bfloat16")
@@ -245,8 +245,8 @@ def test_hopper_forward_skips_hidden_tiles(kind, dims, rng, override):
         options["kv_lens"] = [[320, 256], [64, 192]]
     _wgmma_forward_or_skip(override, q, k, v, options)
     p = _validate.make_problem(q, k, v, **options)
-    launch = _wgmma_fwd._launch(p, _wgmma_fwd.padded(p))
-    assert launch.mb == _wgmma_fwd.MB_STAGED and launch.mask_layout is not None
+    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == _wgmma_fwd.MB_STAGED
+    assert _mask_tiles.layout(p) is not None  # classified
     check(q, k, v, rng, **options)
     m = options["mask"]
     m[..., 64:128] = ~m[..., 64:128]  # in place: hidden tiles become visible and back

@@ -111,13 +111,14 @@ def main():
     ap.add_argument("--cases", default="dense,options,decode")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="comma-separated substrings of case names")
-    ap.add_argument("--also", default=None, help="a third tree (like BASE_DIR), timed too")
+    ap.add_argument("--also", default=None,
+                    help="comma list of more trees (like BASE_DIR), timed too; new / each printed")
     ap.add_argument("--no-fixup", action="store_true",
                     help="also time the new tree with its lost-row launches stubbed out")
     args = ap.parse_args()
     trees = {"base": load("cuflash_base", args.base), "new": load("cuflash", REPO)}
-    if args.also:
-        trees["also"] = load("cuflash_also", args.also)
+    for i, root in enumerate(args.also.split(",") if args.also else []):
+        trees[f"also{i}"] = load(f"cuflash_also{i}", root)
     if args.no_fixup:
         nofix = load("cuflash_nofix", REPO)
         launch = importlib.import_module("cuflash_nofix._generic")
@@ -148,9 +149,9 @@ def main():
                     times[t].append(time_call(fns[t]))
             med = {t: statistics.median(x) for t, x in times.items()}
             ratio = med["new"] / med["base"]
-            results.append(dict(case=name, kind=kind, base_us=med["base"], new_us=med["new"],
-                                ratio=ratio))
-            extra = "".join(f"  {t} {med[t] / med['base']:.3f}" for t in trees
+            results.append(dict(case=name, kind=kind, ratio=ratio,
+                                **{f"{t}_us": med[t] for t in trees}))
+            extra = "".join(f"  new/{t} {med['new'] / med[t]:.3f}" for t in trees
                             if t not in ("base", "new"))
             print(f"{name:32s} {kind}  base {med['base']:9.1f} us  new {med['new']:9.1f} us  "
                   f"new/base {ratio:.3f}{extra}", flush=True)
