@@ -100,7 +100,7 @@ def forward(p):
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     kern, (bm, _), smem = _prepare("fwd", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
-         (p.q, p.k, p.v, out, lse) + args.tail, shared_mem=smem)
+         (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type), shared_mem=smem)
     return out, lse
 
 
@@ -128,10 +128,11 @@ def backward(p, dout, out, lse, deterministic=False):
     dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
     kern, (_, bn), smem = _prepare("bwd_dkdv", p)
     kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.tail, shared_mem=smem)
+         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type),
+         shared_mem=smem)
     kern, (bm, _), smem = _prepare("bwd_dq", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.tail, shared_mem=smem)
+         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type), shared_mem=smem)
     launch_lost(args, dout, out, lse, dq, dk, dv)
     return dq, dk, dv
 

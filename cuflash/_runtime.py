@@ -295,6 +295,14 @@ class Args:
         a["bottom_right"] = bool(p.bottom_right)
         self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a[()])
 
+    def flat_tail(self, scale_type):
+        """The tail with AttnArgs' fields as separate scalars in its order (ATTN_ARGS_PARAMS, the
+        generic kernels), the scale as `scale_type`."""
+        a = self.tail[-1]
+        return self.tail[:-1] + tuple(scale_type(a[name]) if name == "scale" else
+                                      np.dtype(c_type).type(a[name])
+                                      for name, c_type in ARGS_FIELDS)
+
 
 def ptr(a):
     return NULL if a is None else a

@@ -19,6 +19,15 @@ struct AttnArgs {
   int left, right, bottom_right;  // the window (cuflash/_validate.py) and the alignment
 };
 
+// The same fields as separate parameters, for the generic CUDA-core kernels: there ptxas kept the
+// struct's fields in registers (vector loads from the parameter space), which raised their register
+// counts (fwd float64 167 -> 173: 3 -> 2 blocks per SM) and cost them 6-20 % at float32 / float64
+// (tenth session). Scale: the kernel's scale type (the host passes that type).
+#define ATTN_ARGS_PARAMS(Scale)                                                                \
+  long long q_rs, long long k_rs, long long v_rs, long long mask_rs, long long mask_cs,        \
+      long long bias_rs, long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, Scale scale, \
+      int left, int right, int bottom_right
+
 // The fields as the const locals a kernel body reads (the names the positional parameters had),
 // the scale rounded to `Scale` as the host rounded it when it passed a scalar of that type.
 #define ATTN_ARGS_LOCALS(a, Scale)                                                             \

@@ -57,8 +57,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
          Acc* __restrict__ dk_acc, Acc* __restrict__ dv_acc, ATTN_INPUTS(Acc),
-         const AttnArgs a) {
-  ATTN_ARGS_LOCALS(a, Acc);
+         ATTN_ARGS_PARAMS(Acc)) {
   static_assert(BLOCK_N % ROW_GROUPS == 0 && BLOCK_M % LANES_PER_ROW == 0, "tile shape");
   static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
   constexpr int ROWS = BLOCK_N / ROW_GROUPS;      // key rows per thread
@@ -179,8 +178,7 @@ template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
        const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
-       Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), const AttnArgs a) {
-  ATTN_ARGS_LOCALS(a, Acc);
+       Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc)) {
   static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
   static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
   constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread

@@ -12,8 +12,8 @@
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-            T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs a) {
-  ATTN_ARGS_LOCALS(a, Acc);
+            T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc),
+            ATTN_ARGS_PARAMS(Acc)) {
   static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
   static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
   constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread
@@ -40,8 +40,14 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* qh = q + offsets[0 * BH + bh];
   const T* kh = k + offsets[1 * BH + bh];
   const T* vh = v + offsets[2 * BH + bh];
-  const MaskBias<Acc> mb =
-      head_mask_bias(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
+  // (head_mask_bias's lines, written out: the call changes this kernel's PTX)
+  MaskBias<Acc> mb;
+  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  mb.mask_rs = mask_rs;
+  mb.mask_cs = mask_cs;
+  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  mb.bias_rs = bias_rs;
+  mb.bias_cs = bias_cs;
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, qh, q_rs, i0, i_end, Dk);
 

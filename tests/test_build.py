@@ -85,8 +85,9 @@ def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
 
 
 def test_kernel_args_struct_matches_its_host_mirror():
-    """kernels_cu/args.cuh AttnArgs and cuflash._runtime.ARGS_FIELDS: the same fields in the same
-    order with the same C types (NumPy's aligned layout is then C's)."""
+    """kernels_cu/args.cuh AttnArgs, its flat form ATTN_ARGS_PARAMS and cuflash._runtime.ARGS_FIELDS:
+    the same fields in the same order with the same C types (NumPy's aligned layout is then C's;
+    Args.flat_tail passes the fields in this order)."""
     import re
     src = (_runtime.kernels_dir() / "args.cuh").read_text()
     body = re.search(r"struct AttnArgs \{(.*?)\};", src, re.S).group(1)
@@ -100,3 +101,7 @@ def test_kernel_args_struct_matches_its_host_mirror():
         ctype = next(t for t in sorted(c_types, key=len, reverse=True) if decl.startswith(t + " "))
         fields += [(name.strip(), c_types[ctype]) for name in decl[len(ctype):].split(",")]
     assert fields == list(_runtime.ARGS_FIELDS)
+    flat = re.search(r"#define ATTN_ARGS_PARAMS\(Scale\)(.*?)\n\n", src, re.S).group(1)
+    params = [" ".join(x.replace("\\", " ").split()).rsplit(" ", 1) for x in flat.split(",")]
+    assert [(name, "<f8" if ctype == "Scale" else c_types[ctype]) for ctype, name in params] == \
+        list(_runtime.ARGS_FIELDS)
