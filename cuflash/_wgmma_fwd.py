@@ -40,7 +40,8 @@ del _T
 DIMS = sorted({dims for dims, _ in TILES})
 
 # How the kernel reads a mask / bias (fwd_wgmma.cu MB_*): none; from global memory; staged tiles.
-MB_NONE, MB_GLOBAL, MB_STAGED = 0, 1, 2
+# MB_CLASSES: staged, with the mask's tile classes (cuflash._mask_tiles): hidden tiles skipped.
+MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES = 0, 1, 2, 3
 # InputHeads (fwd_wgmma.cu): per input q, k, v, mask, bias, head h / hdiv, batch b * bmul
 HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
 
@@ -68,7 +69,7 @@ def smem_bytes(dims, tile, mb):
     """Q tile, `stages` K and V tiles (16-bit), the staged mask (bytes) and bias (float32) rings,
     the mbarriers and the slack that aligns the tiles to 1024 bytes."""
     dk, dv = dims
-    staged = block_m(tile) * tile.block_n * (1 + 4) if mb == MB_STAGED else 0
+    staged = block_m(tile) * tile.block_n * (1 + 4) if mb >= MB_STAGED else 0
     return (block_m(tile) * dk + tile.stages * tile.block_n * (dk + dv)) * 2 \
         + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
@@ -83,7 +84,7 @@ def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     main = [("fwd_wgmma", dt, dims[0], SOURCE, name_expression(dt, dims, pick_tile(dims, mb), mb))
             for dt in _config.MMA_DTYPES for dims in DIMS
-            for mb in (MB_NONE, MB_GLOBAL, MB_STAGED)]
+            for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
     return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
@@ -193,6 +194,8 @@ def _encode(p, dims):
         staged.append(m)
     if mb == MB_GLOBAL:
         staged = [None, None]
+    elif _mask_tiles.layout(p) is not None:  # a staged mask that can be classified
+        mb = MB_CLASSES
     heads = np.zeros((), dtype=HEADS_DTYPE)
     maps = []
     for x, found_x in enumerate(found + staged):
@@ -244,10 +247,16 @@ def forward(p):
     i32 = np.int32
     # the classes table must live until the launch is enqueued
     classes, _table = (_mask_tiles.classify(p, block_m(tile), tile.block_n)
-                       if launch.mb == MB_STAGED else (_mask_tiles.NO_CLASSES, None))
+                       if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
+    # the kernel's own parameter list (not AttnArgs: the struct's fields cost the generic kernels
+    # registers, and this one is kept as it was measured)
     kern((blocks,), ((tile.consumers + 1) * 128,),
-         launch.maps + (launch.heads, out, lse, fix, i32(H), i32(launch.mask_rows),
-                        i32(launch.bias_rows), classes) + args.tail, shared_mem=smem)
+         launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix, i32(H),
+                        i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
+                        i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
+                        i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
+                        _runtime.ptr(p.bias), i32(p.BH))
+         + tuple(np.int64(x) for x in args.strides[3:]) + (classes,), shared_mem=smem)
     has_mb = launch.mb != MB_NONE
     # as after fwd_mma: with a mask or bias, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, block_m(tile), np.inf if has_mb else None)

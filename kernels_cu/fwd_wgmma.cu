@@ -23,8 +23,10 @@
 // A boolean mask or a bias (MB != MB_NONE) sends every tile through a score modifier
 // (logits in log2 units). MB_STAGED (StagedMaskBias below): the producer
 // brings their tiles with K (tensor maps tm, tb; one that is the same for every query row comes
-// as one row per tile). MB_GLOBAL (MaskBiasMod): read from global memory, where no tensor map
-// describes them.
+// as one row per tile). MB_CLASSES: staged, and the mask's tile classes (mask_tiles.cuh) let
+// producer and consumers skip the tiles it hides; a tile it shows entirely takes no per-element
+// mask when there is no bias. MB_GLOBAL (MaskBiasMod): read from global memory, where no tensor
+// map describes them.
 //
 // PINGPONG (two consumers): the warpgroups take turns issuing their products (named barriers
 // 3 and 4), so that one's softmax runs while the other's products use the tensor cores.
@@ -60,7 +62,9 @@ __device__ __forceinline__ void pv_product(float (&o)[DV / 8][4], const tc::u32 
   }
 }
 
-constexpr int MB_NONE = 0, MB_GLOBAL = 1, MB_STAGED = 2;
+// MB_CLASSES: staged, with the mask's tile classes (mask_tiles.cuh): hidden tiles are skipped,
+// tiles the mask shows entirely (with no bias) only scaled.
+constexpr int MB_NONE = 0, MB_GLOBAL = 1, MB_STAGED = 2, MB_CLASSES = 3;
 
 // How each input's matrix of output (batch b, head h) is found in its tensor map: head h / hdiv,
 // batch b * bmul (0 where the input is broadcast); inputs q, k, v, mask, bias.
@@ -116,10 +120,13 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
           const __grid_constant__ TmaMap tb, const InputHeads heads, T* __restrict__ out,
-          float* __restrict__ lse, int* __restrict__ fix, int H, int mask_box_rows,
-          int bias_box_rows, const TileClasses classes, ATTN_INPUTS(float), const AttnArgs a) {
+          float* __restrict__ lse, const long long* __restrict__ kv_lens, int* __restrict__ fix,
+          int H, int Nq, int Nk, int Dv, float scale, int left, int right, int bottom_right,
+          int mask_box_rows, int bias_box_rows, const long long* __restrict__ offsets,
+          const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
+          long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs,
+          const TileClasses classes) {
   using namespace tc;
-  ATTN_ARGS_LOCALS(a, float);
   constexpr int BLOCK_M = 64 * CONSUMERS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
   constexpr int DF = DV / 8;        // output n-fragments per warp
@@ -134,11 +141,12 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong between two consumer warpgroups");
   static_assert(128 * (24 + CONSUMERS * CONSUMER_REGS) <= 65536, "register budget");
   constexpr bool HAS_MB = MB != MB_NONE;
+  constexpr bool STAGED = MB >= MB_STAGED, CLASSES = MB == MB_CLASSES;
   // staged mask / bias slots (MB_STAGED); mask_box_rows, bias_box_rows: rows per staged tile
   // (0: absent, 1: the same for every query row, BLOCK_M)
-  constexpr u32 M_BYTES = MB == MB_STAGED ? BLOCK_M * BLOCK_N : 0;
-  constexpr u32 B_BYTES = MB == MB_STAGED ? BLOCK_M * BLOCK_N * 4 : 0;
-  static_assert(MB != MB_STAGED || (BLOCK_N % 32 == 0 && M_BYTES % 1024 == 0), "staged tiles");
+  constexpr u32 M_BYTES = STAGED ? BLOCK_M * BLOCK_N : 0;
+  constexpr u32 B_BYTES = STAGED ? BLOCK_M * BLOCK_N * 4 : 0;
+  static_assert(!STAGED || (BLOCK_N % 32 == 0 && M_BYTES % 1024 == 0), "staged tiles");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
   const long long bh = blockIdx.x / n_mtiles;
@@ -157,14 +165,15 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   auto tile_start = [&](int it) {
     return it == 0 ? j_limit - BLOCK_N : j_first + (n_tiles - 1 - it) * BLOCK_N;
   };
-  // What the staged mask shows of the it-th tile (TileClasses; the tile spans at most two
-  // chunks): producer and consumers skip the TILE_HIDDEN ones alike.
-  const unsigned char* cls_row = MB == MB_STAGED ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
+  // CLASSES: what the mask shows of the it-th tile (it spans at most two chunks); producer and
+  // consumers skip the hidden ones alike. A tile's place in the rings is then its count among the
+  // tiles computed (`seq`), not `it`.
+  const unsigned char* cls_row = CLASSES ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
   auto visit_class = [&](int it) {
-    return MB == MB_STAGED ? tile_class<BLOCK_N>(cls_row, tile_start(it)) : TILE_MIXED;
+    return CLASSES ? tile_class<BLOCK_N>(cls_row, tile_start(it)) : TILE_MIXED;
   };
   auto next_tile = [&](int it) {  // the first tile at or after `it` that is not skipped
-    if (MB == MB_STAGED)
+    if (CLASSES)
       while (it < n_tiles && visit_class(it) == TILE_HIDDEN) ++it;
     return it;
   };
@@ -208,24 +217,25 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
       auto batch = [&](int x) { return b * heads.bmul[x]; };
       const int kh = head(1), kb = batch(1), vh = head(2), vb = batch(2);
       // the staged mask / bias rows of this block (one row when the same for all) come with K
-      const u32 mb_bytes = MB == MB_STAGED ? (mask_box_rows + 4 * bias_box_rows) * BLOCK_N : 0;
+      const u32 mb_bytes = STAGED ? (mask_box_rows + 4 * bias_box_rows) * BLOCK_N : 0;
       tma::arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
       for (int cb = 0; cb < NCK; ++cb)
         tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, head(0), batch(0), q_full);
       for (int it = next_tile(0), k = 0; it < n_tiles; it = next_tile(it + 1), ++k) {
-        const int slot = k % STAGES;  // k: tiles issued before this one
-        const u32 parity = ((k / STAGES) & 1) ^ 1;  // the slot's previous use
+        const int seq = CLASSES ? k : it;
+        const int slot = seq % STAGES;
+        const u32 parity = ((seq / STAGES) & 1) ^ 1;  // the slot's previous use
         const int j0 = tile_start(it);
         tma::wait(k_empty(slot), parity);
         tma::arrive_expect_tx(k_full(slot), K_BYTES + mb_bytes);
 #pragma unroll
         for (int cb = 0; cb < NCK; ++cb)
           tma::load_4d(sK + slot * K_BYTES + cb * KV_BLK, tk, cb * 64, j0, kh, kb, k_full(slot));
-        if (MB == MB_STAGED && mask_box_rows)
+        if (STAGED && mask_box_rows)
           tma::load_4d(sM + slot * M_BYTES, tm, j0, mask_box_rows == 1 ? 0 : i0, head(3),
                        batch(3), k_full(slot));
-        if (MB == MB_STAGED && bias_box_rows) {
+        if (STAGED && bias_box_rows) {
 #pragma unroll
           for (int cb = 0; cb < BLOCK_N / 32; ++cb)
             tma::load_4d(sB + slot * B_BYTES + cb * BLOCK_M * 128, tb, j0 + 32 * cb,
@@ -263,17 +273,16 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   float s[1][NF][4];
   u32 p[KN][4];
 
-  // Mask by global position where the tile is not entirely visible to the warpgroup's rows. A
-  // staged tile its mask shows entirely (and no bias) is only scaled to log2 units.
-  auto mask_tile = [&](int it, int slot) {
+  // Mask by global position where the tile is not entirely visible to the warpgroup's rows (seq:
+  // the tile's place in the rings).
+  auto mask_tile = [&](int it, int seq) {
     const int j0 = tile_start(it), floor = it == 0 ? key_floor : 0;
-    const bool by_position = j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N);
-    if (HAS_MB || by_position) {
+    if (HAS_MB || j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
       const int i = i0 + row_w + g;
-      if constexpr (MB == MB_STAGED) {
-        if (visit_class(it) == TILE_VISIBLE && bias_box_rows == 0) {
-          const ScaleMod to_log2{scale * LOG2E};
-          if (by_position) {
+      if constexpr (STAGED) {
+        if (CLASSES && bias_box_rows == 0 && visit_class(it) == TILE_VISIBLE) {
+          const ScaleMod to_log2{scale * LOG2E};  // the mask shows every key: scale only
+          if (j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
             mask_rows(s[0], i, j0, t, Nq, b32, to_log2, floor);
           } else {
 #pragma unroll
@@ -283,6 +292,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           }
           return;
         }
+        const int slot = seq % STAGES;
         const StagedMaskBias<BLOCK_M, BLOCK_N> st{
             sM + slot * M_BYTES, sB + slot * B_BYTES, mask_box_rows != 0, bias_box_rows != 0,
             mask_box_rows == 1 ? 0 : 1, bias_box_rows == 1 ? 0 : 1, scale * LOG2E};
@@ -295,8 +305,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     }
   };
   // K's slot is free once S = Q K^T is done, or with staged tiles once they are read too.
-  auto release_k = [&](int slot, bool after_mask) {
-    if (after_mask == (MB == MB_STAGED)) tma::arrive(k_empty(slot));
+  auto release_k = [&](int seq, bool after_mask) {
+    if (after_mask == STAGED) tma::arrive(k_empty(seq % STAGES));
   };
   auto to_p = [&]() {
 #pragma unroll
@@ -311,13 +321,10 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   auto turn_pass = [&](bool last) {
     if (PINGPONG && !(last && cw == 1)) tma::named_arrive(3 + (cw ^ 1), 256);
   };
-  // k counts the tiles computed (the ring's sequence); `it` is the tile's place in the visit
-  // order (next_tile skips the hidden ones).
   const int first = next_tile(0);
   if (PINGPONG && cw == 1 && first < n_tiles) tma::named_arrive(3, 256);
 
   tma::wait(q_full, 0);
-  int k = 0;
   if (first < n_tiles) {
     tma::wait(k_full(0), 0);
     turn_take();
@@ -331,20 +338,21 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     sm.step(s, sl2);
     to_p();
   }
+  int k = 0;  // CLASSES: the tiles computed before this one
   for (int it = next_tile(first + 1); it < n_tiles; it = next_tile(it + 1)) {
-    ++k;
-    const int slot = k % STAGES, prev = (k - 1) % STAGES;
-    tma::wait(k_full(slot), (k / STAGES) & 1);
-    tma::wait(v_full(prev), ((k - 1) / STAGES) & 1);
+    const int seq = CLASSES ? ++k : it;
+    const int slot = seq % STAGES, prev = (seq - 1) % STAGES;
+    tma::wait(k_full(slot), (seq / STAGES) & 1);
+    tma::wait(v_full(prev), ((seq - 1) / STAGES) & 1);
     turn_take();
     wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK + slot * K_BYTES);
     pv_product<T, DV, KN, KV_BLK>(o, p, sV + prev * V_BYTES);
     turn_pass(false);
-    wg::wait<1>();  // S(k) is done; P(k - 1) V(k - 1) may still run
+    wg::wait<1>();  // this tile's S is done; the previous tile's P V may still run
     wg::fence_acc(s[0]);
-    release_k(slot, false);
-    mask_tile(it, slot);
-    release_k(slot, true);
+    release_k(seq, false);
+    mask_tile(it, seq);
+    release_k(seq, true);
     sm.step(s, sl2);
     wg::wait<0>();
     wg::fence_acc(o);
@@ -354,8 +362,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     to_p();
   }
   if (first < n_tiles) {
-    const int last = k % STAGES;
-    tma::wait(v_full(last), (k / STAGES) & 1);
+    const int seq = CLASSES ? k : n_tiles - 1;
+    const int last = seq % STAGES;
+    tma::wait(v_full(last), (seq / STAGES) & 1);
     turn_take();
     pv_product<T, DV, KN, KV_BLK>(o, p, sV + last * V_BYTES);
     turn_pass(true);

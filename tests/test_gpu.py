@@ -210,7 +210,9 @@ def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng, override):
     p = _validate.make_problem(q, k, v, **options)
     # staged tiles need key tiles at multiples of 16 keys: no causal bound (its diagonal tiles
     # start anywhere; staging them faulted with an illegal instruction)
-    want = _wgmma_fwd.MB_STAGED if staged and "causal" not in options else _wgmma_fwd.MB_GLOBAL
+    # (a staged mask is classified: MB_CLASSES)
+    want = _wgmma_fwd.MB_GLOBAL if not staged or "causal" in options else \
+        _wgmma_fwd.MB_CLASSES if "mask" in options else _wgmma_fwd.MB_STAGED
     assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == want
     check(q, k, v, rng, **options)
 
@@ -245,8 +247,8 @@ def test_hopper_forward_skips_hidden_tiles(kind, dims, rng, override):
         options["kv_lens"] = [[320, 256], [64, 192]]
     _wgmma_forward_or_skip(override, q, k, v, options)
     p = _validate.make_problem(q, k, v, **options)
-    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == _wgmma_fwd.MB_STAGED
-    assert _mask_tiles.layout(p) is not None  # classified
+    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == _wgmma_fwd.MB_CLASSES
+    assert _mask_tiles.layout(p) is not None
     check(q, k, v, rng, **options)
     m = options["mask"]
     m[..., 64:128] = ~m[..., 64:128]  # in place: hidden tiles become visible and back
