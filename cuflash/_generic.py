@@ -5,7 +5,8 @@ paths call too.
 Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward, instantiations.
 Callers pass Problems with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones) whose arrays
 satisfy DESIGN.md "Kernel ABI"; nothing is checked again here. Scalars go to the kernels as NumPy
-scalars of the C parameter's type, the shared ones in one struct (cuflash._runtime.Args).
+scalars of the C parameter's type (cuflash._runtime.Args: `flat_tail` for the generic kernels,
+`tail`, with the AttnArgs struct, for the lost-row kernels).
 """
 import numpy as np
 

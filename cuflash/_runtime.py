@@ -8,8 +8,9 @@
 * output allocation, NaN-poisoned under the tests' override (`empty`), and the device copies of
   small host tables, cached by content (`on_device`);
 * the kernel argument pack: the offset table and what every main kernel takes after its own
-  tensors, four input pointers and the AttnArgs struct (`Args`, `ARGS_FIELDS`), and the grid and
-  shared-memory helpers (`bh_grid`, `opt_in`);
+  tensors, four input pointers and the AttnArgs struct or its fields flat (`Args`,
+  `ARGS_FIELDS`; DESIGN.md "Kernel ABI"), and the grid and shared-memory helpers (`bh_grid`,
+  `opt_in`);
 * the test switches (`overrides`; cuflash._gpu.override sets them).
 
 CuPy is imported lazily: this module imports on machines without CuPy. Launches go to the current
@@ -278,9 +279,10 @@ ARGS_DTYPE = np.dtype(list(ARGS_FIELDS), align=True)  # C's layout: fields on na
 
 
 class Args:
-    """The arguments shared by the main kernels of one Problem. `tail`: what every main kernel
-    takes after its own tensors (kernels_cu/args.cuh): offsets, mask, bias, kv_lens (null where
-    absent), then AttnArgs as a NumPy structured scalar (passed by value)."""
+    """The arguments shared by the main kernels of one Problem. `tail`: what the tensor-core and
+    lost-row kernels take after their own tensors (kernels_cu/args.cuh): offsets, mask, bias,
+    kv_lens (null where absent), then AttnArgs as a NumPy structured scalar (passed by value);
+    `flat_tail(scale_type)`: the same with AttnArgs' fields one by one (the generic kernels)."""
 
     def __init__(self, p):
         self.p = p
