@@ -112,13 +112,13 @@ def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
         return (f"bwd_mma_dkdv_grid<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
     return (f"bwd_mma_dkdv<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
-            f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_b(has_mb)}, {tile.min_blocks}, "
-            f"{tile.opt}>")
+            f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_config.modifier_type(has_mb)}, "
+            f"{tile.min_blocks}, {tile.opt}>")
 
 
 def dq_expr(dtype_name, head_dim, tile, has_mb):
     return (f"bwd_mma_dq<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_n}, {tile.warps}, "
-            f"{tile.stages}, {_b(has_mb)}, {tile.min_blocks}>")
+            f"{tile.stages}, {_config.modifier_type(has_mb)}, {tile.min_blocks}>")
 
 
 def dkdv_smem_bytes(head_dim, tile):

@@ -66,8 +66,8 @@ def name_expression(dtype, head_dim, has_mb, tile=None):
     t = TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
     return (f"fwd_mma<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
-            f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, {b(has_mb)}, {t.min_blocks}, "
-            f"{b(t.cheap_addr)}, {b(t.kv_split)}>")
+            f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, {_config.modifier_type(has_mb)}, "
+            f"{t.min_blocks}, {b(t.cheap_addr)}, {b(t.kv_split)}>")
 
 
 def instantiations():

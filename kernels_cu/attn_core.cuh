@@ -34,10 +34,17 @@ __device__ __forceinline__ bool tile_all_visible(const Bounds32& b, int i0, int 
 // kernels): mod(x, i, j) returns the modified logit, -inf for a key the modifier hides. The
 // identity costs nothing; softcap, ALiBi and the like are further modifiers of this shape.
 // READS_INPUTS: whether it reads per-(query, key) inputs (then it must not be asked about padding
-// query rows, i >= Nq).
+// query rows, i >= Nq). IDENTITY: no per-element work, so that a kernel templated on the modifier
+// leaves the tiles visible by position alone and folds the scale into exp2. make(...): the
+// modifier of head bh from the kernel's inputs (mask_bias_of below).
 struct NoMod {
-  static constexpr bool READS_INPUTS = false;
+  static constexpr bool READS_INPUTS = false, IDENTITY = true;
   __device__ __forceinline__ float operator()(float x, int, long long) const { return x; }
+  __device__ __forceinline__ static NoMod make(const unsigned char*, const float*,
+                                               const long long*, int, long long, long long,
+                                               long long, long long, long long, float) {
+    return NoMod();
+  }
 };
 // The raw score to log2 units, for a tile of a masked kernel that its mask shows entirely.
 struct ScaleMod {
@@ -52,7 +59,7 @@ struct ScaleMod {
 // bias gives x = -inf (no mass), a NaN bias NaN; one below -FLT_MAX / log2e overflows to -inf (the
 // kernels' lost-row fix-ups settle rows of only such keys).
 struct MaskBiasMod {
-  static constexpr bool READS_INPUTS = true;
+  static constexpr bool READS_INPUTS = true, IDENTITY = false;
   const unsigned char* mask;  // may be null
   const float* bias;          // may be null
   long long mask_rs, mask_cs, bias_rs, bias_cs;
@@ -63,6 +70,11 @@ struct MaskBiasMod {
     if (bias != nullptr) x = fmaf(bias[i * bias_rs + j * bias_cs], LOG2E, x);
     return x;
   }
+  __device__ __forceinline__ static MaskBiasMod make(const unsigned char* mask, const float* bias,
+                                                     const long long* offsets, int BH,
+                                                     long long bh, long long mask_rs,
+                                                     long long mask_cs, long long bias_rs,
+                                                     long long bias_cs, float scale_log2);
 };
 
 // The modifier of head bh (offsets: the kernels' (5, BH) table, rows 3 and 4 for mask and bias).
@@ -80,6 +92,15 @@ __device__ __forceinline__ MaskBiasMod make_mask_bias(const unsigned char* mask,
   mb.bias_cs = bias_cs;
   mb.scale_log2 = scale_log2;
   return mb;
+}
+__device__ __forceinline__ MaskBiasMod MaskBiasMod::make(const unsigned char* mask,
+                                                         const float* bias,
+                                                         const long long* offsets, int BH,
+                                                         long long bh, long long mask_rs,
+                                                         long long mask_cs, long long bias_rs,
+                                                         long long bias_cs, float scale_log2) {
+  return make_mask_bias(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                        scale_log2);
 }
 
 // ---- visibility on mma.sync fragments -----------------------------------------------------------

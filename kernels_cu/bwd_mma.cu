@@ -260,7 +260,7 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
 // Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile: the blocks of one (batch, head) run together
 // (its Q and dO stay in L2), the first key tiles (the longest causal ones) first. OPT: tcb::DkdvOpt.
 template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
-          bool HAS_MB, int MIN_BLOCKS, int OPT>
+          typename Mod, int MIN_BLOCKS, int OPT>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse2,
@@ -269,6 +269,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
+  constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * NWARPS;  // keys per block, 16 per warp
   constexpr int NQF = BLOCK_M / 8;      // n-fragments of S^T / dP^T (queries)
@@ -385,8 +386,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
-  const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
-                                        BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
+  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                            scale_log2);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
 
@@ -430,8 +431,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // visible. Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
     const int i_last = min(i0 + BLOCK_M, Nq) - 1;
     if (HAS_MB || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
-      if constexpr (HAS_MB) mask_key_rows(s, jw, i0, t, Nq, pr, mb);
-      else mask_key_rows(s, jw, i0, t, Nq, pr, NoMod());
+      mask_key_rows(s, jw, i0, t, Nq, pr, mod);
     }
 
     // P^T = exp2(S^T * scale * log2e - lse2[query]); -inf (invisible) and +inf lse2 (empty or
@@ -591,7 +591,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // Deterministic dQ. Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_mma.
 // BLOCK_M = 16 * NWARPS query rows, warp w owns rows [16 w, 16 w + 16); key tiles of BLOCK_N start
 // at the first visible key (tile_key_range) and stream through a STAGES-deep ring of K and V.
-template <typename T, int HEAD_DIM, int BLOCK_N, int NWARPS, int STAGES, bool HAS_MB,
+template <typename T, int HEAD_DIM, int BLOCK_N, int NWARPS, int STAGES, typename Mod,
           int MIN_BLOCKS>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -600,6 +600,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
            const AttnArgs a, int Nq_pad) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
+  constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_M = 16 * NWARPS;
   constexpr int NF = BLOCK_N / 8;   // n-fragments of S / dP (keys)
@@ -670,8 +671,8 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   zero(dq);
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
-  const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
-                                        BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
+  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                            scale_log2);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
@@ -724,8 +725,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
 
     // Mask (rows = queries, columns = keys), only in tiles not entirely visible to the block.
     if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
-      if constexpr (HAS_MB) mask_rows(s, i0 + warp * 16 + g, j0, t, Nq, pr, mb);
-      else mask_rows(s, i0 + warp * 16 + g, j0, t, Nq, pr, NoMod());
+      mask_rows(s, i0 + warp * 16 + g, j0, t, Nq, pr, mod);
     }
 
     // dS = scale * P (dP - delta), P = exp2(S * scale * log2e - lse2[row]).

@@ -39,13 +39,14 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 //               only for K before S = Q K^T, and for V (plus a second barrier) right after it,
 //               so V's copy overlaps Q K^T.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
-          bool Q_IN_REGS, bool HAS_MB, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT>
+          bool Q_IN_REGS, typename Mod, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         T* __restrict__ out, float* __restrict__ lse, ATTN_INPUTS(float), const AttnArgs a,
         int* __restrict__ fix) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
+  constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
   constexpr int THREADS = NWARPS * 32;
   constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp
   constexpr int NF = BLOCK_N / 8;              // score n-fragments (keys)
@@ -133,8 +134,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // (s * scale * log2e + bias * log2e); otherwise the scale is folded into the exponent's FFMA.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  const MaskBiasMod mb = make_mask_bias(HAS_MB ? mask : nullptr, HAS_MB ? bias : nullptr, offsets,
-                                        BH, bh, mask_rs, mask_cs, bias_rs, bias_cs, scale_log2);
+  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                            scale_log2);
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
@@ -208,8 +209,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       const int i_thr = opaque(i0 + warp_row0 + g);
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
-        if constexpr (HAS_MB) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mb);
-        else mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, NoMod());
+        mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
       }
     }
 
