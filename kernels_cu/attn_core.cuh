@@ -36,7 +36,7 @@ __device__ __forceinline__ bool tile_all_visible(const Bounds32& b, int i0, int 
 // READS_INPUTS: whether it reads per-(query, key) inputs (then it must not be asked about padding
 // query rows, i >= Nq). IDENTITY: no per-element work, so that a kernel templated on the modifier
 // leaves the tiles visible by position alone and folds the scale into exp2. make(...): the
-// modifier of head bh from the kernel's inputs (mask_bias_of below).
+// modifier of head bh from the kernel's inputs (make_mask_bias below).
 struct NoMod {
   static constexpr bool READS_INPUTS = false, IDENTITY = true;
   __device__ __forceinline__ float operator()(float x, int, long long) const { return x; }
