@@ -44,7 +44,7 @@ import threading
 import numpy as np
 
 from . import _config, _runtime
-from ._validate import element_strides
+from ._validate import element_strides, key_range
 
 NAME = "split"
 SOURCE = "decode.cu"
@@ -229,9 +229,9 @@ def group_heads(k_map, v_map, lens, max_group=MAX_GROUP):
 def tile_extents(group_lens, G, Nq, rows, left, right, bottom_right):
     """Per row tile: (group, tile, lo, hi) with [lo, hi] the keys its rows can see by position.
 
-    Row rho = i * G + gi of a group; tile t holds rho in [t * rows, (t + 1) * rows). Mirrors
-    key_range in kernels_cu/mask.cuh: p = i + (L - Nq if bottom_right else 0),
-    lo = max(p - left, 0), hi = min(p + right, L - 1); lo, hi non-decreasing in i.
+    Row rho = i * G + gi of a group; tile t holds rho in [t * rows, (t + 1) * rows). The rule is
+    _validate.key_range's; lo, hi are non-decreasing in i, so a tile's range is its first row's lo
+    and its last row's hi.
     """
     group_lens = np.asarray(group_lens, dtype=np.int64)
     n_tiles = -(-(G * Nq) // rows)
@@ -239,9 +239,8 @@ def tile_extents(group_lens, G, Nq, rows, left, right, bottom_right):
     i_first = (t * rows) // G
     i_last = (np.minimum((t + 1) * rows, G * Nq) - 1) // G
     L = group_lens[:, None]
-    shift = (L - Nq) if bottom_right else np.zeros_like(L)
-    lo = np.maximum(i_first[None, :] + shift - left, 0)
-    hi = np.minimum(i_last[None, :] + shift + right, L - 1)
+    lo = key_range(i_first[None, :], L, Nq, left, right, bottom_right)[0]
+    hi = key_range(i_last[None, :], L, Nq, left, right, bottom_right)[1]
     g = np.repeat(np.arange(group_lens.size, dtype=np.int64), n_tiles)
     tt = np.tile(t, group_lens.size)
     return g, tt, lo.reshape(-1), hi.reshape(-1)

@@ -24,6 +24,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import _config
+from ._validate import key_range
 
 BLOCK_N = 128  # keys per step; read at call time so that tests can shrink it
 
@@ -68,10 +69,8 @@ class _Tiles:
             past = np.arange(p.Nk).reshape(1, p.Nk) >= lengths.reshape(bh, 1)
             self.k[past] = 0
             self.v[past] = 0
-        rows = np.arange(p.Nq, dtype=np.int64).reshape(1, p.Nq)
-        pos = rows + (lengths.reshape(bh, 1) - p.Nq) if p.bottom_right else rows + 0 * lengths[:, None]
-        self.lo = np.maximum(pos - p.left, 0)                              # (BH, Nq)
-        self.hi = np.minimum(pos + p.right, lengths.reshape(bh, 1) - 1)    # (BH, Nq)
+        self.lo, self.hi = key_range(np.arange(p.Nq).reshape(1, p.Nq), lengths.reshape(bh, 1),
+                                     p.Nq, p.left, p.right, p.bottom_right)  # (BH, Nq) each
         nonempty = self.lo <= self.hi
         # Key range any row can see: every key tile outside it is skipped.
         self.first = int(self.lo[nonempty].min()) if nonempty.any() else 0

@@ -66,6 +66,17 @@ class Problem:
 # ---------------------------------------------------------------------------------------------
 # array kinds
 
+def key_range(i, L, Nq, left, right, bottom_right):
+    """The keys query row(s) i see by position, [lo, hi] (empty when lo > hi), for L valid keys:
+    the visibility rule of DESIGN.md (kernels_cu/mask.cuh key_range on the device). p = i + (L -
+    Nq) bottom-right or i top-left, lo = max(p - left, 0), hi = min(p + right, L - 1); i and L
+    broadcast as NumPy arrays. The host's one copy: the CPU path, the decode schedule and the
+    Hopper forward's dispatch read it."""
+    i, L = np.asarray(i, dtype=np.int64), np.asarray(L, dtype=np.int64)
+    p = i + (L - Nq) if bottom_right else i + 0 * L
+    return np.maximum(p - left, 0), np.minimum(p + right, L - 1)
+
+
 def _library(x):
     """'numpy', 'cupy' or None for anything that is not an array of either."""
     if isinstance(x, np.ndarray):

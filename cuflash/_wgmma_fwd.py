@@ -10,7 +10,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import _broadcast, _config, _generic, _mask_tiles, _mma_fwd, _runtime, _tma
-from ._validate import element_strides
+from ._validate import element_strides, key_range
 
 NAME = "wgmma"
 SOURCE = "fwd_wgmma.cu"
@@ -143,12 +143,10 @@ def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
 
 def mean_row_keys(p, samples=17):
     """The mean number of keys a query row sees by position alone (L = Nk), over `samples` rows
-    spread evenly: the visibility rule of DESIGN.md, lo = max(i + shift - left, 0),
-    hi = min(i + shift + right, Nk - 1)."""
-    shift = p.Nk - p.Nq if p.bottom_right else 0
-    rows = [(p.Nq - 1) * s // (samples - 1) for s in range(samples)]
-    return sum(max(min(i + shift + p.right, p.Nk - 1) - max(i + shift - p.left, 0) + 1, 0)
-               for i in rows) / samples
+    spread evenly (_validate.key_range)."""
+    rows = (p.Nq - 1) * np.arange(samples) // (samples - 1)
+    lo, hi = key_range(rows, p.Nk, p.Nq, p.left, p.right, p.bottom_right)
+    return float(np.maximum(hi - lo + 1, 0).sum()) / samples
 
 
 def short_bounded_rows(p, dims):
