@@ -1,7 +1,8 @@
 """The tensor-core backward (kernels_cu/bwd_mma.cu): mma.sync, and wgmma on sm_90a; tile tables,
 the tile rule, takes_backward, backward().
 
-float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128). Three kernels per call:
+float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128, 256). Three kernels per
+call:
   bwd_mma_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
                  padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head);
   bwd_mma_dkdv   one block per key tile: dK, dV in registers (float32 out), and by default dQ added
@@ -17,8 +18,9 @@ a device.
 Which dK/dV tile a call gets (dkdv_tile): on compute capability 9.0 at head dims 64 and 128 the
 wgmma form (DKDV_TILES_WG / _MB / _DQ, OPT_WG: compiled for sm_90a), where warpgroup h owns keys
 [64 h, 64 h + 64) of the 128-key tile and S^T, dP^T, dV and dK are warpgroup products; elsewhere
-the warp-grid kernel at D=128 where shared memory allows (DKDV_TILES_LARGE_SMEM), else DKDV_TILES /
-DKDV_TILES_MB. Tiles are chosen by ptxas spill reports and, at D=64 and 128, by H200 timings
+the DKDV_TILES_LARGE_SMEM tiles (D=128: the warp-grid kernel; D=256) where shared memory allows,
+else DKDV_TILES / DKDV_TILES_MB. D=256 splits dK, dV and dQ's columns over two blocks per key tile
+(OPT_HALVES). Tiles are chosen by ptxas spill reports and, at D=64 and 128, by H200 timings
 (benchmarks/RESULTS.md, with the alternatives that lost).
 
 dkdv: BLOCK_N = 16 * WARPS keys (warp w owns 16 keys), BLOCK_M queries per step, K and V
@@ -59,6 +61,9 @@ OPT_WG_DQ = 4
 # bwd_mma_dkdv_grid<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, no mask /
 # bias).
 OPT_GRID = 8
+# OPT_HALVES: D=256, whose dK + dV do not fit a warp's registers: two blocks per key tile, each
+# with half of dK's, dV's and dQ's columns (tcb::DKDV_HALVES; padded tiles).
+OPT_HALVES = 16
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
@@ -68,20 +73,26 @@ DKDV_TILES = {
     64: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
     96: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
     128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
+    256: DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
 }
 DKDV_TILES_MB = {
     32: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
     64: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
     96: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
     128: DkdvTile(block_m=16, warps=8, kv_in_regs=False, min_blocks=1),
+    256: DkdvTile(block_m=16, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
 }
-# dq: one tile for every head dim, with and without mask / bias
+# dq: one tile per head dim, with and without mask / bias (D=256: 32 keys per step, one block per
+# SM; 64 spilled)
 DQ_TILES = {d: DqTile(block_n=64, warps=4, stages=2, min_blocks=2) for d in (32, 64, 96, 128)}
+DQ_TILES[256] = DqTile(block_n=32, warps=4, stages=2, min_blocks=1)
 HEAD_DIMS = tuple(sorted(DKDV_TILES))
-# Devices whose opt-in shared memory per block holds it (the H200: 227 KiB) take this tile instead
-# of DKDV_TILES's at D=128 without mask / bias (177 KiB: over sm_80's 163 KiB).
+# Devices whose opt-in shared memory per block holds it (the H200: 227 KiB) take these tiles
+# instead of DKDV_TILES's without mask / bias: D=128 the warp-grid kernel (177 KiB: over sm_80's
+# 163 KiB), D=256 128 keys per block pair (209 KiB; 1.2-1.3x the 64-key tile on the H200).
 DKDV_TILES_LARGE_SMEM = {
-    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_GRID)}
+    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_GRID),
+    256: DkdvTile(block_m=32, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES)}
 # Compute capability 9.0 (sm_90a code): the wgmma form of the swizzled tile (OPT_WG), with and
 # without mask / bias; with a mask / bias D=128 takes 32 queries per step (64 spill 12 B with
 # deterministic=True).
@@ -121,6 +132,11 @@ def dq_expr(dtype_name, head_dim, tile, has_mb):
             f"{tile.stages}, {_config.modifier_type(has_mb)}, {tile.min_blocks}>")
 
 
+def dkdv_blocks(p, tile):
+    """The dK/dV launch's 1-D grid: one block per key tile per (batch, head), two with OPT_HALVES."""
+    return -(-p.Nk // (16 * tile.warps)) * p.BH * (2 if tile.opt & OPT_HALVES else 1)
+
+
 def dkdv_smem_bytes(head_dim, tile):
     """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows padded by 8 elements; dS^T
     (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID: + P^T (as dS^T).
@@ -151,8 +167,8 @@ def wg_tile(head_dim, has_mb, dq_atomic):
 def dkdv_tile(head_dim, has_mb, dq_atomic=False):
     """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
     capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
-    cuflash._gpu.override(wgmma=False)), else the warp-grid tile where shared memory allows it,
-    else the table's."""
+    cuflash._gpu.override(wgmma=False)), else the DKDV_TILES_LARGE_SMEM tile where shared memory
+    allows it, else the table's."""
     info = _runtime.device_info()
     wg = wg_tile(head_dim, has_mb, dq_atomic)
     if _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
@@ -218,8 +234,7 @@ def takes_backward(p):
     if not _mma_fwd.tensor_core_layout(p):
         return False
     # grid limits of the 1-D launches
-    tile = DKDV_TILES[p.Dk]
-    return p.BH * -(-p.Nk // (16 * tile.warps)) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
+    return dkdv_blocks(p, DKDV_TILES[p.Dk]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
 def _contiguous16(x, shape):
@@ -273,7 +288,7 @@ def backward(p, dout, out, lse, deterministic=False):
     # the launch is enqueued)
     classes, _table = (_mask_tiles.classify(p, tile.block_m, 16 * tile.warps) if has_mb
                        else (_mask_tiles.NO_CLASSES, None))
-    fn((-(-Nk // (16 * tile.warps)) * BH,), (tile.warps * 32,),
+    fn((dkdv_blocks(p, tile),), (tile.warps * 32,),
        (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv, classes)
        + tail + (np.int32(out16),), shared_mem=smem)
     if deterministic:  # dq every element, without atomics

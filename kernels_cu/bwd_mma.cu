@@ -87,10 +87,15 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                [64 h, 64 h + 64) over all 128 keys with K's column block h as an MN-major B. Its
 //                fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the reductions are the
 //                same.
+//   DKDV_HALVES  head dims whose dK + dV accumulators do not fit one warp's registers (256): two
+//                blocks per key tile (blockIdx.x = 2 * tile + half), block `half` owns the columns
+//                [half * HEAD_DIM / 2, +HEAD_DIM / 2) of dK, dV and dQ; S^T and dP^T (full head
+//                dim contractions) are computed by both (7 products per tile pair instead of 5).
+//                Padded tiles, K / V in shared memory.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
 // (Host-side, _mma_bwd.OPT_GRID selects the warp-grid kernel bwd_mma_dkdv_grid; the kernels never
 // see it.)
-enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4 };
+enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16 };
 
 // The dQ reductions of a query tile go out spread over the k-steps of the product that follows
 // them (dK += dS^T Q; phase 2 in bwd_mma_dkdv_grid), ceil(NR / STEPS) per k-step: issued as one
@@ -273,7 +278,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * NWARPS;  // keys per block, 16 per warp
   constexpr int NQF = BLOCK_M / 8;      // n-fragments of S^T / dP^T (queries)
-  constexpr int DF = HEAD_DIM / 8;      // n-fragments of dK / dV (head dim)
+  constexpr bool HALVES = (OPT & tcb::DKDV_HALVES) != 0;  // half of dK, dV, dQ's columns
+  constexpr int DC = HALVES ? HEAD_DIM / 2 : HEAD_DIM;     // this block's dK / dV / dQ columns
+  constexpr int DF = DC / 8;            // n-fragments of dK / dV (head dim)
   constexpr int KD = HEAD_DIM / 16;     // k-steps of K Q^T and V dO^T
   constexpr int KM = BLOCK_M / 16;      // k-steps of P^T dO and dS^T Q
   constexpr bool SWZ = (OPT & tcb::DKDV_SWZ) != 0;  // K, V, Q, dO swizzled (tc::chunk_offset)
@@ -289,7 +296,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
   constexpr int WM = BLOCK_M / 16;
   constexpr int WD = NWARPS / WM;
-  constexpr int DQ_COLS = HEAD_DIM / (WD > 0 ? WD : 1);  // dQ columns per warp
+  constexpr int DQ_COLS = DC / (WD > 0 ? WD : 1);  // dQ columns per warp
   static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
   static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
   constexpr bool WG = (OPT & tcb::DKDV_WGMMA) != 0;  // four products on wgmma (sm_90a)
@@ -298,6 +305,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
                 "shared memory");
   static_assert(!SWZ || HEAD_DIM == 64 || WG, "DKDV_SWZ's mma.sync products: one column block");
+  static_assert(!HALVES || (!SWZ && !KV_IN_REGS && DC % 16 == 0),
+                "DKDV_HALVES: padded tiles, K / V in shared memory, halves of 16-column steps");
   static_assert(!WG_DQ || (WG && HEAD_DIM == 128 && BLOCK_M == 64 && DQ_ATOMIC),
                 "DKDV_WG_DQ: the wgmma kernel at D=128, 64 queries per step, dQ atomics");
   // Shared tile bases: swizzled tiles start on a row (tc::tile_addr's XOR must not carry into the
@@ -310,8 +319,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 "dQ warp layout (at most 32 accumulators per thread, held through dK)");
 
   const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
-  const long long bh = blockIdx.x / n_ntiles;
-  const int j0 = static_cast<int>(blockIdx.x % n_ntiles) * BLOCK_N;
+  const unsigned blk = HALVES ? blockIdx.x / 2 : blockIdx.x;  // the key tile's block
+  const long long bh = blk / n_ntiles;
+  const int j0 = static_cast<int>(blk % n_ntiles) * BLOCK_N;
+  const int c0 = HALVES ? static_cast<int>(blockIdx.x % 2) * DC : 0;  // first dK / dV / dQ column
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // fragment coordinates: row g (+8), columns 2t, 2t+1
@@ -463,7 +474,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(tile_addr<SWZ>(dos + bt_lane, kk * 16 * LROW, p * 32), b);
+        ldsm_x4_t(tile_addr<SWZ>(dos + bt_lane, kk * 16 * LROW, c0 * 2 + p * 32), b);
         Mma<T>::run2(dv[2 * p], dv[2 * p + 1], pa, b);
       }
     }
@@ -519,7 +530,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // red.global.add go out a few per k-step of dK below (tcb::dq_reductions_at).
     constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
     float acc[QF][4];
-    const int wm = warp % WM, col0 = (warp / WM) * DQ_COLS;
+    const int wm = warp % WM, col0 = c0 + (warp / WM) * DQ_COLS;
     if constexpr (WG_DQ) {
       wg::fence_shared();  // dS^T is read by wgmma
       __syncthreads();     // dS^T of every warp in shared memory
@@ -572,7 +583,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
       for (int p = 0; p < DF / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(tile_addr<SWZ>(qs + bt_lane, kk * 16 * LROW, p * 32), b);
+        ldsm_x4_t(tile_addr<SWZ>(qs + bt_lane, kk * 16 * LROW, c0 * 2 + p * 32), b);
         Mma<T>::run2(dk[2 * p], dk[2 * p + 1], da[kk], b);
       }
     }
@@ -583,7 +594,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + 2 * t, dk, dv, h, out16);
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + c0 + 2 * t, dk, dv, h,
+                            out16);
     }
   }
 }

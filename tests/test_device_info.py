@@ -69,5 +69,13 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
             assert atomic == wg_dq and atomic.opt & _mma_bwd.OPT_WG_DQ
         else:
             assert atomic == tile
+    for has_mb in (False, True):  # D=256: column halves on every device, 128 keys where they fit
+        tile = _mma_bwd.dkdv_tile(256, has_mb)
+        big = _mma_bwd.DKDV_TILES_LARGE_SMEM[256]
+        if not has_mb and _mma_bwd.dkdv_smem_bytes(256, big) <= smem:
+            assert tile == big
+        else:
+            assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[256]
+        assert tile.opt & _mma_bwd.OPT_HALVES and not tile.opt & _mma_bwd.OPT_WG
     override(wgmma=False)
     assert not _mma_bwd.dkdv_tile(64, False).opt & _mma_bwd.OPT_WG

@@ -93,7 +93,8 @@ def test_sweep(case, dtype, rng, path):
 
 # The tensor-core backward has two dK/dV kernels at D=64 and 128 on compute capability 9.0: the
 # wgmma one (what "auto" runs there) and the mma.sync one every other device runs (at D=128 the
-# warp-grid kernel where shared memory allows). This runs both, both dQ modes.
+# warp-grid kernel where shared memory allows). This runs both, both dQ modes, and D=256 (every
+# device: the mma.sync kernel with dK / dV / dQ columns in two halves, _mma_bwd.OPT_HALVES).
 # (name, q lead, kv lead, Nq, Nk, options)
 TC_BWD_CASES = [
     ("odd-causal-tl-gqa", (2, 4), (2, 2), 97, 200, dict(causal=True, align="top-left")),
@@ -105,8 +106,8 @@ TC_BWD_CASES = [
 
 @pytest.mark.parametrize("dtype", ["float16"] + (["bfloat16"] if BFLOAT16 is not None else []))
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim, kernel", [(64, "wgmma"), (64, "mma"), (128, "wgmma"),
+                                              (128, "mma"), (256, "mma")], ids=str)
 @pytest.mark.parametrize("case", TC_BWD_CASES, ids=[c[0] for c in TC_BWD_CASES])
 def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dtype, rng,
                                       override):
@@ -126,7 +127,9 @@ def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dty
     p = _validate.make_problem(q, k, v, **options)
     assert _gpu.backward_path(p) == "mma"
     has_mb = p.mask is not None or p.bias is not None
-    assert bool(_mma_bwd.dkdv_tile(head_dim, has_mb).opt & _mma_bwd.OPT_WG) == (kernel == "wgmma")
+    tile = _mma_bwd.dkdv_tile(head_dim, has_mb)
+    assert bool(tile.opt & _mma_bwd.OPT_WG) == (kernel == "wgmma")
+    assert bool(tile.opt & _mma_bwd.OPT_HALVES) == (head_dim == 256)
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
