@@ -1,8 +1,8 @@
 """The tensor-core backward (kernels_cu/bwd_mma.cu): mma.sync, and wgmma on sm_90a; tile tables,
 the tile rule, takes_backward, backward().
 
-float16 / bfloat16 on sm_80 and newer, Dk == Dv in HEAD_DIMS (32, 64, 96, 128, 256). Three kernels per
-call:
+float16 / bfloat16 on sm_80 and newer, (Dk, Dv) in HEAD_DIMS: Dk == Dv in (32, 64, 96, 128, 192, 256),
+and (192, 128). Three kernels per call:
   bwd_mma_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
                  padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head);
   bwd_mma_dkdv   one block per key tile: dK, dV in registers (float32 out), and by default dQ added
@@ -18,9 +18,9 @@ a device.
 Which dK/dV tile a call gets (dkdv_tile): on compute capability 9.0 at head dims 64 and 128 the
 wgmma form (DKDV_TILES_WG / _MB / _DQ, OPT_WG: compiled for sm_90a), where warpgroup h owns keys
 [64 h, 64 h + 64) of the 128-key tile and S^T, dP^T, dV and dK are warpgroup products; elsewhere
-the DKDV_TILES_LARGE_SMEM tiles (D=128: the warp-grid kernel; D=256) where shared memory allows,
-else DKDV_TILES / DKDV_TILES_MB. D=256 splits dK, dV and dQ's columns over two blocks per key tile
-(OPT_HALVES). Tiles are chosen by ptxas spill reports and, at D=64 and 128, by H200 timings
+the DKDV_TILES_LARGE_SMEM tiles (D=128: the warp-grid kernel; (192, 128), 256) where shared memory
+allows, else DKDV_TILES / DKDV_TILES_MB. Dk >= 192 splits dK, dV and dQ's columns over two blocks
+per key tile (OPT_HALVES); Dk != Dv tiles are rows of max(Dk, Dv). Tiles are chosen by ptxas spill reports and, at D=64 and 128, by H200 timings
 (benchmarks/RESULTS.md, with the alternatives that lost).
 
 dkdv: BLOCK_N = 16 * WARPS keys (warp w owns 16 keys), BLOCK_M queries per step, K and V
@@ -61,75 +61,86 @@ OPT_WG_DQ = 4
 # bwd_mma_dkdv_grid<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, no mask /
 # bias).
 OPT_GRID = 8
-# OPT_HALVES: D=256, whose dK + dV do not fit a warp's registers: two blocks per key tile, each
-# with half of dK's, dV's and dQ's columns (tcb::DKDV_HALVES; padded tiles).
+# OPT_HALVES: head dims whose dK + dV do not fit a warp's registers (192, 256): two blocks per key
+# tile, each with half of dK's, dV's and dQ's columns (tcb::DKDV_HALVES; padded tiles).
 OPT_HALVES = 16
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
-# head dim -> tile. Instantiations: 2 dtypes x 4 head dims x 2 (HAS_MB) x 2 (deterministic) dkdv,
-# plus 2 x 4 x 2 dq and 2 x 4 prep, plus the LARGE_SMEM and wgmma tiles below.
+# (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
+# dkdv, plus 2 x 7 x 2 dq and 2 x 6 prep (by Dv), plus the LARGE_SMEM and wgmma tiles below.
 DKDV_TILES = {
-    32: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
-    64: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
-    96: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
-    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
-    256: DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
+    (32, 32): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
+    (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
+    (96, 96): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
+    (128, 128): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
+    (192, 128): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
+    (192, 192): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
+    (256, 256): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
 }
 DKDV_TILES_MB = {
-    32: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
-    64: DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
-    96: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
-    128: DkdvTile(block_m=16, warps=8, kv_in_regs=False, min_blocks=1),
-    256: DkdvTile(block_m=16, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
+    (32, 32): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
+    (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
+    (96, 96): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
+    (128, 128): DkdvTile(block_m=16, warps=8, kv_in_regs=False, min_blocks=1),
+    (192, 128): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
+    (192, 192): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
+    (256, 256): DkdvTile(block_m=16, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
 }
-# dq: one tile per head dim, with and without mask / bias (D=256: 32 keys per step, one block per
-# SM; 64 spilled)
-DQ_TILES = {d: DqTile(block_n=64, warps=4, stages=2, min_blocks=2) for d in (32, 64, 96, 128)}
-DQ_TILES[256] = DqTile(block_n=32, warps=4, stages=2, min_blocks=1)
+# dq: one tile per head dim pair, with and without mask / bias (Dk >= 192: 32 keys per step, one
+# block per SM; 64 spilled at 256)
+DQ_TILES = {d: DqTile(block_n=64, warps=4, stages=2, min_blocks=2) for d in DKDV_TILES}
+DQ_TILES.update({d: DqTile(block_n=32, warps=4, stages=2, min_blocks=1)
+                 for d in DKDV_TILES if d[0] >= 192})
 HEAD_DIMS = tuple(sorted(DKDV_TILES))
 # Devices whose opt-in shared memory per block holds it (the H200: 227 KiB) take these tiles
 # instead of DKDV_TILES's without mask / bias: D=128 the warp-grid kernel (177 KiB: over sm_80's
-# 163 KiB), D=256 128 keys per block pair (209 KiB; 1.2-1.3x the 64-key tile on the H200).
+# 163 KiB); 128 keys per block pair at (192, 128) (219 KiB) and D=256 (209 KiB): 1.15-1.3x the
+# 64-key tiles on the H200 (benchmarks/RESULTS.md).
 DKDV_TILES_LARGE_SMEM = {
-    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_GRID),
-    256: DkdvTile(block_m=32, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES)}
+    (128, 128): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_GRID),
+    (192, 128): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
+    (256, 256): DkdvTile(block_m=32, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES)}
 # Compute capability 9.0 (sm_90a code): the wgmma form of the swizzled tile (OPT_WG), with and
 # without mask / bias; with a mask / bias D=128 takes 32 queries per step (64 spill 12 B with
 # deterministic=True).
 DKDV_TILES_WG = {
-    64: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
-    128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+    (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+    (128, 128): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1,
+                         opt=OPT_SWZ | OPT_WG),
 }
 DKDV_TILES_WG_MB = {
-    64: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
-    128: DkdvTile(block_m=32, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+    (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+    (128, 128): DkdvTile(block_m=32, warps=8, kv_in_regs=False, min_blocks=1,
+                         opt=OPT_SWZ | OPT_WG),
 }
 # With dQ atomics and no mask / bias, D=128 takes dQ on wgmma too (OPT_WG_DQ: dS^T stored
-# 128-byte swizzled, read as an MN-major A operand). deterministic=True keeps DKDV_TILES_WG[128]
+# 128-byte swizzled, read as an MN-major A operand). deterministic=True keeps DKDV_TILES_WG's
 # (its dkdv kernel has no dQ part).
-DKDV_TILES_WG_DQ = {128: DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1,
-                                  opt=OPT_SWZ | OPT_WG | OPT_WG_DQ)}
+DKDV_TILES_WG_DQ = {(128, 128): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1,
+                                         opt=OPT_SWZ | OPT_WG | OPT_WG_DQ)}
 def _b(x):
     return "true" if x else "false"
 
 
-def prep_expr(dtype_name, head_dim):
-    return f"bwd_mma_prep<{_CTYPE[dtype_name]}, {head_dim}>"
+def prep_expr(dtype_name, dims):
+    """The prep kernel reads dout and out: rows of Dv."""
+    return f"bwd_mma_prep<{_CTYPE[dtype_name]}, {dims[1]}>"
 
 
-def dkdv_expr(dtype_name, head_dim, tile, dq_atomic, has_mb):
+def dkdv_expr(dtype_name, dims, tile, dq_atomic, has_mb):
     """bwd_mma_dkdv<..., opt>, or the warp-grid kernel bwd_mma_dkdv_grid for an OPT_GRID tile."""
+    dk, dv = dims
     if tile.opt & OPT_GRID:
-        return (f"bwd_mma_dkdv_grid<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, "
+        return (f"bwd_mma_dkdv_grid<{_CTYPE[dtype_name]}, {dk}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
-    return (f"bwd_mma_dkdv<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_m}, {tile.warps}, "
+    return (f"bwd_mma_dkdv<{_CTYPE[dtype_name]}, {dk}, {dv}, {tile.block_m}, {tile.warps}, "
             f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_config.modifier_type(has_mb)}, "
             f"{tile.min_blocks}, {tile.opt}>")
 
 
-def dq_expr(dtype_name, head_dim, tile, has_mb):
-    return (f"bwd_mma_dq<{_CTYPE[dtype_name]}, {head_dim}, {tile.block_n}, {tile.warps}, "
-            f"{tile.stages}, {_config.modifier_type(has_mb)}, {tile.min_blocks}>")
+def dq_expr(dtype_name, dims, tile, has_mb):
+    return (f"bwd_mma_dq<{_CTYPE[dtype_name]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
+            f"{tile.warps}, {tile.stages}, {_config.modifier_type(has_mb)}, {tile.min_blocks}>")
 
 
 def dkdv_blocks(p, tile):
@@ -137,11 +148,13 @@ def dkdv_blocks(p, tile):
     return -(-p.Nk // (16 * tile.warps)) * p.BH * (2 if tile.opt & OPT_HALVES else 1)
 
 
-def dkdv_smem_bytes(head_dim, tile):
-    """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows padded by 8 elements; dS^T
-    (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID: + P^T (as dS^T).
-    OPT_SWZ: K, V, Q, dO rows unpadded (head_dim * 2 bytes), plus one such row of slack: the kernel
-    rounds its shared base up to a row (its XOR addressing needs row-aligned tile bases)."""
+def dkdv_smem_bytes(dims, tile):
+    """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows of max(Dk, Dv) padded by 8
+    elements; dS^T (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID:
+    + P^T (as dS^T). OPT_SWZ (Dk == Dv): K, V, Q, dO rows unpadded (head_dim * 2 bytes), plus one
+    such row of slack: the kernel rounds its shared base up to a row (its XOR addressing needs
+    row-aligned tile bases)."""
+    head_dim = max(dims)
     block_n = 16 * tile.warps
     swz = bool(tile.opt & OPT_SWZ)  # (never with OPT_GRID)
     row = head_dim * 2 if swz else (head_dim + 8) * 2
@@ -156,34 +169,34 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
-def wg_tile(head_dim, has_mb, dq_atomic):
+def wg_tile(dims, has_mb, dq_atomic):
     """The wgmma dK/dV tile of a call kind, or None: with dQ atomics and no mask / bias the one
     with dQ on wgmma too where there is one (DKDV_TILES_WG_DQ), else DKDV_TILES_WG / _MB."""
-    if dq_atomic and not has_mb and head_dim in DKDV_TILES_WG_DQ:
-        return DKDV_TILES_WG_DQ[head_dim]
-    return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(head_dim)
+    if dq_atomic and not has_mb and dims in DKDV_TILES_WG_DQ:
+        return DKDV_TILES_WG_DQ[dims]
+    return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(dims)
 
 
-def dkdv_tile(head_dim, has_mb, dq_atomic=False):
+def dkdv_tile(dims, has_mb, dq_atomic=False):
     """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
     capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
     cuflash._gpu.override(wgmma=False)), else the DKDV_TILES_LARGE_SMEM tile where shared memory
     allows it, else the table's."""
     info = _runtime.device_info()
-    wg = wg_tile(head_dim, has_mb, dq_atomic)
+    wg = wg_tile(dims, has_mb, dq_atomic)
     if _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
-            dkdv_smem_bytes(head_dim, wg) <= info.smem_optin:
+            dkdv_smem_bytes(dims, wg) <= info.smem_optin:
         return wg
-    if not has_mb and head_dim in DKDV_TILES_LARGE_SMEM:
-        big = DKDV_TILES_LARGE_SMEM[head_dim]
-        if dkdv_smem_bytes(head_dim, big) <= info.smem_optin:
+    if not has_mb and dims in DKDV_TILES_LARGE_SMEM:
+        big = DKDV_TILES_LARGE_SMEM[dims]
+        if dkdv_smem_bytes(dims, big) <= info.smem_optin:
             return big
-    return (DKDV_TILES_MB if has_mb else DKDV_TILES)[head_dim]
+    return (DKDV_TILES_MB if has_mb else DKDV_TILES)[dims]
 
 
-def dq_smem_bytes(head_dim, tile):
-    """Q, dO (16 * WARPS rows) + STAGES K and V tiles, rows padded by 8 elements."""
-    return (2 * 16 * tile.warps + 2 * tile.stages * tile.block_n) * (head_dim + 8) * 2
+def dq_smem_bytes(dims, tile):
+    """Q, dO (16 * WARPS rows) + STAGES K and V tiles, rows of max(Dk, Dv) padded by 8 elements."""
+    return (2 * 16 * tile.warps + 2 * tile.stages * tile.block_n) * (max(dims) + 8) * 2
 
 
 def instantiations():
@@ -192,7 +205,8 @@ def instantiations():
     for dt in _config.MMA_DTYPES:
         exprs = []
         for d in HEAD_DIMS:
-            exprs.append(prep_expr(dt, d))
+            if prep_expr(dt, d) not in exprs:
+                exprs.append(prep_expr(dt, d))
             for mb in (False, True):
                 tile = (DKDV_TILES_MB if mb else DKDV_TILES)[d]
                 exprs.append(dkdv_expr(dt, d, tile, True, mb))
@@ -227,14 +241,14 @@ def _function(expr, smem, arch=None):
 
 def takes_backward(p):
     """True when the Problem fits this path; otherwise the host takes the generic backward."""
-    if p.Dk not in DKDV_TILES or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
+    if (p.Dk, p.Dv) not in DKDV_TILES or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
         return False
     if p.bias is not None and p.bias.dtype != np.float32:
         return False
-    if not _mma_fwd.tensor_core_layout(p):
+    if not _mma_fwd.tensor_core_layout(p, same_dims=False):
         return False
     # grid limits of the 1-D launches
-    return dkdv_blocks(p, DKDV_TILES[p.Dk]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
+    return dkdv_blocks(p, DKDV_TILES[p.Dk, p.Dv]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
 def _contiguous16(x, shape):
@@ -254,35 +268,36 @@ def backward(p, dout, out, lse, deterministic=False):
     import cupy
 
     args = _runtime.Args(p)
-    BH, Nq, Nk, D = p.BH, p.Nq, p.Nk, p.Dk
+    BH, Nq, Nk, Dk, Dv = p.BH, p.Nq, p.Nk, p.Dk, p.Dv
+    dims = (Dk, Dv)
     # dK, dV straight in the inputs' dtype when no broadcast / GQA sum follows (each k and v
     # matrix is one output (batch, head)'s): no float32 buffers, no cast passes
     out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
     kv_dtype = p.dtype if out16 else np.float32
     Nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     tail = args.tail + (np.int32(Nq_pad),)
-    dout = _contiguous16(dout, (BH, Nq, D))
-    out = _contiguous16(out, (BH, Nq, D))
+    dout = _contiguous16(dout, (BH, Nq, Dv))
+    out = _contiguous16(out, (BH, Nq, Dv))
     lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)
     lse2 = _runtime.empty((BH, Nq_pad), dtype=np.float32)  # every row written by prep
     delta = _runtime.empty((BH, Nq_pad), dtype=np.float32)
     lost_flags = cupy.empty((BH, -(-Nq // 32)), dtype=np.int32)  # all written by prep
     # prep: lse2, delta (BH, Nq_pad) and the lost-row flags (BH, ceil(Nq / 32)) for lost_rows.cu
-    fn = _function(prep_expr(p.dtype.name, D), 0)
+    fn = _function(prep_expr(p.dtype.name, dims), 0)
     lost = np.float32(_config.lost_lse_limit(np.float32))
     fn((-(-BH * Nq_pad * 8 // 256),), (256,), (dout, out, lse, lse2, delta, np.int32(BH),
                                                np.int32(Nq), np.int32(Nq_pad), lost, lost_flags))
     if deterministic:
-        dq = _runtime.empty((BH, Nq, D), dtype=np.float32)
+        dq = _runtime.empty((BH, Nq, Dk), dtype=np.float32)
     else:
-        dq = cupy.zeros((BH, Nq, D), dtype=np.float32)
-    dk = _runtime.empty((BH, Nk, D), dtype=kv_dtype)
-    dv = _runtime.empty((BH, Nk, D), dtype=kv_dtype)
+        dq = cupy.zeros((BH, Nq, Dk), dtype=np.float32)
+    dk = _runtime.empty((BH, Nk, Dk), dtype=kv_dtype)
+    dv = _runtime.empty((BH, Nk, Dv), dtype=kv_dtype)
     # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ
     has_mb = p.mask is not None or p.bias is not None
-    tile = dkdv_tile(D, has_mb, not deterministic)
-    smem = dkdv_smem_bytes(D, tile)
-    fn = _function(dkdv_expr(p.dtype.name, D, tile, not deterministic, has_mb), smem,
+    tile = dkdv_tile(dims, has_mb, not deterministic)
+    smem = dkdv_smem_bytes(dims, tile)
+    fn = _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb), smem,
                    dkdv_arch(tile))
     # the mask's tile classes, for its key blocks of 16 * warps keys (the table must live until
     # the launch is enqueued)
@@ -292,9 +307,9 @@ def backward(p, dout, out, lse, deterministic=False):
        (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv, classes)
        + tail + (np.int32(out16),), shared_mem=smem)
     if deterministic:  # dq every element, without atomics
-        tile = DQ_TILES[D]
-        smem = dq_smem_bytes(D, tile)
-        fn = _function(dq_expr(p.dtype.name, D, tile, has_mb), smem)
+        tile = DQ_TILES[dims]
+        smem = dq_smem_bytes(dims, tile)
+        fn = _function(dq_expr(p.dtype.name, dims, tile, has_mb), smem)
         fn((-(-Nq // (16 * tile.warps)) * BH,), (tile.warps * 32,),
            (p.q, p.k, p.v, dout, lse2, delta, dq) + tail, shared_mem=smem)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags)

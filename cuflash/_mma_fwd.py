@@ -88,11 +88,12 @@ def cc90_only():
             for (d, mb), t in TILES_CC90.items()}
 
 
-def tensor_core_layout(p):
+def tensor_core_layout(p, same_dims=True):
     """What every tensor-core kernel needs (fwd_mma.cu and bwd_mma.cu, "Requirements"): 16-bit
-    inputs, Dk == Dv, scale > 0, lengths within their 32-bit arithmetic, sm_80+, and 16-byte rows:
-    unit innermost stride, rows and matrices 8 elements apart, aligned bases."""
-    if p.dtype.name not in _config.MMA_DTYPES or p.Dk != p.Dv:
+    inputs, Dk == Dv (unless not same_dims: the backward's tiles may differ), scale > 0, lengths
+    within their 32-bit arithmetic, sm_80+, and 16-byte rows: unit innermost stride, rows and
+    matrices 8 elements apart, aligned bases."""
+    if p.dtype.name not in _config.MMA_DTYPES or (same_dims and p.Dk != p.Dv):
         return False
     if not p.scale > 0 or max(p.Nq, p.Nk) > MAX_LEN:
         return False  # the kernels fold the scale into exp2 and take maxima of unscaled scores

@@ -131,46 +131,56 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
   }
 }
 
-// One thread's pairs of a dK and a dV row (row half h of each 16x8 fragment, NF fragments 8
-// columns apart) at element offset e: float32, or the inputs' 16-bit type when out16 (the host's
-// dk / dv are then T arrays: no GQA / broadcast sum follows, so no float32 round trip).
-template <typename T, int NF>
-__device__ __forceinline__ void store_kv_rows(float* dk_acc, float* dv_acc, long long e,
-                                              const float (&dk)[NF][4], const float (&dv)[NF][4],
-                                              int h, int out16) {
+// One thread's pairs of a dK and a dV row (row half h of each 16x8 fragment, NFK / NFV fragments 8
+// columns apart) at element offsets ek, ev: float32, or the inputs' 16-bit type when out16 (the
+// host's dk / dv are then T arrays: no GQA / broadcast sum follows, so no float32 round trip).
+template <typename T, int NFK, int NFV>
+__device__ __forceinline__ void store_kv_rows(float* dk_acc, float* dv_acc, long long ek,
+                                              long long ev, const float (&dk)[NFK][4],
+                                              const float (&dv)[NFV][4], int h, int out16) {
   using namespace tc;
+  constexpr int NF = NFK > NFV ? NFK : NFV;
   if (out16) {
-    T* dkr = reinterpret_cast<T*>(dk_acc) + e;
-    T* dvr = reinterpret_cast<T*>(dv_acc) + e;
+    T* dkr = reinterpret_cast<T*>(dk_acc) + ek;
+    T* dvr = reinterpret_cast<T*>(dv_acc) + ev;
 #pragma unroll
     for (int f = 0; f < NF; ++f) {
-      *reinterpret_cast<u32*>(dkr + f * 8) = Mma<T>::pack(dk[f][2 * h], dk[f][2 * h + 1]);
-      *reinterpret_cast<u32*>(dvr + f * 8) = Mma<T>::pack(dv[f][2 * h], dv[f][2 * h + 1]);
+      if (f < NFK)
+        *reinterpret_cast<u32*>(dkr + f * 8) =
+            Mma<T>::pack(dk[f < NFK ? f : 0][2 * h], dk[f < NFK ? f : 0][2 * h + 1]);
+      if (f < NFV)
+        *reinterpret_cast<u32*>(dvr + f * 8) =
+            Mma<T>::pack(dv[f < NFV ? f : 0][2 * h], dv[f < NFV ? f : 0][2 * h + 1]);
     }
   } else {
-    float* dkr = dk_acc + e;
-    float* dvr = dv_acc + e;
+    float* dkr = dk_acc + ek;
+    float* dvr = dv_acc + ev;
 #pragma unroll
     for (int f = 0; f < NF; ++f) {
-      *reinterpret_cast<float2*>(dkr + f * 8) = make_float2(dk[f][2 * h], dk[f][2 * h + 1]);
-      *reinterpret_cast<float2*>(dvr + f * 8) = make_float2(dv[f][2 * h], dv[f][2 * h + 1]);
+      if (f < NFK)
+        *reinterpret_cast<float2*>(dkr + f * 8) =
+            make_float2(dk[f < NFK ? f : 0][2 * h], dk[f < NFK ? f : 0][2 * h + 1]);
+      if (f < NFV)
+        *reinterpret_cast<float2*>(dvr + f * 8) =
+            make_float2(dv[f < NFV ? f : 0][2 * h], dv[f < NFV ? f : 0][2 * h + 1]);
     }
   }
 }
 
-// One query tile of the dK/dV kernels into ring slot `slot` (of two): Q and dO rows from i0 (zeros
-// past Nq; dO's rows are contiguous), lse2 and delta of those rows (their buffers are padded).
-// SWZ: Q and dO tiles swizzled (tc::chunk_offset).
-template <int BLOCK_M, int HEAD_DIM, int THREADS, typename T, bool SWZ = false>
+// One query tile of the dK/dV kernels into ring slot `slot` (of two): Q (HEAD_DIM = Dk) and dO (DV)
+// rows from i0 (zeros past Nq; dO's rows are contiguous) in rows of the wider of the two, lse2 and
+// delta of those rows (their buffers are padded). SWZ: Q and dO tiles swizzled (tc::chunk_offset).
+template <int BLOCK_M, int HEAD_DIM, int THREADS, typename T, bool SWZ = false, int DV = HEAD_DIM>
 __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD, int slot,
                                                 const T* qh, long long q_rs, const T* doh,
                                                 const float* l2h, const float* dh, int i0,
                                                 int Nq) {
   using namespace tc;
-  constexpr int QT_BYTES = BLOCK_M * (SWZ ? HEAD_DIM : HEAD_DIM + 8) * 2;
+  constexpr int PD = HEAD_DIM > DV ? HEAD_DIM : DV;  // row pitch (elements, padded tiles)
+  constexpr int QT_BYTES = BLOCK_M * (SWZ ? HEAD_DIM : PD + 8) * 2;
   const int tid = threadIdx.x;
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sdO + slot * QT_BYTES, doh, HEAD_DIM, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ, PD>(sQ + slot * QT_BYTES, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, DV, THREADS, T, SWZ, PD>(sdO + slot * QT_BYTES, doh, DV, i0, Nq);
   if (tid < BLOCK_M / 4) {
     cp_async16(sL + slot * BLOCK_M * 4 + tid * 16, l2h + i0 + tid * 4, 16);
   } else if (tid < BLOCK_M / 2) {
@@ -180,7 +190,7 @@ __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD,
 }
 // One dK/dV block's view of its head: the window and its 32-bit bounds, the query tiles that
 // can see the keys [j0, j0 + BLOCK_N) by position (m_first and the n_mt after it), and the head's
-// inputs (dO, lse2, delta per output row; q, k, v through the offset table).
+// inputs (dO (rows of DV), lse2, delta per output row; q, k, v through the offset table).
 template <typename T>
 struct KeyBlock {
   Window w;
@@ -189,7 +199,7 @@ struct KeyBlock {
   const T *q, *k, *v, *dout;
   const float *lse2, *delta;
 };
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, typename T>
+template <int DV, int BLOCK_M, int BLOCK_N, typename T>
 __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* q, const T* k,
                                                  const T* v, const T* dout, const float* lse2,
                                                  const float* delta, const long long* offsets,
@@ -205,7 +215,7 @@ __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* 
   b.q = q + offsets[0 * BH + bh];
   b.k = k + offsets[1 * BH + bh];
   b.v = v + offsets[2 * BH + bh];
-  b.dout = dout + bh * Nq * HEAD_DIM;
+  b.dout = dout + bh * Nq * DV;
   b.lse2 = lse2 + bh * Nq_pad;
   b.delta = delta + bh * Nq_pad;
   return b;
@@ -264,8 +274,9 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
 
 // Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile: the blocks of one (batch, head) run together
 // (its Q and dO stay in L2), the first key tiles (the longest causal ones) first. OPT: tcb::DkdvOpt.
-template <typename T, int HEAD_DIM, int BLOCK_M, int NWARPS, bool KV_IN_REGS, bool DQ_ATOMIC,
-          typename Mod, int MIN_BLOCKS, int OPT>
+// HEAD_DIM: Dk (q, k, dq, dk); DV: Dv (v, dout, dv), DV != HEAD_DIM on padded tiles only.
+template <typename T, int HEAD_DIM, int DV, int BLOCK_M, int NWARPS, bool KV_IN_REGS,
+          bool DQ_ATOMIC, typename Mod, int MIN_BLOCKS, int OPT>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse2,
@@ -279,12 +290,16 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr int BLOCK_N = 16 * NWARPS;  // keys per block, 16 per warp
   constexpr int NQF = BLOCK_M / 8;      // n-fragments of S^T / dP^T (queries)
   constexpr bool HALVES = (OPT & tcb::DKDV_HALVES) != 0;  // half of dK, dV, dQ's columns
-  constexpr int DC = HALVES ? HEAD_DIM / 2 : HEAD_DIM;     // this block's dK / dV / dQ columns
-  constexpr int DF = DC / 8;            // n-fragments of dK / dV (head dim)
-  constexpr int KD = HEAD_DIM / 16;     // k-steps of K Q^T and V dO^T
+  constexpr int DCK = HALVES ? HEAD_DIM / 2 : HEAD_DIM;    // this block's dK / dQ columns
+  constexpr int DCV = HALVES ? DV / 2 : DV;                // and dV columns
+  constexpr int DFK = DCK / 8;          // n-fragments of dK (head dim)
+  constexpr int DFV = DCV / 8;          // and of dV
+  constexpr int KD = HEAD_DIM / 16;     // k-steps of K Q^T
+  constexpr int KDV = DV / 16;          // and of V dO^T
+  constexpr int PD = HEAD_DIM > DV ? HEAD_DIM : DV;  // row pitch of the padded tiles (elements)
   constexpr int KM = BLOCK_M / 16;      // k-steps of P^T dO and dS^T Q
   constexpr bool SWZ = (OPT & tcb::DKDV_SWZ) != 0;  // K, V, Q, dO swizzled (tc::chunk_offset)
-  constexpr int ROW_BYTES = SWZ ? HEAD_DIM * 2 : (HEAD_DIM + 8) * 2;  // bytes per row of a tile
+  constexpr int ROW_BYTES = SWZ ? HEAD_DIM * 2 : (PD + 8) * 2;  // bytes per row of a tile
   // Row pitch inside a tile: swizzled tiles are blocks of 64 columns (tc::cp_tile), rows of 128
   // bytes; KBLK: bytes per block of the K tile when there are several (else 0, tc::tile_addr).
   constexpr int LROW = SWZ ? 128 : ROW_BYTES;
@@ -296,16 +311,17 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
   constexpr int WM = BLOCK_M / 16;
   constexpr int WD = NWARPS / WM;
-  constexpr int DQ_COLS = DC / (WD > 0 ? WD : 1);  // dQ columns per warp
-  static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+  constexpr int DQ_COLS = DCK / (WD > 0 ? WD : 1);  // dQ columns per warp
+  static_assert(BLOCK_M % 16 == 0 && HEAD_DIM % 16 == 0 && DV % 16 == 0, "tile shape");
   static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
+  static_assert(DV == HEAD_DIM || (!SWZ && !KV_IN_REGS), "Dk != Dv: padded tiles in shared memory");
   constexpr bool WG = (OPT & tcb::DKDV_WGMMA) != 0;  // four products on wgmma (sm_90a)
   static_assert(!WG || (SWZ && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
                         (BLOCK_M == 32 || BLOCK_M == 64) && NWARPS == 8 && !KV_IN_REGS),
                 "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
                 "shared memory");
   static_assert(!SWZ || HEAD_DIM == 64 || WG, "DKDV_SWZ's mma.sync products: one column block");
-  static_assert(!HALVES || (!SWZ && !KV_IN_REGS && DC % 16 == 0),
+  static_assert(!HALVES || (!SWZ && !KV_IN_REGS && DCK % 16 == 0 && DCV % 16 == 0),
                 "DKDV_HALVES: padded tiles, K / V in shared memory, halves of 16-column steps");
   static_assert(!WG_DQ || (WG && HEAD_DIM == 128 && BLOCK_M == 64 && DQ_ATOMIC),
                 "DKDV_WG_DQ: the wgmma kernel at D=128, 64 queries per step, dQ atomics");
@@ -322,12 +338,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const unsigned blk = HALVES ? blockIdx.x / 2 : blockIdx.x;  // the key tile's block
   const long long bh = blk / n_ntiles;
   const int j0 = static_cast<int>(blk % n_ntiles) * BLOCK_N;
-  const int c0 = HALVES ? static_cast<int>(blockIdx.x % 2) * DC : 0;  // first dK / dV / dQ column
+  const int half = HALVES ? static_cast<int>(blockIdx.x % 2) : 0;
+  const int c0 = half * DCK, c0v = half * DCV;  // this block's first dK / dQ and dV column
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // fragment coordinates: row g (+8), columns 2t, 2t+1
 
-  const tcb::KeyBlock<T> kb = tcb::key_block<HEAD_DIM, BLOCK_M, BLOCK_N>(
+  const tcb::KeyBlock<T> kb = tcb::key_block<DV, BLOCK_M, BLOCK_N>(
       bh, j0, q, k, v, dout, lse2, delta, offsets, kv_lens, BH, Nq, Nk, left, right,
       bottom_right, Nq_pad);
   const Window& w = kb.w;
@@ -377,23 +394,21 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   // One query tile into ring slot `slot` (tcb::copy_query_tile).
   auto load_query_tile = [&](int slot, int i0) {
-    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ>(sQ, sdO, sL, sD, slot, kb.q, q_rs,
+    tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ, DV>(sQ, sdO, sL, sD, slot, kb.q, q_rs,
                                                              kb.dout, kb.lse2, kb.delta, i0, Nq);
   };
 
   // Prologue: K, V (zeros from key L on) with the first query tile, one commit group.
   if (first < kb.n_mt) {
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sK, kb.k, k_rs, j0, static_cast<int>(w.L));
-    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ>(sV, kb.v, v_rs, j0, static_cast<int>(w.L));
+    cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ, PD>(sK, kb.k, k_rs, j0, static_cast<int>(w.L));
+    cp_tile<BLOCK_N, DV, THREADS, T, SWZ, PD>(sV, kb.v, v_rs, j0, static_cast<int>(w.L));
     load_query_tile(0, (kb.m_first + first) * BLOCK_M);
   }
   cp_async_commit();
 
-  float dk[DF][4], dv[DF][4];
-#pragma unroll
-  for (int df = 0; df < DF; ++df)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[df][e] = dv[df][e] = 0.f;
+  float dk[DFK][4], dv[DFV][4];
+  zero(dk);
+  zero(dv);
 
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
@@ -472,16 +487,16 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       u32 pa[4];
       acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
 #pragma unroll
-      for (int p = 0; p < DF / 2; ++p) {
+      for (int p = 0; p < DFV / 2; ++p) {
         u32 b[4];
-        ldsm_x4_t(tile_addr<SWZ>(dos + bt_lane, kk * 16 * LROW, c0 * 2 + p * 32), b);
+        ldsm_x4_t(tile_addr<SWZ>(dos + bt_lane, kk * 16 * LROW, c0v * 2 + p * 32), b);
         Mma<T>::run2(dv[2 * p], dv[2 * p + 1], pa, b);
       }
     }
 
     // dP^T = V dO^T (WG: issued with S^T).
     if constexpr (!WG)
-      tcb::rows_times_queries<T, NQF, KD, KV_IN_REGS, LROW, SWZ>(dp, va, sV + a_lane,
+      tcb::rows_times_queries<T, NQF, KDV, KV_IN_REGS, LROW, SWZ>(dp, va, sV + a_lane,
                                                                     dos + bn_lane);
 
     // dS^T = scale * P^T (dP^T - delta[query]), in dp.
@@ -581,7 +596,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r);
       }
 #pragma unroll
-      for (int p = 0; p < DF / 2; ++p) {
+      for (int p = 0; p < DFK / 2; ++p) {
         u32 b[4];
         ldsm_x4_t(tile_addr<SWZ>(qs + bt_lane, kk * 16 * LROW, c0 * 2 + p * 32), b);
         Mma<T>::run2(dk[2 * p], dk[2 * p + 1], da[kk], b);
@@ -594,8 +609,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + c0 + 2 * t, dk, dv, h,
-                            out16);
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + c0 + 2 * t,
+                            (bh * Nk + j) * DV + c0v + 2 * t, dk, dv, h, out16);
     }
   }
 }
@@ -603,7 +618,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // Deterministic dQ. Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_mma.
 // BLOCK_M = 16 * NWARPS query rows, warp w owns rows [16 w, 16 w + 16); key tiles of BLOCK_N start
 // at the first visible key (tile_key_range) and stream through a STAGES-deep ring of K and V.
-template <typename T, int HEAD_DIM, int BLOCK_N, int NWARPS, int STAGES, typename Mod,
+// HEAD_DIM: Dk (q, k, dq); DV: Dv (v, dout).
+template <typename T, int HEAD_DIM, int DV, int BLOCK_N, int NWARPS, int STAGES, typename Mod,
           int MIN_BLOCKS>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -617,11 +633,13 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   constexpr int BLOCK_M = 16 * NWARPS;
   constexpr int NF = BLOCK_N / 8;   // n-fragments of S / dP (keys)
   constexpr int DF = HEAD_DIM / 8;  // n-fragments of dQ
-  constexpr int KD = HEAD_DIM / 16;
+  constexpr int KD = HEAD_DIM / 16;  // k-steps of Q K^T
+  constexpr int KDV = DV / 16;       // and of dO V^T
   constexpr int KN = BLOCK_N / 16;  // k-steps of dS K
-  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  constexpr int PD = HEAD_DIM > DV ? HEAD_DIM : DV;  // row pitch of every tile (elements)
+  constexpr int ROW_BYTES = (PD + 8) * 2;
   constexpr int TILE_BYTES = BLOCK_N * ROW_BYTES;
-  static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+  static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0 && DV % 16 == 0, "tile shape");
   static_assert(LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
   static_assert(STAGES >= 2, "cp.async ring depth");
 
@@ -644,7 +662,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const T* qh = q + offsets[0 * BH + bh];
   const T* kh = k + offsets[1 * BH + bh];
   const T* vh = v + offsets[2 * BH + bh];
-  const T* doh = dout + bh * Nq * HEAD_DIM;
+  const T* doh = dout + bh * Nq * DV;
 
   // Shared layout (mirrored by _mma_bwd.dq_smem_bytes): Q, dO [BLOCK_M], K, V [STAGES][BLOCK_N].
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -658,14 +676,15 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const u32 bn_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
   const u32 bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
 
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sdO, doh, HEAD_DIM, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, false, PD>(sQ, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, DV, THREADS, T, false, PD>(sdO, doh, DV, i0, Nq);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < n_tiles) {
       const int j0 = j_first + s * BLOCK_N;
-      cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + s * TILE_BYTES, kh, k_rs, j0, j_limit);
-      cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
+      cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + s * TILE_BYTES, kh, k_rs, j0,
+                                                        j_limit);
+      cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
     }
     cp_async_commit();
   }
@@ -698,8 +717,10 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       const int buf = nn % STAGES;
       if (nn < n_tiles) {
         const int jn = j_first + nn * BLOCK_N;
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jn, j_limit);
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jn, j_limit);
+        cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + buf * TILE_BYTES, kh, k_rs, jn,
+                                                          j_limit);
+        cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + buf * TILE_BYTES, vh, v_rs, jn,
+                                                    j_limit);
       }
       cp_async_commit();
     }
@@ -724,7 +745,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       }
     }
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
+    for (int kk = 0; kk < KDV; ++kk) {
       u32 a[4];
       ldsm_x4(sdO + a_lane + kk * 32, a);
 #pragma unroll
@@ -1089,8 +1110,8 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     for (int h = 0; h < 2; ++h) {
       const int j = jw0 + mi * 16 + g + 8 * h;
       if (j < Nk) {
-        tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t, dk[mi],
-                              dv[mi], h, out16);
+        const long long e = (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
+        tcb::store_kv_rows<T>(dk_acc, dv_acc, e, e, dk[mi], dv[mi], h, out16);
       }
     }
 }

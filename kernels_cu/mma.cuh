@@ -143,11 +143,15 @@ __device__ __forceinline__ u32 tile_addr(u32 lane_addr, u32 row_off, u32 col_off
 // (padded, or swizzled with SWZ: chunk_offset); rows >= limit become zeros (P = 0 times a stale NaN
 // would not be 0). Thread t copies chunk t % CPR of rows t / CPR + RPI * it: one base pointer per
 // call, constant shared offsets (with SWZ, RPI % 8 == 0 keeps each thread's swizzle fixed).
-template <int ROWS, int HEAD_DIM, int THREADS, typename T, bool SWZ = false>
+// HEAD_DIM columns per row; padded rows are PITCH_DIM + 8 elements apart (a tile narrower than the
+// others of its kernel: bwd_mma.cu's V / dO when Dv < Dk).
+template <int ROWS, int HEAD_DIM, int THREADS, typename T, bool SWZ = false,
+          int PITCH_DIM = HEAD_DIM>
 __device__ __forceinline__ void cp_tile(u32 dst, const T* __restrict__ src, long long rs, int row0,
                                         int limit) {
   constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
-  constexpr int ROW_BYTES = SWZ ? 128 : (HEAD_DIM + 8) * 2;  // row pitch (of a block, swizzled)
+  constexpr int ROW_BYTES = SWZ ? 128 : (PITCH_DIM + 8) * 2;  // row pitch (of a block, swizzled)
+  static_assert(!SWZ || PITCH_DIM == HEAD_DIM, "cp_tile: swizzled tiles are HEAD_DIM wide");
   constexpr int BLK = ROWS * 128;                           // swizzled: bytes per 64-column block
   static_assert(!SWZ || CPR % 8 == 0, "cp_tile: the swizzle needs a multiple of 8 chunks per row");
   // rs through an opaque move: otherwise the compiler hoists every row's 64-bit address out of the

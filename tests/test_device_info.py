@@ -1,6 +1,8 @@
 """cuflash._runtime.device_info: the one place the kernel choices read device properties from
 (compute capability for the forward tiles, opt-in shared memory for the tensor-core paths, SM count
 for the decode split). Checked without a GPU against a stand-in for CuPy's device queries."""
+import itertools
+
 import pytest
 
 cupy = pytest.importorskip("cupy")
@@ -54,28 +56,30 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
     monkeypatch.setattr(_runtime, "device_info",
                         lambda device_id=None: _runtime.DeviceInfo(cc, smem, 132))
     monkeypatch.setattr(_runtime, "nvrtc_version", lambda: nvrtc)
-    for head_dim, has_mb in ((64, False), (64, True), (128, False), (128, True)):
-        wg = (_mma_bwd.DKDV_TILES_WG_MB if has_mb else _mma_bwd.DKDV_TILES_WG)[head_dim]
-        want = eligible and _mma_bwd.dkdv_smem_bytes(head_dim, wg) <= smem
-        tile = _mma_bwd.dkdv_tile(head_dim, has_mb)
-        assert (tile == wg) == want, (head_dim, has_mb, tile)
+    for d, has_mb in ((64, False), (64, True), (128, False), (128, True)):
+        dims = (d, d)
+        wg = (_mma_bwd.DKDV_TILES_WG_MB if has_mb else _mma_bwd.DKDV_TILES_WG)[dims]
+        want = eligible and _mma_bwd.dkdv_smem_bytes(dims, wg) <= smem
+        tile = _mma_bwd.dkdv_tile(dims, has_mb)
+        assert (tile == wg) == want, (dims, has_mb, tile)
         assert bool(tile.opt & _mma_bwd.OPT_WG) == want
         if not want and not tile.opt & _mma_bwd.OPT_GRID:  # the table's tile, as elsewhere
-            assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[head_dim]
+            assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[dims]
         # with dQ atomics and no mask / bias, D=128's wgmma tile with dQ on wgmma too
-        atomic = _mma_bwd.dkdv_tile(head_dim, has_mb, dq_atomic=True)
-        wg_dq = _mma_bwd.DKDV_TILES_WG_DQ.get(head_dim) if not has_mb else None
-        if want and wg_dq is not None and _mma_bwd.dkdv_smem_bytes(head_dim, wg_dq) <= smem:
+        atomic = _mma_bwd.dkdv_tile(dims, has_mb, dq_atomic=True)
+        wg_dq = _mma_bwd.DKDV_TILES_WG_DQ.get(dims) if not has_mb else None
+        if want and wg_dq is not None and _mma_bwd.dkdv_smem_bytes(dims, wg_dq) <= smem:
             assert atomic == wg_dq and atomic.opt & _mma_bwd.OPT_WG_DQ
         else:
             assert atomic == tile
-    for has_mb in (False, True):  # D=256: column halves on every device, 128 keys where they fit
-        tile = _mma_bwd.dkdv_tile(256, has_mb)
-        big = _mma_bwd.DKDV_TILES_LARGE_SMEM[256]
-        if not has_mb and _mma_bwd.dkdv_smem_bytes(256, big) <= smem:
+    # Dk >= 192: column halves on every device, 128 keys where they fit
+    for dims, has_mb in itertools.product(((192, 128), (192, 192), (256, 256)), (False, True)):
+        tile = _mma_bwd.dkdv_tile(dims, has_mb)
+        big = _mma_bwd.DKDV_TILES_LARGE_SMEM.get(dims)
+        if not has_mb and big is not None and _mma_bwd.dkdv_smem_bytes(dims, big) <= smem:
             assert tile == big
         else:
-            assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[256]
+            assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[dims]
         assert tile.opt & _mma_bwd.OPT_HALVES and not tile.opt & _mma_bwd.OPT_WG
     override(wgmma=False)
-    assert not _mma_bwd.dkdv_tile(64, False).opt & _mma_bwd.OPT_WG
+    assert not _mma_bwd.dkdv_tile((64, 64), False).opt & _mma_bwd.OPT_WG

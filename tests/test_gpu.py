@@ -93,8 +93,9 @@ def test_sweep(case, dtype, rng, path):
 
 # The tensor-core backward has two dK/dV kernels at D=64 and 128 on compute capability 9.0: the
 # wgmma one (what "auto" runs there) and the mma.sync one every other device runs (at D=128 the
-# warp-grid kernel where shared memory allows). This runs both, both dQ modes, and D=256 (every
-# device: the mma.sync kernel with dK / dV / dQ columns in two halves, _mma_bwd.OPT_HALVES).
+# warp-grid kernel where shared memory allows). This runs both, both dQ modes, and Dk >= 192 (every
+# device: the mma.sync kernel with dK / dV / dQ columns in two halves, _mma_bwd.OPT_HALVES; Dk != Dv
+# in (192, 128)).
 # (name, q lead, kv lead, Nq, Nk, options)
 TC_BWD_CASES = [
     ("odd-causal-tl-gqa", (2, 4), (2, 2), 97, 200, dict(causal=True, align="top-left")),
@@ -106,19 +107,21 @@ TC_BWD_CASES = [
 
 @pytest.mark.parametrize("dtype", ["float16"] + (["bfloat16"] if BFLOAT16 is not None else []))
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("head_dim, kernel", [(64, "wgmma"), (64, "mma"), (128, "wgmma"),
-                                              (128, "mma"), (256, "mma")], ids=str)
+@pytest.mark.parametrize("dims, kernel", [((64, 64), "wgmma"), ((64, 64), "mma"),
+                                         ((128, 128), "wgmma"), ((128, 128), "mma"),
+                                         ((192, 128), "mma"), ((192, 192), "mma"),
+                                         ((256, 256), "mma")],
+                         ids=lambda x: f"{x[0]}x{x[1]}" if isinstance(x, tuple) else x)
 @pytest.mark.parametrize("case", TC_BWD_CASES, ids=[c[0] for c in TC_BWD_CASES])
-def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dtype, rng,
-                                      override):
+def test_tensor_core_backward_kernels(case, dims, kernel, deterministic, dtype, rng, override):
     import cupy
     from cuflash import _gpu, _mma_bwd, _runtime, _validate
     if kernel == "wgmma" and not _runtime.wgmma_available():
         pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
     override(wgmma=kernel == "wgmma")
     _, lq, lkv, Nq, Nk, options = case
-    q = randn(rng, lq + (Nq, head_dim), dtype)
-    k, v = (randn(rng, lkv + (Nk, head_dim), dtype) for _ in range(2))
+    q = randn(rng, lq + (Nq, dims[0]), dtype)
+    k, v = randn(rng, lkv + (Nk, dims[0]), dtype), randn(rng, lkv + (Nk, dims[1]), dtype)
     if options == "mask-bias":
         mask = rng.random(lq + (Nq, Nk)) < 0.7
         mask[0, 1, 5] = False  # an empty row
@@ -127,9 +130,9 @@ def test_tensor_core_backward_kernels(case, head_dim, kernel, deterministic, dty
     p = _validate.make_problem(q, k, v, **options)
     assert _gpu.backward_path(p) == "mma"
     has_mb = p.mask is not None or p.bias is not None
-    tile = _mma_bwd.dkdv_tile(head_dim, has_mb)
+    tile = _mma_bwd.dkdv_tile(dims, has_mb)
     assert bool(tile.opt & _mma_bwd.OPT_WG) == (kernel == "wgmma")
-    assert bool(tile.opt & _mma_bwd.OPT_HALVES) == (head_dim == 256)
+    assert bool(tile.opt & _mma_bwd.OPT_HALVES) == (dims[0] >= 192)
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
