@@ -454,11 +454,19 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
 
     // Mask by global position (key = row, query = column), only where the tile is not entirely
-    // visible. Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
+    // visible. Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0. WG: a tile
+    // that a mask without bias shows entirely takes the position mask only, and the scale in
+    // exp2's FMA (sl); on sm_80 that branch spilled the D=96 tile.
     const int i_last = min(i0 + BLOCK_M, Nq) - 1;
-    if (HAS_MB || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
+    bool shown = false;
+    if constexpr (WG && HAS_MB) shown = mod.bias == nullptr && query_class(it) == TILE_VISIBLE;
+    if (shown) {
+      if (!tile_all_visible(pr, i0, i_last, j0, BLOCK_N))
+        mask_key_rows(s, jw, i0, t, Nq, pr, NoMod());
+    } else if (HAS_MB || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
       mask_key_rows(s, jw, i0, t, Nq, pr, mod);
     }
+    const float sl = shown ? scale_log2 : sl2;
 
     // P^T = exp2(S^T * scale * log2e - lse2[query]); -inf (invisible) and +inf lse2 (empty or
     // padding row) both give exactly 0.
@@ -468,8 +476,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       ld_shared_v2f(ls + (nf * 8 + 2 * t) * 4, l0, l1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        s[nf][2 * h] = ex2(fmaf(s[nf][2 * h], sl2, -l0));
-        s[nf][2 * h + 1] = ex2(fmaf(s[nf][2 * h + 1], sl2, -l1));
+        s[nf][2 * h] = ex2(fmaf(s[nf][2 * h], sl, -l0));
+        s[nf][2 * h + 1] = ex2(fmaf(s[nf][2 * h + 1], sl, -l1));
       }
     }
 

@@ -224,13 +224,16 @@ def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng, override):
 
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)], ids=str)
-@pytest.mark.parametrize("kind", ["blocks", "blocks-bias", "blocks-kv-lens", "padding"])
+@pytest.mark.parametrize("kind", ["blocks", "blocks-bias", "blocks-kv-lens", "blocks-causal",
+                                  "padding"])
 def test_hopper_forward_skips_hidden_tiles(kind, dims, rng, override):
     """A staged mask's tiles are classified before the kernel (fwd_wgmma.cu mask_tile_classes):
     tiles it hides entirely are skipped, tiles it shows entirely take no per-element mask (the
     bias still applies), the rest are masked element by element. Masks made of 128 x 64 blocks
     give all three kinds (and rows that see no key); the mask then changes in place, and the next
-    call must see the change."""
+    call must see the change. The backward (check) classifies for its own tiles: at D=64 and 128
+    on compute capability 9.0 its wgmma dK/dV kernel skips hidden tiles and gives tiles a mask
+    without bias shows entirely the position mask only (kv_lens, causal)."""
     import cupy
     from cuflash import _mask_tiles, _validate, _wgmma_fwd
     B, H, Nq, Nk = 2, 2, 300, 320
@@ -251,9 +254,14 @@ def test_hopper_forward_skips_hidden_tiles(kind, dims, rng, override):
         options["bias"] = cupy.asarray(rng.standard_normal((H, Nq, Nk)).astype(np.float32))
     if kind == "blocks-kv-lens":
         options["kv_lens"] = [[320, 256], [64, 192]]
+    if kind == "blocks-causal":
+        options["causal"] = True
     _wgmma_forward_or_skip(override, q, k, v, options)
     p = _validate.make_problem(q, k, v, **options)
-    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == _wgmma_fwd.MB_CLASSES
+    # (a causal call's mask is staged only where its key tiles align: _wgmma_fwd._key_tiles_aligned)
+    want = {_wgmma_fwd.MB_GLOBAL, _wgmma_fwd.MB_CLASSES} if "causal" in options else \
+        {_wgmma_fwd.MB_CLASSES}
+    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb in want
     assert _mask_tiles.layout(p) is not None
     check(q, k, v, rng, **options)
     m = options["mask"]
