@@ -104,8 +104,10 @@ _map_cache = {}
 
 def _launch(p, dims):
     """The Launch of a Problem, or None where no tensor map describes q, k or v; memoized by the
-    inputs' addresses and layouts (the host work of a call repeats with them)."""
-    key = (dims, p.lead, p.Nq, p.Nk) + tuple(
+    inputs' addresses and layouts (the host work of a call repeats with them) and by whether its
+    bounds let the mask / bias be staged (_key_tiles_aligned: a causal, windowed or kv_lens call
+    on the arrays of an unbounded one must not stage its tiles; it did, and faulted)."""
+    key = (dims, p.lead, p.Nq, p.Nk, _key_tiles_aligned(p)) + tuple(
         None if x is None else (x.data.ptr, x.shape, x.strides, x.dtype.str)
         for x in (p.q, p.k, p.v, p.mask, p.bias))
     if key not in _map_cache:

@@ -269,6 +269,28 @@ def test_hopper_forward_skips_hidden_tiles(kind, dims, rng, override):
     check(q, k, v, rng, **options)
 
 
+def test_hopper_forward_launch_follows_the_bounds(rng, override):
+    """Regression: the Hopper forward memoized its launch (tensor maps, mask / bias variant) by the
+    inputs' addresses only, so a causal or kv_lens call on the arrays of an earlier unbounded call
+    staged tiles that start off 16 keys and faulted (illegal instruction). Same arrays, three
+    bounds, each checked against the reference."""
+    import cupy
+    from cuflash import _validate, _wgmma_fwd
+    B, H, Nq, Nk, D = 2, 2, 300, 320, 128
+    q = randn(rng, (B, H, Nq, D), "bfloat16")
+    k, v = randn(rng, (B, H, Nk, D), "bfloat16"), randn(rng, (B, H, Nk, D), "bfloat16")
+    blocks = rng.random((B, 1, -(-Nq // 128), Nk // 64)) < 0.5
+    mask = cupy.asarray(blocks.repeat(128, axis=2).repeat(64, axis=3)[:, :, :Nq].copy())
+    _wgmma_forward_or_skip(override, q, k, v, dict(mask=mask))
+    for options, want in ((dict(mask=mask), _wgmma_fwd.MB_CLASSES),
+                          (dict(mask=mask, causal=True), _wgmma_fwd.MB_GLOBAL),
+                          (dict(mask=mask, kv_lens=[[300], [100]]), _wgmma_fwd.MB_GLOBAL),
+                          (dict(mask=mask), _wgmma_fwd.MB_CLASSES)):
+        p = _validate.make_problem(q, k, v, **options)
+        assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == want, options
+        check(q, k, v, rng, backward=False, **options)
+
+
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd-strided-rows"])
 def test_hopper_forward_layouts(layout, rng, override):
     """(B, N, H, D) storage read through the tensor maps' strides, and rows padded apart."""
