@@ -75,3 +75,27 @@ def test_short_bounded_rows_go_to_fwd_mma(rng, D, N, options, short):
     q = rng.standard_normal((1, 1, N, D)).astype(np.float32)
     p = _validate.make_problem(q, q, q, **options)
     assert _wgmma_fwd.short_bounded_rows(p, _wgmma_fwd.padded(p)) == short
+
+
+class _DeviceLike:
+    """What _wgmma_fwd._launch reads of an input to memoize it (address and layout)."""
+
+    def __init__(self, x, ptr):
+        self.shape, self.strides, self.dtype = x.shape, x.strides, x.dtype
+        self.data = type("Memory", (), {"ptr": ptr})()
+
+
+def test_launch_cache_follows_the_bounds(rng, monkeypatch):
+    """Regression: _launch memoized by the inputs' addresses only, so a causal or kv_lens call on
+    the arrays of an earlier unbounded call reused its staged-mask launch (tiles off 16 keys: an
+    illegal instruction on the H200). Here _encode reports what it was asked to decide."""
+    import dataclasses
+    monkeypatch.setattr(_wgmma_fwd, "_encode", lambda p, dims: _wgmma_fwd._key_tiles_aligned(p))
+    monkeypatch.setattr(_wgmma_fwd, "_map_cache", {})
+    for options, aligned in (({}, True), (dict(causal=True), False),
+                             (dict(kv_lens=[[64], [100]]), False), (dict(window=(8, 8)), False),
+                             ({}, True)):
+        p = _problem(rng, 100, 256, **options)
+        p = dataclasses.replace(p, **{n: _DeviceLike(getattr(p, n), 1 << (20 + i))
+                                      for i, n in enumerate(("q", "k", "v"))})
+        assert _wgmma_fwd._launch(p, (64, 64)) is aligned, options
