@@ -4,7 +4,7 @@ cuTensorMapEncodeTiled through ctypes (libcuda ships with every CUDA driver; no 
 A map is 128 opaque bytes, passed to a kernel by value as a NumPy scalar of MAP_DTYPE (CuPy hands
 each argument to the driver by pointer, and the driver lays it out as the kernel declares it).
 The caller memoizes the maps it makes (cuflash/_wgmma_fwd.py: one Launch per inputs' addresses
-and layouts): encoding costs microseconds.
+and layouts and staging rule): encoding costs microseconds.
 """
 import ctypes
 import functools
