@@ -1,8 +1,8 @@
 """The tensor-core backward (kernels_cu/bwd_mma.cu): mma.sync, and wgmma on sm_90a; tile tables,
 the tile rule, takes_backward, backward().
 
-float16 / bfloat16 on sm_80 and newer, (Dk, Dv) in HEAD_DIMS: Dk == Dv in (32, 64, 96, 128, 192, 256),
-and (192, 128). Three kernels per call:
+float16 / bfloat16 on sm_80 and newer, (Dk, Dv) in HEAD_DIMS: Dk == Dv in (32, 64, 96, 128, 192,
+256), and (192, 128). Three kernels per call:
   bwd_mma_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
                  padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head);
   bwd_mma_dkdv   one block per key tile: dK, dV in registers (float32 out), and by default dQ added
@@ -20,8 +20,9 @@ wgmma form (DKDV_TILES_WG / _MB / _DQ, OPT_WG: compiled for sm_90a), where warpg
 [64 h, 64 h + 64) of the 128-key tile and S^T, dP^T, dV and dK are warpgroup products; elsewhere
 the DKDV_TILES_LARGE_SMEM tiles (D=128: the warp-grid kernel; (192, 128), 256) where shared memory
 allows, else DKDV_TILES / DKDV_TILES_MB. Dk >= 192 splits dK, dV and dQ's columns over two blocks
-per key tile (OPT_HALVES); Dk != Dv tiles are rows of max(Dk, Dv). Tiles are chosen by ptxas spill reports and, at D=64 and 128, by H200 timings
-(benchmarks/RESULTS.md, with the alternatives that lost).
+per key tile (OPT_HALVES); Dk != Dv tiles are rows of max(Dk, Dv). Tiles are chosen by ptxas spill
+reports and, at D=64, 128 and 192 / 256, by H200 timings (benchmarks/RESULTS.md, with the
+alternatives that lost).
 
 dkdv: BLOCK_N = 16 * WARPS keys (warp w owns 16 keys), BLOCK_M queries per step, K and V
 A-fragments re-read from shared memory by ldmatrix or held in registers (KV_IN_REGS). Registers
@@ -144,7 +145,7 @@ def dq_expr(dtype_name, dims, tile, has_mb):
 
 
 def dkdv_blocks(p, tile):
-    """The dK/dV launch's 1-D grid: one block per key tile per (batch, head), two with OPT_HALVES."""
+    """The dK/dV launch's 1-D grid: a block per key tile per (batch, head), two with OPT_HALVES."""
     return -(-p.Nk // (16 * tile.warps)) * p.BH * (2 if tile.opt & OPT_HALVES else 1)
 
 
