@@ -32,9 +32,10 @@
 // Tiles entirely visible to every row of the query tile skip the per-element predicate (the same
 // full-tile rule as fwd_mma.cu); with a mask or a bias (HAS_MB) every tile takes it.
 //
-// Requirements (the host falls back to the generic path otherwise): Dk == Dv == HEAD_DIM, unit
-// innermost stride, row strides and offsets multiples of 8 elements, 16-byte aligned bases, scale > 0,
-// Nq, Nk <= 2^29 (32-bit predicate, as fwd_mma.cu).
+// Requirements (the host falls back to the generic path otherwise): (Dk, Dv) a pair of the host's
+// tables (Dk = HEAD_DIM, Dv = DV; DV != HEAD_DIM on padded tiles only, in rows of the wider), unit
+// innermost stride, row strides and offsets multiples of 8 elements, 16-byte aligned bases,
+// scale > 0, Nq, Nk <= 2^29 (32-bit predicate, as fwd_mma.cu).
 #include "common.cuh"
 #include "mask.cuh"
 #include "mask_tiles.cuh"
@@ -87,9 +88,9 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                [64 h, 64 h + 64) over all 128 keys with K's column block h as an MN-major B. Its
 //                fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the reductions are the
 //                same.
-//   DKDV_HALVES  head dims whose dK + dV accumulators do not fit one warp's registers (256): two
-//                blocks per key tile (blockIdx.x = 2 * tile + half), block `half` owns the columns
-//                [half * HEAD_DIM / 2, +HEAD_DIM / 2) of dK, dV and dQ; S^T and dP^T (full head
+//   DKDV_HALVES  head dims whose dK + dV accumulators do not fit a warp's registers (192,
+//                256): two blocks per key tile (blockIdx.x = 2 * tile + half), block `half` owns
+//                the second or first half of dK's, dV's and dQ's columns; S^T and dP^T (full head
 //                dim contractions) are computed by both (7 products per tile pair instead of 5).
 //                Padded tiles, K / V in shared memory.
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
