@@ -273,8 +273,9 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
   if (threadIdx.x == 0 && i0 < Nq) lost_flags[bh * ((Nq + 31) / 32) + i0 / 32] = any;
 }
 
-// Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile: the blocks of one (batch, head) run together
-// (its Q and dO stay in L2), the first key tiles (the longest causal ones) first. OPT: tcb::DkdvOpt.
+// Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile (DKDV_HALVES: times 2, + half): the blocks of
+// one (batch, head) run together (its Q and dO stay in L2), the first key tiles (the longest
+// causal ones) first. OPT: tcb::DkdvOpt.
 // HEAD_DIM: Dk (q, k, dq, dk); DV: Dv (v, dout, dv), DV != HEAD_DIM on padded tiles only.
 template <typename T, int HEAD_DIM, int DV, int BLOCK_M, int NWARPS, bool KV_IN_REGS,
           bool DQ_ATOMIC, typename Mod, int MIN_BLOCKS, int OPT>
