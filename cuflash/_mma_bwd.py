@@ -78,13 +78,11 @@ DKDV_TILES = {
     (192, 192): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
     (256, 256): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
 }
+# with a mask / bias (the modifier keeps more addresses live): smaller query steps where the
+# table's tile spills
 DKDV_TILES_MB = {
-    (32, 32): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
-    (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
-    (96, 96): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1),
+    **DKDV_TILES,
     (128, 128): DkdvTile(block_m=16, warps=8, kv_in_regs=False, min_blocks=1),
-    (192, 128): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
-    (192, 192): DkdvTile(block_m=32, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
     (256, 256): DkdvTile(block_m=16, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
 }
 # dq: one tile per head dim pair, with and without mask / bias (Dk >= 192: 32 keys per step, one
