@@ -72,6 +72,8 @@ def option_cases():
                                             dtype="bfloat16", opts=dict(window=(256, 0)))
     yield "bf16 d256 n4096 full", dict(B=4, H=8, Nq=4096, Nk=4096, D=256, dtype="bfloat16",
                                        opts={})
+    yield "bf16 d192x128 n4096 full", dict(B=4, H=8, Nq=4096, Nk=4096, D=192, Dv=128,
+                                           dtype="bfloat16", opts={})
     yield "fp32 d64 n4096 full", dict(B=1, H=16, Nq=4096, Nk=4096, D=64, dtype="float32", opts={})
     yield "fp64 d64 n2048 full", dict(B=1, H=16, Nq=2048, Nk=2048, D=64, dtype="float64", opts={})
 
@@ -90,7 +92,8 @@ def make(case, rng):
         return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dt)
 
     q = randn(B, H, case["Nq"], case["D"])
-    k, v = randn(B, Hkv, case["Nk"], case["D"]), randn(B, Hkv, case["Nk"], case["D"])
+    k = randn(B, Hkv, case["Nk"], case["D"])
+    v = randn(B, Hkv, case["Nk"], case.get("Dv", case["D"]))
     opts = dict(case["opts"])
     if opts.get("mask") == "pad":
         m = np.ones((B, 1, 1, case["Nk"]), bool)
