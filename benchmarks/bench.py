@@ -10,6 +10,7 @@ Run on a GPU machine from the repository root::
     python benchmarks/bench.py --layouts bnhd        # only (B, N, H, D)-stored inputs
     python benchmarks/bench.py --dry-run             # print the plan and FLOP counts (no GPU)
     python benchmarks/bench.py --self-test           # check the FLOP counting against NumPy (no GPU)
+    python benchmarks/bench.py --cpu                 # the NumPy path vs naive NumPy (no GPU)
 
 What it measures
 ----------------
@@ -244,6 +245,9 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the plan and FLOPs; no GPU")
     p.add_argument("--self-test", action="store_true",
                    help="check the FLOP and mask counting against NumPy; no GPU")
+    p.add_argument("--cpu", action="store_true",
+                   help="cuflash on NumPy arrays vs naive NumPy attention (benchmarks/cpu.py); "
+                        "no GPU")
     args = p.parse_args(argv)
     args.dtypes = args.dtypes or list(QUICK_DTYPES if args.quick else DTYPES)
     args.heads_dims = args.heads_dims or list(QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
@@ -259,6 +263,26 @@ def parse_args(argv=None):
     return args
 
 
+def run_cpu(args):
+    """The NumPy-path cases: a table on stdout, cpu_<stamp>.json / .txt under --out."""
+    import json
+    import cpu
+    from report import git_commit
+    sys.path.insert(0, REPO_ROOT)
+    import cuflash
+    rows = cpu.run(cuflash, seed=args.seed)
+    table = cpu.format_rows(rows)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    meta = dict(git_commit=git_commit(), cpus=os.cpu_count(), numpy=__import__("numpy").__version__)
+    with open(os.path.join(args.out, f"cpu_{stamp}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(args.out, f"cpu_{stamp}.txt"), "w") as f:
+        f.write(table + "\n")
+    return 0
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -267,6 +291,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.self_test:
         return 0 if self_test() else 1
+    if args.cpu:
+        return run_cpu(args)
     cases = build_cases(args)
     if args.dry_run:
         print_plan(cases, args.impls)

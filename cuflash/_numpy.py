@@ -1,15 +1,17 @@
 """The CPU path: the kernels' tiled online softmax, written in NumPy.
 
-Each step handles one tile of ``BLOCK_N`` keys for every (batch, head) and every query row at once,
-so the working set is O(BH * Nq * BLOCK_N) scores plus the O(BH * N * D) inputs and outputs; the
-(Nq, Nk) score matrix never exists. Per row the state is (m, l, acc) as in DESIGN.md: the running
+The work is cut like the kernels': blocks of query rows (all heads of a chunk at once, so that
+each NumPy call is a batch of BLAS products) against tiles of ``BLOCK_N`` keys. A step's scores,
+(heads, rows, keys), stay within ``TILE`` elements, small enough to live in cache; the (Nq, Nk)
+score matrix never exists. Per row the state is (m, l, acc) as in DESIGN.md: the running
 maximum, the running denominator and the running unnormalized output, all in ``acc_dtype``.
 
 The visibility predicate mirrors ``kernels_cu/mask.cuh``: for query row i of a sequence with L
 valid keys, the aligned position is p = i + L - Nq (bottom-right) or p = i (top-left), and key j is
 visible iff lo <= j <= hi with lo = p - left, hi = min(p + right, L - 1), and mask[i, j], and
-bias[i, j] != -inf (a NaN bias is visible: its logit is NaN). Since lo and hi are non-decreasing in
-i, key tiles outside [min lo, max hi] are skipped without computing a score.
+bias[i, j] != -inf (a NaN bias is visible: its logit is NaN). A block of rows skips every key tile
+outside its rows' [min lo, max hi] without computing a score (half the work when causal), and a
+tile that every row of the block sees whole by position takes no position test.
 
 Non-finite values follow the dense formula (README "Empty rows and non-finite values"): only a row
 with no visible key is empty (out 0, lse -inf); a NaN or +inf visible logit, or a row whose every
@@ -26,7 +28,11 @@ from numpy.lib.stride_tricks import as_strided
 from . import _config
 from ._validate import key_range
 
-BLOCK_N = 128  # keys per step; read at call time so that tests can shrink it
+# Read at call time, so that tests can shrink them: keys per tile, query rows per block (None:
+# as many as TILE allows), and the most scores one step holds (heads x rows x keys).
+BLOCK_N = 256
+BLOCK_M = None
+TILE = 1 << 18
 
 
 def _gather(x, offsets, acc_dtype):
@@ -52,17 +58,22 @@ def _gather(x, offsets, acc_dtype):
     return flat[index].astype(acc_dtype)
 
 
+def _core(x):
+    """``x`` (a broadcast view) without its broadcast axes' repeats, for a scan of its values."""
+    return x[tuple(0 if s == 0 else slice(None) for s in x.strides)]
+
+
 class _Tiles:
-    """What both passes need: gathered q/k/v, per-row key ranges, and per-tile scores."""
+    """What both passes need: gathered q/k/v, per-row key ranges, the blocking, and scores."""
 
     def __init__(self, problem):
         p = problem
         self.p = p
-        self.acc = p.acc_dtype
+        self.acc = acc = p.acc_dtype
         bh = p.BH
-        self.q = _gather(p.q, p.q_map, self.acc)
-        self.k = _gather(p.k, p.k_map, self.acc)
-        self.v = _gather(p.v, p.v_map, self.acc)
+        self.q = _gather(p.q, p.q_map, acc)
+        self.k = _gather(p.k, p.k_map, acc)
+        self.v = _gather(p.v, p.v_map, acc)
         lengths = (np.full(bh, p.Nk, dtype=np.int64) if p.kv_lens is None
                    else np.asarray(p.kv_lens, dtype=np.int64).reshape(bh))
         if p.kv_lens is not None:  # keys past kv_lens do not exist: their k, v may hold NaN
@@ -71,44 +82,101 @@ class _Tiles:
             self.v[past] = 0
         self.lo, self.hi = key_range(np.arange(p.Nq).reshape(1, p.Nq), lengths.reshape(bh, 1),
                                      p.Nq, p.left, p.right, p.bottom_right)  # (BH, Nq) each
-        nonempty = self.lo <= self.hi
-        # Key range any row can see: every key tile outside it is skipped.
-        self.first = int(self.lo[nonempty].min()) if nonempty.any() else 0
-        self.last = int(self.hi[nonempty].max()) if nonempty.any() else -1
+        # q carries the scale when that cannot overflow (|scale| <= 1); else the scores take it.
+        self.scale = acc.type(p.scale)
+        self.prescaled = abs(p.scale) <= 1
+        self.qs = self.q * self.scale if self.prescaled else self.q
+        self.kt = np.swapaxes(self.k, -1, -2)
+        self.heads = np.unravel_index(np.arange(bh), p.lead) if p.lead else ()
+        self.bias_hides = p.bias is not None and bool(np.any(_core(p.bias) == -np.inf))
 
-    def tiles(self):
-        """(j0, j1) of every key tile that at least one row can see."""
+    # -- blocking --------------------------------------------------------------------------
+    def blocks(self):
+        """(heads, rows) slices of the query blocks, together covering (BH, Nq)."""
+        p = self.p
+        bn = max(1, min(BLOCK_N, p.Nk))
+        bm = BLOCK_M or max(1, min(p.Nq, TILE // (bn * max(p.BH, 1))))
+        hb = max(1, min(p.BH, TILE // (bn * bm)))
+        for h0 in range(0, p.BH, hb):
+            for i0 in range(0, p.Nq, bm):
+                yield slice(h0, h0 + hb), slice(i0, i0 + bm)
+
+    def key_tiles(self, hs, rs):
+        """(j0, j1, whole) of the key tiles some row of the block sees by position; ``whole``:
+        every row sees every key of the tile by position."""
+        lo, hi = self.lo[hs, rs], self.hi[hs, rs]
+        seeing = lo <= hi
+        if not seeing.any():
+            return
+        first, last = int(lo[seeing].min()), int(hi[seeing].max())
+        lo_max, hi_min = int(lo.max()), int(hi.min())
         block = BLOCK_N
-        start = (self.first // block) * block
-        for j0 in range(start, self.last + 1, block):
+        for j0 in range((first // block) * block, last + 1, block):
             j1 = min(j0 + block, self.p.Nk)
-            if np.any((self.lo <= j1 - 1) & (self.hi >= j0) & (self.lo <= self.hi)):
-                yield j0, j1
+            whole = lo_max <= j0 and hi_min >= j1 - 1
+            if whole or np.any((lo <= j1 - 1) & (hi >= j0) & seeing):
+                yield j0, j1, whole
 
-    def scores(self, j0, j1, rows=None, dtype=None):
-        """Scaled (biased) scores of keys [j0, j1) with invisible ones at -inf, and the
-        visibility: both (BH, Nq, j1 - j0), or (len(rows[0]), j1 - j0) for the (bh, i) pairs
-        ``rows``, computed in ``dtype`` (default: the accumulator dtype)."""
-        p, bh = self.p, self.p.BH
-        dtype = self.acc if dtype is None else np.dtype(dtype)
-        n = j1 - j0
-        keys = np.arange(j0, j1, dtype=np.int64)
-        if rows is None:
-            q, kt, lo, hi = self.q, np.swapaxes(self.k[:, j0:j1], -1, -2), self.lo, self.hi
-            pick = (slice(None), slice(None))
-        else:
-            b, i = rows
-            q, kt = self.q[b, i][:, None, :], np.swapaxes(self.k[b, j0:j1], -1, -2)
-            lo, hi, pick = self.lo[b, i], self.hi[b, i], (b, i)
-        s = (q.astype(dtype) @ kt.astype(dtype)).reshape(lo.shape + (n,)) * dtype.type(p.scale)
-        visible = (lo[..., None] <= keys) & (keys <= hi[..., None])
-        if p.mask is not None:  # slicing the broadcast view first copies only this tile
-            visible &= p.mask[..., j0:j1].reshape(bh, p.Nq, n)[pick]
+    def _lead(self, x, hs, rs, j0, j1):
+        """Block (hs, rs) x keys [j0, j1) of a lead + (Nq, Nk) view: (heads or 1, rows, keys)."""
+        tile = x[..., rs, j0:j1]
+        if not self.p.lead:
+            return tile[None]
+        if all(s == 0 for s in x.strides[:-2]):  # one matrix for every head: broadcast it
+            return tile[(0,) * len(self.p.lead)][None]
+        return tile[tuple(h[hs] for h in self.heads)]
+
+    # -- scores ----------------------------------------------------------------------------
+    def scores(self, hs, rs, j0, j1, whole):
+        """Scaled (biased) scores of block (hs, rs) against keys [j0, j1), hidden ones at -inf,
+        and ``hidden`` (heads, rows, keys), or None where every score is visible."""
+        p = self.p
+        s = self.qs[hs, rs] @ self.kt[hs, :, j0:j1]
+        if not self.prescaled:
+            s *= self.scale
+        hidden = None
+        if not whole:
+            keys = np.arange(j0, j1, dtype=np.int64)
+            hidden = ((keys < self.lo[hs, rs, None]) | (keys > self.hi[hs, rs, None]))
+        if p.mask is not None:
+            shown = self._lead(p.mask, hs, rs, j0, j1)
+            hidden = ~shown if hidden is None else (hidden | ~shown)
         if p.bias is not None:
-            bias = p.bias[..., j0:j1].reshape(bh, p.Nq, n)[pick].astype(dtype)
+            bias = self._lead(p.bias, hs, rs, j0, j1)
+            s += bias
+            if self.bias_hides:
+                hidden = (bias == -np.inf) if hidden is None else (hidden | (bias == -np.inf))
+        if hidden is not None:
+            hidden = np.broadcast_to(hidden, s.shape)
+            np.copyto(s, -np.inf, where=hidden)
+        return s, hidden
+
+    def all_tiles(self):
+        """(j0, j1) of every key tile that at least one row can see (for the lost rows)."""
+        seeing = self.lo <= self.hi
+        if not seeing.any():
+            return
+        first, last = int(self.lo[seeing].min()), int(self.hi[seeing].max())
+        for j0 in range((first // BLOCK_N) * BLOCK_N, last + 1, BLOCK_N):
+            yield j0, min(j0 + BLOCK_N, self.p.Nk)
+
+    def row_scores(self, j0, j1, rows):
+        """Float64 scores of keys [j0, j1) for the (bh, i) pairs ``rows``, hidden at -inf:
+        (len(rows[0]), j1 - j0)."""
+        p, f64 = self.p, np.float64
+        b, i = rows
+        keys = np.arange(j0, j1, dtype=np.int64)
+        s = np.einsum("nd,njd->nj", self.q[b, i].astype(f64), self.k[b, j0:j1].astype(f64))
+        s *= f64(p.scale)
+        visible = (self.lo[b, i, None] <= keys) & (keys <= self.hi[b, i, None])
+        pick = tuple(h[b] for h in self.heads) + (i,)
+        if p.mask is not None:
+            visible &= p.mask[..., j0:j1][pick]
+        if p.bias is not None:
+            bias = p.bias[..., j0:j1][pick].astype(f64)
             visible &= bias != -np.inf
-            s = s + bias
-        return np.where(visible, s, -np.inf), visible
+            s += bias
+        return np.where(visible, s, -np.inf)
 
 
 def forward(problem):
@@ -121,18 +189,29 @@ def forward(problem):
     acc = np.zeros((p.BH, p.Nq, p.Dv), dtype=acc_t)
     seen = np.zeros((p.BH, p.Nq), dtype=bool)  # the row has a visible key
     with np.errstate(invalid="ignore", over="ignore"):  # NaN / inf inputs propagate as IEEE says
-        for j0, j1 in t.tiles():
-            s, visible = t.scores(j0, j1)
-            seen |= visible.any(axis=-1)
-            m_new = np.maximum(m, s.max(axis=-1))  # NaN if a visible logit is NaN
-            # A row with no finite logit yet keeps m = -inf and shifts by 0, so that no
-            # exp(-inf - (-inf)) is ever evaluated: its alpha and p are exp(-inf) = 0.
-            shift = np.where(m_new == -np.inf, 0, m_new).astype(acc_t)
-            alpha = np.exp(m - shift)                 # rescale factor of the old state
-            prob = np.exp(s - shift[..., None])       # this tile's mass on the new reference
-            l = alpha * l + prob.sum(axis=-1)         # rescale BOTH l ...
-            acc = alpha[..., None] * acc + prob @ t.v[:, j0:j1]   # ... and acc
-            m = m_new
+        for hs, rs in t.blocks():
+            m_b, l_b, acc_b, seen_b = m[hs, rs], l[hs, rs], acc[hs, rs], seen[hs, rs]  # views
+            for j0, j1, whole in t.key_tiles(hs, rs):
+                s, hidden = t.scores(hs, rs, j0, j1, whole)
+                if hidden is None:
+                    seen_b[...] = True
+                else:
+                    shown = ~hidden.all(axis=-1)
+                    if not shown.any():
+                        continue
+                    seen_b |= shown
+                m_new = np.maximum(m_b, s.max(axis=-1))  # NaN if a visible logit is NaN
+                # A row with no finite logit yet keeps m = -inf and shifts by 0, so that no
+                # exp(-inf - (-inf)) is ever evaluated: its alpha and p are exp(-inf) = 0.
+                shift = np.where(m_new == -np.inf, acc_t.type(0), m_new)
+                alpha = np.exp(m_b - shift)               # rescale factor of the old state
+                s -= shift[..., None]
+                prob = np.exp(s, out=s)                   # this tile's mass on the new reference
+                l_b *= alpha                              # rescale BOTH l ...
+                l_b += prob.sum(axis=-1)
+                acc_b *= alpha[..., None]                 # ... and acc
+                acc_b += prob @ t.v[hs, j0:j1]
+                m_b[...] = m_new
         # Empty rows (no visible key): 0 and -inf. A row that sees keys but has l = 0 (every
         # visible logit -inf) is 0 / 0 = NaN, like a NaN l.
         denom = np.where(l == 0, np.nan, l)
@@ -148,7 +227,7 @@ def _rows(x, problem, width, dtype):
 
 def backward(problem, dout, out, lse, deterministic=False):
     """Gradients per output (batch, head) in acc dtype: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
-    dv (BH, Nk, Dv). P is recomputed per key tile from q, k and lse; D = rowsum(dout * out)."""
+    dv (BH, Nk, Dv). P is recomputed per tile from q, k and lse; D = rowsum(dout * out)."""
     p = problem
     t = _Tiles(p)
     acc_t = t.acc
@@ -159,21 +238,30 @@ def backward(problem, dout, out, lse, deterministic=False):
     # no -inf - (-inf) is evaluated; a NaN lse gives NaN on the row's visible keys. Lost rows are
     # left out here (P = 0) and recomputed exactly below.
     lost = np.isfinite(lse) & (np.abs(lse) >= _config.lost_lse_limit(acc_t))
-    skip = (lse == -np.inf) | lost
-    lse_shift = np.where(skip, np.inf, lse)[..., None]
-    scale = acc_t.type(p.scale)
+    lse_shift = np.where((lse == -np.inf) | lost, np.inf, lse)
     dq = np.zeros((p.BH, p.Nq, p.Dk), dtype=acc_t)
     dk = np.zeros((p.BH, p.Nk, p.Dk), dtype=acc_t)
     dv = np.zeros((p.BH, p.Nk, p.Dv), dtype=acc_t)
     with np.errstate(invalid="ignore", over="ignore"):
-        for j0, j1 in t.tiles():
-            s, visible = t.scores(j0, j1)
-            prob = np.where(visible & ~skip[..., None], np.exp(s - lse_shift), 0)
-            dv[:, j0:j1] = np.swapaxes(prob, -1, -2) @ dout
-            dprob = dout @ np.swapaxes(t.v[:, j0:j1], -1, -2)
-            ds = prob * (dprob - delta[..., None])
-            dq += (ds @ t.k[:, j0:j1]) * scale
-            dk[:, j0:j1] = (np.swapaxes(ds, -1, -2) @ t.q) * scale
+        for hs, rs in t.blocks():
+            do_b, dq_b, q_b = dout[hs, rs], dq[hs, rs], t.qs[hs, rs]
+            delta_b, shift_b = delta[hs, rs, None], lse_shift[hs, rs, None]
+            nan_lse = bool(np.isnan(shift_b).any())
+            for j0, j1, whole in t.key_tiles(hs, rs):
+                s, hidden = t.scores(hs, rs, j0, j1, whole)
+                s -= shift_b
+                prob = np.exp(s, out=s)
+                if nan_lse and hidden is not None:  # a NaN lse - (-inf): hidden keys stay 0
+                    np.copyto(prob, 0, where=hidden)
+                dv[hs, j0:j1] += np.swapaxes(prob, -1, -2) @ do_b
+                ds = do_b @ np.swapaxes(t.v[hs, j0:j1], -1, -2)   # dP
+                ds -= delta_b
+                ds *= prob                                          # dS = P (dP - D)
+                dq_b += ds @ t.k[hs, j0:j1]
+                dk[hs, j0:j1] += np.swapaxes(ds, -1, -2) @ q_b
+        dq *= t.scale                 # dS / dq = scale k; dk took q's scale already if q has it
+        if not t.prescaled:
+            dk *= t.scale
         if lost.any():
             _lost_rows(t, np.nonzero(lost), dout, _rows(out, p, p.Dv, np.float64), dq, dk, dv)
     return dq, dk, dv
@@ -186,8 +274,8 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv):
     b, i = rows
     m = np.full(b.size, -np.inf)
     l = np.zeros(b.size)
-    for j0, j1 in t.tiles():  # pass 1: the rows' max and sum, online
-        s, _ = t.scores(j0, j1, rows, f64)
+    for j0, j1 in t.all_tiles():  # pass 1: the rows' max and sum, online
+        s = t.row_scores(j0, j1, rows)
         m_new = np.maximum(m, s.max(axis=-1))
         shift = np.where(m_new == -np.inf, 0, m_new)
         l = l * np.exp(m - shift) + np.exp(s - shift[:, None]).sum(axis=-1)
@@ -199,8 +287,8 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv):
     q = t.q[b, i].astype(f64)                      # (n, Dk)
     scale = f64(t.p.scale)
     grad_q = np.zeros(q.shape)
-    for j0, j1 in t.tiles():  # pass 2: P, dS and the three products
-        s, _ = t.scores(j0, j1, rows, f64)
+    for j0, j1 in t.all_tiles():  # pass 2: P, dS and the three products
+        s = t.row_scores(j0, j1, rows)
         prob = np.exp(s - shift) / l               # (n, tile)
         k, v = t.k[b, j0:j1].astype(f64), t.v[b, j0:j1].astype(f64)   # (n, tile, D)
         ds = prob * (np.einsum("nd,njd->nj", do, v) - d)

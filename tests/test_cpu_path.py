@@ -1,7 +1,8 @@
 """The NumPy path (cuflash.attention on NumPy arrays) against the dense reference, over a broad sweep.
 
-Most tests shrink the key tile (``cuflash._numpy.BLOCK_N``) so that small problems still cross many
-tiles, including empty ones in the middle of a row.
+Most tests shrink the key tile (``cuflash._numpy.BLOCK_N``) and the query block
+(``cuflash._numpy.BLOCK_M``) so that small problems still cross many tiles, including empty ones in
+the middle of a row, and blocks whose rows see different key ranges.
 """
 import tracemalloc
 
@@ -21,9 +22,11 @@ DTYPES = [np.float64, np.float32, np.float16] + ([BFLOAT16] if BFLOAT16 is not N
 
 @pytest.fixture
 def block(monkeypatch, request):
-    """Set the CPU path's key tile for one test (default: a small 16)."""
+    """Set the CPU path's key tile for one test (default: a small 16) and its query block (7
+    rows: blocks and tiles do not line up, and a block straddles the causal diagonal)."""
     size = getattr(request, "param", 16)
     monkeypatch.setattr(cpu_path, "BLOCK_N", size)
+    monkeypatch.setattr(cpu_path, "BLOCK_M", 7)
     return size
 
 
@@ -292,6 +295,31 @@ def test_memory_is_linear_in_keys(rng):
     assert peak < scores_bytes / 2, f"peak {peak} bytes vs a {scores_bytes}-byte score matrix"
 
 
+@pytest.mark.parametrize("options, most", [
+    (dict(causal=True), 0.56),                     # half the square, plus the diagonal blocks
+    (dict(window=(100, 100)), 0.4),                # a band of 201 keys: 5 or 6 tiles of 64
+    (dict(causal=True, kv_lens=[300, 1024]), 0.56),
+])
+def test_hidden_tiles_are_skipped(rng, monkeypatch, options, most):
+    """Blocks of rows compute scores only for the key tiles their rows see by position: causal
+    does about half the work of the full square (the point of tiling on the CPU too)."""
+    monkeypatch.setattr(cpu_path, "BLOCK_N", 64)
+    monkeypatch.setattr(cpu_path, "BLOCK_M", 64)
+    computed = []
+    scores = cpu_path._Tiles.scores
+
+    def counting(self, hs, rs, j0, j1, whole):
+        s, hidden = scores(self, hs, rs, j0, j1, whole)
+        computed.append(s.size)
+        return s, hidden
+
+    monkeypatch.setattr(cpu_path._Tiles, "scores", counting)
+    Nq = Nk = 1024
+    q, k, v = qkv(rng, (2,), (2,), Nq, Nk, Dk=8, dtype=np.float32)
+    check(q, k, v, rng, backward=False, **options)
+    assert 0 < sum(computed) <= most * 2 * Nq * Nk
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzz_against_reference(data):
@@ -315,10 +343,11 @@ def test_fuzz_against_reference(data):
         options["bias"] = rng.standard_normal((Nq, Nk))
     if draw(st.booleans(), label="kv_lens"):
         options["kv_lens"] = rng.integers(0, Nk + 1, size=(B, 1))
-    block = draw(st.sampled_from([1, 3, 8, 128]), label="BLOCK_N")
-    saved = cpu_path.BLOCK_N
-    cpu_path.BLOCK_N = block
+    saved = cpu_path.BLOCK_N, cpu_path.BLOCK_M, cpu_path.TILE
+    cpu_path.BLOCK_N = draw(st.sampled_from([1, 3, 8, 128]), label="BLOCK_N")
+    cpu_path.BLOCK_M = draw(st.sampled_from([None, 1, 5, 16]), label="BLOCK_M")
+    cpu_path.TILE = draw(st.sampled_from([1, 64, 1 << 18]), label="TILE")  # heads per step
     try:
         check(q, k, v, rng, **options)
     finally:
-        cpu_path.BLOCK_N = saved
+        cpu_path.BLOCK_N, cpu_path.BLOCK_M, cpu_path.TILE = saved
