@@ -699,14 +699,17 @@ def _keep(cache, key, value):
 
 
 def _layout_key(p, split):
-    """Everything a Plan is derived from, except the arrays' contents and kv_lens. (Not
-    `_aligned(p)`: forward only receives problems that `fits`, which requires it; it was NumPy work
-    on every call.)"""
+    """Everything a Plan is derived from, except the arrays' contents and kv_lens: the Problem's
+    signature (which holds kv_lens, so it stands for the layout only with kv_lens None) or the
+    layout itself. (Not `_aligned(p)`: forward only receives problems that `fits`, which requires
+    it; it was NumPy work on every call.)"""
     import cupy
 
     def strides(x):
         return None if x is None else element_strides(x)
 
+    if p.key is not None and p.kv_lens is None:
+        return (cupy.cuda.Device().id, split, p.key)
     return (cupy.cuda.Device().id, split, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
             p.scale, p.left, p.right, p.bottom_right,
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),

@@ -10,7 +10,7 @@ scalars of the C parameter's type (cuflash._runtime.Args: `flat_tail` for the ge
 """
 import numpy as np
 
-from . import _config, _runtime
+from . import _config, _memo, _runtime
 
 NAME = "generic"
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
@@ -138,17 +138,26 @@ def backward(p, dout, out, lse, deterministic=False):
     return dq, dk, dv
 
 
+_lost_launches = _memo.Memo(256)
+
+
 def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
     """fwd_lost_rows: in the blocks of the tensor-core forward flagged in ``fix`` (its launch
     order), recompute in double out and lse of the rows whose lse came out NaN, +inf or lost
     (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags."""
     p = args.p
-    fn = _runtime.get_function(LOST_SOURCE, fwd_lost_name_expression(p.dtype))
-    per_block = _config.GENERIC_THREADS // 32
-    blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
-    limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
+
+    def launch():
+        fn = _runtime.get_function(LOST_SOURCE, fwd_lost_name_expression(p.dtype))
+        per_block = _config.GENERIC_THREADS // 32
+        blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
+        limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
+        return fn, blocks, np.float64(limit)
+
+    key = None if p.key is None else (p.key, fix.size, block_m, lost, lse.dtype)
+    fn, blocks, limit = _lost_launches.build(key, launch)
     fn((blocks,), (_config.GENERIC_THREADS,),
-       (p.q, p.k, p.v, out, lse) + args.tail + (np.float64(limit), fix, np.int32(block_m)))
+       (p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m)))
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):

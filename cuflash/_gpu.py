@@ -10,20 +10,32 @@ Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers t
 """
 import contextlib
 
-from . import _decode, _generic, _mma_bwd, _mma_fwd, _runtime, _wgmma_fwd
+from . import _decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _wgmma_fwd
 
 FORWARD = (_decode, _wgmma_fwd, _mma_fwd, _generic)  # split-KV decode, Hopper, tensor cores, generic
 BACKWARD = (_mma_bwd, _generic)
 PATHS = (_generic, _mma_fwd, _wgmma_fwd, _mma_bwd, _decode)
 
 
+_chosen = _memo.Memo(256)
+
+
 def _choose(paths, takes, p):
     """The first of `paths` whose `takes` accepts p; a forced path (override) is the only one
-    tried before the generic kernels, in the direction where a path of that name exists."""
-    forced = _runtime.overrides().path
-    if forced is not None and any(x.NAME == forced for x in paths):
-        paths = [x for x in paths if x.NAME in (forced, _generic.NAME)]
-    return next(x for x in paths if getattr(x, takes)(p))
+    tried before the generic kernels, in the direction where a path of that name exists.
+    Memoized by the Problem's signature, the test switches and its arrays' alignments (the
+    tensor-core paths need 16-byte aligned bases; the rest of what `takes` reads is layout)."""
+    ov = _runtime.overrides()
+    key = None if p.key is None else (takes, p.key, ov) + tuple(
+        None if x is None else x.data.ptr % 256 for x in (p.q, p.k, p.v, p.mask, p.bias))
+
+    def choose():
+        candidates = paths
+        if ov.path is not None and any(x.NAME == ov.path for x in paths):
+            candidates = [x for x in paths if x.NAME in (ov.path, _generic.NAME)]
+        return next(x for x in candidates if getattr(x, takes)(p))
+
+    return _chosen.build(key, choose)
 
 
 def forward_path(p):

@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _generic, _runtime
+from . import _config, _generic, _memo, _runtime
 from ._validate import element_strides
 
 NAME = "mma"
@@ -114,14 +114,11 @@ def takes(p):
     return smem_bytes(p.Dk, has_mb) <= _runtime.device_info().smem_optin
 
 
-def forward(p):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32; every row settled, the ones the kernel
-    flags by the lost-row fix."""
-    import cupy
+_recipes = _memo.Memo(256)
 
-    args = _runtime.Args(p)
-    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
+
+def _recipe(p):
+    """(kernel, shared memory, blocks, threads, block_m, has_mb): the launch of a layout."""
     has_mb = p.mask is not None or p.bias is not None
     tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc)
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile))
@@ -131,11 +128,22 @@ def forward(p):
     blocks = -(-p.Nq // tile.block_m) * p.BH
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
+    return kern, smem, blocks, tile.warps * 32, tile.block_m, has_mb
+
+
+def forward(p):
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32; every row settled, the ones the kernel
+    flags by the lost-row fix."""
+    import cupy
+
+    kern, smem, blocks, threads, block_m, has_mb = _recipes.build(p.key, lambda: _recipe(p))
+    args = _runtime.Args(p)
+    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_mma
-    kern((blocks,), (tile.warps * 32,),
-         (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
+    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
-    _generic.launch_fwd_lost(args, out, lse, fix, tile.block_m, np.inf if has_mb else None)
+    _generic.launch_fwd_lost(args, out, lse, fix, block_m, np.inf if has_mb else None)
     return out, lse

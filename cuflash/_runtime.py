@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _broadcast, _config
+from . import _broadcast, _config, _memo
 from ._validate import element_strides
 
 OPTIONS = ("-std=c++17",)
@@ -282,20 +282,14 @@ class Args:
     """The arguments shared by the main kernels of one Problem. `tail`: what the tensor-core and
     lost-row kernels take after their own tensors (kernels_cu/args.cuh): offsets, mask, bias,
     kv_lens (null where absent), then AttnArgs as a NumPy structured scalar (passed by value);
-    `flat_tail(scale_type)`: the same with AttnArgs' fields one by one (the generic kernels)."""
+    `flat_tail(scale_type)`: the same with AttnArgs' fields one by one (the generic kernels).
+    All but the mask and bias pointers depend on the layout only: built once per signature."""
 
     def __init__(self, p):
         self.p = p
-        table, self.strides = offset_table(p)
-        self.offsets = on_device(table)
-        self.kv_lens = None if p.kv_lens is None else on_device(p.kv_lens.reshape(p.BH))
-        a = np.zeros((), dtype=ARGS_DTYPE)
-        for (name, _), s in zip(ARGS_FIELDS, self.strides):
-            a[name] = s
-        for name in ("BH", "Nq", "Nk", "Dk", "Dv", "scale", "left", "right"):
-            a[name] = getattr(p, name)
-        a["bottom_right"] = bool(p.bottom_right)
-        self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a[()])
+        self.strides, self.offsets, self.kv_lens, a = _args_layouts.build(
+            p.key, lambda: _args_layout(p))
+        self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a)
 
     def flat_tail(self, scale_type):
         """The tail with AttnArgs' fields as separate scalars in its order (ATTN_ARGS_PARAMS, the
@@ -304,6 +298,22 @@ class Args:
         return self.tail[:-1] + tuple(scale_type(a[name]) if name == "scale" else
                                       np.dtype(c_type).type(a[name])
                                       for name, c_type in ARGS_FIELDS)
+
+
+_args_layouts = _memo.Memo(256)
+
+
+def _args_layout(p):
+    """(strides, offsets table on the device, kv_lens on the device or None, AttnArgs)."""
+    table, strides = offset_table(p)
+    kv_lens = None if p.kv_lens is None else on_device(p.kv_lens.reshape(p.BH))
+    a = np.zeros((), dtype=ARGS_DTYPE)
+    for (name, _), s in zip(ARGS_FIELDS, strides):
+        a[name] = s
+    for name in ("BH", "Nq", "Nk", "Dk", "Dv", "scale", "left", "right"):
+        a[name] = getattr(p, name)
+    a["bottom_right"] = bool(p.bottom_right)
+    return strides, on_device(table), kv_lens, a[()]
 
 
 def ptr(a):

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _broadcast
+from . import _broadcast, _memo
 from ._config import MAX_HEAD_DIM, accumulator_dtype, supported_dtype_names
 
 ALIGNS = ("bottom-right", "top-left")
@@ -49,6 +49,24 @@ class Problem:
     q_map: np.ndarray
     k_map: np.ndarray
     v_map: np.ndarray
+    # The call's signature (shapes, strides, dtypes, devices, options, host kv_lens; see
+    # `signature`): the key of every per-layout cache (cuflash._memo); None where it has none.
+    key: Optional[tuple] = None
+    copied: bool = False  # q, k or v had an innermost axis that is not contiguous (copied)
+
+    def with_arrays(self, q, k, v, mask, bias):
+        """This Problem for another call of the same signature: its arrays, the rest shared."""
+        xp = self.xp
+        if self.copied:
+            q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
+        full = self.lead + (self.Nq, self.Nk)
+        new = object.__new__(Problem)
+        new.__dict__.update(self.__dict__)
+        new.q, new.k, new.v = q, k, v
+        new.mask = None if mask is None else xp.broadcast_to(mask, full)
+        new.bias = (None if bias is None else
+                    xp.broadcast_to(bias.astype(self.acc_dtype, copy=False), full))
+        return new
 
     @property
     def BH(self):
@@ -269,9 +287,74 @@ def element_strides(x):
 # ---------------------------------------------------------------------------------------------
 # the entry points
 
+def _array_key(x):
+    key = (type(x), x.shape, x.strides, x.dtype)
+    return key if isinstance(x, np.ndarray) else key + (x.device.id,)
+
+
+def _side_key(value):
+    return type(value), value
+
+
+def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn):
+    """A hashable summary of everything ``make_problem`` reads, or None.
+
+    Two calls with one signature pass or fail validation alike and give equal Problems but for
+    their arrays. Types are part of it (True == 1, but causal=1 is refused); host kv_lens by
+    value; a CuPy kv_lens has no signature (its values are on the device)."""
+    try:
+        if window is None:
+            w = None
+        elif type(window) in (tuple, list):
+            w = (type(window),) + tuple(_side_key(s) for s in window)
+        else:
+            return None
+        if kv_lens is None:
+            lens = None
+        elif _library(kv_lens) == "cupy":
+            return None
+        else:
+            arr = np.asarray(kv_lens)
+            lens = (type(kv_lens), arr.dtype, arr.shape, arr.tobytes())
+        key = (fn, _array_key(q), _array_key(k), _array_key(v),
+               None if mask is None else _array_key(mask),
+               None if bias is None else _array_key(bias),
+               _side_key(scale), _side_key(causal), _side_key(align), w, lens)
+        hash(key)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return key
+
+
+_problems = _memo.Memo(256)  # signature -> Problem without arrays (Problem.with_arrays)
+
+
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                  mask=None, bias=None, kv_lens=None, fn="attention"):
-    """Validate and normalize the arguments of ``fn`` (the public function, named in messages)."""
+    """Validate and normalize the arguments of ``fn`` (the public function, named in messages).
+
+    A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
+    one's with this call's arrays."""
+    key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn)
+    if key is not None:
+        known = _problems.get(key)
+        if known is not None:
+            return known.with_arrays(q, k, v, mask, bias)
+    p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                      mask=mask, bias=bias, kv_lens=kv_lens, fn=fn)
+    if key is not None:
+        p.key = key
+        for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
+            if x is not None:
+                x.flags.writeable = False
+        bare = object.__new__(Problem)  # the cache keeps no array of the caller's
+        bare.__dict__.update(p.__dict__)
+        bare.q = bare.k = bare.v = bare.mask = bare.bias = None
+        _problems.build(key, lambda: bare)
+    return p
+
+
+def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, fn):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -331,12 +414,14 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
     bias = _check_bias(fn, bias, full, lib, acc_dtype)
     kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
 
-    q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
+    given = (q, k, v)
+    q, k, v = (_innermost_contiguous(xp, x) for x in given)
+    copied = any(a is not b for a, b in zip((q, k, v), given))
     maps = [_broadcast.lead_offsets(lead, x.shape[:-2], element_strides(x)[:-2]) for x in (q, k, v)]
     return Problem(xp=xp, q=q, k=k, v=v, lead=lead, Nq=Nq, Nk=Nk, Dk=Dk, Dv=Dv, dtype=dtype,
                    acc_dtype=acc_dtype, scale=scale, causal=causal, bottom_right=bottom_right,
                    left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
-                   q_map=maps[0], k_map=maps[1], v_map=maps[2])
+                   q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied)
 
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):

@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _broadcast, _config, _generic, _mask_tiles, _mma_fwd, _runtime, _tma
+from . import _broadcast, _config, _generic, _mask_tiles, _memo, _mma_fwd, _runtime, _tma
 from ._validate import element_strides, key_range
 
 NAME = "wgmma"
@@ -98,23 +98,18 @@ def cc90_only():
 # Launch: the kernel's choice of mask / bias reading, the 5 tensor maps (q, k, v, mask, bias),
 # InputHeads, and the rows per staged mask / bias tile (0: absent, 1: one row for every query).
 Launch = namedtuple("Launch", "mb maps heads mask_rows bias_rows")
-_MAP_CACHE_SIZE = 256
-_map_cache = {}
+_launches = _memo.Memo(256)
 
 
 def _launch(p, dims):
     """The Launch of a Problem, or None where no tensor map describes q, k or v; memoized by the
-    inputs' addresses and layouts (the host work of a call repeats with them) and by whether its
-    bounds let the mask / bias be staged (_key_tiles_aligned: a causal, windowed or kv_lens call
-    on the arrays of an unbounded one must not stage its tiles; it did, and faulted)."""
-    key = (dims, p.lead, p.Nq, p.Nk, _key_tiles_aligned(p)) + tuple(
-        None if x is None else (x.data.ptr, x.shape, x.strides, x.dtype.str)
-        for x in (p.q, p.k, p.v, p.mask, p.bias))
-    if key not in _map_cache:
-        if len(_map_cache) >= _MAP_CACHE_SIZE:
-            _map_cache.pop(next(iter(_map_cache)))  # oldest first
-        _map_cache[key] = _encode(p, dims)
-    return _map_cache[key]
+    inputs' addresses and the Problem's signature (the maps hold the addresses; the signature
+    fixes the layouts and the bounds, which decide whether the mask / bias may be staged:
+    _key_tiles_aligned; a causal call on the arrays of an unbounded one staged them and
+    faulted, when the key held the layouts only)."""
+    ptrs = tuple(None if x is None else x.data.ptr for x in (p.q, p.k, p.v, p.mask, p.bias))
+    key = None if p.key is None else (dims, p.key) + ptrs
+    return _launches.build(key, lambda: _encode(p, dims))
 
 
 def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
@@ -224,6 +219,22 @@ def takes(p):
         _runtime.device_info().smem_optin
 
 
+_recipes = _memo.Memo(256)
+
+
+def _recipe(p, dims, mb):
+    """(kernel, shared memory, blocks, threads, block_m, tile, H) of a layout's launch."""
+    tile = pick_tile(dims, mb)
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb), arch=ARCH)
+    smem = smem_bytes(dims, tile, mb)
+    _runtime.opt_in(kern, smem)
+    blocks = -(-p.Nq // block_m(tile)) * p.BH
+    if blocks > _runtime.MAX_GRID_X:
+        raise ValueError(f"problem too large for one launch: {blocks} blocks")
+    _, H = _mask_tiles.grid_shape(p)
+    return kern, smem, blocks, (tile.consumers + 1) * 128, block_m(tile), tile, H
+
+
 def forward(p):
     """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32; every row settled, the ones the kernel
     flags by the lost-row fix."""
@@ -231,26 +242,20 @@ def forward(p):
 
     dims = padded(p)
     launch = _launch(p, dims)
-    tile = pick_tile(dims, launch.mb)
+    key = None if p.key is None else (p.key, launch.mb)
+    kern, smem, blocks, threads, bm, tile, H = _recipes.build(
+        key, lambda: _recipe(p, dims, launch.mb))
     args = _runtime.Args(p)
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, launch.mb),
-                                 arch=ARCH)
-    smem = smem_bytes(dims, tile, launch.mb)
-    _runtime.opt_in(kern, smem)
-    blocks = -(-p.Nq // block_m(tile)) * p.BH
-    if blocks > _runtime.MAX_GRID_X:
-        raise ValueError(f"problem too large for one launch: {blocks} blocks")
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_wgmma
-    _, H = _mask_tiles.grid_shape(p)
     i32 = np.int32
     # the classes table must live until the launch is enqueued
-    classes, _table = (_mask_tiles.classify(p, block_m(tile), tile.block_n)
+    classes, _table = (_mask_tiles.classify(p, bm, tile.block_n)
                        if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
     # the kernel's own parameter list (not AttnArgs: the struct's fields cost the generic kernels
     # registers, and this one is kept as it was measured)
-    kern((blocks,), ((tile.consumers + 1) * 128,),
+    kern((blocks,), (threads,),
          launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix, i32(H),
                         i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
                         i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
@@ -259,5 +264,5 @@ def forward(p):
          + tuple(np.int64(x) for x in args.strides[3:]) + (classes,), shared_mem=smem)
     has_mb = launch.mb != MB_NONE
     # as after fwd_mma: with a mask or bias, rows of l = 0 (all masked: empty, or all -inf: NaN)
-    _generic.launch_fwd_lost(args, out, lse, fix, block_m(tile), np.inf if has_mb else None)
+    _generic.launch_fwd_lost(args, out, lse, fix, bm, np.inf if has_mb else None)
     return out, lse

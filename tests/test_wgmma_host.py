@@ -4,7 +4,7 @@ and bias tiles, and which it leaves to fwd_mma."""
 import numpy as np
 import pytest
 
-from cuflash import _tma, _validate, _wgmma_fwd
+from cuflash import _memo, _tma, _validate, _wgmma_fwd
 
 
 def _problem(rng, Nq, Nk, lead=(2, 4), kv_lead=None, **options):
@@ -91,7 +91,7 @@ def test_launch_cache_follows_the_bounds(rng, monkeypatch):
     illegal instruction on the H200). Here _encode reports what it was asked to decide."""
     import dataclasses
     monkeypatch.setattr(_wgmma_fwd, "_encode", lambda p, dims: _wgmma_fwd._key_tiles_aligned(p))
-    monkeypatch.setattr(_wgmma_fwd, "_map_cache", {})
+    monkeypatch.setattr(_wgmma_fwd, "_launches", _memo.Memo())
     for options, aligned in (({}, True), (dict(causal=True), False),
                              (dict(kv_lens=[[64], [100]]), False), (dict(window=(8, 8)), False),
                              ({}, True)):

@@ -1,0 +1,90 @@
+"""The per-signature caches of the host path (cuflash._memo; issue 17): a repeated call skips the
+work its first call did, and nothing it skips changes what it gives or what it refuses."""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _validate, reference
+from helpers import assert_close_to_reference, FLOORS
+
+# (a valid option, a look-alike that must still be refused after it): equal under ==, or equal
+# after np.asarray, but not the same argument
+LOOK_ALIKES = [
+    (dict(causal=True), dict(causal=1), TypeError, "causal"),
+    (dict(causal=False), dict(causal=0), TypeError, "causal"),
+    (dict(scale=1), dict(scale=True), TypeError, "scale"),
+    (dict(window=(1, 2)), dict(window=(True, 2)), ValueError, "window left"),
+    (dict(window=(1, 2)), dict(window=(1.0, 2)), ValueError, "window left"),
+    (dict(kv_lens=[[1], [0]]), dict(kv_lens=[[True], [False]]), TypeError, "kv_lens"),
+    (dict(kv_lens=[[3], [4]]), dict(kv_lens=[[3.0], [4.0]]), TypeError, "kv_lens"),
+    (dict(kv_lens=[[3], [4]]), dict(kv_lens=[[3], [9]]), ValueError, "kv_lens"),
+    (dict(mask=np.ones((5, 7), bool)), dict(mask=np.ones((5, 7), np.uint8)), TypeError, "mask"),
+]
+
+
+def _qkv(rng, dtype=np.float32):
+    return (rng.standard_normal((2, 1, n, 8)).astype(dtype) for n in (5, 7, 7))
+
+
+@pytest.mark.parametrize("good, bad, error, word", LOOK_ALIKES, ids=[str(x[1]) for x in LOOK_ALIKES])
+def test_a_known_signature_does_not_let_a_look_alike_through(rng, good, bad, error, word):
+    q, k, v = _qkv(rng)
+    cuflash.attention(q, k, v, **good)
+    cuflash.attention(q, k, v, **good)  # now from the cache
+    with pytest.raises(error, match=rf"^attention: .*{word}"):
+        cuflash.attention(q, k, v, **bad)
+
+
+def test_the_cached_problem_equals_a_fresh_one(rng, monkeypatch):
+    q, k, v = _qkv(rng)
+    mask = rng.random((5, 7)) < 0.7
+    bias = rng.standard_normal((1, 1, 5, 7))
+    options = dict(causal=True, window=(3, None), mask=mask, bias=bias, kv_lens=[[6], [7]])
+    first = _validate.make_problem(q, k, v, **options)
+    q2, k2, v2 = (x + 1 for x in (q, k, v))
+    mask2, bias2 = ~mask, bias * 2
+    cached = _validate.make_problem(q2, k2, v2, **dict(options, mask=mask2, bias=bias2))
+    monkeypatch.setattr(_validate, "_problems", _validate._memo.Memo())
+    fresh = _validate.make_problem(q2, k2, v2, **dict(options, mask=mask2, bias=bias2))
+    assert first.key == cached.key == fresh.key is not None
+    for name, value in vars(fresh).items():
+        got = getattr(cached, name)
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(got, value) and got.dtype == value.dtype, name
+        else:
+            assert got == value or got is value, name
+    assert cached.q is q2 and cached.k is k2 and cached.v is v2
+
+
+def test_the_cache_keeps_no_array_of_the_caller(rng):
+    q, k, v = _qkv(rng)
+    mask = np.ones((5, 7), bool)
+    cuflash.attention(q, k, v, mask=mask)
+    refs = [weakref.ref(x) for x in (q, k, v, mask)]
+    del q, k, v, mask
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_repeated_calls_with_new_data(rng):
+    """Same signature, new values (and an innermost axis that is copied): every call is right."""
+    for _ in range(3):
+        q, k, v = _qkv(rng, np.float64)
+        q = np.asfortranarray(q)  # innermost stride 5 elements: copied by make_problem
+        mask = rng.random((5, 7)) < 0.7
+        out, lse = cuflash.attention(q, k, v, mask=mask, causal=True, return_lse=True)
+        ref_out, ref_lse = reference.attention(q, k, v, mask=mask, causal=True, return_lse=True)
+        assert_close_to_reference(out, ref_out, None, FLOORS["float64"], "out")
+        assert_close_to_reference(lse, ref_lse, None, FLOORS["float64"], "lse")
+
+
+def test_no_signature_for_device_lengths_or_odd_arguments(rng):
+    q, k, v = _qkv(rng)
+    args = (None, False, "bottom-right")
+    assert _validate.signature(q, k, v, *args, None, None, None, None, "attention") is not None
+    assert _validate.signature([1], k, v, *args, None, None, None, None, "attention") is None
+    assert _validate.signature(q, k, v, *args, iter([1, 2]), None, None, None, "attention") is None
+    assert _validate.signature(q, k, v, *args, ([1], 2), None, None, None, "attention") is None
