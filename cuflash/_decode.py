@@ -612,6 +612,7 @@ class Plan:
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
         self.n_items, self.n_tiles = sched.items.shape[0], sched.tiles.shape[0]
         self.strides = tuple(np.int64(s) for s in lay.strides)
+        self.scalars = self.grid = None  # run's constant arguments, made by its first call
 
         parts = [lay.offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
                  sched.tiles.reshape(-1), sched.items_table().reshape(-1)]
@@ -644,18 +645,20 @@ class Plan:
             ws_out = cupy.empty(shape + (p.Dv,), dtype=p.acc_dtype)
             ws_ml = cupy.empty(shape + (2,), dtype=p.acc_dtype)  # each partial's (max, sum)
             counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
-            args = ((p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, self.lens,
-                     self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
-                     _runtime.ptr(p.bias)) + self.strides
-                    + (i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
-                       p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
-                       i32(bool(p.bottom_right)), i32(1)))  # 1: fused, the merge in-kernel
-            if self.tc:  # persistent blocks, at most one wave (decode_tc)
-                grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
-                self.kernel((grid,), (THREADS,), args + (i32(self.n_items),),
-                            shared_mem=self.dyn_smem)
-            else:
-                self.kernel((self.n_items,), (THREADS,), args)
+            if self.scalars is None:  # the layout's: the same for every call of the Plan
+                self.scalars = self.strides + (
+                    i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
+                    p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
+                    i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
+                if self.tc:  # persistent blocks, at most one wave (decode_tc)
+                    self.scalars += (i32(self.n_items),)
+                    self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
+                else:
+                    self.grid = self.n_items
+            args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, self.lens,
+                    self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
+                    _runtime.ptr(p.bias)) + self.scalars
+            self.kernel((self.grid,), (THREADS,), args, shared_mem=self.dyn_smem)
         return out, lse
 
 

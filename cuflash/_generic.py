@@ -139,6 +139,7 @@ def backward(p, dout, out, lse, deterministic=False):
 
 
 _lost_launches = _memo.Memo(256)
+_lost_plans = _memo.Memo(256)
 
 
 def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
@@ -171,18 +172,24 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):
 
     p = args.p
     BH, Nq, Nk = p.BH, p.Nq, p.Nk
-    rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype)
+
+    def plan():
+        rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype)
+        warps = _config.GENERIC_THREADS // 32
+        cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
+        row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
+        key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
+        return (_runtime.get_function(LOST_SOURCE, rows_expr), row_blocks,
+                _runtime.get_function(LOST_SOURCE, keys_expr), key_blocks,
+                np.float64(_config.lost_lse_limit(lse.dtype)))
+
+    key = None if p.key is None else (p.key, dk.dtype, lse.dtype)
+    rows_fn, row_blocks, keys_fn, key_blocks, lost = _lost_plans.build(key, plan)
     stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
     prewritten = flags is not None  # by the tensor-core preprocess; else written from lse here
     if flags is None:
         flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
-    lost = _config.lost_lse_limit(lse.dtype)
-    common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (np.float64(lost), stats, flags)
+    common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
     threads = (_config.GENERIC_THREADS,)
-    warps = _config.GENERIC_THREADS // 32
-    cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
-    row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
-    key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
-    _runtime.get_function(LOST_SOURCE, rows_expr)((row_blocks,), threads,
-                                                  common + (dq, np.int32(prewritten)))
-    _runtime.get_function(LOST_SOURCE, keys_expr)((key_blocks,), threads, common + (dk, dv))
+    rows_fn((row_blocks,), threads, common + (dq, np.int32(prewritten)))
+    keys_fn((key_blocks,), threads, common + (dk, dv))

@@ -36,7 +36,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _generic, _mask_tiles, _mma_fwd, _runtime
+from . import _config, _generic, _mask_tiles, _memo, _mma_fwd, _runtime
 from ._broadcast import _padded
 
 NAME = "mma"
@@ -260,56 +260,74 @@ def _contiguous16(x, shape):
     return x
 
 
+_recipes = _memo.Memo(256)
+Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep prep_blocks lost dkdv dkdv_blocks "
+                              "dkdv_threads dkdv_smem dkdv_classes dq dq_blocks dq_threads dq_smem")
+
+
+def _recipe(p, deterministic):
+    """What a backward call of this layout launches, and how (shapes, kernels, grids)."""
+    BH, Nq = p.BH, p.Nq
+    dims = (p.Dk, p.Dv)
+    # dK, dV straight in the inputs' dtype when no broadcast / GQA sum follows (each k and v
+    # matrix is one output (batch, head)'s): no float32 buffers, no cast passes
+    out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
+    nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
+    has_mb = p.mask is not None or p.bias is not None
+    tile = dkdv_tile(dims, has_mb, not deterministic)
+    smem = dkdv_smem_bytes(dims, tile)
+    dkdv = _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb), smem,
+                     dkdv_arch(tile))
+    # the mask's tile classes, for its key blocks of 16 * warps keys
+    classes = (tile.block_m, 16 * tile.warps) if has_mb else None
+    dq = dq_blocks = dq_threads = dq_smem = None
+    if deterministic:  # dq every element, without atomics
+        dq_tile = DQ_TILES[dims]
+        dq_smem = dq_smem_bytes(dims, dq_tile)
+        dq = _function(dq_expr(p.dtype.name, dims, dq_tile, has_mb), dq_smem)
+        dq_blocks, dq_threads = -(-Nq // (16 * dq_tile.warps)) * BH, dq_tile.warps * 32
+    return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad,
+                  _function(prep_expr(p.dtype.name, dims), 0), -(-BH * nq_pad * 8 // 256),
+                  np.float32(_config.lost_lse_limit(np.float32)), dkdv, dkdv_blocks(p, tile),
+                  tile.warps * 32, smem, classes, dq, dq_blocks, dq_threads, dq_smem)
+
+
 def backward(p, dout, out, lse, deterministic=False):
     """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
     dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
     dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype."""
     import cupy
 
+    key = None if p.key is None else (p.key, deterministic, _runtime.overrides().wgmma)
+    r = _recipes.build(key, lambda: _recipe(p, deterministic))  # dkdv_tile reads the switch
     args = _runtime.Args(p)
     BH, Nq, Nk, Dk, Dv = p.BH, p.Nq, p.Nk, p.Dk, p.Dv
-    dims = (Dk, Dv)
-    # dK, dV straight in the inputs' dtype when no broadcast / GQA sum follows (each k and v
-    # matrix is one output (batch, head)'s): no float32 buffers, no cast passes
-    out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
-    kv_dtype = p.dtype if out16 else np.float32
-    Nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
-    tail = args.tail + (np.int32(Nq_pad),)
+    i32 = np.int32
+    tail = args.tail + (i32(r.nq_pad),)
     dout = _contiguous16(dout, (BH, Nq, Dv))
     out = _contiguous16(out, (BH, Nq, Dv))
     lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)
-    lse2 = _runtime.empty((BH, Nq_pad), dtype=np.float32)  # every row written by prep
-    delta = _runtime.empty((BH, Nq_pad), dtype=np.float32)
+    lse2 = _runtime.empty((BH, r.nq_pad), dtype=np.float32)  # every row written by prep
+    delta = _runtime.empty((BH, r.nq_pad), dtype=np.float32)
     lost_flags = cupy.empty((BH, -(-Nq // 32)), dtype=np.int32)  # all written by prep
     # prep: lse2, delta (BH, Nq_pad) and the lost-row flags (BH, ceil(Nq / 32)) for lost_rows.cu
-    fn = _function(prep_expr(p.dtype.name, dims), 0)
-    lost = np.float32(_config.lost_lse_limit(np.float32))
-    fn((-(-BH * Nq_pad * 8 // 256),), (256,), (dout, out, lse, lse2, delta, np.int32(BH),
-                                               np.int32(Nq), np.int32(Nq_pad), lost, lost_flags))
+    r.prep((r.prep_blocks,), (256,), (dout, out, lse, lse2, delta, i32(BH), i32(Nq),
+                                      i32(r.nq_pad), r.lost, lost_flags))
     if deterministic:
         dq = _runtime.empty((BH, Nq, Dk), dtype=np.float32)
     else:
         dq = cupy.zeros((BH, Nq, Dk), dtype=np.float32)
-    dk = _runtime.empty((BH, Nk, Dk), dtype=kv_dtype)
-    dv = _runtime.empty((BH, Nk, Dv), dtype=kv_dtype)
-    # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ
-    has_mb = p.mask is not None or p.bias is not None
-    tile = dkdv_tile(dims, has_mb, not deterministic)
-    smem = dkdv_smem_bytes(dims, tile)
-    fn = _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb), smem,
-                   dkdv_arch(tile))
-    # the mask's tile classes, for its key blocks of 16 * warps keys (the table must live until
-    # the launch is enqueued)
-    classes, _table = (_mask_tiles.classify(p, tile.block_m, 16 * tile.warps) if has_mb
+    dk = _runtime.empty((BH, Nk, Dk), dtype=r.kv_dtype)
+    dv = _runtime.empty((BH, Nk, Dv), dtype=r.kv_dtype)
+    # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
+    # table must live until the launch is enqueued)
+    classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
                        else (_mask_tiles.NO_CLASSES, None))
-    fn((dkdv_blocks(p, tile),), (tile.warps * 32,),
-       (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv, classes)
-       + tail + (np.int32(out16),), shared_mem=smem)
-    if deterministic:  # dq every element, without atomics
-        tile = DQ_TILES[dims]
-        smem = dq_smem_bytes(dims, tile)
-        fn = _function(dq_expr(p.dtype.name, dims, tile, has_mb), smem)
-        fn((-(-Nq // (16 * tile.warps)) * BH,), (tile.warps * 32,),
-           (p.q, p.k, p.v, dout, lse2, delta, dq) + tail, shared_mem=smem)
+    r.dkdv((r.dkdv_blocks,), (r.dkdv_threads,),
+           (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
+            classes) + tail + (i32(r.out16),), shared_mem=r.dkdv_smem)
+    if deterministic:
+        r.dq((r.dq_blocks,), (r.dq_threads,), (p.q, p.k, p.v, dout, lse2, delta, dq) + tail,
+             shared_mem=r.dq_smem)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags)
     return dq, dk, dv
