@@ -178,8 +178,28 @@ def _check_align(fn, align):
     return align == "bottom-right"
 
 
-def _check_window(fn, window, causal, unbounded):
-    """(left, right) as ints; None sides become ``unbounded``, and causal caps right at 0."""
+def _check_positions(fn, positions):
+    """(q_start, k_start) as ints; None is (0, 0)."""
+    if positions is None:
+        return 0, 0
+    if not isinstance(positions, (tuple, list)) or len(positions) != 2:
+        raise ValueError(
+            f"{fn}: positions must be None or a pair (q_start, k_start), got {positions!r}")
+    starts = []
+    for name, value in zip(("q_start", "k_start"), positions):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{fn}: positions {name} must be a non-negative int, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{fn}: positions {name} must be non-negative, got {value}")
+        starts.append(int(value))
+    return tuple(starts)
+
+
+def _check_window(fn, window, causal, unbounded, shift=0):
+    """(left, right) as ints; None sides become ``unbounded``, and causal caps right at 0. The
+    positions' shift q_start - k_start moves the aligned position p: p - left <= j <= p + right
+    with p + shift is the same test with left - shift and right + shift, clamped to
+    [-unbounded, unbounded] (beyond it a side hides or shows every key either way)."""
     left = right = unbounded
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -198,6 +218,10 @@ def _check_window(fn, window, causal, unbounded):
         left, right = sides
     if causal:
         right = min(right, 0)
+    if left < unbounded:
+        left = max(-unbounded, min(left - shift, unbounded))
+    if right < unbounded:
+        right = max(-unbounded, min(right + shift, unbounded))
     return left, right
 
 
@@ -296,19 +320,23 @@ def _side_key(value):
     return type(value), value
 
 
-def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn):
+def _pair_key(pair):
+    """A window's or positions' part of a signature (TypeError where it has none)."""
+    if pair is None:
+        return None
+    if type(pair) not in (tuple, list):
+        raise TypeError
+    return (type(pair),) + tuple(_side_key(s) for s in pair)
+
+
+def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
     their arrays. Types are part of it (True == 1, but causal=1 is refused); host kv_lens by
     value; a CuPy kv_lens has no signature (its values are on the device)."""
     try:
-        if window is None:
-            w = None
-        elif type(window) in (tuple, list):
-            w = (type(window),) + tuple(_side_key(s) for s in window)
-        else:
-            return None
+        w, pos = _pair_key(window), _pair_key(positions)
         if kv_lens is None:
             lens = None
         elif _library(kv_lens) == "cupy":
@@ -319,7 +347,7 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn):
         key = (fn, _array_key(q), _array_key(k), _array_key(v),
                None if mask is None else _array_key(mask),
                None if bias is None else _array_key(bias),
-               _side_key(scale), _side_key(causal), _side_key(align), w, lens)
+               _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos)
         hash(key)
     except (AttributeError, TypeError, ValueError):
         return None
@@ -330,18 +358,18 @@ _problems = _memo.Memo(256)  # signature -> Problem without arrays (Problem.with
 
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
-                 mask=None, bias=None, kv_lens=None, fn="attention"):
+                 mask=None, bias=None, kv_lens=None, positions=None, fn="attention"):
     """Validate and normalize the arguments of ``fn`` (the public function, named in messages).
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
-    key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn)
+    key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
             return known.with_arrays(q, k, v, mask, bias)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                      mask=mask, bias=bias, kv_lens=kv_lens, fn=fn)
+                      mask=mask, bias=bias, kv_lens=kv_lens, positions=positions, fn=fn)
     if key is not None:
         p.key = key
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
@@ -354,7 +382,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
     return p
 
 
-def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, fn):
+def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions, fn):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -408,7 +436,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     scale = _check_scale(fn, scale, Dk, acc_dtype)
     causal = check_flag("causal", causal, fn)
     bottom_right = _check_align(fn, align)
-    left, right = _check_window(fn, window, causal, unbounded=Nq + Nk)
+    q_start, k_start = _check_positions(fn, positions)
+    left, right = _check_window(fn, window, causal, Nq + Nk, q_start - k_start)
     full = lead + (Nq, Nk)
     mask = _check_mask(fn, mask, full, lib)
     bias = _check_bias(fn, bias, full, lib, acc_dtype)

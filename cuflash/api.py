@@ -59,7 +59,14 @@ _OPTIONS_DOC = """\
         plain int for 2-D inputs), each value in [0, Nk]. Host data (an int, a list, a NumPy
         array) serves NumPy and CuPy inputs alike and costs nothing; a CuPy array, only with
         CuPy inputs, is copied to the host to be checked (one small synchronizing copy).
-        Bottom-right alignment aligns to kv_lens, not to Nk. None means all Nk keys."""
+        Bottom-right alignment aligns to kv_lens, not to Nk. None means all Nk keys.
+    positions : (q_start, k_start) or None, default None
+        Where q's rows and k's keys sit in a longer sequence: query row i at position
+        q_start + i, key j at k_start + j (two non-negative ints, a tuple or list). Causal and
+        window then compare these positions: the aligned position p moves by
+        q_start - k_start. For blocks of one sequence computed apart and combined with
+        :func:`merge` (``cuflash.ring`` does this across devices). It only matters with causal
+        or window. None means (0, 0)."""
 
 _TYPE_ERRORS_DOC = """\
         - q, k or v is not a numpy.ndarray or cupy.ndarray (a list is not accepted), or mask
@@ -84,12 +91,13 @@ _VALUE_ERRORS_DOC = """\
         - window is neither None nor a pair (a tuple or list of two), or a side is neither None
           nor a non-negative int (a float or a bool side included).
         - mask or bias has fewer than 2 dims or does not broadcast to (..., Nq, Nk).
-        - kv_lens does not broadcast to the leading dims, or holds a value outside [0, Nk]."""
+        - kv_lens does not broadcast to the leading dims, or holds a value outside [0, Nk].
+        - positions is neither None nor a pair, or a start is not a non-negative int."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
     (``align="bottom-right"``) or p = i (``align="top-left"``), where L is the sequence's kv_lens,
-    else Nk. Key j is visible iff j < L, and j <= p when causal, and p - left <= j <= p + right
+    else Nk, plus q_start - k_start with ``positions=(q_start, k_start)``. Key j is visible iff j < L, and j <= p when causal, and p - left <= j <= p + right
     with ``window=(left, right)``, and ``mask[..., i, j]`` is True, and ``bias[..., i, j]`` is not
     -inf: all of these combine by AND. The Examples of :func:`attention` print these masks.
 
@@ -147,7 +155,7 @@ def _backward(problem, dout, out, lse, deterministic=False):
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, return_lse=False):
+              bias=None, kv_lens=None, positions=None, return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
@@ -276,13 +284,15 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     """
     return_lse = check_flag("return_lse", return_lse, "attention")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, fn="attention")
+                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                           fn="attention")
     out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
-                       window=None, mask=None, bias=None, kv_lens=None, deterministic=False):
+                       window=None, mask=None, bias=None, kv_lens=None, positions=None,
+                       deterministic=False):
     """Compute the gradients of :func:`attention` with respect to q, k and v.
 
     The score tiles are recomputed from q, k and lse; no probability matrix is stored.
@@ -379,13 +389,15 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     """
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, fn="attention_backward")
+                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                           fn="attention_backward")
     check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
     return _backward(problem, dout, out, lse, deterministic)
 
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
-                  mask=None, bias=None, kv_lens=None, deterministic=False, return_lse=None):
+                  mask=None, bias=None, kv_lens=None, positions=None, deterministic=False,
+                  return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
     For training without a framework: ``out, vjp = attention_vjp(q, k, v, ...)``, then
@@ -459,7 +471,8 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
         raise TypeError("attention_vjp: takes no return_lse option (it keeps lse itself)")
     deterministic = check_flag("deterministic", deterministic, "attention_vjp")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, fn="attention_vjp")
+                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                           fn="attention_vjp")
     out, lse = _forward(problem)
 
     def vjp(dout):

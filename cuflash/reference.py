@@ -28,10 +28,10 @@ def _host(x):
     return np.asarray(x)
 
 
-def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens):
+def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions=None):
     """Reject bad input with the library's own messages; the Problem itself is not used."""
     _validate.make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens)
+                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions)
 
 
 def _lead_shape(q, k, v):
@@ -75,7 +75,7 @@ def _sum_to(grad, shape):
     return grad.reshape(shape)
 
 
-def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens):
+def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens, positions=None):
     """Dense bool array lead + (Nq, Nk): may query i attend to key j, straight from the definition."""
     i = np.arange(nq).reshape(nq, 1)
     j = np.arange(nk).reshape(1, nk)
@@ -86,6 +86,8 @@ def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens):
     length = length[..., None, None]
     # The query's aligned position: bottom-right aligns the last query with the last existing key.
     p = i + (length - nq) if align == "bottom-right" else i + 0 * length
+    if positions is not None:  # row i is at q_start + i, key j at k_start + j
+        p = p + (positions[0] - positions[1])
     visible = j < length
     if causal:
         visible = visible & (j <= p)
@@ -110,7 +112,7 @@ class _Dense:
     """
 
     def __init__(self, q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                 work=np.float64, storage=None):
+                 positions=None, work=np.float64, storage=None):
         self.work = work
         self.storage = storage
         q, k, v = (_host(x) for x in (q, k, v))
@@ -127,7 +129,8 @@ class _Dense:
         self.bias = bias
         self.lost_limit = _config.lost_lse_limit(_config.accumulator_dtype(q.dtype))
         self.visible = _visible(self.lead, nq, nk, causal, align, window,
-                                None if mask is None else mask.astype(bool), bias, _host(kv_lens))
+                                None if mask is None else mask.astype(bool), bias, _host(kv_lens),
+                                positions)
 
     def rnd(self, x):
         if self.storage is None:
@@ -197,19 +200,20 @@ class _Dense:
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, return_lse=False):
+              bias=None, kv_lens=None, positions=None, return_lse=False):
     """Dense float64 attention with exactly the semantics of ``cuflash.attention``.
 
     Returns ``out`` (``lead + (Nq, Dv)``), or ``(out, lse)`` (``lse``: ``lead + (Nq,)``), as NumPy
     float64 arrays whatever the input dtype or array module. Empty rows give out = 0, lse = -inf.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens)
-    out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens).forward()
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions)
+    out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
+                      positions).forward()
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
-                       window=None, mask=None, bias=None, kv_lens=None):
+                       window=None, mask=None, bias=None, kv_lens=None, positions=None):
     """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``.
 
     Uses the same formula as the API, from the *passed* ``out`` and ``lse`` (not recomputed ones):
@@ -221,6 +225,6 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     ``dQ = scale dS K``, ``dK = scale dS^T Q``; gradients of broadcast or grouped inputs are summed
     into the input's own shape. Empty rows contribute nothing. Results are NumPy float64.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens)
-    dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens)
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions)
+    dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions)
     return dense.backward(dout, out, lse)

@@ -74,9 +74,9 @@ def naive_attention_backward(dout, q, k, v, out, lse, **options):
 
 
 def _dense_options(options):
-    names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens")
+    names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions")
     defaults = dict(scale=None, causal=False, align="bottom-right", window=None, mask=None,
-                    bias=None, kv_lens=None)
+                    bias=None, kv_lens=None, positions=None)
     return {name: options.get(name, defaults[name]) for name in names}
 
 

@@ -295,6 +295,48 @@ def test_memory_is_linear_in_keys(rng):
     assert peak < scores_bytes / 2, f"peak {peak} bytes vs a {scores_bytes}-byte score matrix"
 
 
+POSITIONS = [
+    dict(causal=True, positions=(30, 0), align="top-left"),
+    dict(causal=True, positions=(0, 30)),                      # rows before every key: empty
+    dict(window=(6, 3), positions=(100, 90), kv_lens=[[50], [9]]),
+    dict(causal=True, window=(None, 4), positions=(5, 5), align="top-left"),
+]
+
+
+@pytest.mark.parametrize("options", POSITIONS, ids=str)
+def test_positions(rng, block, options):
+    q, k, v = qkv(rng, (2, 2), (2, 1), 40, 50, Dk=8)
+    check(q, k, v, rng, **options)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(9, 2)),
+                                     dict(causal=True, window=(12, None))], ids=str)
+def test_blocks_of_one_sequence_merge_to_the_whole(rng, block, options):
+    """Attention of a block of queries over blocks of keys, each placed by ``positions`` and
+    merged, is attention over the whole sequence (what a ring of devices computes)."""
+    N, cut_q, cuts_k = 60, (23, 41), (0, 17, 30, 52, 60)
+    q, k, v = qkv(rng, (2,), (2,), N, N, Dk=8)
+    whole, whole_lse = cuflash.attention(q, k, v, return_lse=True, align="top-left", **options)
+    a, b = cut_q
+    out = lse = None
+    for j0, j1 in zip(cuts_k[:-1], cuts_k[1:]):
+        part = cuflash.attention(q[:, a:b], k[:, j0:j1], v[:, j0:j1], return_lse=True,
+                                 align="top-left", positions=(a, j0), **options)
+        out, lse = part if out is None else cuflash.merge(out, lse, *part)
+    np.testing.assert_allclose(out, whole[:, a:b], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, whole_lse[:, a:b], rtol=1e-12, atol=1e-12)
+
+
+def test_reference_positions_are_a_mask(rng):
+    """The reference's positions against the same visibility written as a boolean mask."""
+    q, k, v = qkv(rng, (2,), (2,), 20, 30, Dk=4)
+    i, j = np.arange(20)[:, None] + 40, np.arange(30)[None, :] + 35
+    mask = (j <= i) & (j >= i - 7)
+    got = reference.attention(q, k, v, causal=True, window=(7, None), positions=(40, 35),
+                              align="top-left")
+    np.testing.assert_allclose(got, reference.attention(q, k, v, mask=mask), rtol=1e-14)
+
+
 @pytest.mark.parametrize("options, most", [
     (dict(causal=True), 0.56),                     # half the square, plus the diagonal blocks
     (dict(window=(100, 100)), 0.4),                # a band of 201 keys: 5 or 6 tiles of 64
@@ -336,7 +378,10 @@ def test_fuzz_against_reference(data):
     side = st.one_of(st.none(), st.integers(0, 45))
     options = dict(causal=draw(st.booleans(), label="causal"),
                    align=draw(st.sampled_from(["bottom-right", "top-left"]), label="align"),
-                   window=draw(st.one_of(st.none(), st.tuples(side, side)), label="window"))
+                   window=draw(st.one_of(st.none(), st.tuples(side, side)), label="window"),
+                   positions=draw(st.one_of(st.none(), st.tuples(st.integers(0, 50),
+                                                                 st.integers(0, 50))),
+                                  label="positions"))
     if draw(st.booleans(), label="mask"):
         options["mask"] = rng.random((B, H, Nq, Nk)) < 0.7
     if draw(st.booleans(), label="bias"):

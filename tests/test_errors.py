@@ -41,6 +41,12 @@ BAD_OPTIONS = [
     (dict(kv_lens=[1, 2, 3]), ValueError, "kv_lens"),
     (dict(kv_lens=np.array([1.5, 2.0])), TypeError, "kv_lens"),
     (dict(kv_lens=np.array([True, False])), TypeError, "kv_lens"),
+    (dict(positions=3), ValueError, "positions"),
+    (dict(positions=(1, 2, 3)), ValueError, "positions"),
+    (dict(positions=(-1, 0)), ValueError, "positions q_start"),
+    (dict(positions=(0, -2)), ValueError, "positions k_start"),
+    (dict(positions=(1.0, 0)), ValueError, "positions q_start"),
+    (dict(positions=(0, True)), ValueError, "positions k_start"),
 ]
 
 

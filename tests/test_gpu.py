@@ -78,6 +78,14 @@ CASES = [
     ("kv_lens-window", (2, 2), (2, 1), 64, 130, 64, 64, dict(kv_lens=[[100], [3]], window=(9, 4))),
     ("head-dim-256", (1,), (1,), 130, 70, 256, 256, dict(causal=True, align="top-left")),
     ("odd-head-dims", (2,), (2,), 33, 65, 5, 97, {}),
+    # positions: the aligned position moves by q_start - k_start, so the bounds the kernels get
+    # may be negative (rows that see nothing) or past the keys (rows that see everything)
+    ("positions-ahead-causal", (2,), (2,), 100, 150, 64, 64,
+     dict(causal=True, align="top-left", positions=(300, 200))),
+    ("positions-behind-causal", (1, 2), (1, 2), 130, 150, 64, 64,
+     dict(causal=True, positions=(0, 60))),
+    ("positions-window-kv_lens", (2, 2), (2, 1), 120, 130, 128, 128,
+     dict(window=(20, 5), positions=(1000, 990), kv_lens=[[130], [77]], align="top-left")),
 ]
 
 
@@ -102,6 +110,8 @@ TC_BWD_CASES = [
     ("causal-br-long", (1, 2), (1, 2), 300, 700, dict(causal=True)),
     ("window-kv_lens", (2, 2), (2, 2), 130, 260, dict(window=(40, 3), kv_lens=[[250], [0]])),
     ("mask-bias", (2, 2), (2, 2), 150, 190, "mask-bias"),
+    ("positions-behind", (1, 2), (1, 2), 130, 200, dict(causal=True, align="top-left",
+                                                        positions=(0, 40))),
 ]
 
 
@@ -152,6 +162,8 @@ WG_FWD_CASES = [
     ("window-left-causal", (1, 2), (1, 2), 260, 520, dict(window=(129, None), causal=True)),
     ("kv_lens", (3, 2), (3, 2), 150, 400, dict(kv_lens=np.array([[0], [17], [400]]), causal=True)),
     ("kv_lens-window", (2, 2), (2, 1), 64, 300, dict(kv_lens=[[260], [3]], window=(9, 4))),
+    ("positions-behind", (1, 2), (1, 2), 300, 400, dict(causal=True, align="top-left",
+                                                        positions=(0, 150))),
 ]
 
 
@@ -335,6 +347,8 @@ DECODE_CASES = [
     ("kv_lens-uneven", (4, 4), (4, 2), 1, 1100, 128, 96,
      dict(kv_lens=[[0], [1], [513], [1100]], causal=True)),
     ("head-dim-256", (2,), (2,), 1, 530, 256, 256, {}),
+    ("positions-causal", (2, 8), (2, 2), 4, 900, 128, 128,
+     dict(causal=True, align="top-left", positions=(700, 100))),
     # 772 items at the forced split (three waves of blocks on an H200): decode_tc's
     # persistent blocks run several items each, streaming the next item's first keys during the
     # current one's last stage; kv_lens 0 makes empty items in the middle of a block's sequence
