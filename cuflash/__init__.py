@@ -1,6 +1,6 @@
 """cuflash: exact FlashAttention on CuPy (GPU) and NumPy (CPU) arrays, with no framework."""
-from . import reference
+from . import reference, ring
 from .api import attention, attention_backward, attention_vjp, merge
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "merge", "reference"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "merge", "reference", "ring"]
 __version__ = "0.1.0"

@@ -5,14 +5,17 @@ kernel arguments, launch plans) is built by the first call of that layout and fo
 ones (issue 17: a repeated call does only what its data needs). Keys are the signatures
 ``cuflash._validate`` computes (``Problem.key``). When a table is full its oldest entry goes.
 """
+import threading
 
 
 class Memo(dict):
-    """A dict of at most ``size`` entries, oldest out first."""
+    """A dict of at most ``size`` entries, oldest out first. Lookups take no lock; insertions
+    do (threads share the tables: cuflash.ring.emulate runs a thread per rank)."""
 
     def __init__(self, size=256):
         super().__init__()
         self.size = size
+        self.lock = threading.Lock()
 
     def build(self, key, make):
         """The value of ``key``; ``make()`` builds it the first time (not kept when key is None)."""
@@ -23,7 +26,8 @@ class Memo(dict):
         except KeyError:
             pass
         value = make()
-        if len(self) >= self.size:
-            self.pop(next(iter(self)), None)
-        self[key] = value
+        with self.lock:
+            if len(self) >= self.size:
+                self.pop(next(iter(self)), None)
+            self[key] = value
         return value

@@ -20,7 +20,8 @@ LAYERS = {
     "_mma_bwd": 5, "_wgmma_fwd": 5,               # backward reads the forward's layout rule
     "_gpu": 6,                                    # the dispatcher and the catalog
     "api": 7,
-    "__init__": 8,
+    "ring": 8,                                    # context parallelism, on the public functions
+    "__init__": 9,
 }
 PATHS = ("_generic", "_mma_fwd", "_wgmma_fwd", "_mma_bwd", "_decode")
 
