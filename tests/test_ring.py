@@ -3,7 +3,6 @@ exchanges as copies; on NumPy, and on one GPU when there is one, against the den
 import numpy as np
 import pytest
 
-import cuflash
 from cuflash import reference, ring
 from helpers import FLOORS, assert_close_to_reference, naive_attention, naive_attention_backward
 
