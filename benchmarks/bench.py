@@ -26,6 +26,9 @@ What it measures
   additive float32 bias (1, H, N, N).
 * Wider dtypes (--cases wide): float32 and float64, D = 128, N = 1024 and 4096, causal and not,
   forward and backward.
+* Small calls (issue 17; --cases small): bf16 causal forward and backward at (B, H, N, D) =
+  (1, 8, 128, 64) and (4, 16, 512, 128), and decode B = 1 against 4096 keys: the host's cost per
+  call is the time there, so read loop_us and host_us.
 * Decode (issue 4; --cases decode): Hq = 32, Hkv = 8, D = 128, bf16, Nq = 1 against KV caches of
   (B, L) = (1, 128k), (8, 32k), (32, 8k), (64, 4k), plus one uneven batch (B = 32, L = 8k, kv_lens
   uniform in [1, L]). Reported as time and KV bytes read per second, next to the device-to-device

@@ -15,7 +15,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
 PREFILL_KINDS = ("fwd", "bwd")
 LAYOUTS = ("bhnd", "bnhd")           # how q, k, v and dout are stored: (B, H, N, D) or (B, N, H, D)
-CASE_SETS = ("fwd", "bwd", "decode", "options", "wide")
+CASE_SETS = ("fwd", "bwd", "decode", "options", "wide", "small")
 
 # Options: one shape (N = 4096, 16k tokens, bf16, D = 128 and hidden 2048 unless the case says),
 # forward and backward, one case per feature
@@ -33,6 +33,11 @@ WIDE_D = 128
 DECODE_HQ, DECODE_HKV, DECODE_D, DECODE_DTYPE = 32, 8, 128, "bf16"
 DECODE_SHAPES = ((1, 131072), (8, 32768), (32, 8192), (64, 4096))   # (B, L)
 DECODE_UNEVEN = (32, 8192)           # (B, max L); kv_lens uniform in [1, L], seeded
+
+# Small calls (issue 17): where the host's cost per call is the time; bf16, causal, fwd and bwd
+# (B, H, N, D), plus decode B = 1 against a short cache; loop_us / host_us are the numbers to read
+SMALL_SHAPES = ((1, 8, 128, 64), (4, 16, 512, 128))
+SMALL_DECODE = ((1, 4096),)
 
 QUICK_SEQLENS = (1024, 4096)
 QUICK_DECODE_SHAPES = ((8, 32768),)
@@ -127,6 +132,13 @@ def option_cases(layouts):
             for kind in PREFILL_KINDS for name, spec in specs for layout in layouts]
 
 
+def small_cases():
+    """The small calls of issue 17's host-cost table (option "small": a group of their own)."""
+    cases = [Case(kind, "bf16", b, h, h, n, n, d, True, option=f"small_b{b}_h{h}_d{d}")
+             for kind in PREFILL_KINDS for b, h, n, d in SMALL_SHAPES]
+    return cases + decode_cases(SMALL_DECODE, uneven=False)
+
+
 def decode_cases(shapes, uneven=True, seed=0):
     cases = [Case("decode", DECODE_DTYPE, b, DECODE_HQ, DECODE_HKV, 1, length, DECODE_D, False)
              for b, length in shapes]
@@ -149,6 +161,8 @@ def build_cases(args):
                                args.layouts)
     if "decode" in args.cases:
         cases += decode_cases(QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES, seed=args.seed)
+    if "small" in args.cases:
+        cases += small_cases()
     return cases
 
 
