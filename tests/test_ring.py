@@ -31,6 +31,7 @@ CASES = [  # (P, layout, options)
     (4, "zigzag", {}),
     (2, "contiguous", dict(window=(9, 3))),
     (4, "zigzag", dict(causal=True, window=(20, None))),
+    (8, "zigzag", dict(causal=True)),
 ]
 
 
@@ -99,3 +100,27 @@ def test_ring_errors(rng):
         ring.attention(q, q, q, object())
     with pytest.raises(ValueError, match="^emulate: size must be a positive int"):
         ring.emulate(0, lambda r: None)
+
+
+@pytest.mark.gpu
+def test_ring_over_nccl():
+    """The real ring: one process per GPU over NCCL (examples/ring_attention.py), against one call
+    on the whole sequence. Needs 2 or more GPUs (skipped otherwise, and not counted as run)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        count = 0
+    if count < 2:
+        pytest.skip("needs 2 or more GPUs")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, str(root / "examples" / "ring_attention.py"),
+                           "--ranks", str(min(count, 8))], capture_output=True, text=True,
+                          timeout=600, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "NCCL" in done.stdout, done.stdout
