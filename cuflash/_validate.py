@@ -200,28 +200,26 @@ def _check_window(fn, window, causal, unbounded, shift=0):
     positions' shift q_start - k_start moves the aligned position p: p - left <= j <= p + right
     with p + shift is the same test with left - shift and right + shift, clamped to
     [-unbounded, unbounded] (beyond it a side hides or shows every key either way)."""
-    left = right = unbounded
+    left = right = None  # None: unbounded on that side
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(f"{fn}: window must be None or a pair (left, right), got {window!r}")
         sides = []
         for side, value in zip(("left", "right"), window):
-            if value is None:
-                sides.append(unbounded)
-                continue
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-                raise ValueError(
-                    f"{fn}: window {side} must be a non-negative int or None, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{fn}: window {side} must be non-negative, got {value}")
-            sides.append(min(int(value), unbounded))
+            if value is not None:
+                if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                    raise ValueError(
+                        f"{fn}: window {side} must be a non-negative int or None, got {value!r}")
+                if value < 0:
+                    raise ValueError(f"{fn}: window {side} must be non-negative, got {value}")
+                value = int(value)
+            sides.append(value)
         left, right = sides
     if causal:
-        right = min(right, 0)
-    if left < unbounded:
-        left = max(-unbounded, min(left - shift, unbounded))
-    if right < unbounded:
-        right = max(-unbounded, min(right + shift, unbounded))
+        right = 0 if right is None else min(right, 0)
+    # shift the bounded sides first, then clamp: a wide window far from the keys still hides them
+    left = unbounded if left is None else max(-unbounded, min(left - shift, unbounded))
+    right = unbounded if right is None else max(-unbounded, min(right + shift, unbounded))
     return left, right
 
 

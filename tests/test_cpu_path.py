@@ -297,6 +297,10 @@ def test_memory_is_linear_in_keys(rng):
 
 POSITIONS = [
     dict(causal=True, positions=(30, 0), align="top-left"),
+    # a window side wider than Nq + Nk that positions move past the keys still bounds (bug: the
+    # side was clamped to "unbounded" before the shift, and every key became visible)
+    dict(window=(95, None), positions=(200, 0), align="top-left"),
+    dict(window=(None, 95), positions=(0, 200), align="top-left"),
     dict(causal=True, positions=(0, 30)),                      # rows before every key: empty
     dict(window=(6, 3), positions=(100, 90), kv_lens=[[50], [9]]),
     dict(causal=True, window=(None, 4), positions=(5, 5), align="top-left"),
