@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from . import _validate
+from . import _broadcast, _validate
 from .api import attention as _attention, attention_backward as _attention_backward, merge
 
 __all__ = ["attention", "attention_backward", "shard", "unshard", "emulate", "NcclRing"]
@@ -101,9 +101,22 @@ def _seen(q_start, nq, k_start, nk, causal, window):
     return "some"
 
 
-def _pairs(rank, size, held, layout, n_local, causal, window):
+def _global_lens(fn, kv_lens, q, k, v, n):
+    """The whole sequence's kv_lens (n keys in all), checked as cuflash.attention checks them:
+    a host int64 array of the leading dims (a CuPy one copied once), or None."""
+    if kv_lens is None:
+        return None
+    lead = _broadcast.broadcast_lead((q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    if lead is None:  # the first pair's call names the shapes
+        return np.asarray(kv_lens)
+    return _validate._check_kv_lens(fn, kv_lens, lead, n, _validate._library(q))
+
+
+def _pairs(rank, size, held, layout, n_local, causal, window, lens=None):
     """(query slice, key slice, options) of the block pairs rank computes with the shard of rank
-    ``held``; pairs the bounds hide entirely are left out."""
+    ``held``; pairs the bounds hide entirely are left out. ``lens``: the sequence's valid lengths
+    (host int64, broadcastable to the leading dims) or None; a key chunk gets the part of them
+    that falls in it, and a chunk past every length is left out too."""
     for q0, qg, nq in _chunks(rank, size, layout, n_local):
         for k0, kg, nk in _chunks(held, size, layout, n_local):
             seen = _seen(qg, nq, kg, nk, causal, window)
@@ -111,6 +124,11 @@ def _pairs(rank, size, held, layout, n_local, causal, window):
                 continue
             opts = {} if seen == "all" else dict(causal=causal, window=window, align="top-left",
                                                  positions=(qg, kg))
+            if lens is not None:
+                local = np.clip(lens - kg, 0, nk)
+                if not local.any():
+                    continue
+                opts["kv_lens"] = local
             yield slice(q0, q0 + nq), slice(k0, k0 + nk), opts
 
 
@@ -124,25 +142,29 @@ def _check_ring(fn, ring):
                         f"got {type(ring).__name__}")
 
 
-def attention(q, k, v, ring, *, scale=None, causal=False, window=None, layout="zigzag",
-              return_lse=False):
+def attention(q, k, v, ring, *, scale=None, causal=False, window=None, kv_lens=None,
+              layout="zigzag", return_lse=False):
     """Exact attention of this rank's queries over the whole sharded sequence.
 
     q, k, v : this rank's shards (..., n_local, D), as :func:`shard` cuts them (the same n_local
     on every rank). ring : an :class:`NcclRing` or the ring :func:`emulate` passes. Returns out
     (and lse) of this rank's queries, in its layout. Positions are global: ``causal`` and
     ``window`` (as in :func:`cuflash.attention`, top-left: the sequence's queries and keys are
-    the same tokens) compare a query's and a key's places in the whole sequence."""
+    the same tokens) compare a query's and a key's places in the whole sequence; ``kv_lens``
+    (as in :func:`cuflash.attention`, host data or a CuPy array, copied to the host once) are the
+    whole sequence's valid lengths: keys at or past them do not exist."""
     _check_ring("ring.attention", ring)
     n_local = q.shape[-2]
     _check_layout("ring.attention", layout, n_local * ring.size, ring.size)
     out = [None] * len(_chunks(0, ring.size, layout, n_local))
     lse = [None] * len(out)
+    lens = _global_lens("ring.attention", kv_lens, q, k, v, n_local * ring.size)
     held = (k, v)
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
         pending = ring.start_exchange(held) if step + 1 < ring.size else None
-        for qs, ks, opts in _pairs(ring.rank, ring.size, owner, layout, n_local, causal, window):
+        for qs, ks, opts in _pairs(ring.rank, ring.size, owner, layout, n_local, causal, window,
+                                   lens):
             part = _attention(_rows(q, qs), _rows(held[0], ks), _rows(held[1], ks), scale=scale,
                               return_lse=True, **opts)
             c = qs.start // (qs.stop - qs.start)
@@ -161,7 +183,7 @@ def attention(q, k, v, ring, *, scale=None, causal=False, window=None, layout="z
 
 
 def attention_backward(dout, q, k, v, out, lse, ring, *, scale=None, causal=False, window=None,
-                       layout="zigzag", deterministic=False):
+                       kv_lens=None, layout="zigzag", deterministic=False):
     """Gradients (dq, dk, dv) of this rank's shards, from its shards of dout, out and lse (what
     :func:`attention` returned on this rank). The same gradients as one call on the whole
     sequence, up to the order of floating-point sums."""
@@ -171,12 +193,14 @@ def attention_backward(dout, q, k, v, out, lse, ring, *, scale=None, causal=Fals
     xp = _validate._xp_of(_validate._library(q))
     acc = np.float64 if q.dtype == np.float64 else np.float32
     dq = xp.zeros(q.shape, dtype=acc)
+    lens = _global_lens("ring.attention_backward", kv_lens, q, k, v, n_local * ring.size)
     held = (k, v, xp.zeros(k.shape, dtype=acc), xp.zeros(v.shape, dtype=acc))
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
         kv = ring.start_exchange(held[:2]) if step + 1 < ring.size else None
         dk, dv = held[2], held[3]
-        for qs, ks, opts in _pairs(ring.rank, ring.size, owner, layout, n_local, causal, window):
+        for qs, ks, opts in _pairs(ring.rank, ring.size, owner, layout, n_local, causal, window,
+                                   lens):
             g = _attention_backward(_rows(dout, qs), _rows(q, qs), _rows(held[0], ks),
                                     _rows(held[1], ks), _rows(out, qs), lse[..., qs],
                                     scale=scale, deterministic=deterministic, **opts)

@@ -32,6 +32,8 @@ CASES = [  # (P, layout, options)
     (2, "contiguous", dict(window=(9, 3))),
     (4, "zigzag", dict(causal=True, window=(20, None))),
     (8, "zigzag", dict(causal=True)),
+    (4, "zigzag", dict(causal=True, kv_lens=[[150], [0]])),   # the first 150 of 192 tokens
+    (3, "contiguous", dict(kv_lens=[[100], [144]])),
 ]
 
 
@@ -100,6 +102,10 @@ def test_ring_errors(rng):
         ring.attention(q, q, q, object())
     with pytest.raises(ValueError, match="^emulate: size must be a positive int"):
         ring.emulate(0, lambda r: None)
+    with pytest.raises(ValueError, match=r"^ring.attention: kv_lens must lie in \[0, Nk\] = \[0, 20\]"):
+        ring.emulate(2, lambda r: ring.attention(q, q, q, r, kv_lens=21))
+    with pytest.raises(TypeError, match="^ring.attention: kv_lens must hold integers"):
+        ring.emulate(2, lambda r: ring.attention(q, q, q, r, kv_lens=[1.5]))
 
 
 @pytest.mark.gpu
