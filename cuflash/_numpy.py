@@ -151,15 +151,6 @@ class _Tiles:
             np.copyto(s, -np.inf, where=hidden)
         return s, hidden
 
-    def all_tiles(self):
-        """(j0, j1) of every key tile that at least one row can see (for the lost rows)."""
-        seeing = self.lo <= self.hi
-        if not seeing.any():
-            return
-        first, last = int(self.lo[seeing].min()), int(self.hi[seeing].max())
-        for j0 in range((first // BLOCK_N) * BLOCK_N, last + 1, BLOCK_N):
-            yield j0, min(j0 + BLOCK_N, self.p.Nk)
-
     def row_scores(self, j0, j1, rows):
         """Float64 scores of keys [j0, j1) for the (bh, i) pairs ``rows``, hidden at -inf:
         (len(rows[0]), j1 - j0)."""
@@ -274,7 +265,8 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv):
     b, i = rows
     m = np.full(b.size, -np.inf)
     l = np.zeros(b.size)
-    for j0, j1 in t.all_tiles():  # pass 1: the rows' max and sum, online
+    every_row = slice(None), slice(None)
+    for j0, j1, _ in t.key_tiles(*every_row):  # pass 1: the rows' max and sum, online
         s = t.row_scores(j0, j1, rows)
         m_new = np.maximum(m, s.max(axis=-1))
         shift = np.where(m_new == -np.inf, 0, m_new)
@@ -287,7 +279,7 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv):
     q = t.q[b, i].astype(f64)                      # (n, Dk)
     scale = f64(t.p.scale)
     grad_q = np.zeros(q.shape)
-    for j0, j1 in t.all_tiles():  # pass 2: P, dS and the three products
+    for j0, j1, _ in t.key_tiles(*every_row):  # pass 2: P, dS and the three products
         s = t.row_scores(j0, j1, rows)
         prob = np.exp(s - shift) / l               # (n, tile)
         k, v = t.k[b, j0:j1].astype(f64), t.v[b, j0:j1].astype(f64)   # (n, tile, D)

@@ -74,7 +74,7 @@ def unshard(shards, layout="zigzag", axis=-2):
     xp = _validate._xp_of(_validate._library(shards[0]))
     if layout == "contiguous":
         return xp.concatenate(list(shards), axis=axis)
-    _check_layout("unshard", layout, 2 * size * (shards[0].shape[axis] // 2), size)
+    _check_layout("unshard", layout, size * shards[0].shape[axis], size)
     axis = axis % shards[0].ndim
     c = shards[0].shape[axis] // 2
     parts = [None] * (2 * size)
