@@ -104,10 +104,12 @@ def c_types(dtype):
     return _C_TYPES[_dtype_name(dtype)]
 
 
-def modifier_type(has_mb):
-    """The C++ score-modifier type (kernels_cu/attn_core.cuh) a tensor-core kernel is instantiated
-    with: the mask / bias modifier, or the identity."""
-    return "MaskBiasMod" if has_mb else "NoMod"
+def modifier_type(has_mb, acc="float"):
+    """The C++ score-modifier type (kernels_cu/attn_core.cuh) a tensor-core kernel with
+    accumulator C type `acc` is instantiated with: the mask / bias modifier, or the identity."""
+    if not has_mb:
+        return "NoMod"
+    return "MaskBiasMod" if acc == "float" else f"MaskBiasModT<{acc}>"
 
 
 def head_dim_bucket(Dk, Dv):

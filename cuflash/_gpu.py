@@ -10,11 +10,11 @@ Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers t
 """
 import contextlib
 
-from . import _decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _wgmma_fwd
+from . import _decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _wgmma_fwd, _wide_fwd
 
-FORWARD = (_decode, _wgmma_fwd, _mma_fwd, _generic)  # split-KV decode, Hopper, tensor cores, generic
+FORWARD = (_decode, _wgmma_fwd, _mma_fwd, _wide_fwd, _generic)  # decode, Hopper, tensor cores, generic
 BACKWARD = (_mma_bwd, _generic)
-PATHS = (_generic, _mma_fwd, _wgmma_fwd, _mma_bwd, _decode)
+PATHS = (_generic, _mma_fwd, _wgmma_fwd, _wide_fwd, _mma_bwd, _decode)
 
 
 _chosen = _memo.Memo(256)
@@ -39,7 +39,8 @@ def _choose(paths, takes, p):
 
 
 def forward_path(p):
-    """The NAME of the path that runs the forward of p: 'split', 'wgmma', 'mma' or 'generic'."""
+    """The NAME of the path that runs the forward of p: 'split', 'wgmma', 'mma', 'wide' or
+    'generic'."""
     return _choose(FORWARD, "takes", p).NAME
 
 
@@ -72,7 +73,8 @@ _KEEP = object()
 def override(*, path=_KEEP, poison=_KEEP, wgmma=_KEEP):
     """The tests' switches for the body of a ``with`` block; the ones not given keep their value.
 
-    path: None (the automatic choice), or the NAME of a path ("generic", "mma", "wgmma", "split") to run
+    path: None (the automatic choice), or the NAME of a path ("generic", "mma", "wgmma", "wide",
+    "split") to run
     wherever it takes the Problem, the generic kernels elsewhere, in each direction that has a path
     of that name (the other direction chooses as usual); the split path when forced takes every
     Problem its kernels can run, with small splits; "split-simt": that on decode_split everywhere.

@@ -53,6 +53,9 @@ class Problem:
     # `signature`): the key of every per-layout cache (cuflash._memo); None where it has none.
     key: Optional[tuple] = None
     copied: bool = False  # q, k or v had an innermost axis that is not contiguous (copied)
+    # float32 on tensor cores: "highest" (three TF32 products per GEMM, as exact as float32) or
+    # "high" (one TF32 product); the other dtypes compute as they always do
+    precision: str = "highest"
 
     def with_arrays(self, q, k, v, mask, bias):
         """This Problem for another call of the same signature: its arrays, the rest shared."""
@@ -176,6 +179,21 @@ def _check_align(fn, align):
     if not isinstance(align, str) or align not in ALIGNS:
         raise ValueError(f"{fn}: align must be 'bottom-right' or 'top-left', got {align!r}")
     return align == "bottom-right"
+
+
+PRECISIONS = ("highest", "high")
+
+
+def _check_precision(fn, precision):
+    """None is "highest"."""
+    if precision is None:
+        return "highest"
+    if not isinstance(precision, str):
+        raise TypeError(f"{fn}: precision must be None, 'highest' or 'high', got "
+                        f"{type(precision).__name__} {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{fn}: precision must be None, 'highest' or 'high', got {precision!r}")
+    return precision
 
 
 def _check_positions(fn, positions):
@@ -327,7 +345,8 @@ def _pair_key(pair):
     return (type(pair),) + tuple(_side_key(s) for s in pair)
 
 
-def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None):
+def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None,
+              precision=None):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
@@ -345,7 +364,8 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
         key = (fn, _array_key(q), _array_key(k), _array_key(v),
                None if mask is None else _array_key(mask),
                None if bias is None else _array_key(bias),
-               _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos)
+               _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
+               _side_key(precision))
         hash(key)
     except (AttributeError, TypeError, ValueError):
         return None
@@ -356,18 +376,21 @@ _problems = _memo.Memo(256)  # signature -> Problem without arrays (Problem.with
 
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
-                 mask=None, bias=None, kv_lens=None, positions=None, fn="attention"):
+                 mask=None, bias=None, kv_lens=None, positions=None, precision=None,
+                 fn="attention"):
     """Validate and normalize the arguments of ``fn`` (the public function, named in messages).
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
-    key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions)
+    key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
+                    precision)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
             return known.with_arrays(q, k, v, mask, bias)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                      mask=mask, bias=bias, kv_lens=kv_lens, positions=positions, fn=fn)
+                      mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                      precision=precision, fn=fn)
     if key is not None:
         p.key = key
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
@@ -380,7 +403,8 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
     return p
 
 
-def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions, fn):
+def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,
+                  precision, fn):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -440,6 +464,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     mask = _check_mask(fn, mask, full, lib)
     bias = _check_bias(fn, bias, full, lib, acc_dtype)
     kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
+    precision = _check_precision(fn, precision)
 
     given = (q, k, v)
     q, k, v = (_innermost_contiguous(xp, x) for x in given)
@@ -448,7 +473,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     return Problem(xp=xp, q=q, k=k, v=v, lead=lead, Nq=Nq, Nk=Nk, Dk=Dk, Dv=Dv, dtype=dtype,
                    acc_dtype=acc_dtype, scale=scale, causal=causal, bottom_right=bottom_right,
                    left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
-                   q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied)
+                   q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied,
+                   precision=precision)
 
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):

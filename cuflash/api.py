@@ -66,7 +66,14 @@ _OPTIONS_DOC = """\
         window then compare these positions: the aligned position p moves by
         q_start - k_start. For blocks of one sequence computed apart and combined with
         :func:`merge` (``cuflash.ring`` does this across devices). It only matters with causal
-        or window. None means (0, 0)."""
+        or window. None means (0, 0).
+    precision : {None, "highest", "high"}, default None
+        How float32 inputs multiply on the GPU's tensor cores. None or "highest": as exact as
+        float32 (each product of q·kᵀ and P·v as three TensorFloat-32 products of split
+        operands, error no larger than a plain float32 implementation's). "high": one
+        TensorFloat-32 product (10-bit mantissas, like ``torch.backends.cuda.matmul.allow_tf32``):
+        faster, with a relative error of the logits around 1e-3·|q|·|k|. Other dtypes, and the
+        NumPy path, compute as they always do whatever the value."""
 
 _TYPE_ERRORS_DOC = """\
         - q, k or v is not a numpy.ndarray or cupy.ndarray (a list is not accepted), or mask
@@ -78,6 +85,7 @@ _TYPE_ERRORS_DOC = """\
         - mask is not boolean, or bias is not float16, bfloat16, float32 or float64.
         - kv_lens does not hold integers (bools are refused), or is a cupy.ndarray with NumPy
           inputs.
+        - precision is neither None nor a string.
         - A keyword the function does not take (Python's own TypeError)."""
 
 _VALUE_ERRORS_DOC = """\
@@ -92,7 +100,8 @@ _VALUE_ERRORS_DOC = """\
           nor a non-negative int (a float or a bool side included).
         - mask or bias has fewer than 2 dims or does not broadcast to (..., Nq, Nk).
         - kv_lens does not broadcast to the leading dims, or holds a value outside [0, Nk].
-        - positions is neither None nor a pair, or a start is not a non-negative int."""
+        - positions is neither None nor a pair, or a start is not a non-negative int.
+        - precision is a string other than "highest" and "high"."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
@@ -155,7 +164,7 @@ def _backward(problem, dout, out, lse, deterministic=False):
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, positions=None, return_lse=False):
+              bias=None, kv_lens=None, positions=None, precision=None, return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
@@ -285,6 +294,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     return_lse = check_flag("return_lse", return_lse, "attention")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                            mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                           precision=precision,
                            fn="attention")
     out, lse = _forward(problem)
     return (out, lse) if return_lse else out
@@ -292,6 +302,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
+                       precision=None,
                        deterministic=False):
     """Compute the gradients of :func:`attention` with respect to q, k and v.
 
@@ -390,13 +401,15 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                            mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                           precision=precision,
                            fn="attention_backward")
     check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
     return _backward(problem, dout, out, lse, deterministic)
 
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
-                  mask=None, bias=None, kv_lens=None, positions=None, deterministic=False,
+                  mask=None, bias=None, kv_lens=None, positions=None, precision=None,
+                  deterministic=False,
                   return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
@@ -472,6 +485,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
     deterministic = check_flag("deterministic", deterministic, "attention_vjp")
     problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                            mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                           precision=precision,
                            fn="attention_vjp")
     out, lse = _forward(problem)
 

@@ -39,10 +39,12 @@ __device__ __forceinline__ bool tile_all_visible(const Bounds32& b, int i0, int 
 // modifier of head bh from the kernel's inputs (make_mask_bias below).
 struct NoMod {
   static constexpr bool READS_INPUTS = false, IDENTITY = true;
-  __device__ __forceinline__ float operator()(float x, int, long long) const { return x; }
-  __device__ __forceinline__ static NoMod make(const unsigned char*, const float*,
+  template <typename X>
+  __device__ __forceinline__ X operator()(X x, int, long long) const { return x; }
+  template <typename Bias, typename Scale>
+  __device__ __forceinline__ static NoMod make(const unsigned char*, const Bias*,
                                                const long long*, int, long long, long long,
-                                               long long, long long, long long, float) {
+                                               long long, long long, long long, Scale) {
     return NoMod();
   }
 };
@@ -54,36 +56,40 @@ struct ScaleMod {
     return x * scale_log2;
   }
 };
-// A boolean mask and / or an additive bias, offset to this (batch, head): the raw score x is
-// scaled to log2 units here (the kernels fold the scale into exp2 only without a modifier). A -inf
-// bias gives x = -inf (no mass), a NaN bias NaN; one below -FLT_MAX / log2e overflows to -inf (the
-// kernels' lost-row fix-ups settle rows of only such keys).
-struct MaskBiasMod {
+// A boolean mask and / or an additive bias (of the kernel's accumulator type Acc), offset to this
+// (batch, head): the raw score x is scaled to log2 units here (the kernels fold the scale into
+// exp2 only without a modifier). A -inf bias gives x = -inf (no mass), a NaN bias NaN; one below
+// -max / log2e overflows to -inf (the kernels' lost-row fix-ups settle rows of only such keys).
+template <typename Acc>
+struct MaskBiasModT {
   static constexpr bool READS_INPUTS = true, IDENTITY = false;
   const unsigned char* mask;  // may be null
-  const float* bias;          // may be null
+  const Acc* bias;            // may be null
   long long mask_rs, mask_cs, bias_rs, bias_cs;
-  float scale_log2;
-  __device__ __forceinline__ float operator()(float x, int i, long long j) const {
-    if (mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<float>();
+  Acc scale_log2;
+  __device__ __forceinline__ Acc operator()(Acc x, int i, long long j) const {
+    if (mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<Acc>();
     x *= scale_log2;
-    if (bias != nullptr) x = fmaf(bias[i * bias_rs + j * bias_cs], LOG2E, x);
+    if (bias != nullptr) x = acc_fma(bias[i * bias_rs + j * bias_cs], log2e<Acc>(), x);
     return x;
   }
-  __device__ __forceinline__ static MaskBiasMod make(const unsigned char* mask, const float* bias,
-                                                     const long long* offsets, int BH,
-                                                     long long bh, long long mask_rs,
-                                                     long long mask_cs, long long bias_rs,
-                                                     long long bias_cs, float scale_log2);
-};
-
-// The modifier of head bh (offsets: the kernels' (5, BH) table, rows 3 and 4 for mask and bias).
-__device__ __forceinline__ MaskBiasMod make_mask_bias(const unsigned char* mask, const float* bias,
+  __device__ __forceinline__ static MaskBiasModT make(const unsigned char* mask, const Acc* bias,
                                                       const long long* offsets, int BH,
                                                       long long bh, long long mask_rs,
                                                       long long mask_cs, long long bias_rs,
-                                                      long long bias_cs, float scale_log2) {
-  MaskBiasMod mb;
+                                                      long long bias_cs, Acc scale_log2);
+};
+using MaskBiasMod = MaskBiasModT<float>;  // the 16-bit kernels' (float accumulators)
+
+// The modifier of head bh (offsets: the kernels' (5, BH) table, rows 3 and 4 for mask and bias).
+template <typename Acc>
+__device__ __forceinline__ MaskBiasModT<Acc> make_mask_bias(const unsigned char* mask,
+                                                            const Acc* bias,
+                                                            const long long* offsets, int BH,
+                                                            long long bh, long long mask_rs,
+                                                            long long mask_cs, long long bias_rs,
+                                                            long long bias_cs, Acc scale_log2) {
+  MaskBiasModT<Acc> mb;
   mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
   mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
   mb.mask_rs = mask_rs;
@@ -93,12 +99,10 @@ __device__ __forceinline__ MaskBiasMod make_mask_bias(const unsigned char* mask,
   mb.scale_log2 = scale_log2;
   return mb;
 }
-__device__ __forceinline__ MaskBiasMod MaskBiasMod::make(const unsigned char* mask,
-                                                         const float* bias,
-                                                         const long long* offsets, int BH,
-                                                         long long bh, long long mask_rs,
-                                                         long long mask_cs, long long bias_rs,
-                                                         long long bias_cs, float scale_log2) {
+template <typename Acc>
+__device__ __forceinline__ MaskBiasModT<Acc> MaskBiasModT<Acc>::make(
+    const unsigned char* mask, const Acc* bias, const long long* offsets, int BH, long long bh,
+    long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, Acc scale_log2) {
   return make_mask_bias(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
                         scale_log2);
 }
@@ -113,8 +117,8 @@ __device__ __forceinline__ void for_pair(F f) {
 
 // f(x, nf, e) for each score of row h (h = 0, 1) of this lane's pair in an m-fragment's
 // s[nf][2 h + e]: the one element loop of the masks below.
-template <int NF, typename F>
-__device__ __forceinline__ void for_row(float (&s)[NF][4], int h, F f) {
+template <int NF, typename Acc, typename F>
+__device__ __forceinline__ void for_row(Acc (&s)[NF][4], int h, F f) {
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
@@ -143,12 +147,12 @@ __device__ __forceinline__ bool row_empty(int i, int Nq, const Bounds32& b) {
 // Row h of an m-fragment's scores, key column c = 8 nf + 2 t + e of the tile starting at key j0
 // (t = lane % 4): entries outside [c_lo, c_hi] become -inf, the others go through the modifier
 // (query i).
-template <int NF, typename Mod>
-__device__ __forceinline__ void mask_columns(float (&s)[NF][4], int h, int c_lo, int c_hi, int t,
+template <int NF, typename Acc, typename Mod>
+__device__ __forceinline__ void mask_columns(Acc (&s)[NF][4], int h, int c_lo, int c_hi, int t,
                                              int i, int j0, const Mod& mod) {
-  for_row(s, h, [&](float x, int nf, int e) {
+  for_row(s, h, [&](Acc x, int nf, int e) {
     const int c = nf * 8 + 2 * t + e;
-    return (c < c_lo || c > c_hi) ? neg_inf<float>()
+    return (c < c_lo || c > c_hi) ? neg_inf<Acc>()
                                   : mod(x, i, static_cast<long long>(j0) + c);
   });
 }
@@ -157,8 +161,8 @@ __device__ __forceinline__ void mask_columns(float (&s)[NF][4], int h, int c_lo,
 // and key j0 + 8 nf + 2 t + e. Invisible entries become -inf, visible ones go through the
 // modifier. Padding rows (i >= Nq) see nothing. Keys below key_floor (>= 0) count as invisible
 // too: a tile that overlaps keys an earlier tile already took (fwd_wgmma's last tile).
-template <int NF, typename Mod>
-__device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int t, int Nq,
+template <int NF, typename Acc, typename Mod>
+__device__ __forceinline__ void mask_rows(Acc (&s)[NF][4], int i, int j0, int t, int Nq,
                                           const Bounds32& b, const Mod& mod, int key_floor = 0) {
   for_pair([&](int h) {
     const int ih = i + 8 * h;
@@ -170,15 +174,15 @@ __device__ __forceinline__ void mask_rows(float (&s)[NF][4], int i, int j0, int 
 // Rows = keys (the dK / dV orientation): s[nf][2 h + e] of key j + 8 h (h = 0, 1) and query
 // i0 + 8 nf + 2 t + e. Padding query columns (i >= Nq) are left to the caller's P = 0 (their lse
 // is +inf) unless the modifier reads inputs there.
-template <int NF, typename Mod>
-__device__ __forceinline__ void mask_key_rows(float (&s)[NF][4], int j, int i0, int t, int Nq,
+template <int NF, typename Acc, typename Mod>
+__device__ __forceinline__ void mask_key_rows(Acc (&s)[NF][4], int j, int i0, int t, int Nq,
                                               const Bounds32& b, const Mod& mod) {
   for_pair([&](int h) {
     const int jh = j + 8 * h;
-    for_row(s, h, [&](float x, int nf, int e) {
+    for_row(s, h, [&](Acc x, int nf, int e) {
       const int i = i0 + nf * 8 + 2 * t + e;
-      if (jh > b.L_last || jh < i + b.dlo || jh > i + b.dhi) return neg_inf<float>();
-      if (Mod::READS_INPUTS) return i >= Nq ? neg_inf<float>() : mod(x, i, jh);
+      if (jh > b.L_last || jh < i + b.dlo || jh > i + b.dhi) return neg_inf<Acc>();
+      if (Mod::READS_INPUTS) return i >= Nq ? neg_inf<Acc>() : mod(x, i, jh);
       return x;
     });
   });
@@ -188,23 +192,29 @@ __device__ __forceinline__ void mask_key_rows(float (&s)[NF][4], int j, int i0, 
 // kernels is off by more than its rounding residual ulp(m) / 2 = 2^-12 allows: such rows are
 // recomputed (fwd_lost_rows).
 constexpr float FOLD_LIMIT = 4096.f;
+// Per accumulator type: float64 logits go to fwd_lost_rows only where a float64 lse may be lost
+// (cuflash/_config.py LOST_LSE); the folded residual there is ulp(m) / 2 <= 2^-29.
+template <typename Acc> __device__ __forceinline__ Acc fold_limit();
+template <> __device__ __forceinline__ float fold_limit<float>() { return FOLD_LIMIT; }
+template <> __device__ __forceinline__ double fold_limit<double>() { return 16777216.0; }
 
 // ---- online softmax of mma.sync rows ------------------------------------------------------------
-// This lane's rows g and g + 8 (h = 0, 1) of MF m-fragments, log2 units: a running max m, this
+// This lane's rows g and g + 8 (h = 0, 1) of MF m-fragments, log2 units, in Acc (float; double
+// for the float64 kernels, whose exp2 is then the exact one): a running max m, this
 // lane's part of the denominator l (the quad is summed at the end) and the factor alpha by which
 // the last step rescaled l, and by which the caller rescales its accumulator (next to the first
 // product that consumes it). A row with no finite logit so far keeps m = -inf and uses 0 as its
 // reference, so no exp(-inf - (-inf)); NaN logits (dropped by fmaxf) reach l through exp2.
-template <int MF>
+template <int MF, typename Acc = float>
 struct MmaSoftmax {
-  float m[MF][2], l[MF][2], alpha[MF][2];
+  Acc m[MF][2], l[MF][2], alpha[MF][2];
 
   // The empty state of m-fragment mf's rows: m = -inf, l = 0.
   __device__ __forceinline__ void init(int mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      m[mf][h] = neg_inf<float>();
-      l[mf][h] = 0.f;
+      m[mf][h] = neg_inf<Acc>();
+      l[mf][h] = Acc(0);
     }
   }
 
@@ -212,16 +222,16 @@ struct MmaSoftmax {
   // together), alpha = exp2(m_old - m_ref) rescales what came before; returns the reference m_ref
   // (0 while m is -inf).
   template <int NF>
-  __device__ __forceinline__ float advance(const float (&s)[NF][4], int mf, int h, float fold) {
-    float mx = neg_inf<float>();
+  __device__ __forceinline__ Acc advance(const Acc (&s)[NF][4], int mf, int h, Acc fold) {
+    Acc mx = neg_inf<Acc>();
 #pragma unroll
-    for (int nf = 0; nf < NF; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * h], s[nf][2 * h + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
-    const float m_old = m[mf][h];
-    const float m_new = fmaxf(m_old, mx * fold);
-    const float m_ref = (m_new == neg_inf<float>()) ? 0.f : m_new;
-    alpha[mf][h] = tc::ex2(m_old - m_ref);
+    for (int nf = 0; nf < NF; ++nf) mx = acc_max(mx, acc_max(s[nf][2 * h], s[nf][2 * h + 1]));
+    mx = acc_max(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
+    mx = acc_max(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
+    const Acc m_old = m[mf][h];
+    const Acc m_new = acc_max(m_old, mx * fold);
+    const Acc m_ref = (m_new == neg_inf<Acc>()) ? Acc(0) : m_new;
+    alpha[mf][h] = exp2_acc(m_old - m_ref);
     m[mf][h] = m_new;
     return m_ref;
   }
@@ -229,18 +239,18 @@ struct MmaSoftmax {
   // One key tile: s (scores; `fold` times s is the logit in log2 units) becomes P = exp2(logit - m)
   // in place; m, l and alpha advance.
   template <int NF>
-  __device__ __forceinline__ void step(float (&s)[MF][NF][4], float fold) {
+  __device__ __forceinline__ void step(Acc (&s)[MF][NF][4], Acc fold) {
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float neg_ref = -advance(s[mf], mf, h, fold);
-        float mass = 0.f;
+        const Acc neg_ref = -advance(s[mf], mf, h, fold);
+        Acc mass = Acc(0);
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float p = tc::ex2(fmaf(s[mf][nf][2 * h + e], fold, neg_ref));
+            const Acc p = exp2_acc(acc_fma(s[mf][nf][2 * h + e], fold, neg_ref));
             s[mf][nf][2 * h + e] = p;
             mass += p;
           }
@@ -286,7 +296,7 @@ struct MmaSoftmax {
   }
 
   // acc (two n-fragments of m-fragment mf) *= alpha of its rows.
-  __device__ __forceinline__ void rescale(float (&acc0)[4], float (&acc1)[4], int mf) const {
+  __device__ __forceinline__ void rescale(Acc (&acc0)[4], Acc (&acc1)[4], int mf) const {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       acc0[e] *= alpha[mf][e / 2];
@@ -295,8 +305,8 @@ struct MmaSoftmax {
   }
 
   // The end of row (mf, h): its denominator, the sum over the quad of lanes that share the row.
-  __device__ __forceinline__ float row_sum(int mf, int h) const {
-    float l_row = l[mf][h];
+  __device__ __forceinline__ Acc row_sum(int mf, int h) const {
+    Acc l_row = l[mf][h];
     l_row += __shfl_xor_sync(FULL_WARP, l_row, 1);
     l_row += __shfl_xor_sync(FULL_WARP, l_row, 2);
     return l_row;
@@ -304,12 +314,13 @@ struct MmaSoftmax {
   // The factor for its accumulator: 0 for an empty row (no visible key by position). A row that
   // sees keys but whose l is 0 (every visible logit -inf) has acc = 0 and gets 1 / 0 = inf, so
   // 0 * inf = NaN, like a NaN l.
-  __device__ __forceinline__ static float out_scale(float l_row, bool empty) {
-    return empty ? 0.f : 1.f / l_row;
+  __device__ __forceinline__ static Acc out_scale(Acc l_row, bool empty) {
+    return empty ? Acc(0) : Acc(1) / l_row;
   }
   // Its lse (natural units), by the same rules: -inf when empty, NaN when l is 0.
-  __device__ __forceinline__ float lse(int mf, int h, bool empty, float l_row) const {
-    return empty ? neg_inf<float>() : l_row == 0.f ? quiet_nan<float>() : m[mf][h] * tc::LN2 + logf(l_row);
+  __device__ __forceinline__ Acc lse(int mf, int h, bool empty, Acc l_row) const {
+    return empty ? neg_inf<Acc>()
+                 : l_row == Acc(0) ? quiet_nan<Acc>() : m[mf][h] * ln2<Acc>() + acc_log(l_row);
   }
 };
 

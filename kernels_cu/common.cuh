@@ -30,6 +30,9 @@ template <> __device__ __forceinline__ double neg_inf<double>() {
 #define NEG_INF (neg_inf<Acc>())
 template <typename Acc> __device__ __forceinline__ Acc pos_inf();
 template <> __device__ __forceinline__ float pos_inf<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double pos_inf<double>() {
+  return __longlong_as_double(0x7ff0000000000000LL);
+}
 // The quiet NaN a row gets when it sees keys but its sum is 0 (every visible logit -inf: 0 / 0).
 template <typename Acc> __device__ __forceinline__ Acc quiet_nan();
 template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
@@ -85,6 +88,8 @@ __device__ __forceinline__ float acc_log(float x) { return logf(x); }
 __device__ __forceinline__ double acc_log(double x) { return log(x); }
 __device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double acc_fma(double a, double b, double c) { return fma(a, b, c); }
 template <typename Acc> __device__ __forceinline__ Acc log2e() { return Acc(1.4426950408889634); }
 template <typename Acc> __device__ __forceinline__ Acc ln2() { return Acc(0.6931471805599453); }
 // exp2 of a base-2 logit; exp2(-inf) = 0. float: the MUFU instruction (rel. error ~2^-22).

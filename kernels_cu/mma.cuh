@@ -1,5 +1,6 @@
 // mma.cuh: tensor-core building blocks for the sm_80+ kernels (mma.sync m16n8k16, ldmatrix,
-// cp.async), float16 / bfloat16 in, float32 accumulate. No kernels.
+// cp.async), float16 / bfloat16 in, float32 accumulate; and the m16n8k8 products of the wide
+// types (float32 on TF32, float64 on DMMA: WideMma, at the end). No kernels.
 //
 // Shared by fwd_mma.cu and bwd_mma.cu: PTX wrappers, the mma/pack of each 16-bit type, cp_tile;
 // then shared loads and stores and global reductions (used by the backward).
@@ -236,6 +237,165 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
 #endif
+}
+
+
+// ---- the wide types: float32 on TF32, float64 on DMMA (fwd_wide.cu) ---------------------------
+// One geometry for both, m16n8k8 (g = lane / 4, t = lane % 4), one element per register:
+//   A (16x8):  a0 = (row g, k t)   a1 = (row g + 8, k t)   a2 = (row g, k t + 4)   a3 = (row g + 8, k t + 4)
+//   B (8x8):   b0 = (k t, col g)   b1 = (k t + 4, col g)
+//   C (16x8):  as m16n8k16's.
+// Any order of the 8 k of one step is the same product when A and B use it: the kernels put
+// element 2t in slot t and 2t + 1 in slot t + 4, so a lane's (a0, a2), (a1, a3) and (b0, b1) are
+// neighbours in a row (one vector load each), and an accumulator's (c0, c1), (c2, c3) are (a0, a2),
+// (a1, a3) of the next product (P stays in registers).
+//
+// float32: PASSES = 3 splits each operand x = hi + lo into TF32 parts (hi = x rounded to TF32,
+// lo = the remainder rounded to TF32: |x - hi - lo| <= 2^-24 |x|) and accumulates lo_a hi_b,
+// hi_a lo_b, hi_a hi_b (small terms first; lo_a lo_b <= 2^-24 |a b| is dropped): a float32
+// product. PASSES = 1: hi_a hi_b only (TF32, 10-bit mantissas). float64: the f64 product, m16n8k8
+// on sm_90+, four m8n8k4 on sm_80 (a0 b0 + a2 b1 for rows g, a1 b0 + a3 b1 for rows g + 8).
+__device__ __forceinline__ u32 to_tf32(float x) {
+  u32 r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+template <typename T, int PASSES>
+struct WideMma;
+
+template <int PASSES>
+struct WideMma<float, PASSES> {
+  static_assert(PASSES == 1 || PASSES == 3, "TF32 passes: 1 or 3");
+  static constexpr int LO = PASSES == 3 ? 1 : 0;
+  // whether a long chain of run's on one c costs more than the product's own error
+  static constexpr bool ROUNDS_TOWARD_ZERO = PASSES == 3;
+  struct A {
+    u32 hi[4], lo[4];  // lo unused (and not formed) with one pass
+  };
+  struct B {
+    u32 hi[2], lo[2];
+  };
+  static __device__ __forceinline__ void split(float x, u32& hi, u32& lo) {
+    hi = to_tf32(x);
+    if (LO) lo = to_tf32(x - __uint_as_float(hi));
+  }
+  static __device__ __forceinline__ A make_a(float a0, float a1, float a2, float a3) {
+    A a;
+    split(a0, a.hi[0], a.lo[0]);
+    split(a1, a.hi[1], a.lo[1]);
+    split(a2, a.hi[2], a.lo[2]);
+    split(a3, a.hi[3], a.lo[3]);
+    return a;
+  }
+  static __device__ __forceinline__ B make_b(float b0, float b1) {
+    B b;
+    split(b0, b.hi[0], b.lo[0]);
+    split(b1, b.hi[1], b.lo[1]);
+    return b;
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // c += A B. The tensor cores round each sum toward zero: a c chained through many k-steps
+  // collects that bias (a row's P V over a few hundred keys: 5-10x float32's error), so the
+  // kernels chain c over one tile only and add tiles in float32 (fwd_wide.cu).
+  static __device__ __forceinline__ void run(float (&c)[4], const A& a, const B& b) {
+    if (LO) {
+      mma(c, a.lo, b.hi[0], b.hi[1]);
+      mma(c, a.hi, b.lo[0], b.lo[1]);
+    }
+    mma(c, a.hi, b.hi[0], b.hi[1]);
+  }
+};
+
+template <int PASSES>
+struct WideMma<double, PASSES> {
+  static constexpr bool ROUNDS_TOWARD_ZERO = false;  // DMMA rounds to nearest
+  struct A {
+    double x[4];
+  };
+  struct B {
+    double x[2];
+  };
+  static __device__ __forceinline__ A make_a(double a0, double a1, double a2, double a3) {
+    A a = {{a0, a1, a2, a3}};
+    return a;
+  }
+  static __device__ __forceinline__ B make_b(double b0, double b1) {
+    B b = {{b0, b1}};
+    return b;
+  }
+  static __device__ __forceinline__ void run(double (&c)[4], const A& a, const B& b) {
+#if __CUDA_ARCH__ >= 900
+    asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a.x[0]), "d"(a.x[1]), "d"(a.x[2]), "d"(a.x[3]), "d"(b.x[0]), "d"(b.x[1]));
+#else
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+        : "+d"(c[0]), "+d"(c[1]) : "d"(a.x[0]), "d"(b.x[0]));
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+        : "+d"(c[2]), "+d"(c[3]) : "d"(a.x[1]), "d"(b.x[0]));
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+        : "+d"(c[0]), "+d"(c[1]) : "d"(a.x[2]), "d"(b.x[1]));
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+        : "+d"(c[2]), "+d"(c[3]) : "d"(a.x[3]), "d"(b.x[1]));
+#endif
+  }
+};
+
+// An address offset of 0 that depends on x: a shared load at addr + after(x) waits for x. Without
+// it ptxas hoists every B load of a product loop to its top (the wide types' operands then take
+// ~4x the registers of the accumulators they feed, and spill). x is never the non-canonical NaN
+// compared with (GPU arithmetic only produces the canonical one), so the offset is 0.
+__device__ __forceinline__ u32 after(float x) {
+  return __float_as_uint(x) == 0xffc00001u ? 16u : 0u;
+}
+__device__ __forceinline__ u32 after(double x) {
+  return __double_as_longlong(x) == static_cast<long long>(0xfff8000000000001ULL) ? 16u : 0u;
+}
+
+// Two neighbouring elements of a shared row (8-byte aligned float pair, 16-byte double pair).
+__device__ __forceinline__ void ld_shared_pair(u32 addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ld_shared_pair(u32 addr, double& a, double& b) {
+  asm volatile("ld.shared.v2.f64 {%0,%1}, [%2];" : "=d"(a), "=d"(b) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ld_shared_one(u32 addr, float& a) {
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(a) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ld_shared_one(u32 addr, double& a) {
+  asm volatile("ld.shared.f64 %0, [%1];" : "=d"(a) : "r"(addr) : "memory");
+}
+
+// Rows [row0, row0 + ROWS) of a (row stride rs, unit column stride) matrix of T, its first `cols`
+// columns (a multiple of 16 / sizeof(T)) into shared rows PITCH elements apart, COLS wide: 16-byte
+// cp.async copies; rows >= limit and columns >= cols become zeros (so a narrower head dim is a
+// zero-padded one, and P = 0 never meets a stale NaN).
+template <int ROWS, int COLS, int PITCH, int THREADS, typename T>
+__device__ __forceinline__ void cp_rows(u32 dst, const T* __restrict__ src, long long rs, int row0,
+                                        int limit, int cols) {
+  constexpr int EPC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+  constexpr int CPR = COLS / EPC;
+  constexpr int TOTAL = ROWS * CPR;
+  static_assert(COLS % EPC == 0 && (PITCH * sizeof(T)) % 16 == 0, "cp_rows: 16-byte rows");
+  long long rs_o;  // opaque, as in cp_tile
+  asm volatile("mov.b64 %0, %1;" : "=l"(rs_o) : "l"(rs));
+#pragma unroll
+  for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+    const int idx = it * THREADS + threadIdx.x;
+    if (TOTAL % THREADS == 0 || idx < TOTAL) {
+      const int r = idx / CPR, c = idx % CPR;
+      const bool ok = row0 + r < limit && c * EPC < cols;
+      const T* gp = src + (ok ? static_cast<long long>(row0 + r) * rs_o + c * EPC : 0LL);
+      cp_async16(dst + (r * PITCH + c * EPC) * static_cast<u32>(sizeof(T)), gp, ok ? 16 : 0);
+    }
+  }
 }
 
 }  // namespace tc

@@ -146,6 +146,71 @@ def test_tensor_core_backward_kernels(case, dims, kernel, deterministic, dtype, 
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
+# The wide tensor-core forward (fwd_wide: float32 on TF32, three products per GEMM; float64 on
+# DMMA): the sweep's cases plus mask / bias, Dk != Dv within a bucket, the largest buckets and
+# logits beyond the folded exp2's range (float32 rows then go to fwd_lost_rows). Cases whose head
+# dims the path cannot take (not whole 16-byte rows, float64 above 128) check the fallback.
+# (name, q lead, kv lead, Nq, Nk, Dk, Dv, options)
+WIDE_CASES = CASES + [
+    ("mask-bias-causal", (2, 2), (2, 2), 150, 190, 64, 64, "mask-bias"),
+    ("mask-bias-d128", (1, 2), (1, 2), 97, 140, 128, 128, "mask-bias"),
+    ("dk>dv", (1, 2), (1, 2), 77, 140, 128, 64, dict(causal=True)),
+    ("dk<dv-gqa", (2, 4), (2, 1), 70, 90, 32, 96, dict(window=(30, 10))),
+    ("d192", (1, 1), (1, 1), 65, 100, 192, 192, dict(causal=True, align="top-left")),
+    ("huge-logits", (2, 2), (2, 2), 64, 200, 64, 64, dict(scale=500.0)),
+    ("long-causal", (1, 2), (1, 2), 600, 700, 64, 64, dict(causal=True)),
+]
+
+
+def _options(options, rng, lq, Nq, Nk, dtype):
+    """A case's options; "mask-bias": causal with a random mask (one row all masked: empty by
+    mask, not by position) and a bias of the accumulator dtype."""
+    import cupy
+    if options != "mask-bias":
+        return options
+    mask = rng.random(lq + (Nq, Nk)) < 0.7
+    mask[(0,) * len(lq) + (5,)] = False
+    return dict(causal=True, mask=cupy.asarray(mask),
+                bias=cupy.asarray(rng.standard_normal((Nq, Nk)), dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", WIDE_CASES, ids=[c[0] for c in WIDE_CASES])
+def test_wide_forward(case, dtype, rng, override):
+    from cuflash import _gpu, _runtime, _validate, _wide_fwd
+    override(path="wide")
+    _, lq, lkv, Nq, Nk, Dk, Dv, options = case
+    options = _options(options, rng, lq, Nq, Nk, dtype)
+    q = randn(rng, lq + (Nq, Dk), dtype)
+    k, v = randn(rng, lkv + (Nk, Dk), dtype), randn(rng, lkv + (Nk, Dv), dtype)
+    per_chunk = 16 // np.dtype(dtype).itemsize
+    top = 256 if dtype == "float32" else 128 if _runtime.device_info().cc >= 90 else 96
+    wide = Dk % per_chunk == 0 and Dv % per_chunk == 0 and max(Dk, Dv) <= top
+    assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == (
+        "wide" if wide else "generic")
+    assert wide == (_wide_fwd.bucket(_validate.make_problem(q, k, v)) is not None
+                    and _wide_fwd.takes(_validate.make_problem(q, k, v)))
+    check(q, k, v, rng, backward=False, **options)
+
+
+def test_wide_precision_high_is_tf32(rng, override):
+    """precision="high" runs one TF32 product per GEMM: its error against the float64 reference is
+    larger than "highest"'s (so the option reaches the kernel) but within TF32's rounding."""
+    from cuflash import _gpu, _validate
+    q, k, v = (randn(rng, (2, 2, 300, 64), "float32") for _ in range(3))
+    ref = reference.attention(to_host(q), to_host(k), to_host(v), causal=True)
+    errs = {}
+    for precision in ("highest", "high"):
+        p = _validate.make_problem(q, k, v, causal=True, precision=precision)
+        assert p.precision == precision and _gpu.forward_path(p) == "wide"
+        out = cuflash.attention(q, k, v, causal=True, precision=precision)
+        errs[precision] = np.abs(to_host(out) - ref).max()
+    naive_out = naive_attention(to_host(q), to_host(k), to_host(v), causal=True)[0]
+    naive = np.abs(naive_out - ref).max()
+    assert errs["highest"] <= 2 * naive + FLOORS["float32"]
+    assert 4 * errs["highest"] < errs["high"] < 2e-2, errs
+
+
 # The Hopper forward (fwd_wgmma, compute capability 9.0): 64 and 128-row query tiles against
 # 128-key tiles, visited last first; the last tile ends at the block's last visible key and masks
 # what the one before it took. (name, q lead, kv lead, Nq, Nk, options)
@@ -531,7 +596,7 @@ def test_fast_path_is_chosen_where_it_applies(rng, override):
     p = _validate.make_problem(q, k, v, causal=True)
     assert _gpu.forward_path(p) == ("wgmma" if hopper else "mma")
     q32 = randn(rng, (2, 4, 256, 128), "float32")
-    assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "generic"
+    assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "wide"
     p80 = _validate.make_problem(q[..., :80], k[..., :80], v[..., :80])
     assert _gpu.forward_path(p80) == ("wgmma" if hopper else "generic")
     q64 = q[..., :64]

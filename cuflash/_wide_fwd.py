@@ -1,0 +1,148 @@
+"""The tensor-core forward of the wide dtypes (kernels_cu/fwd_wide.cu): float64 on DMMA, float32
+on TF32 (three products per GEMM, as exact as float32; one with precision="high"), sm_80+; then
+the lost-row fix of its flagged blocks (cuflash._generic), as the 16-bit forward.
+
+Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from . import _config, _generic, _memo, _runtime
+from ._validate import element_strides
+
+NAME = "wide"
+SOURCE = "fwd_wide.cu"
+MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
+DTYPES = ("float32", "float64")
+# Head-dim buckets: the kernel is compiled for DK = DV = the smallest >= max(Dk, Dv) and zeroes
+# the columns past Dk, Dv. float64 stops at 128 (its accumulators: 16 rows x DV per warp).
+BUCKETS = {"float32": (32, 64, 96, 128, 192, 256), "float64": (32, 64, 96, 128)}
+# float32 precision -> TF32 products per GEMM
+PASSES = {"highest": 3, "high": 1}
+
+# WideTile: block_n keys per tile, `warps` warps of 16 * mf query rows each (mf m-fragments), a
+# `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM. TILES hold on sm_80 without
+# spills; TILES_CC90 (compute capability 9.0+) are wider where sm_90a's allocation allows, and
+# add float64 at 128 (sm_80 spills there: the generic kernels take it).
+WideTile = namedtuple("WideTile", "block_n warps mf stages min_blocks")
+_T = WideTile
+TILES = {
+    # (dtype, bucket) -> tile
+    ("float32", 32): _T(64, 4, 1, 2, 2), ("float32", 64): _T(64, 4, 1, 2, 2),
+    ("float32", 96): _T(32, 4, 1, 2, 2), ("float32", 128): _T(16, 4, 1, 2, 2),
+    ("float32", 192): _T(16, 4, 1, 2, 1), ("float32", 256): _T(16, 4, 1, 2, 1),
+    ("float64", 32): _T(32, 4, 1, 2, 2), ("float64", 64): _T(16, 4, 1, 2, 2),
+    ("float64", 96): _T(8, 4, 1, 2, 1),
+}
+TILES_CC90 = {
+    ("float32", 128): _T(32, 4, 1, 2, 2),
+    ("float64", 96): _T(16, 4, 1, 2, 1), ("float64", 128): _T(8, 4, 1, 2, 1),
+}
+del _T
+
+
+def pick_tile(dtype_name, bucket, cc=80):
+    """The tile for a device of compute capability `cc`, or None where this path has none."""
+    if cc >= 90 and (dtype_name, bucket) in TILES_CC90:
+        return TILES_CC90[(dtype_name, bucket)]
+    return TILES.get((dtype_name, bucket))
+
+
+def smem_bytes(dtype_name, t, bucket):
+    """Tile t's Q (16 mf rows per warp) and `stages` K and V tiles; Q and K rows padded by 8
+    elements, V rows by 16 bytes (fwd_wide.cu)."""
+    e = np.dtype(dtype_name).itemsize
+    return (16 * t.mf * t.warps * (bucket + 8)
+            + t.stages * t.block_n * (2 * bucket + 8 + 16 // e)) * e
+
+
+def name_expression(dtype_name, bucket, has_mb, passes, t):
+    c = _config.c_types(dtype_name)[0]
+    mod = _config.modifier_type(has_mb, c)
+    return (f"fwd_wide<{c}, {passes if dtype_name == 'float32' else 1}, {bucket}, {bucket}, "
+            f"{t.block_n}, {t.warps}, {t.mf}, {t.stages}, {mod}, {t.min_blocks}>")
+
+
+def _variants(tiles):
+    """(dtype name, bucket, has_mb, passes, tile) of every instantiation of a tile table."""
+    for (dt, b), t in tiles.items():
+        for mb in (False, True):
+            for passes in (PASSES.values() if dt == "float32" else (1,)):
+                yield dt, b, mb, passes, t
+
+
+def instantiations():
+    """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
+    out = [("fwd_wide", dt, b, SOURCE, name_expression(dt, b, mb, passes, t))
+           for tiles in (TILES, TILES_CC90) for dt, b, mb, passes, t in _variants(tiles)]
+    out += [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, _generic.fwd_lost_name_expression(dt))
+            for dt in DTYPES]
+    return out
+
+
+def cc90_only():
+    """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
+    return {name_expression(*v) for v in _variants(TILES_CC90)}
+
+
+def bucket(p):
+    """The head-dim bucket of p, or None when its head dims exceed the dtype's largest."""
+    d = max(p.Dk, p.Dv)
+    return next((b for b in BUCKETS.get(p.dtype.name, ()) if d <= b), None)
+
+
+def takes(p):
+    """Whether the wide tensor-core forward takes this Problem: float32 / float64, head dims
+    within the buckets, scale > 0, lengths within the 32-bit arithmetic, sm_80+, and 16-byte
+    rows (unit innermost stride; row strides, matrix offsets and Dk, Dv multiples of 16 bytes;
+    aligned bases)."""
+    b = bucket(p)
+    if b is None or not p.scale > 0 or max(p.Nq, p.Nk) > MAX_LEN:
+        return False
+    epc = 16 // p.dtype.itemsize
+    if p.Dk % epc or p.Dv % epc:
+        return False
+    info = _runtime.device_info()
+    tile = pick_tile(p.dtype.name, b, info.cc) if info.cc >= 80 else None
+    if tile is None or smem_bytes(p.dtype.name, tile, b) > info.smem_optin:
+        return False
+    for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
+        strides = element_strides(x)
+        if strides[-1] != 1 or strides[-2] % epc or x.data.ptr % 16 or np.any(offsets % epc):
+            return False
+    return True
+
+
+_recipes = _memo.Memo(256)
+
+
+def _recipe(p):
+    """(kernel, shared memory, blocks, threads, block_m, has_mb): the launch of a layout."""
+    has_mb = p.mask is not None or p.bias is not None
+    b = bucket(p)
+    tile = pick_tile(p.dtype.name, b, _runtime.device_info().cc)
+    passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype.name, b, has_mb, passes, tile))
+    smem = smem_bytes(p.dtype.name, tile, b)
+    _runtime.opt_in(kern, smem)
+    block_m = 16 * tile.mf * tile.warps
+    blocks = -(-p.Nq // block_m) * p.BH  # 1-D, bh-major (fwd_lost_rows reads this order)
+    if blocks > _runtime.MAX_GRID_X:
+        raise ValueError(f"problem too large for one launch: {blocks} blocks")
+    return kern, smem, blocks, tile.warps * 32, block_m, has_mb
+
+
+def forward(p):
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype; the rows the kernel flags
+    settled by the lost-row fix."""
+    import cupy
+
+    kern, smem, blocks, threads, block_m, has_mb = _recipes.build(p.key, lambda: _recipe(p))
+    args = _runtime.Args(p)
+    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
+    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_wide
+    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
+    _generic.launch_fwd_lost(args, out, lse, fix, block_m, np.inf if has_mb else None)
+    return out, lse

@@ -1,0 +1,226 @@
+// fwd_wide.cu: the forward on tensor cores for the wide dtypes, sm_80+: float64 on DMMA (with
+// the online softmax in float64), float32 on TF32 (PASSES = 3: each operand split hi + lo, a
+// float32 product; PASSES = 1: one TF32 product, precision="high").
+//
+// fwd_mma.cu's loop in the m16n8k8 geometry of mma.cuh's WideMma. One block of NWARPS warps owns
+// BLOCK_M = 16 * MF * NWARPS query rows of one (batch, head), warp w the MF m-fragments of 16 rows
+// from 16 MF w (each K / V fragment it loads serves all MF). Per key tile of BLOCK_N keys:
+//   S = Q K^T     A = Q, B = K, both from shared memory (Q is re-read per tile: registers would
+//                 not hold it in the wide types)
+//   mask_rows (visibility + modifier), MmaSoftmax<1, T>::step (S -> P; the scale folded into exp2)
+//   O += P V      A = P from the S accumulators (WideMma's k order: slot t is key 2t, slot t + 4
+//                 key 2t + 1), B = V rows 2t, 2t + 1 of the k-step
+// K and V of a tile stream through a STAGES-deep cp.async ring. Shared rows: Q and K PITCH_QK =
+// DK + 8 elements (a lane's pair loads of rows g, columns 2t at 8-byte / 16-byte granularity hit
+// distinct banks), V PITCH_V = DV + 16 / sizeof(T) (rows 2t, column g: distinct banks).
+// Head dims Dk <= DK, Dv <= DV (runtime; the copies zero the columns past them, so DK, DV are a
+// bucket). Visibility, tile skipping and the lost-row flags are fwd_mma's: a block whose rows the
+// lost-row fix (lost_rows.cu fwd_lost_rows) must settle sets fix[block]; the grid is its order.
+//
+// Requirements (the host falls back to the generic path otherwise): unit innermost stride, row
+// strides, offsets and Dk, Dv multiples of 16 / sizeof(T) elements, 16-byte aligned bases,
+// scale > 0.
+#include "common.cuh"
+#include "mask.cuh"
+
+#include "attn_core.cuh"
+#include "mma.cuh"
+
+template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int MF, int STAGES,
+          typename Mod, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+         T* __restrict__ out, T* __restrict__ lse, ATTN_INPUTS(T), const AttnArgs a,
+         int* __restrict__ fix) {
+  using namespace tc;
+  using Tc = WideMma<T, PASSES>;
+  ATTN_ARGS_LOCALS(a, T);
+  constexpr bool HAS_MB = !Mod::IDENTITY;
+  constexpr bool FRESH = Tc::ROUNDS_TOWARD_ZERO;  // P V summed per tile (see the loop)
+  constexpr int THREADS = NWARPS * 32;
+  constexpr int BLOCK_M = 16 * MF * NWARPS;
+  constexpr int NF = BLOCK_N / 8;   // score n-fragments (keys) = k-steps of P V
+  constexpr int DF = DV / 8;        // output n-fragments
+  constexpr int KD = DK / 8;        // k-steps of Q K^T
+  constexpr int PITCH_QK = DK + 8, PITCH_V = DV + 16 / static_cast<int>(sizeof(T));
+  constexpr u32 E = sizeof(T);
+  constexpr u32 K_BYTES = BLOCK_N * PITCH_QK * E, V_BYTES = BLOCK_N * PITCH_V * E;
+  static_assert(BLOCK_N % 8 == 0 && DK % 8 == 0 && DV % 8 == 0 && STAGES >= 2, "tile shape");
+
+  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
+  const long long bh = blockIdx.x / n_mtiles;
+  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
+  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int warp_row0 = warp * MF * 16;
+
+  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
+  const KeyRange range = tile_key_range(w, i0, i_last);
+  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
+  const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
+  const Bounds32 b32 = make_bounds32(w);
+  const int n_tiles = range.hi >= range.lo
+                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
+  const int j_first = static_cast<int>(range.lo);
+  const int j_limit = static_cast<int>(range.hi) + 1;  // keys >= j_limit load as zeros
+
+  const T* qh = q + offsets[0 * BH + bh];
+  const T* kh = k + offsets[1 * BH + bh];
+  const T* vh = v + offsets[2 * BH + bh];
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sQ = smem_u32(smem_raw);
+  const u32 sK = sQ + BLOCK_M * PITCH_QK * E;
+  const u32 sV = sK + STAGES * K_BYTES;
+
+  if (tid == 0) fix[blockIdx.x] = 0;  // set at the end by a thread with a row to settle
+
+  auto issue_tile = [&](int n) {
+    const int buf = n % STAGES, jt = j_first + n * BLOCK_N;
+    if (n < n_tiles) {
+      cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, j_limit, Dk);
+      cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, j_limit, Dv);
+    }
+    cp_async_commit();
+  };
+  cp_rows<BLOCK_M, DK, PITCH_QK, THREADS>(sQ, qh, q_rs, i0, Nq, Dk);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
+
+  MmaSoftmax<MF, T> sm;
+  T acc[MF][DF][4];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+    sm.init(mf);
+#pragma unroll
+    for (int df = 0; df < DF; ++df)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mf][df][e] = T(0);
+  }
+  const T scale_log2 = scale * log2e<T>();
+  const T fold = HAS_MB ? T(1) : scale_log2;
+  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                            scale_log2);
+  // This lane's Q rows g, g + 8 of the warp's first m-fragment, at column 2t (a k-step adds 8
+  // columns, an m-fragment 16 rows).
+  const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
+  const int i_thr = i0 + warp_row0 + g;
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int j0 = j_first + n * BLOCK_N;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile n landed; everyone finished tile n - 1's buffers
+    issue_tile(n + STAGES - 1);
+    const u32 k_lane = sK + (n % STAGES) * K_BYTES + (g * PITCH_QK + 2 * t) * E;
+    const u32 v_lane = sV + (n % STAGES) * V_BYTES + (2 * t * PITCH_V + g) * E;
+
+    // S = Q K^T (raw dot products). Each load waits for the product before it in its chain
+    // (mma.cuh `after`): ptxas would hoist them all.
+    T s[MF][NF][4];
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mf][nf][e] = T(0);
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      typename Tc::A qa[MF];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        T q0, q1, q2, q3;  // (row g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+        const u32 qa_addr = q_lane + (mf * 16 * PITCH_QK + kk * 8) * E + after(s[mf][NF - 1][0]);
+        ld_shared_pair(qa_addr, q0, q1);
+        ld_shared_pair(qa_addr + 8 * PITCH_QK * E, q2, q3);
+        qa[mf] = Tc::make_a(q0, q2, q1, q3);
+      }
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf) {
+        T k0, k1;
+        ld_shared_pair(k_lane + (nf * 8 * PITCH_QK + kk * 8) * E + after(s[0][nf][0]), k0, k1);
+        const typename Tc::B kb = Tc::make_b(k0, k1);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) Tc::run(s[mf][nf], qa[mf], kb);
+      }
+    }
+
+    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
+    }
+
+    sm.step(s, fold);  // S -> P; m, l advanced; alpha for acc
+
+    // O = alpha O + P V. With three TF32 passes the tile's P V is summed apart (o) and added to O
+    // in float32 (WideMma::run: a chain rounds toward zero); else straight into O.
+    T o[FRESH ? MF : 1][FRESH ? DF : 1][4];
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int df = 0; df < DF; ++df)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (FRESH) o[FRESH ? mf : 0][FRESH ? df : 0][e] = T(0);
+          else acc[mf][df][e] *= sm.alpha[mf][e / 2];
+        }
+#pragma unroll
+    for (int kk = 0; kk < NF; ++kk) {
+      typename Tc::A pa[MF];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+        pa[mf] = Tc::make_a(s[mf][kk][0], s[mf][kk][2], s[mf][kk][1], s[mf][kk][3]);
+#pragma unroll
+      for (int df = 0; df < DF; ++df) {
+        T (&dst0)[4] = FRESH ? o[0][FRESH ? df : 0] : acc[0][df];
+        T v0, v1;
+        const u32 va = v_lane + (kk * 8 * PITCH_V + df * 8) * E + after(dst0[0]);
+        ld_shared_one(va, v0);
+        ld_shared_one(va + PITCH_V * E, v1);
+        const typename Tc::B vb = Tc::make_b(v0, v1);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+          Tc::run(FRESH ? o[FRESH ? mf : 0][FRESH ? df : 0] : acc[mf][df], pa[mf], vb);
+      }
+    }
+    if (FRESH) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int df = 0; df < DF; ++df)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc[mf][df][e] = acc_fma(acc[mf][df][e], sm.alpha[mf][e / 2],
+                                     o[FRESH ? mf : 0][FRESH ? df : 0][e]);
+    }
+  }
+  cp_async_wait<0>();
+
+  // Normalize once (fwd_mma's rules: an empty row 0 / -inf; l = 0 with visible keys NaN, which
+  // fwd_lost_rows settles with a mask or bias; huge maxima flagged for it too).
+  bool refix = false;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const T l_row = sm.row_sum(mf, h);
+      const int i = i_thr + mf * 16 + 8 * h;
+      const bool empty = row_empty(i, Nq, b32);
+      const T inv_l = sm.out_scale(l_row, empty);
+      refix |= HAS_MB ? !empty & !(l_row > T(0) && l_row < pos_inf<T>())
+                      : !empty & (fabs(sm.m[mf][h]) > fold_limit<T>());
+      if (i < Nq) {
+        if (t == 0) lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
+        T* row = out + (bh * Nq + i) * Dv;
+#pragma unroll
+        for (int df = 0; df < DF; ++df) {
+          const int c = df * 8 + 2 * t;
+          if (c < Dv) {  // Dv is even: both columns or neither
+            row[c] = acc[mf][df][2 * h] * inv_l;
+            row[c + 1] = acc[mf][df][2 * h + 1] * inv_l;
+          }
+        }
+      }
+    }
+  if (refix) fix[blockIdx.x] = 1;
+}
