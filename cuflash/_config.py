@@ -106,10 +106,11 @@ def c_types(dtype):
 
 def modifier_type(has_mb, acc="float"):
     """The C++ score-modifier type (kernels_cu/attn_core.cuh) a tensor-core kernel with
-    accumulator C type `acc` is instantiated with: the mask / bias modifier, or the identity."""
+    accumulator C type `acc` is instantiated with: the mask / bias modifier (float: log2 units;
+    double: natural units, as fwd_wide.cu computes float64), or the identity."""
     if not has_mb:
         return "NoMod"
-    return "MaskBiasMod" if acc == "float" else f"MaskBiasModT<{acc}>"
+    return "MaskBiasMod" if acc == "float" else f"MaskBiasModT<{acc}, true>"  # natural units
 
 
 def head_dim_bucket(Dk, Dv):

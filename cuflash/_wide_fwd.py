@@ -22,31 +22,48 @@ BUCKETS = {"float32": (32, 64, 96, 128, 192, 256), "float64": (32, 64, 96, 128)}
 PASSES = {"highest": 3, "high": 1}
 
 # WideTile: block_n keys per tile, `warps` warps of 16 * mf query rows each (mf m-fragments), a
-# `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM. TILES hold on sm_80 without
-# spills; TILES_CC90 (compute capability 9.0+) are wider where sm_90a's allocation allows, and
-# add float64 at 128 (sm_80 spills there: the generic kernels take it).
+# `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM. TILES hold
+# on sm_80 without spills (head dims <= 128); TILES_CC90 (compute capability 9.0+) are the best of
+# an H200 sweep (benchmarks/RESULTS.md, "Wide forward tiles") where sm_90a's allocation allows,
+# and add float64 at 128 (sm_80 spills there: the generic kernels take it). A mask or bias
+# (has_mb) needs registers: some of its tiles are narrower.
 WideTile = namedtuple("WideTile", "block_n warps mf stages min_blocks")
 _T = WideTile
-TILES = {
-    # (dtype, bucket) -> tile
-    ("float32", 32): _T(64, 4, 1, 2, 2), ("float32", 64): _T(64, 4, 1, 2, 2),
-    ("float32", 96): _T(32, 4, 1, 2, 2), ("float32", 128): _T(16, 4, 1, 2, 2),
-    ("float32", 192): _T(16, 4, 1, 2, 1), ("float32", 256): _T(16, 4, 1, 2, 1),
-    ("float64", 32): _T(32, 4, 1, 2, 2), ("float64", 64): _T(16, 4, 1, 2, 2),
-    ("float64", 96): _T(8, 4, 1, 2, 1),
-}
-TILES_CC90 = {
-    ("float32", 128): _T(32, 4, 1, 2, 2),
-    ("float64", 96): _T(16, 4, 1, 2, 1), ("float64", 128): _T(8, 4, 1, 2, 1),
-}
+
+
+def _table(rows):
+    """{(dtype, bucket, has_mb): tile} from (dtype, bucket, tile, tile with a mask or bias)."""
+    return {(dt, b, mb): t for dt, b, plain, masked in rows
+            for mb, t in ((False, plain), (True, masked))}
+
+
+TILES = _table([
+    ("float32", 32, _T(32, 8, 2, 2, 1), _T(32, 8, 2, 2, 1)),
+    ("float32", 64, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+    ("float32", 96, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+    ("float32", 128, _T(16, 4, 1, 2, 2), _T(16, 4, 1, 2, 2)),
+    ("float32", 192, _T(8, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
+    ("float32", 256, _T(8, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
+    ("float64", 32, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+    ("float64", 64, _T(16, 8, 1, 2, 1), _T(16, 8, 1, 2, 1)),
+    ("float64", 96, _T(8, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
+])
+TILES_CC90 = _table([
+    ("float32", 64, _T(32, 8, 2, 2, 1), _T(32, 8, 1, 2, 1)),
+    ("float32", 128, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+    ("float64", 64, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+    ("float64", 96, _T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1)),
+    ("float64", 128, _T(16, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
+])
 del _T
 
 
-def pick_tile(dtype_name, bucket, cc=80):
+def pick_tile(dtype_name, bucket, has_mb, cc=80):
     """The tile for a device of compute capability `cc`, or None where this path has none."""
-    if cc >= 90 and (dtype_name, bucket) in TILES_CC90:
-        return TILES_CC90[(dtype_name, bucket)]
-    return TILES.get((dtype_name, bucket))
+    key = (dtype_name, bucket, has_mb)
+    if cc >= 90 and key in TILES_CC90:
+        return TILES_CC90[key]
+    return TILES.get(key)
 
 
 def smem_bytes(dtype_name, t, bucket):
@@ -66,16 +83,15 @@ def name_expression(dtype_name, bucket, has_mb, passes, t):
 
 def _variants(tiles):
     """(dtype name, bucket, has_mb, passes, tile) of every instantiation of a tile table."""
-    for (dt, b), t in tiles.items():
-        for mb in (False, True):
-            for passes in (PASSES.values() if dt == "float32" else (1,)):
-                yield dt, b, mb, passes, t
+    for (dt, b, mb), t in tiles.items():
+        for passes in (PASSES.values() if dt == "float32" else (1,)):
+            yield dt, b, mb, passes, t
 
 
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
-    out = [("fwd_wide", dt, b, SOURCE, name_expression(dt, b, mb, passes, t))
-           for tiles in (TILES, TILES_CC90) for dt, b, mb, passes, t in _variants(tiles)]
+    exprs = {name_expression(*v): v[:2] for tiles in (TILES, TILES_CC90) for v in _variants(tiles)}
+    out = [("fwd_wide", dt, b, SOURCE, e) for e, (dt, b) in exprs.items()]
     out += [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, _generic.fwd_lost_name_expression(dt))
             for dt in DTYPES]
     return out
@@ -83,7 +99,8 @@ def instantiations():
 
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    return {name_expression(*v) for v in _variants(TILES_CC90)}
+    return {name_expression(*v) for v in _variants(TILES_CC90)} - {
+        name_expression(*v) for v in _variants(TILES)}
 
 
 def bucket(p):
@@ -104,7 +121,8 @@ def takes(p):
     if p.Dk % epc or p.Dv % epc:
         return False
     info = _runtime.device_info()
-    tile = pick_tile(p.dtype.name, b, info.cc) if info.cc >= 80 else None
+    has_mb = p.mask is not None or p.bias is not None
+    tile = pick_tile(p.dtype.name, b, has_mb, info.cc) if info.cc >= 80 else None
     if tile is None or smem_bytes(p.dtype.name, tile, b) > info.smem_optin:
         return False
     for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
@@ -121,7 +139,7 @@ def _recipe(p):
     """(kernel, shared memory, blocks, threads, block_m, has_mb): the launch of a layout."""
     has_mb = p.mask is not None or p.bias is not None
     b = bucket(p)
-    tile = pick_tile(p.dtype.name, b, _runtime.device_info().cc)
+    tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype.name, b, has_mb, passes, tile))
     smem = smem_bytes(p.dtype.name, tile, b)

@@ -57,29 +57,44 @@ struct ScaleMod {
   }
 };
 // A boolean mask and / or an additive bias (of the kernel's accumulator type Acc), offset to this
-// (batch, head): the raw score x is scaled to log2 units here (the kernels fold the scale into
-// exp2 only without a modifier). A -inf bias gives x = -inf (no mass), a NaN bias NaN; one below
-// -max / log2e overflows to -inf (the kernels' lost-row fix-ups settle rows of only such keys).
-template <typename Acc>
+// (batch, head): the raw score x is scaled to the kernel's units here, log2 units (x * scale *
+// log2e + bias * log2e), or natural ones with NATURAL (x * scale + bias); the kernels fold the
+// scale into the exponent only without a modifier. A -inf bias gives x = -inf (no mass), a NaN bias
+// NaN; one below -max / log2e overflows to -inf (the kernels' lost-row fix-ups settle rows of only
+// such keys).
+template <typename Acc, bool NATURAL = false>
 struct MaskBiasModT {
   static constexpr bool READS_INPUTS = true, IDENTITY = false;
   const unsigned char* mask;  // may be null
   const Acc* bias;            // may be null
   long long mask_rs, mask_cs, bias_rs, bias_cs;
-  Acc scale_log2;
+  Acc scale_units;  // scale, times log2e unless NATURAL
   __device__ __forceinline__ Acc operator()(Acc x, int i, long long j) const {
     if (mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<Acc>();
-    x *= scale_log2;
-    if (bias != nullptr) x = acc_fma(bias[i * bias_rs + j * bias_cs], log2e<Acc>(), x);
+    x *= scale_units;
+    if (bias != nullptr) {
+      const Acc b = bias[i * bias_rs + j * bias_cs];
+      x = NATURAL ? x + b : acc_fma(b, log2e<Acc>(), x);
+    }
     return x;
   }
   __device__ __forceinline__ static MaskBiasModT make(const unsigned char* mask, const Acc* bias,
                                                       const long long* offsets, int BH,
                                                       long long bh, long long mask_rs,
                                                       long long mask_cs, long long bias_rs,
-                                                      long long bias_cs, Acc scale_log2);
+                                                      long long bias_cs, Acc scale_units) {
+    MaskBiasModT mb;
+    mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+    mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+    mb.mask_rs = mask_rs;
+    mb.mask_cs = mask_cs;
+    mb.bias_rs = bias_rs;
+    mb.bias_cs = bias_cs;
+    mb.scale_units = scale_units;
+    return mb;
+  }
 };
-using MaskBiasMod = MaskBiasModT<float>;  // the 16-bit kernels' (float accumulators)
+using MaskBiasMod = MaskBiasModT<float>;  // the 16-bit kernels' (float accumulators, log2 units)
 
 // The modifier of head bh (offsets: the kernels' (5, BH) table, rows 3 and 4 for mask and bias).
 template <typename Acc>
@@ -89,22 +104,8 @@ __device__ __forceinline__ MaskBiasModT<Acc> make_mask_bias(const unsigned char*
                                                             long long bh, long long mask_rs,
                                                             long long mask_cs, long long bias_rs,
                                                             long long bias_cs, Acc scale_log2) {
-  MaskBiasModT<Acc> mb;
-  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-  mb.mask_rs = mask_rs;
-  mb.mask_cs = mask_cs;
-  mb.bias_rs = bias_rs;
-  mb.bias_cs = bias_cs;
-  mb.scale_log2 = scale_log2;
-  return mb;
-}
-template <typename Acc>
-__device__ __forceinline__ MaskBiasModT<Acc> MaskBiasModT<Acc>::make(
-    const unsigned char* mask, const Acc* bias, const long long* offsets, int BH, long long bh,
-    long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, Acc scale_log2) {
-  return make_mask_bias(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                        scale_log2);
+  return MaskBiasModT<Acc>::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                                 scale_log2);
 }
 
 // ---- visibility on mma.sync fragments -----------------------------------------------------------
@@ -199,14 +200,17 @@ template <> __device__ __forceinline__ float fold_limit<float>() { return FOLD_L
 template <> __device__ __forceinline__ double fold_limit<double>() { return 16777216.0; }
 
 // ---- online softmax of mma.sync rows ------------------------------------------------------------
-// This lane's rows g and g + 8 (h = 0, 1) of MF m-fragments, log2 units, in Acc (float; double
-// for the float64 kernels, whose exp2 is then the exact one): a running max m, this
+// This lane's rows g and g + 8 (h = 0, 1) of MF m-fragments, in Acc (float; double for the
+// float64 kernels, whose exp is then the exact one) and log2 units (natural ones with NATURAL): a running max m, this
 // lane's part of the denominator l (the quad is summed at the end) and the factor alpha by which
 // the last step rescaled l, and by which the caller rescales its accumulator (next to the first
 // product that consumes it). A row with no finite logit so far keeps m = -inf and uses 0 as its
 // reference, so no exp(-inf - (-inf)); NaN logits (dropped by fmaxf) reach l through exp2.
-template <int MF, typename Acc = float>
+template <int MF, typename Acc = float, bool NATURAL = false>
 struct MmaSoftmax {
+  static __device__ __forceinline__ Acc exp_units(Acc x) {
+    return NATURAL ? acc_exp(x) : exp2_acc(x);
+  }
   Acc m[MF][2], l[MF][2], alpha[MF][2];
 
   // The empty state of m-fragment mf's rows: m = -inf, l = 0.
@@ -231,7 +235,7 @@ struct MmaSoftmax {
     const Acc m_old = m[mf][h];
     const Acc m_new = acc_max(m_old, mx * fold);
     const Acc m_ref = (m_new == neg_inf<Acc>()) ? Acc(0) : m_new;
-    alpha[mf][h] = exp2_acc(m_old - m_ref);
+    alpha[mf][h] = exp_units(m_old - m_ref);
     m[mf][h] = m_new;
     return m_ref;
   }
@@ -250,7 +254,7 @@ struct MmaSoftmax {
         for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const Acc p = exp2_acc(acc_fma(s[mf][nf][2 * h + e], fold, neg_ref));
+            const Acc p = exp_units(acc_fma(s[mf][nf][2 * h + e], fold, neg_ref));
             s[mf][nf][2 * h + e] = p;
             mass += p;
           }
@@ -320,7 +324,8 @@ struct MmaSoftmax {
   // Its lse (natural units), by the same rules: -inf when empty, NaN when l is 0.
   __device__ __forceinline__ Acc lse(int mf, int h, bool empty, Acc l_row) const {
     return empty ? neg_inf<Acc>()
-                 : l_row == Acc(0) ? quiet_nan<Acc>() : m[mf][h] * ln2<Acc>() + acc_log(l_row);
+                 : l_row == Acc(0) ? quiet_nan<Acc>()
+                 : (NATURAL ? m[mf][h] : m[mf][h] * ln2<Acc>()) + acc_log(l_row);
   }
 };
 

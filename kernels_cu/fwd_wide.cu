@@ -26,6 +26,16 @@
 #include "attn_core.cuh"
 #include "mma.cuh"
 
+template <int M, int N, typename T>
+__device__ __forceinline__ void zero_frags(T (&c)[M][N][4]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[m][n][e] = T(0);
+}
+
 template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int MF, int STAGES,
           typename Mod, int MIN_BLOCKS>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
@@ -46,6 +56,14 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   constexpr u32 E = sizeof(T);
   constexpr u32 K_BYTES = BLOCK_N * PITCH_QK * E, V_BYTES = BLOCK_N * PITCH_V * E;
   static_assert(BLOCK_N % 8 == 0 && DK % 8 == 0 && DV % 8 == 0 && STAGES >= 2, "tile shape");
+  // float64 in natural units (p = exp(x - m)): its lse then needs no log2 conversion and stays
+  // within a few ulp of a dense float64 computation even where |lse| is large. Mod must be in
+  // the same units (MaskBiasModT<double, true>).
+  constexpr bool NATURAL = sizeof(T) == 8;
+  // Q K^T is chained through at most G k-steps, then added in T (WideMma::run's rounding)
+  constexpr int G = !FRESH ? KD : KD % 8 == 0 ? 8 : KD % 6 == 0 ? 6 : KD % 4 == 0 ? 4 : 1;
+  // fragment loads ahead of their product: K's (in key fragments), V's (in output fragments)
+  constexpr int PK = NF / 2, PV = DF / 2;
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
   const long long bh = blockIdx.x / n_mtiles;
@@ -88,7 +106,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 
-  MmaSoftmax<MF, T> sm;
+  MmaSoftmax<MF, T, NATURAL> sm;
   T acc[MF][DF][4];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
@@ -98,10 +116,10 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mf][df][e] = T(0);
   }
-  const T scale_log2 = scale * log2e<T>();
-  const T fold = HAS_MB ? T(1) : scale_log2;
+  const T scale_units = NATURAL ? scale : scale * log2e<T>();
+  const T fold = HAS_MB ? T(1) : scale_units;
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_log2);
+                            scale_units);
   // This lane's Q rows g, g + 8 of the warp's first m-fragment, at column 2t (a k-step adds 8
   // columns, an m-fragment 16 rows).
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
@@ -115,33 +133,58 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     const u32 k_lane = sK + (n % STAGES) * K_BYTES + (g * PITCH_QK + 2 * t) * E;
     const u32 v_lane = sV + (n % STAGES) * V_BYTES + (2 * t * PITCH_V + g) * E;
 
-    // S = Q K^T (raw dot products). Each load waits for the product before it in its chain
-    // (mma.cuh `after`): ptxas would hoist them all.
-    T s[MF][NF][4];
+    // S = Q K^T (raw dot products), step i = (k-step i / NF, key fragment i % NF). The K
+    // fragment of step i + PK is loaded at step i, waiting (mma.cuh `after`) for the product on
+    // its accumulator that came NF - PK steps earlier: loads PK steps ahead, never all of them at
+    // the top (ptxas would hoist them all and run out of registers). Q's fragments of the next
+    // k-step are loaded halfway through this one.
+    T s[MF][NF][4], c[MF][NF][4];
+    zero_frags(c);
+    T qr[MF][4], kr[PK > 0 ? PK : 1][2];
+    auto load_q = [&](int kk, u32 dep) {
 #pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mf][nf][e] = T(0);
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      typename Tc::A qa[MF];
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        T q0, q1, q2, q3;  // (row g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-        const u32 qa_addr = q_lane + (mf * 16 * PITCH_QK + kk * 8) * E + after(s[mf][NF - 1][0]);
-        ld_shared_pair(qa_addr, q0, q1);
-        ld_shared_pair(qa_addr + 8 * PITCH_QK * E, q2, q3);
-        qa[mf] = Tc::make_a(q0, q2, q1, q3);
+      for (int mf = 0; mf < MF; ++mf) {  // (row g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+        const u32 addr = q_lane + (mf * 16 * PITCH_QK + kk * 8) * E + dep;
+        ld_shared_pair(addr, qr[mf][0], qr[mf][2]);
+        ld_shared_pair(addr + 8 * PITCH_QK * E, qr[mf][1], qr[mf][3]);
       }
+    };
+    auto load_k = [&](int i, T(&r)[2], u32 dep) {
+      ld_shared_pair(k_lane + ((i % NF) * 8 * PITCH_QK + (i / NF) * 8) * E + dep, r[0], r[1]);
+    };
+    load_q(0, 0);
 #pragma unroll
-      for (int nf = 0; nf < NF; ++nf) {
-        T k0, k1;
-        ld_shared_pair(k_lane + (nf * 8 * PITCH_QK + kk * 8) * E + after(s[0][nf][0]), k0, k1);
-        const typename Tc::B kb = Tc::make_b(k0, k1);
+    for (int i = 0; i < PK; ++i) load_k(i, kr[i], 0);
+    typename Tc::A qa[MF];
 #pragma unroll
-        for (int mf = 0; mf < MF; ++mf) Tc::run(s[mf][nf], qa[mf], kb);
+    for (int i = 0; i < KD * NF; ++i) {
+      const int kk = i / NF, nf = i % NF;
+      if (nf == 0) {
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) qa[mf] = Tc::make_a(qr[mf][0], qr[mf][1], qr[mf][2], qr[mf][3]);
+      }
+      if (nf == NF / 2 && kk + 1 < KD) load_q(kk + 1, after(c[MF - 1][NF - 1][0]));
+      T kc[2];
+      if (PK > 0) {
+        kc[0] = kr[i % (PK > 0 ? PK : 1)][0];
+        kc[1] = kr[i % (PK > 0 ? PK : 1)][1];
+        if (i + PK < KD * NF) load_k(i + PK, kr[i % (PK > 0 ? PK : 1)], after(c[0][(i + PK) % NF][0]));
+      } else {
+        load_k(i, kc, after(c[0][nf][0]));
+      }
+      const typename Tc::B kb = Tc::make_b(kc[0], kc[1]);
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) Tc::run(c[mf][nf], qa[mf], kb);
+      if (nf == NF - 1 && (kk + 1) % G == 0) {  // the end of a rounding group: into s
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s[mf][f][e] = kk + 1 == G ? c[mf][f][e] : s[mf][f][e] + c[mf][f][e];
+              if (kk + 1 < KD) c[mf][f][e] = T(0);
+            }
       }
     }
 
@@ -152,8 +195,10 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
     sm.step(s, fold);  // S -> P; m, l advanced; alpha for acc
 
-    // O = alpha O + P V. With three TF32 passes the tile's P V is summed apart (o) and added to O
-    // in float32 (WideMma::run: a chain rounds toward zero); else straight into O.
+    // O = alpha O + P V, step i = (key k-step i / DF, output fragment i % DF), V's fragments PV
+    // steps ahead as K's above (the first ones wait for the softmax). With three TF32 passes the
+    // tile's P V is summed apart (o) and added to O in float32 (WideMma::run: a chain rounds
+    // toward zero); else straight into O.
     T o[FRESH ? MF : 1][FRESH ? DF : 1][4];
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
@@ -164,24 +209,35 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           if (FRESH) o[FRESH ? mf : 0][FRESH ? df : 0][e] = T(0);
           else acc[mf][df][e] *= sm.alpha[mf][e / 2];
         }
+    auto dst = [&](int mf, int df) -> T(&)[4] {
+      return FRESH ? o[FRESH ? mf : 0][FRESH ? df : 0] : acc[mf][df];
+    };
+    auto load_v = [&](int i, T(&r)[2], u32 dep) {
+      const u32 va = v_lane + ((i / DF) * 8 * PITCH_V + (i % DF) * 8) * E + dep;
+      ld_shared_one(va, r[0]);
+      ld_shared_one(va + PITCH_V * E, r[1]);
+    };
+    T vr[PV][2];
+    const u32 after_softmax = after(sm.l[MF - 1][1]);
 #pragma unroll
-    for (int kk = 0; kk < NF; ++kk) {
-      typename Tc::A pa[MF];
+    for (int i = 0; i < PV; ++i) load_v(i, vr[i], after_softmax);
+    typename Tc::A pa[MF];
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
-        pa[mf] = Tc::make_a(s[mf][kk][0], s[mf][kk][2], s[mf][kk][1], s[mf][kk][3]);
-#pragma unroll
-      for (int df = 0; df < DF; ++df) {
-        T (&dst0)[4] = FRESH ? o[0][FRESH ? df : 0] : acc[0][df];
-        T v0, v1;
-        const u32 va = v_lane + (kk * 8 * PITCH_V + df * 8) * E + after(dst0[0]);
-        ld_shared_one(va, v0);
-        ld_shared_one(va + PITCH_V * E, v1);
-        const typename Tc::B vb = Tc::make_b(v0, v1);
+    for (int i = 0; i < NF * DF; ++i) {
+      const int kk = i / DF, df = i % DF;
+      if (df == 0) {
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
-          Tc::run(FRESH ? o[FRESH ? mf : 0][FRESH ? df : 0] : acc[mf][df], pa[mf], vb);
+          pa[mf] = Tc::make_a(s[mf][kk][0], s[mf][kk][2], s[mf][kk][1], s[mf][kk][3]);
       }
+      T vc[2] = {vr[i % PV][0], vr[i % PV][1]};
+      if (i + PV < NF * DF) {
+        const int j = i + PV;
+        load_v(j, vr[i % PV], j < DF ? after_softmax : after(dst(0, j % DF)[0]));
+      }
+      const typename Tc::B vb = Tc::make_b(vc[0], vc[1]);
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) Tc::run(dst(mf, df), pa[mf], vb);
     }
     if (FRESH) {
 #pragma unroll

@@ -78,7 +78,7 @@ def test_wide_tiles_fit():
     from cuflash import _wide_fwd
     for tiles, limit in ((_wide_fwd.TILES, _config.SMEM_LIMIT_SM80),
                          (_wide_fwd.TILES_CC90, 227 * 1024)):
-        for (dt, bucket), t in tiles.items():
+        for (dt, bucket, _), t in tiles.items():
             assert _wide_fwd.smem_bytes(dt, t, bucket) <= limit, (dt, bucket)
 
 
