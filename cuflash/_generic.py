@@ -105,6 +105,22 @@ def forward(p):
     return out, lse
 
 
+def preprocess(p, dout, out, lse):
+    """bwd_preprocess: (lse_eff, delta), (BH, Nq) each in the accumulator dtype: delta =
+    rowsum(dout * out); lse_eff = lse, +inf (and delta 0) on lost rows. dout, out contiguous
+    (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype."""
+    BH, acc = p.BH, p.acc_dtype
+    lse_eff = _runtime.empty((BH, p.Nq), dtype=acc)  # lost rows: +inf (skipped)
+    delta = _runtime.empty((BH, p.Nq), dtype=acc)
+    kern = _runtime.get_function(BWD_SOURCE, name_expression("bwd_preprocess", p.dtype))
+    rows = BH * p.Nq  # one warp a row; the kernel loops beyond the grid
+    blocks = min(-(-rows // (_config.GENERIC_THREADS // 32)), _runtime.MAX_GRID_X)
+    kern((blocks,), (_config.GENERIC_THREADS,),
+         (dout, out, lse, lse_eff, delta, np.int64(rows), np.int32(p.Dv),
+          acc.type(_config.lost_lse_limit(acc))))
+    return lse_eff, delta
+
+
 def backward(p, dout, out, lse, deterministic=False):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), every element,
     in the accumulator dtype. Deterministic by construction (no atomics): bwd_preprocess (delta =
@@ -117,13 +133,7 @@ def backward(p, dout, out, lse, deterministic=False):
     dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
     out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
     lse = cupy.ascontiguousarray(lse.astype(acc, copy=False)).reshape(BH, p.Nq)
-    lse_eff = _runtime.empty((BH, p.Nq), dtype=acc)  # lost rows: +inf (skipped)
-    delta = _runtime.empty((BH, p.Nq), dtype=acc)
-    kern = _runtime.get_function(BWD_SOURCE, name_expression("bwd_preprocess", p.dtype))
-    rows = BH * p.Nq  # one warp a row; the kernel loops beyond the grid
-    blocks = min(-(-rows // (_config.GENERIC_THREADS // 32)), _runtime.MAX_GRID_X)
-    kern((blocks,), threads, (dout, out, lse, lse_eff, delta, np.int64(rows), np.int32(p.Dv),
-                              acc.type(_config.lost_lse_limit(acc))))
+    lse_eff, delta = preprocess(p, dout, out, lse)
     dq = _runtime.empty((BH, p.Nq, p.Dk), dtype=acc)
     dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
     dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)

@@ -10,11 +10,11 @@ Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers t
 """
 import contextlib
 
-from . import _decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _wgmma_fwd, _wide_fwd
+from . import _decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _wgmma_fwd, _wide
 
-FORWARD = (_decode, _wgmma_fwd, _mma_fwd, _wide_fwd, _generic)  # decode, Hopper, tensor cores, generic
-BACKWARD = (_mma_bwd, _generic)
-PATHS = (_generic, _mma_fwd, _wgmma_fwd, _wide_fwd, _mma_bwd, _decode)
+FORWARD = (_decode, _wgmma_fwd, _mma_fwd, _wide, _generic)  # decode, Hopper, tensor cores, generic
+BACKWARD = (_mma_bwd, _wide, _generic)
+PATHS = (_generic, _mma_fwd, _wgmma_fwd, _wide, _mma_bwd, _decode)
 
 
 _chosen = _memo.Memo(256)
@@ -45,7 +45,7 @@ def forward_path(p):
 
 
 def backward_path(p):
-    """The NAME of the path that runs the backward of p: 'mma' or 'generic'."""
+    """The NAME of the path that runs the backward of p: 'mma', 'wide' or 'generic'."""
     return _choose(BACKWARD, "takes_backward", p).NAME
 
 

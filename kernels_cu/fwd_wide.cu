@@ -25,16 +25,7 @@
 
 #include "attn_core.cuh"
 #include "mma.cuh"
-
-template <int M, int N, typename T>
-__device__ __forceinline__ void zero_frags(T (&c)[M][N][4]) {
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[m][n][e] = T(0);
-}
+#include "wide.cuh"
 
 template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int MF, int STAGES,
           typename Mod, int MIN_BLOCKS>
@@ -46,7 +37,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   using Tc = WideMma<T, PASSES>;
   ATTN_ARGS_LOCALS(a, T);
   constexpr bool HAS_MB = !Mod::IDENTITY;
-  constexpr bool FRESH = Tc::ROUNDS_TOWARD_ZERO;  // P V summed per tile (see the loop)
+  constexpr bool FRESH = Tc::ROUNDS_TOWARD_ZERO;  // P V summed per tile (wide.cuh)
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_M = 16 * MF * NWARPS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments (keys) = k-steps of P V
@@ -60,10 +51,6 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // within a few ulp of a dense float64 computation even where |lse| is large. Mod must be in
   // the same units (MaskBiasModT<double, true>).
   constexpr bool NATURAL = sizeof(T) == 8;
-  // Q K^T is chained through at most G k-steps, then added in T (WideMma::run's rounding)
-  constexpr int G = !FRESH ? KD : KD % 8 == 0 ? 8 : KD % 6 == 0 ? 6 : KD % 4 == 0 ? 4 : 1;
-  // fragment loads ahead of their product: K's (in key fragments), V's (in output fragments)
-  constexpr int PK = NF / 2, PV = DF / 2;
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
   const long long bh = blockIdx.x / n_mtiles;
@@ -133,60 +120,9 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     const u32 k_lane = sK + (n % STAGES) * K_BYTES + (g * PITCH_QK + 2 * t) * E;
     const u32 v_lane = sV + (n % STAGES) * V_BYTES + (2 * t * PITCH_V + g) * E;
 
-    // S = Q K^T (raw dot products), step i = (k-step i / NF, key fragment i % NF). The K
-    // fragment of step i + PK is loaded at step i, waiting (mma.cuh `after`) for the product on
-    // its accumulator that came NF - PK steps earlier: loads PK steps ahead, never all of them at
-    // the top (ptxas would hoist them all and run out of registers). Q's fragments of the next
-    // k-step are loaded halfway through this one.
-    T s[MF][NF][4], c[MF][NF][4];
-    zero_frags(c);
-    T qr[MF][4], kr[PK > 0 ? PK : 1][2];
-    auto load_q = [&](int kk, u32 dep) {
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {  // (row g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-        const u32 addr = q_lane + (mf * 16 * PITCH_QK + kk * 8) * E + dep;
-        ld_shared_pair(addr, qr[mf][0], qr[mf][2]);
-        ld_shared_pair(addr + 8 * PITCH_QK * E, qr[mf][1], qr[mf][3]);
-      }
-    };
-    auto load_k = [&](int i, T(&r)[2], u32 dep) {
-      ld_shared_pair(k_lane + ((i % NF) * 8 * PITCH_QK + (i / NF) * 8) * E + dep, r[0], r[1]);
-    };
-    load_q(0, 0);
-#pragma unroll
-    for (int i = 0; i < PK; ++i) load_k(i, kr[i], 0);
-    typename Tc::A qa[MF];
-#pragma unroll
-    for (int i = 0; i < KD * NF; ++i) {
-      const int kk = i / NF, nf = i % NF;
-      if (nf == 0) {
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf) qa[mf] = Tc::make_a(qr[mf][0], qr[mf][1], qr[mf][2], qr[mf][3]);
-      }
-      if (nf == NF / 2 && kk + 1 < KD) load_q(kk + 1, after(c[MF - 1][NF - 1][0]));
-      T kc[2];
-      if (PK > 0) {
-        kc[0] = kr[i % (PK > 0 ? PK : 1)][0];
-        kc[1] = kr[i % (PK > 0 ? PK : 1)][1];
-        if (i + PK < KD * NF) load_k(i + PK, kr[i % (PK > 0 ? PK : 1)], after(c[0][(i + PK) % NF][0]));
-      } else {
-        load_k(i, kc, after(c[0][nf][0]));
-      }
-      const typename Tc::B kb = Tc::make_b(kc[0], kc[1]);
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) Tc::run(c[mf][nf], qa[mf], kb);
-      if (nf == NF - 1 && (kk + 1) % G == 0) {  // the end of a rounding group: into s
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-          for (int f = 0; f < NF; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s[mf][f][e] = kk + 1 == G ? c[mf][f][e] : s[mf][f][e] + c[mf][f][e];
-              if (kk + 1 < KD) c[mf][f][e] = T(0);
-            }
-      }
-    }
+    // S = Q K^T (raw dot products)
+    T s[MF][NF][4];
+    wide::rows_times_rows<T, PASSES, MF, NF, KD, PITCH_QK, PITCH_QK>(s, q_lane, k_lane);
 
     if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
 #pragma unroll
@@ -195,60 +131,20 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
     sm.step(s, fold);  // S -> P; m, l advanced; alpha for acc
 
-    // O = alpha O + P V, step i = (key k-step i / DF, output fragment i % DF), V's fragments PV
-    // steps ahead as K's above (the first ones wait for the softmax). With three TF32 passes the
-    // tile's P V is summed apart (o) and added to O in float32 (WideMma::run: a chain rounds
-    // toward zero); else straight into O.
-    T o[FRESH ? MF : 1][FRESH ? DF : 1][4];
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int df = 0; df < DF; ++df)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (FRESH) o[FRESH ? mf : 0][FRESH ? df : 0][e] = T(0);
-          else acc[mf][df][e] *= sm.alpha[mf][e / 2];
-        }
-    auto dst = [&](int mf, int df) -> T(&)[4] {
-      return FRESH ? o[FRESH ? mf : 0][FRESH ? df : 0] : acc[mf][df];
-    };
-    auto load_v = [&](int i, T(&r)[2], u32 dep) {
-      const u32 va = v_lane + ((i / DF) * 8 * PITCH_V + (i % DF) * 8) * E + dep;
-      ld_shared_one(va, r[0]);
-      ld_shared_one(va + PITCH_V * E, r[1]);
-    };
-    T vr[PV][2];
-    const u32 after_softmax = after(sm.l[MF - 1][1]);
-#pragma unroll
-    for (int i = 0; i < PV; ++i) load_v(i, vr[i], after_softmax);
-    typename Tc::A pa[MF];
-#pragma unroll
-    for (int i = 0; i < NF * DF; ++i) {
-      const int kk = i / DF, df = i % DF;
-      if (df == 0) {
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-          pa[mf] = Tc::make_a(s[mf][kk][0], s[mf][kk][2], s[mf][kk][1], s[mf][kk][3]);
-      }
-      T vc[2] = {vr[i % PV][0], vr[i % PV][1]};
-      if (i + PV < NF * DF) {
-        const int j = i + PV;
-        load_v(j, vr[i % PV], j < DF ? after_softmax : after(dst(0, j % DF)[0]));
-      }
-      const typename Tc::B vb = Tc::make_b(vc[0], vc[1]);
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) Tc::run(dst(mf, df), pa[mf], vb);
-    }
-    if (FRESH) {
+    // O = alpha O + P V (rounding toward zero: P V apart, then O = fma(O, alpha, P V)); V's first
+    // loads wait for the softmax.
+    if (!FRESH) {
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
         for (int df = 0; df < DF; ++df)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc[mf][df][e] = acc_fma(acc[mf][df][e], sm.alpha[mf][e / 2],
-                                     o[FRESH ? mf : 0][FRESH ? df : 0][e]);
+          for (int e = 0; e < 4; ++e) acc[mf][df][e] *= sm.alpha[mf][e / 2];
     }
+    wide::acc_times_rows<T, PASSES, MF, NF, DF, DF, PITCH_V>(
+        acc, s, v_lane, after(sm.l[MF - 1][1]), [&](T(&o)[4], const T(&pv)[4], int mf) {
+          for (int e = 0; e < 4; ++e) o[e] = acc_fma(o[e], sm.alpha[mf][e / 2], pv[e]);
+        });
   }
   cp_async_wait<0>();
 

@@ -38,7 +38,7 @@ def _usage(filename, arch):
 
 def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
-    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_mma", "fwd_wgmma", "fwd_wide",
+    assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_mma", "fwd_wgmma", "fwd_wide", "bwd_wide_dkdv", "bwd_wide_dq",
                        "decode_split", "fwd_lost_rows", "decode_tc", "bwd_mma_prep", "bwd_mma_dkdv",
                        "bwd_mma_dkdv_grid", "bwd_mma_dq",
                        "bwd_lost_rows", "bwd_lost_keys", "mask_tile_classes"}
@@ -67,7 +67,7 @@ def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch):
     info = _usage(filename, arch)[expr]
     assert "registers" in info, f"{expr}: no ptxas report for {arch}"
     if arch == "sm_80" and expr in CC90_ONLY:
-        return  # requested on sm_90+ devices only (the TILES_CC90 of _mma_fwd, _wide_fwd)
+        return  # requested on sm_90+ devices only (the TILES_CC90 of _mma_fwd, _wide)
     if bucket is None or bucket <= NO_SPILL_MAX_HEAD_DIM:
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{expr} on {arch}: {info}"
         assert info["stack"] == 0, f"{expr} on {arch}: {info}"
@@ -75,11 +75,13 @@ def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch):
 
 def test_wide_tiles_fit():
     """The wide forward's sm_80 tiles fit sm_80's shared memory, its sm_90 tiles sm_90's."""
-    from cuflash import _wide_fwd
-    for tiles, limit in ((_wide_fwd.TILES, _config.SMEM_LIMIT_SM80),
-                         (_wide_fwd.TILES_CC90, 227 * 1024)):
+    from cuflash import _wide
+    for tiles, limit in ((_wide.TILES, _config.SMEM_LIMIT_SM80),
+                         (_wide.TILES_CC90, 227 * 1024)):
         for (dt, bucket, _), t in tiles.items():
-            assert _wide_fwd.smem_bytes(dt, t, bucket) <= limit, (dt, bucket)
+            assert _wide.smem_bytes(dt, t, bucket) <= limit, (dt, bucket)
+    for (dt, bucket, _), tiles in _wide.BWD_TILES.items():
+        assert max(_wide.bwd_smem_bytes(dt, tiles, bucket)) <= _config.SMEM_LIMIT_SM80
 
 
 def test_decode_tc_fits_sm80():

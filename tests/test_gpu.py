@@ -146,8 +146,8 @@ def test_tensor_core_backward_kernels(case, dims, kernel, deterministic, dtype, 
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
-# The wide tensor-core forward (fwd_wide: float32 on TF32, three products per GEMM; float64 on
-# DMMA): the sweep's cases plus mask / bias, Dk != Dv within a bucket, the largest buckets and
+# The wide tensor-core path (fwd_wide, bwd_wide: float32 on TF32, three products per GEMM;
+# float64 on DMMA): the sweep's cases plus mask / bias, Dk != Dv within a bucket, the largest buckets and
 # logits beyond the folded exp2's range (float32 rows then go to fwd_lost_rows). Cases whose head
 # dims the path cannot take (not whole 16-byte rows, float64 above 128) check the fallback.
 # (name, q lead, kv lead, Nq, Nk, Dk, Dv, options)
@@ -176,8 +176,9 @@ def _options(options, rng, lq, Nq, Nk, dtype):
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("case", WIDE_CASES, ids=[c[0] for c in WIDE_CASES])
-def test_wide_forward(case, dtype, rng, override):
-    from cuflash import _gpu, _runtime, _validate, _wide_fwd
+def test_wide(case, dtype, rng, override):
+    """Forward and backward on the wide path wherever it takes the case."""
+    from cuflash import _gpu, _runtime, _validate, _wide
     override(path="wide")
     _, lq, lkv, Nq, Nk, Dk, Dv, options = case
     options = _options(options, rng, lq, Nq, Nk, dtype)
@@ -188,12 +189,14 @@ def test_wide_forward(case, dtype, rng, override):
     wide = Dk % per_chunk == 0 and Dv % per_chunk == 0 and max(Dk, Dv) <= top
     assert _gpu.forward_path(_validate.make_problem(q, k, v, **options)) == (
         "wide" if wide else "generic")
-    assert wide == (_wide_fwd.bucket(_validate.make_problem(q, k, v)) is not None
-                    and _wide_fwd.takes(_validate.make_problem(q, k, v)))
+    assert wide == (_wide.bucket(_validate.make_problem(q, k, v)) is not None
+                    and _wide.takes(_validate.make_problem(q, k, v)))
+    p = _validate.make_problem(q, k, v, **options)
+    assert _gpu.backward_path(p) == ("wide" if wide and _wide.bwd_bucket(p) else "generic")
     if case[0] == "huge-logits" and dtype == "float64":
         _check_huge_float64(q, k, v, **options)
     else:
-        check(q, k, v, rng, backward=False, **options)
+        check(q, k, v, rng, **options)
 
 
 def _check_huge_float64(q, k, v, scale):

@@ -16,14 +16,14 @@ LAYERS = {
     "_numpy": 2, "reference": 2,                  # the CPU path
     "_generic": 3, "_decode": 3,                  # the CUDA paths, generic first: the tensor-core
     "_mask_tiles": 3,                             # (a service of the paths below)
-    "_mma_fwd": 4, "_wide_fwd": 4,                # paths launch its lost-row kernels, and the
+    "_mma_fwd": 4, "_wide": 4,                # paths launch its lost-row kernels, and the
     "_mma_bwd": 5, "_wgmma_fwd": 5,               # backward reads the forward's layout rule
     "_gpu": 6,                                    # the dispatcher and the catalog
     "api": 7,
     "ring": 8,                                    # context parallelism, on the public functions
     "__init__": 9,
 }
-PATHS = ("_generic", "_mma_fwd", "_wgmma_fwd", "_wide_fwd", "_mma_bwd", "_decode")
+PATHS = ("_generic", "_mma_fwd", "_wgmma_fwd", "_wide", "_mma_bwd", "_decode")
 
 
 def _imports(path):
@@ -85,7 +85,7 @@ def test_paths_share_one_interface():
     for path in gpu.BACKWARD:
         assert callable(path.takes_backward) and callable(path.backward) and path.NAME
     assert [p.NAME for p in gpu.FORWARD] == ["split", "wgmma", "mma", "wide", "generic"]
-    assert [p.NAME for p in gpu.BACKWARD] == ["mma", "generic"]
+    assert [p.NAME for p in gpu.BACKWARD] == ["mma", "wide", "generic"]
 
 
 def test_override_sets_only_what_it_names_and_restores():

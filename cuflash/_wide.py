@@ -1,8 +1,13 @@
-"""The tensor-core forward of the wide dtypes (kernels_cu/fwd_wide.cu): float64 on DMMA, float32
-on TF32 (three products per GEMM, as exact as float32; one with precision="high"), sm_80+; then
-the lost-row fix of its flagged blocks (cuflash._generic), as the 16-bit forward.
+"""The tensor-core path of the wide dtypes, sm_80+: float64 on DMMA, float32 on TF32 (three
+products per GEMM, as exact as float32; one with precision="high").
 
-Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations.
+* forward (kernels_cu/fwd_wide.cu), then the lost-row fix of its flagged blocks (cuflash._generic),
+  as the 16-bit forward;
+* backward (kernels_cu/bwd_wide.cu): the generic preprocess (delta, lse with lost rows skipped),
+  bwd_wide_dkdv and bwd_wide_dq (no atomics: deterministic), then the lost rows' gradients.
+
+Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward,
+instantiations.
 """
 from collections import namedtuple
 
@@ -12,7 +17,7 @@ from . import _config, _generic, _memo, _runtime
 from ._validate import element_strides
 
 NAME = "wide"
-SOURCE = "fwd_wide.cu"
+SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
 DTYPES = ("float32", "float64")
 # Head-dim buckets: the kernel is compiled for DK = DV = the smallest >= max(Dk, Dv) and zeroes
@@ -53,8 +58,18 @@ TILES_CC90 = _table([
     ("float32", 128, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
     ("float64", 64, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
     ("float64", 96, _T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1)),
-    ("float64", 128, _T(16, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
+    ("float64", 128, _T(16, 8, 1, 2, 1), _T(16, 8, 1, 2, 1)),
 ])
+# The backward: (dkdv tile, dq tile) per (dtype, bucket, has_mb). A dkdv tile's block_n is the
+# query rows per step (its block owns 16 * mf * warps keys); a dq tile's, the keys per step.
+# Buckets: the dK and dV accumulators of a warp's 16 keys must fit in registers with the
+# products' operands: float32 to 64, float64 to 64 (wider heads take the generic kernels).
+BWD_TILES = {(dt, b, mb): tiles for dt, b, tiles in [
+    ("float32", 32, (_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float32", 64, (_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float64", 32, (_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float64", 64, (_T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1))),
+] for mb in (False, True)}
 del _T
 
 
@@ -81,6 +96,24 @@ def name_expression(dtype_name, bucket, has_mb, passes, t):
             f"{t.block_n}, {t.warps}, {t.mf}, {t.stages}, {mod}, {t.min_blocks}>")
 
 
+def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles):
+    """(dkdv, dq) name expressions."""
+    c = _config.c_types(dtype_name)[0]
+    mod = _config.modifier_type(has_mb, c)
+    p = passes if dtype_name == "float32" else 1
+    return tuple(f"{name}<{c}, {p}, {bucket}, {bucket}, {t.block_n}, {t.warps}, {t.mf}, "
+                 f"{t.stages}, {mod}, {t.min_blocks}>"
+                 for name, t in zip(("bwd_wide_dkdv", "bwd_wide_dq"), tiles))
+
+
+def bwd_smem_bytes(dtype_name, tiles, bucket):
+    """dkdv: K and V of its keys, `stages` Q and dO tiles; dq: Q and dO of its rows, `stages` K and
+    V tiles; every row padded by 8 elements (bwd_wide.cu)."""
+    e = np.dtype(dtype_name).itemsize
+    row = 2 * (bucket + 8) * e  # a K + V (or Q + dO) row pair
+    return tuple((16 * t.mf * t.warps + t.stages * t.block_n) * row for t in tiles)
+
+
 def _variants(tiles):
     """(dtype name, bucket, has_mb, passes, tile) of every instantiation of a tile table."""
     for (dt, b, mb), t in tiles.items():
@@ -92,6 +125,15 @@ def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     exprs = {name_expression(*v): v[:2] for tiles in (TILES, TILES_CC90) for v in _variants(tiles)}
     out = [("fwd_wide", dt, b, SOURCE, e) for e, (dt, b) in exprs.items()]
+    for dt, b, mb, passes, tiles in _variants(BWD_TILES):
+        dkdv, dq = bwd_name_expressions(dt, b, mb, passes, tiles)
+        out += [("bwd_wide_dkdv", dt, b, BWD_SOURCE, dkdv), ("bwd_wide_dq", dt, b, BWD_SOURCE, dq)]
+    for dt in DTYPES:
+        rows, keys = _generic.lost_name_expressions(dt, False)
+        out += [("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
+                 _generic.name_expression("bwd_preprocess", dt)),
+                ("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows),
+                ("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, keys)]
     out += [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, _generic.fwd_lost_name_expression(dt))
             for dt in DTYPES]
     return out
@@ -164,3 +206,65 @@ def forward(p):
     kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
     _generic.launch_fwd_lost(args, out, lse, fix, block_m, np.inf if has_mb else None)
     return out, lse
+
+
+def bwd_bucket(p):
+    """The backward's head-dim bucket of p, or None."""
+    b = bucket(p)
+    return b if (p.dtype.name, b, False) in BWD_TILES else None
+
+
+def takes_backward(p):
+    """The forward's conditions, within the backward's buckets and shared memory."""
+    b = bwd_bucket(p)
+    if b is None or not takes(p):
+        return False
+    has_mb = p.mask is not None or p.bias is not None
+    tiles = BWD_TILES[(p.dtype.name, b, has_mb)]
+    return max(bwd_smem_bytes(p.dtype.name, tiles, b)) <= _runtime.device_info().smem_optin
+
+
+_bwd_recipes = _memo.Memo(256)
+
+
+def _bwd_recipe(p):
+    """((kernel, shared memory, blocks) for dkdv and dq, threads): the launches of a layout."""
+    has_mb = p.mask is not None or p.bias is not None
+    b = bwd_bucket(p)
+    tiles = BWD_TILES[(p.dtype.name, b, has_mb)]
+    passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
+    launches = []
+    for expr, smem, t, n in zip(bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles),
+                                bwd_smem_bytes(p.dtype.name, tiles, b), tiles, (p.Nk, p.Nq)):
+        kern = _runtime.get_function(BWD_SOURCE, expr)
+        _runtime.opt_in(kern, smem)
+        blocks = -(-n // (16 * t.mf * t.warps)) * p.BH
+        if blocks > _runtime.MAX_GRID_X:
+            raise ValueError(f"problem too large for one launch: {blocks} blocks")
+        launches.append((kern, smem, blocks, t.warps * 32))
+    return tuple(launches)
+
+
+def backward(p, dout, out, lse, deterministic=False):
+    """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), in the
+    accumulator dtype; deterministic whatever ``deterministic`` says (no atomics)."""
+    import cupy
+
+    (dkdv, dkdv_smem, dkdv_blocks, dkdv_threads), (dq_k, dq_smem, dq_blocks, dq_threads) = \
+        _bwd_recipes.build(p.key, lambda: _bwd_recipe(p))
+    args = _runtime.Args(p)
+    BH, acc = p.BH, p.acc_dtype
+    dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
+    if dout.data.ptr % 16:  # the kernels copy 16-byte rows
+        dout = dout.copy()
+    out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
+    lse = cupy.ascontiguousarray(lse.astype(acc, copy=False)).reshape(BH, p.Nq)
+    lse_eff, delta = _generic.preprocess(p, dout, out, lse)
+    dq = _runtime.empty((BH, p.Nq, p.Dk), dtype=acc)
+    dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
+    dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
+    ins = (p.q, p.k, p.v, dout, lse_eff, delta)
+    dkdv((dkdv_blocks,), (dkdv_threads,), ins + (dk, dv) + args.tail, shared_mem=dkdv_smem)
+    dq_k((dq_blocks,), (dq_threads,), ins + (dq,) + args.tail, shared_mem=dq_smem)
+    _generic.launch_lost(args, dout, out, lse, dq, dk, dv)
+    return dq, dk, dv

@@ -1,0 +1,312 @@
+// bwd_wide.cu: the backward on tensor cores for the wide dtypes (fwd_wide.cu's arithmetic: float32
+// on TF32 with PASSES = 3 or 1, float64 on DMMA in natural units), sm_80+. Two kernels and no
+// atomics, so the gradients are bitwise the same run to run:
+//   bwd_wide_dkdv  one block per key tile (16 MF keys per warp), over the query tiles that can see
+//                  it (mask.cuh tile_query_range), Q and dO streaming through a cp.async ring:
+//                    S^T = K Q^T, P^T = exp(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta)
+//                    dV += P^T dO,  dK += dS^T Q        (dK scaled once at the end)
+//   bwd_wide_dq    one block per query tile, over the key tiles it sees (fwd_wide's loop):
+//                    S = Q K^T, P, dP = dO V^T, dS,  dQ += dS K
+// Seven products where a kernel with dQ atomics has five; in exchange no dS round trip through
+// shared memory and no atomics. Products: wide.cuh (rows_times_rows for S and dP in both
+// orientations, acc_times_rows for the three accumulating ones).
+//
+// lse and delta come from bwd_generic.cu's bwd_preprocess (natural units, the accumulator dtype):
+// lost rows have lse = +inf and delta = 0 (lost_rows.cu adds their gradients afterwards); an
+// empty row's lse (-inf) is read as +inf, and so are query rows past Nq or past the block's
+// range: P = exp(x - inf) = 0 for every x but NaN. A NaN lse gives NaN, as the dense formula.
+// Keys past kv_lens are never read (zero-filled); rows of keys past the last visible one get
+// dK = dV = 0 from P = 0.
+//
+// Requirements: fwd_wide's (16-byte rows of q, k, v; dout contiguous (BH, Nq, Dv) and 16-byte
+// aligned), scale > 0.
+#include "common.cuh"
+#include "mask.cuh"
+
+#include "attn_core.cuh"
+#include "mma.cuh"
+#include "wide.cuh"
+
+// lse of query row i in the kernel's units, +inf where the row contributes nothing here.
+template <typename T, bool NATURAL>
+__device__ __forceinline__ T lse_units(const T* __restrict__ lse, long long row, bool real) {
+  const T l = real ? lse[row] : pos_inf<T>();
+  return l == neg_inf<T>() ? pos_inf<T>() : NATURAL ? l : l * log2e<T>();
+}
+
+// Rows of a (rows, cols) accumulator tile of this lane (MF m-fragments from row r0) to global
+// memory, times `scale`: row r of out at out + r * cols, rows < rows_limit, columns < cols.
+template <int MF, int DF, typename T>
+__device__ __forceinline__ void store_rows(T* __restrict__ out, const T (&acc)[MF][DF][4],
+                                           int r0, int rows_limit, int cols, T scale) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + mf * 16 + g + 8 * h;
+      if (r < rows_limit) {
+#pragma unroll
+        for (int df = 0; df < DF; ++df) {
+          const int c = df * 8 + 2 * t;
+          if (c < cols) {  // cols is even: both columns or neither
+            out[static_cast<long long>(r) * cols + c] = acc[mf][df][2 * h] * scale;
+            out[static_cast<long long>(r) * cols + c + 1] = acc[mf][df][2 * h + 1] * scale;
+          }
+        }
+      }
+    }
+}
+
+template <typename T>
+struct AddTo {  // acc_times_rows' combine for a plain sum
+  template <typename Any>
+  __device__ __forceinline__ void operator()(T (&a)[4], const T (&o)[4], Any) const {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] += o[e];
+  }
+};
+
+// Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile (the first key tiles, which the most queries
+// see when causal, first). BLOCK_M query rows per step.
+template <typename T, int PASSES, int DK, int DV, int BLOCK_M, int NWARPS, int MF, int STAGES,
+          typename Mod, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
+              T* __restrict__ dk, T* __restrict__ dv, ATTN_INPUTS(T), const AttnArgs a) {
+  using namespace tc;
+  ATTN_ARGS_LOCALS(a, T);
+  constexpr bool HAS_MB = !Mod::IDENTITY;
+  constexpr bool NATURAL = sizeof(T) == 8;  // fwd_wide's units
+  constexpr int THREADS = NWARPS * 32;
+  constexpr int BLOCK_N = 16 * MF * NWARPS;  // keys of this block
+  constexpr int NQ = BLOCK_M / 8;            // query fragments = k-steps of dV, dK
+  constexpr int KDK = DK / 8, KDV = DV / 8, DFK = DK / 8, DFV = DV / 8;
+  constexpr int PK = DK + 8, PV = DV + 8;  // every tile: rows read by pairs (wide.cuh)
+  constexpr u32 E = sizeof(T);
+  constexpr u32 Q_BYTES = BLOCK_M * PK * E, DO_BYTES = BLOCK_M * PV * E;
+  constexpr int DG = 4;  // output fragments per acc_times_rows pass (rounding toward zero)
+  static_assert(BLOCK_M % 8 == 0 && STAGES >= 2 && DFK % DG == 0 && DFV % DG == 0, "tile shape");
+
+  const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
+  const long long bh = blockIdx.x / n_ntiles;
+  const int j0 = static_cast<int>(blockIdx.x % n_ntiles) * BLOCK_N;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int warp_row0 = warp * MF * 16;
+
+  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
+  const KeyRange qr = tile_query_range(w, j0, j0 + BLOCK_N - 1, Nq);
+  const Bounds32 b32 = make_bounds32(w);
+  const int n_steps = qr.hi >= qr.lo ? static_cast<int>((qr.hi - qr.lo) / BLOCK_M) + 1 : 0;
+  const int i_first = static_cast<int>(qr.lo), i_limit = static_cast<int>(qr.hi) + 1;
+  const int key_limit = static_cast<int>(w.L);  // keys past kv_lens are never read
+
+  const T* qh = q + offsets[0 * BH + bh];
+  const T* kh = k + offsets[1 * BH + bh];
+  const T* vh = v + offsets[2 * BH + bh];
+  const T* doh = dout + bh * Nq * Dv;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sK = smem_u32(smem_raw);
+  const u32 sV = sK + BLOCK_N * PK * E;
+  const u32 sQ = sV + BLOCK_N * PV * E;
+  const u32 sdO = sQ + STAGES * Q_BYTES;
+
+  auto issue_step = [&](int n) {
+    const int buf = n % STAGES, it = i_first + n * BLOCK_M;
+    if (n < n_steps) {
+      cp_rows<BLOCK_M, DK, PK, THREADS>(sQ + buf * Q_BYTES, qh, q_rs, it, i_limit, Dk);
+      cp_rows<BLOCK_M, DV, PV, THREADS>(sdO + buf * DO_BYTES, doh, Dv, it, i_limit, Dv);
+    }
+    cp_async_commit();
+  };
+  cp_rows<BLOCK_N, DK, PK, THREADS>(sK, kh, k_rs, j0, key_limit, Dk);
+  cp_rows<BLOCK_N, DV, PV, THREADS>(sV, vh, v_rs, j0, key_limit, Dv);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_step(s);
+
+  T dk_acc[MF][DFK][4], dv_acc[MF][DFV][4];
+  wide::zero(dk_acc);
+  wide::zero(dv_acc);
+  const T scale_units = NATURAL ? scale : scale * log2e<T>();
+  const T fold = HAS_MB ? T(1) : scale_units;
+  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                            scale_units);
+  const u32 k_lane = sK + ((warp_row0 + g) * PK + 2 * t) * E;  // A of S^T: this warp's keys
+  const u32 v_lane = sV + ((warp_row0 + g) * PV + 2 * t) * E;  // A of dP^T
+  const int j_thr = j0 + warp_row0 + g;                         // this lane's key row
+
+  for (int n = 0; n < n_steps; ++n) {
+    const int i0 = i_first + n * BLOCK_M;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step n landed; everyone finished step n - 1's buffers
+    issue_step(n + STAGES - 1);
+    const u32 qs = sQ + (n % STAGES) * Q_BYTES, dos = sdO + (n % STAGES) * DO_BYTES;
+
+    // S^T = K Q^T; masked where the step is not entirely visible (rows = keys)
+    T s[MF][NQ][4];
+    wide::rows_times_rows<T, PASSES, MF, NQ, KDK, PK, PK>(s, k_lane, qs + (g * PK + 2 * t) * E);
+    const int i_last = min(i0 + BLOCK_M, i_limit) - 1;
+    if (HAS_MB || !tile_all_visible(b32, i0, i_last, j0, BLOCK_N)) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) mask_key_rows(s[mf], j_thr + mf * 16, i0, t, Nq, b32, mod);
+    }
+    // P^T = exp(S^T - lse[query]); this lane's query columns are i0 + 8 nf + 2t + e
+    T dl[NQ][2];
+#pragma unroll
+    for (int nf = 0; nf < NQ; ++nf)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = i0 + nf * 8 + 2 * t + e;
+        const bool real = i < i_limit;
+        const T l = lse_units<T, NATURAL>(lse, bh * Nq + i, real);
+        dl[nf][e] = real ? delta[bh * Nq + i] : T(0);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const T x = acc_fma(s[mf][nf][2 * h + e], fold, -l);
+            s[mf][nf][2 * h + e] = NATURAL ? acc_exp(x) : exp2_acc(x);
+          }
+      }
+    // dV += P^T dO
+    wide::acc_times_rows<T, PASSES, MF, NQ, DFV, DG, PV>(dv_acc, s, dos + (2 * t * PV + g) * E,
+                                                          0, AddTo<T>());
+    // dP^T = V dO^T, then dS^T = P^T (dP^T - delta[query])
+    T dp[MF][NQ][4];
+    wide::rows_times_rows<T, PASSES, MF, NQ, KDV, PV, PV>(dp, v_lane, dos + (g * PV + 2 * t) * E);
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < NQ; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[mf][nf][e] = s[mf][nf][e] * (dp[mf][nf][e] - dl[nf][e % 2]);
+    // dK += dS^T Q
+    wide::acc_times_rows<T, PASSES, MF, NQ, DFK, DG, PK>(dk_acc, dp, qs + (2 * t * PK + g) * E,
+                                                          0, AddTo<T>());
+  }
+  cp_async_wait<0>();
+
+  store_rows(dk + bh * Nk * Dk, dk_acc, j0 + warp_row0, Nk, Dk, scale);
+  store_rows(dv + bh * Nk * Dv, dv_acc, j0 + warp_row0, Nk, Dv, T(1));
+}
+
+// Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_wide. BLOCK_N keys per
+// step.
+template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int MF, int STAGES,
+          typename Mod, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+            const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
+            T* __restrict__ dq, ATTN_INPUTS(T), const AttnArgs a) {
+  using namespace tc;
+  ATTN_ARGS_LOCALS(a, T);
+  constexpr bool HAS_MB = !Mod::IDENTITY;
+  constexpr bool NATURAL = sizeof(T) == 8;
+  constexpr int THREADS = NWARPS * 32;
+  constexpr int BLOCK_M = 16 * MF * NWARPS;
+  constexpr int NF = BLOCK_N / 8;  // key fragments = k-steps of dQ
+  constexpr int KDK = DK / 8, KDV = DV / 8, DFK = DK / 8;
+  constexpr int PK = DK + 8, PV = DV + 8;
+  constexpr u32 E = sizeof(T);
+  constexpr u32 K_BYTES = BLOCK_N * PK * E, V_BYTES = BLOCK_N * PV * E;
+  constexpr int DG = 4;
+  static_assert(BLOCK_N % 8 == 0 && STAGES >= 2 && DFK % DG == 0, "tile shape");
+
+  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
+  const long long bh = blockIdx.x / n_mtiles;
+  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
+  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int warp_row0 = warp * MF * 16;
+
+  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
+  const KeyRange range = tile_key_range(w, i0, i_last);
+  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
+  const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
+  const Bounds32 b32 = make_bounds32(w);
+  const int n_tiles = range.hi >= range.lo
+                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
+  const int j_first = static_cast<int>(range.lo);
+  const int j_limit = static_cast<int>(range.hi) + 1;
+
+  const T* qh = q + offsets[0 * BH + bh];
+  const T* kh = k + offsets[1 * BH + bh];
+  const T* vh = v + offsets[2 * BH + bh];
+  const T* doh = dout + bh * Nq * Dv;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sQ = smem_u32(smem_raw);
+  const u32 sdO = sQ + BLOCK_M * PK * E;
+  const u32 sK = sdO + BLOCK_M * PV * E;
+  const u32 sV = sK + STAGES * K_BYTES;
+
+  auto issue_tile = [&](int n) {
+    const int buf = n % STAGES, jt = j_first + n * BLOCK_N;
+    if (n < n_tiles) {
+      cp_rows<BLOCK_N, DK, PK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, j_limit, Dk);
+      cp_rows<BLOCK_N, DV, PV, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, j_limit, Dv);
+    }
+    cp_async_commit();
+  };
+  cp_rows<BLOCK_M, DK, PK, THREADS>(sQ, qh, q_rs, i0, Nq, Dk);
+  cp_rows<BLOCK_M, DV, PV, THREADS>(sdO, doh, Dv, i0, Nq, Dv);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
+
+  T dq_acc[MF][DFK][4];
+  wide::zero(dq_acc);
+  const T scale_units = NATURAL ? scale : scale * log2e<T>();
+  const T fold = HAS_MB ? T(1) : scale_units;
+  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
+                            scale_units);
+  const int i_thr = i0 + warp_row0 + g;
+  T lrow[MF][2], drow[MF][2];  // lse (units) and delta of this lane's rows g, g + 8
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = i_thr + mf * 16 + 8 * h;
+      lrow[mf][h] = lse_units<T, NATURAL>(lse, bh * Nq + i, i < Nq);
+      drow[mf][h] = i < Nq ? delta[bh * Nq + i] : T(0);
+    }
+  const u32 q_lane = sQ + ((warp_row0 + g) * PK + 2 * t) * E;
+  const u32 do_lane = sdO + ((warp_row0 + g) * PV + 2 * t) * E;
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int j0 = j_first + n * BLOCK_N;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    issue_tile(n + STAGES - 1);
+    const u32 ks = sK + (n % STAGES) * K_BYTES, vs = sV + (n % STAGES) * V_BYTES;
+
+    T s[MF][NF][4];
+    wide::rows_times_rows<T, PASSES, MF, NF, KDK, PK, PK>(s, q_lane, ks + (g * PK + 2 * t) * E);
+    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
+    }
+    T dp[MF][NF][4];
+    wide::rows_times_rows<T, PASSES, MF, NF, KDV, PV, PV>(dp, do_lane, vs + (g * PV + 2 * t) * E);
+    // P = exp(S - lse[row]); dS = P (dP - delta[row]), in dp
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const T x = acc_fma(s[mf][nf][e], fold, -lrow[mf][e / 2]);
+          const T p = NATURAL ? acc_exp(x) : exp2_acc(x);
+          dp[mf][nf][e] = p * (dp[mf][nf][e] - drow[mf][e / 2]);
+        }
+    // dQ += dS K
+    wide::acc_times_rows<T, PASSES, MF, NF, DFK, DG, PK>(dq_acc, dp, ks + (2 * t * PK + g) * E,
+                                                         0, AddTo<T>());
+  }
+  cp_async_wait<0>();
+
+  store_rows(dq + bh * Nq * Dk, dq_acc, i0 + warp_row0, Nq, Dk, scale);
+}
