@@ -104,13 +104,16 @@ def c_types(dtype):
     return _C_TYPES[_dtype_name(dtype)]
 
 
-def modifier_type(has_mb, acc="float"):
+def modifier_type(has_mb, acc="float", natural=None):
     """The C++ score-modifier type (kernels_cu/attn_core.cuh) a tensor-core kernel with
-    accumulator C type `acc` is instantiated with: the mask / bias modifier (float: log2 units;
-    double: natural units, as fwd_wide.cu computes float64), or the identity."""
+    accumulator C type `acc` is instantiated with: the mask / bias modifier, in log2 units or
+    natural ones (default: natural for double, as fwd_wide.cu computes float64; bwd_wide.cu
+    always), or the identity."""
     if not has_mb:
         return "NoMod"
-    return "MaskBiasMod" if acc == "float" else f"MaskBiasModT<{acc}, true>"  # natural units
+    natural = acc == "double" if natural is None else natural
+    return f"MaskBiasModT<{acc}, true>" if natural else \
+        "MaskBiasMod" if acc == "float" else f"MaskBiasModT<{acc}>"
 
 
 def head_dim_bucket(Dk, Dv):

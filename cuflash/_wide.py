@@ -64,13 +64,18 @@ TILES_CC90 = _table([
 # query rows per step (its block owns 16 * mf * warps keys); a dq tile's, the keys per step.
 # Buckets: the dK and dV accumulators of a warp's 16 keys must fit in registers with the
 # products' operands: float32 to 64, float64 to 64 (wider heads take the generic kernels).
-BWD_TILES = {(dt, b, mb): tiles for dt, b, tiles in [
-    ("float32", 32, (_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
-    ("float32", 64, (_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
-    ("float64", 32, (_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
-    ("float64", 64, (_T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1))),
-] for mb in (False, True)}
-del _T
+_P = lambda dkdv, dq: (dkdv, dq)  # noqa: E731
+BWD_TILES = _table([
+    ("float32", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+     _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float32", 64, _P(_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+     _P(_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float64", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
+     _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float64", 64, _P(_T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1)),
+     _P(_T(8, 4, 1, 2, 1), _T(16, 4, 1, 2, 1))),
+])
+del _T, _P
 
 
 def pick_tile(dtype_name, bucket, has_mb, cc=80):
@@ -97,9 +102,9 @@ def name_expression(dtype_name, bucket, has_mb, passes, t):
 
 
 def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles):
-    """(dkdv, dq) name expressions."""
+    """(dkdv, dq) name expressions (the modifier in natural units: bwd_wide.cu)."""
     c = _config.c_types(dtype_name)[0]
-    mod = _config.modifier_type(has_mb, c)
+    mod = _config.modifier_type(has_mb, c, natural=True)
     p = passes if dtype_name == "float32" else 1
     return tuple(f"{name}<{c}, {p}, {bucket}, {bucket}, {t.block_n}, {t.warps}, {t.mf}, "
                  f"{t.stages}, {mod}, {t.min_blocks}>"

@@ -11,7 +11,8 @@
 // shared memory and no atomics. Products: wide.cuh (rows_times_rows for S and dP in both
 // orientations, acc_times_rows for the three accumulating ones).
 //
-// lse and delta come from bwd_generic.cu's bwd_preprocess (natural units, the accumulator dtype):
+// Logits, lse and the modifier (MaskBiasModT<T, true>) in natural units (prob). lse and delta
+// come from bwd_generic.cu's bwd_preprocess (the accumulator dtype):
 // lost rows have lse = +inf and delta = 0 (lost_rows.cu adds their gradients afterwards); an
 // empty row's lse (-inf) is read as +inf, and so are query rows past Nq or past the block's
 // range: P = exp(x - inf) = 0 for every x but NaN. A NaN lse gives NaN, as the dense formula.
@@ -27,11 +28,20 @@
 #include "mma.cuh"
 #include "wide.cuh"
 
-// lse of query row i in the kernel's units, +inf where the row contributes nothing here.
-template <typename T, bool NATURAL>
-__device__ __forceinline__ T lse_units(const T* __restrict__ lse, long long row, bool real) {
+// lse of query row i, +inf where the row contributes nothing here.
+template <typename T>
+__device__ __forceinline__ T row_lse(const T* __restrict__ lse, long long row, bool real) {
   const T l = real ? lse[row] : pos_inf<T>();
-  return l == neg_inf<T>() ? pos_inf<T>() : NATURAL ? l : l * log2e<T>();
+  return l == neg_inf<T>() ? pos_inf<T>() : l;
+}
+
+// P = exp(logit - lse) from a raw score s (HAS_MB: the modifier's logit, natural units). The
+// difference is formed in natural units, as the forward's lse is: float32 then takes exp2 of it
+// times log2(e), so P's error is that of the difference, not of |lse| log2(e) rounded.
+template <bool HAS_MB, typename T>
+__device__ __forceinline__ T prob(T s, T scale, T lse) {
+  const T d = HAS_MB ? s - lse : acc_fma(s, scale, -lse);
+  return sizeof(T) == 8 ? acc_exp(d) : exp2_acc(d * log2e<T>());
 }
 
 // Rows of a (rows, cols) accumulator tile of this lane (MF m-fragments from row r0) to global
@@ -78,7 +88,6 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   using namespace tc;
   ATTN_ARGS_LOCALS(a, T);
   constexpr bool HAS_MB = !Mod::IDENTITY;
-  constexpr bool NATURAL = sizeof(T) == 8;  // fwd_wide's units
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * MF * NWARPS;  // keys of this block
   constexpr int NQ = BLOCK_M / 8;            // query fragments = k-steps of dV, dK
@@ -130,10 +139,8 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   T dk_acc[MF][DFK][4], dv_acc[MF][DFV][4];
   wide::zero(dk_acc);
   wide::zero(dv_acc);
-  const T scale_units = NATURAL ? scale : scale * log2e<T>();
-  const T fold = HAS_MB ? T(1) : scale_units;
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_units);
+                            scale);
   const u32 k_lane = sK + ((warp_row0 + g) * PK + 2 * t) * E;  // A of S^T: this warp's keys
   const u32 v_lane = sV + ((warp_row0 + g) * PV + 2 * t) * E;  // A of dP^T
   const int j_thr = j0 + warp_row0 + g;                         // this lane's key row
@@ -161,15 +168,13 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       for (int e = 0; e < 2; ++e) {
         const int i = i0 + nf * 8 + 2 * t + e;
         const bool real = i < i_limit;
-        const T l = lse_units<T, NATURAL>(lse, bh * Nq + i, real);
+        const T l = row_lse(lse, bh * Nq + i, real);
         dl[nf][e] = real ? delta[bh * Nq + i] : T(0);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const T x = acc_fma(s[mf][nf][2 * h + e], fold, -l);
-            s[mf][nf][2 * h + e] = NATURAL ? acc_exp(x) : exp2_acc(x);
-          }
+          for (int h = 0; h < 2; ++h)
+            s[mf][nf][2 * h + e] = prob<HAS_MB>(s[mf][nf][2 * h + e], scale, l);
       }
     // dV += P^T dO
     wide::acc_times_rows<T, PASSES, MF, NQ, DFV, DG, PV>(dv_acc, s, dos + (2 * t * PV + g) * E,
@@ -204,7 +209,6 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   using namespace tc;
   ATTN_ARGS_LOCALS(a, T);
   constexpr bool HAS_MB = !Mod::IDENTITY;
-  constexpr bool NATURAL = sizeof(T) == 8;
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_M = 16 * MF * NWARPS;
   constexpr int NF = BLOCK_N / 8;  // key fragments = k-steps of dQ
@@ -259,18 +263,16 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
   T dq_acc[MF][DFK][4];
   wide::zero(dq_acc);
-  const T scale_units = NATURAL ? scale : scale * log2e<T>();
-  const T fold = HAS_MB ? T(1) : scale_units;
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_units);
+                            scale);
   const int i_thr = i0 + warp_row0 + g;
-  T lrow[MF][2], drow[MF][2];  // lse (units) and delta of this lane's rows g, g + 8
+  T lrow[MF][2], drow[MF][2];  // lse and delta of this lane's rows g, g + 8
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = i_thr + mf * 16 + 8 * h;
-      lrow[mf][h] = lse_units<T, NATURAL>(lse, bh * Nq + i, i < Nq);
+      lrow[mf][h] = row_lse(lse, bh * Nq + i, i < Nq);
       drow[mf][h] = i < Nq ? delta[bh * Nq + i] : T(0);
     }
   const u32 q_lane = sQ + ((warp_row0 + g) * PK + 2 * t) * E;
@@ -298,8 +300,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const T x = acc_fma(s[mf][nf][e], fold, -lrow[mf][e / 2]);
-          const T p = NATURAL ? acc_exp(x) : exp2_acc(x);
+          const T p = prob<HAS_MB>(s[mf][nf][e], scale, lrow[mf][e / 2]);
           dp[mf][nf][e] = p * (dp[mf][nf][e] - drow[mf][e / 2]);
         }
     // dQ += dS K
