@@ -27,12 +27,13 @@ BUCKETS = {"float32": (32, 64, 96, 128, 192, 256), "float64": (32, 64, 96, 128)}
 PASSES = {"highest": 3, "high": 1}
 
 # WideTile: block_n keys per tile, `warps` warps of 16 * mf query rows each (mf m-fragments), a
-# `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM. TILES hold
+# `stages`-deep cp.async ring for K and V, the __launch_bounds__ minimum blocks per SM; parts:
+# the backward's dK / dV column slices per key tile (bwd_wide.cu PARTS). TILES hold
 # on sm_80 without spills (head dims <= 128); TILES_CC90 (compute capability 9.0+) are the best of
 # an H200 sweep (benchmarks/RESULTS.md, "Wide forward tiles") where sm_90a's allocation allows,
 # and add float64 at 128 (sm_80 spills there: the generic kernels take it). A mask or bias
 # (has_mb) needs registers: some of its tiles are narrower.
-WideTile = namedtuple("WideTile", "block_n warps mf stages min_blocks")
+WideTile = namedtuple("WideTile", "block_n warps mf stages min_blocks parts", defaults=(1,))
 _T = WideTile
 
 
@@ -62,18 +63,30 @@ TILES_CC90 = _table([
 ])
 # The backward: (dkdv tile, dq tile) per (dtype, bucket, has_mb). A dkdv tile's block_n is the
 # query rows per step (its block owns 16 * mf * warps keys); a dq tile's, the keys per step.
-# Buckets: the dK and dV accumulators of a warp's 16 keys must fit in registers with the
-# products' operands: float32 to 64, float64 to 64 (wider heads take the generic kernels).
+# BWD_TILES fit sm_80 (163 KiB, no spills); BWD_TILES_CC90 add the buckets whose tiles need
+# sm_90's shared memory. Where a warp's dK and dV accumulators would not fit in registers with
+# the products' operands, each key tile is computed in parts = 2 column slices. float32 above
+# 128 takes the generic kernels.
 _P = lambda dkdv, dq: (dkdv, dq)  # noqa: E731
 BWD_TILES = _table([
     ("float32", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
      _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
     ("float32", 64, _P(_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
      _P(_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float32", 96, _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1)),
+     _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1))),
     ("float64", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
      _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
     ("float64", 64, _P(_T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1)),
      _P(_T(8, 4, 1, 2, 1), _T(16, 4, 1, 2, 1))),
+])
+BWD_TILES_CC90 = _table([
+    ("float32", 128, _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1)),
+     _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1))),
+    ("float64", 96, _P(_T(16, 4, 1, 2, 1, 2), _T(16, 4, 1, 2, 1)),
+     _P(_T(16, 4, 1, 2, 1, 2), _T(16, 4, 1, 2, 1))),
+    ("float64", 128, _P(_T(16, 4, 1, 2, 1, 2), _T(16, 4, 1, 2, 1)),
+     _P(_T(8, 4, 1, 2, 1, 2), _T(8, 4, 1, 2, 1))),
 ])
 del _T, _P
 
@@ -101,14 +114,25 @@ def name_expression(dtype_name, bucket, has_mb, passes, t):
             f"{t.block_n}, {t.warps}, {t.mf}, {t.stages}, {mod}, {t.min_blocks}>")
 
 
+def pick_bwd_tiles(dtype_name, bucket, has_mb, cc=80):
+    """(dkdv tile, dq tile) for a device of compute capability `cc`, or None."""
+    key = (dtype_name, bucket, has_mb)
+    if cc >= 90 and key in BWD_TILES_CC90:
+        return BWD_TILES_CC90[key]
+    return BWD_TILES.get(key)
+
+
 def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles):
     """(dkdv, dq) name expressions (the modifier in natural units: bwd_wide.cu)."""
     c = _config.c_types(dtype_name)[0]
     mod = _config.modifier_type(has_mb, c, natural=True)
     p = passes if dtype_name == "float32" else 1
-    return tuple(f"{name}<{c}, {p}, {bucket}, {bucket}, {t.block_n}, {t.warps}, {t.mf}, "
-                 f"{t.stages}, {mod}, {t.min_blocks}>"
-                 for name, t in zip(("bwd_wide_dkdv", "bwd_wide_dq"), tiles))
+    dkdv, dq = tiles
+    head = f"{c}, {p}, {bucket}, {bucket}"
+    return (f"bwd_wide_dkdv<{head}, {dkdv.block_n}, {dkdv.warps}, {dkdv.mf}, {dkdv.stages}, "
+            f"{mod}, {dkdv.min_blocks}, {dkdv.parts}>",
+            f"bwd_wide_dq<{head}, {dq.block_n}, {dq.warps}, {dq.mf}, {dq.stages}, {mod}, "
+            f"{dq.min_blocks}>")
 
 
 def bwd_smem_bytes(dtype_name, tiles, bucket):
@@ -130,9 +154,11 @@ def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     exprs = {name_expression(*v): v[:2] for tiles in (TILES, TILES_CC90) for v in _variants(tiles)}
     out = [("fwd_wide", dt, b, SOURCE, e) for e, (dt, b) in exprs.items()]
-    for dt, b, mb, passes, tiles in _variants(BWD_TILES):
-        dkdv, dq = bwd_name_expressions(dt, b, mb, passes, tiles)
-        out += [("bwd_wide_dkdv", dt, b, BWD_SOURCE, dkdv), ("bwd_wide_dq", dt, b, BWD_SOURCE, dq)]
+    for table in (BWD_TILES, BWD_TILES_CC90):
+        for dt, b, mb, passes, tiles in _variants(table):
+            dkdv, dq = bwd_name_expressions(dt, b, mb, passes, tiles)
+            out += [("bwd_wide_dkdv", dt, b, BWD_SOURCE, dkdv),
+                    ("bwd_wide_dq", dt, b, BWD_SOURCE, dq)]
     for dt in DTYPES:
         rows, keys = _generic.lost_name_expressions(dt, False)
         out += [("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
@@ -146,8 +172,9 @@ def instantiations():
 
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    return {name_expression(*v) for v in _variants(TILES_CC90)} - {
+    fwd = {name_expression(*v) for v in _variants(TILES_CC90)} - {
         name_expression(*v) for v in _variants(TILES)}
+    return fwd | {e for v in _variants(BWD_TILES_CC90) for e in bwd_name_expressions(*v)}
 
 
 def bucket(p):
@@ -213,19 +240,24 @@ def forward(p):
     return out, lse
 
 
-def bwd_bucket(p):
-    """The backward's head-dim bucket of p, or None."""
+def _bwd_tiles(p):
+    """(bucket, (dkdv tile, dq tile)) of p on the current device, or (bucket, None)."""
     b = bucket(p)
-    return b if (p.dtype.name, b, False) in BWD_TILES else None
+    has_mb = p.mask is not None or p.bias is not None
+    return b, pick_bwd_tiles(p.dtype.name, b, has_mb, _runtime.device_info().cc)
+
+
+def bwd_bucket(p):
+    """The backward's head-dim bucket of p on the current device, or None."""
+    b, tiles = _bwd_tiles(p)
+    return None if tiles is None else b
 
 
 def takes_backward(p):
     """The forward's conditions, within the backward's buckets and shared memory."""
-    b = bwd_bucket(p)
-    if b is None or not takes(p):
+    b, tiles = _bwd_tiles(p)
+    if tiles is None or not takes(p):
         return False
-    has_mb = p.mask is not None or p.bias is not None
-    tiles = BWD_TILES[(p.dtype.name, b, has_mb)]
     return max(bwd_smem_bytes(p.dtype.name, tiles, b)) <= _runtime.device_info().smem_optin
 
 
@@ -235,15 +267,14 @@ _bwd_recipes = _memo.Memo(256)
 def _bwd_recipe(p):
     """((kernel, shared memory, blocks) for dkdv and dq, threads): the launches of a layout."""
     has_mb = p.mask is not None or p.bias is not None
-    b = bwd_bucket(p)
-    tiles = BWD_TILES[(p.dtype.name, b, has_mb)]
+    b, tiles = _bwd_tiles(p)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
     launches = []
     for expr, smem, t, n in zip(bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles),
                                 bwd_smem_bytes(p.dtype.name, tiles, b), tiles, (p.Nk, p.Nq)):
         kern = _runtime.get_function(BWD_SOURCE, expr)
         _runtime.opt_in(kern, smem)
-        blocks = -(-n // (16 * t.mf * t.warps)) * p.BH
+        blocks = -(-n // (16 * t.mf * t.warps)) * p.BH * t.parts
         if blocks > _runtime.MAX_GRID_X:
             raise ValueError(f"problem too large for one launch: {blocks} blocks")
         launches.append((kern, smem, blocks, t.warps * 32))

@@ -44,11 +44,12 @@ __device__ __forceinline__ T prob(T s, T scale, T lse) {
   return sizeof(T) == 8 ? acc_exp(d) : exp2_acc(d * log2e<T>());
 }
 
-// Rows of a (rows, cols) accumulator tile of this lane (MF m-fragments from row r0) to global
-// memory, times `scale`: row r of out at out + r * cols, rows < rows_limit, columns < cols.
+// Rows of an accumulator tile of this lane (MF m-fragments from row r0; columns from c0) to a
+// (rows, cols) matrix in global memory, times `scale`: rows < rows_limit, columns < cols.
 template <int MF, int DF, typename T>
 __device__ __forceinline__ void store_rows(T* __restrict__ out, const T (&acc)[MF][DF][4],
-                                           int r0, int rows_limit, int cols, T scale) {
+                                           int r0, int rows_limit, int cols, T scale,
+                                           int c0 = 0) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
@@ -58,7 +59,7 @@ __device__ __forceinline__ void store_rows(T* __restrict__ out, const T (&acc)[M
       if (r < rows_limit) {
 #pragma unroll
         for (int df = 0; df < DF; ++df) {
-          const int c = df * 8 + 2 * t;
+          const int c = c0 + df * 8 + 2 * t;
           if (c < cols) {  // cols is even: both columns or neither
             out[static_cast<long long>(r) * cols + c] = acc[mf][df][2 * h] * scale;
             out[static_cast<long long>(r) * cols + c + 1] = acc[mf][df][2 * h + 1] * scale;
@@ -77,10 +78,12 @@ struct AddTo {  // acc_times_rows' combine for a plain sum
   }
 };
 
-// Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile (the first key tiles, which the most queries
-// see when causal, first). BLOCK_M query rows per step.
+// Grid: 1-D, blockIdx.x = (bh * n_ntiles + key tile) * PARTS + part (the first key tiles, which
+// the most queries see when causal, first). BLOCK_M query rows per step. PARTS > 1: each block
+// accumulates the part-th of PARTS column slices of dK and dV only (their accumulators would not
+// fit in registers whole: float64 at 128), recomputing S^T and dP^T whole.
 template <typename T, int PASSES, int DK, int DV, int BLOCK_M, int NWARPS, int MF, int STAGES,
-          typename Mod, int MIN_BLOCKS>
+          typename Mod, int MIN_BLOCKS, int PARTS>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
@@ -91,16 +94,20 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * MF * NWARPS;  // keys of this block
   constexpr int NQ = BLOCK_M / 8;            // query fragments = k-steps of dV, dK
-  constexpr int KDK = DK / 8, KDV = DV / 8, DFK = DK / 8, DFV = DV / 8;
+  constexpr int KDK = DK / 8, KDV = DV / 8;
+  constexpr int DFK = DK / 8 / PARTS, DFV = DV / 8 / PARTS;  // this block's column slices
   constexpr int PK = DK + 8, PV = DV + 8;  // every tile: rows read by pairs (wide.cuh)
   constexpr u32 E = sizeof(T);
   constexpr u32 Q_BYTES = BLOCK_M * PK * E, DO_BYTES = BLOCK_M * PV * E;
-  constexpr int DG = 4;  // output fragments per acc_times_rows pass (rounding toward zero)
-  static_assert(BLOCK_M % 8 == 0 && STAGES >= 2 && DFK % DG == 0 && DFV % DG == 0, "tile shape");
+  // output fragments per acc_times_rows pass (rounding toward zero): its o temporaries
+  constexpr int DG = DK >= 96 ? 2 : 4;
+  static_assert(BLOCK_M % 8 == 0 && STAGES >= 2 && DFK % DG == 0 && DFV % DG == 0 &&
+                DK % (8 * PARTS) == 0 && DV % (8 * PARTS) == 0, "tile shape");
 
   const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
-  const long long bh = blockIdx.x / n_ntiles;
-  const int j0 = static_cast<int>(blockIdx.x % n_ntiles) * BLOCK_N;
+  const int part = static_cast<int>(blockIdx.x % PARTS);
+  const long long bh = blockIdx.x / PARTS / n_ntiles;
+  const int j0 = static_cast<int>(blockIdx.x / PARTS % n_ntiles) * BLOCK_N;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int warp_row0 = warp * MF * 16;
@@ -177,8 +184,8 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
             s[mf][nf][2 * h + e] = prob<HAS_MB>(s[mf][nf][2 * h + e], scale, l);
       }
     // dV += P^T dO
-    wide::acc_times_rows<T, PASSES, MF, NQ, DFV, DG, PV>(dv_acc, s, dos + (2 * t * PV + g) * E,
-                                                          0, AddTo<T>());
+    wide::acc_times_rows<T, PASSES, MF, NQ, DFV, DG, PV>(
+        dv_acc, s, dos + (2 * t * PV + g + part * DFV * 8) * E, 0, AddTo<T>());
     // dP^T = V dO^T, then dS^T = P^T (dP^T - delta[query])
     T dp[MF][NQ][4];
     wide::rows_times_rows<T, PASSES, MF, NQ, KDV, PV, PV>(dp, v_lane, dos + (g * PV + 2 * t) * E);
@@ -189,13 +196,13 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 #pragma unroll
         for (int e = 0; e < 4; ++e) dp[mf][nf][e] = s[mf][nf][e] * (dp[mf][nf][e] - dl[nf][e % 2]);
     // dK += dS^T Q
-    wide::acc_times_rows<T, PASSES, MF, NQ, DFK, DG, PK>(dk_acc, dp, qs + (2 * t * PK + g) * E,
-                                                          0, AddTo<T>());
+    wide::acc_times_rows<T, PASSES, MF, NQ, DFK, DG, PK>(
+        dk_acc, dp, qs + (2 * t * PK + g + part * DFK * 8) * E, 0, AddTo<T>());
   }
   cp_async_wait<0>();
 
-  store_rows(dk + bh * Nk * Dk, dk_acc, j0 + warp_row0, Nk, Dk, scale);
-  store_rows(dv + bh * Nk * Dv, dv_acc, j0 + warp_row0, Nk, Dv, T(1));
+  store_rows(dk + bh * Nk * Dk, dk_acc, j0 + warp_row0, Nk, Dk, scale, part * DFK * 8);
+  store_rows(dv + bh * Nk * Dv, dv_acc, j0 + warp_row0, Nk, Dv, T(1), part * DFV * 8);
 }
 
 // Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_wide. BLOCK_N keys per
@@ -216,7 +223,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   constexpr int PK = DK + 8, PV = DV + 8;
   constexpr u32 E = sizeof(T);
   constexpr u32 K_BYTES = BLOCK_N * PK * E, V_BYTES = BLOCK_N * PV * E;
-  constexpr int DG = 4;
+  constexpr int DG = DK >= 96 ? 2 : 4;
   static_assert(BLOCK_N % 8 == 0 && STAGES >= 2 && DFK % DG == 0, "tile shape");
 
   const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;

@@ -80,8 +80,10 @@ def test_wide_tiles_fit():
                          (_wide.TILES_CC90, 227 * 1024)):
         for (dt, bucket, _), t in tiles.items():
             assert _wide.smem_bytes(dt, t, bucket) <= limit, (dt, bucket)
-    for (dt, bucket, _), tiles in _wide.BWD_TILES.items():
-        assert max(_wide.bwd_smem_bytes(dt, tiles, bucket)) <= _config.SMEM_LIMIT_SM80
+    for table, limit in ((_wide.BWD_TILES, _config.SMEM_LIMIT_SM80),
+                         (_wide.BWD_TILES_CC90, 227 * 1024)):
+        for (dt, bucket, _), tiles in table.items():
+            assert max(_wide.bwd_smem_bytes(dt, tiles, bucket)) <= limit, (dt, bucket)
 
 
 def test_decode_tc_fits_sm80():
