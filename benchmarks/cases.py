@@ -24,10 +24,10 @@ WINDOW = (1023, 0)                   # (left, right): the aligned key and the 10
 PADDING_VALID = 0.62                 # padding: each sequence's first 62 % of keys are valid
 BLOCK, BLOCK_VISIBLE, BLOCK_SEED = 128, 0.5, 0   # block-sparse: half the key blocks of each row
 
-# Wider dtypes: D = 128, heads = 2048 // D, 16k tokens
+# Wider dtypes: D = 64 and 128, heads = 2048 // D, 16k tokens
 WIDE_DTYPES = ("fp32", "fp64")
 WIDE_SEQLENS = (1024, 4096)
-WIDE_D = 128
+WIDE_HEAD_DIMS = (64, 128)
 
 # Decode (issue 4's grid): Nq = 1 against KV caches of (B, L), and one uneven batch
 DECODE_HQ, DECODE_HKV, DECODE_D, DECODE_DTYPE = 32, 8, 128, "bf16"
@@ -49,10 +49,11 @@ QUICK_WIDE_SEQLENS = (1024,)
 # Which implementations run on which cases (--impls selects among them)
 DENSE_IMPLS = ("cuflash", "fa4", "torch-flash", "torch-cudnn", "torch-efficient", "naive")
 OPTION_IMPLS = ("cuflash", "fa4", "torch-flash", "torch-cudnn", "torch-efficient", "flex")
-WIDE_IMPLS = ("cuflash", "torch-efficient", "torch-math", "naive")
+# cuflash-tf32: cuflash with precision="high" (float32 only)
+WIDE_IMPLS = ("cuflash", "cuflash-tf32", "torch-efficient", "torch-math", "naive")
 DECODE_IMPLS = ("cuflash", "fa4", "torch-flash", "torch-cudnn")
 TORCH_IMPLS = ("torch-flash", "torch-cudnn", "torch-efficient", "torch-math")  # SDPA's backends
-ALL_IMPLS = ("cuflash", "fa4") + TORCH_IMPLS + ("flex", "naive")
+ALL_IMPLS = ("cuflash", "cuflash-tf32", "fa4") + TORCH_IMPLS + ("flex", "naive")
 
 NAIVE_MAX_N = 8192                   # naive is skipped for N >= this (time; 28-56 GiB there)
 NAIVE_MAX_BYTES = 40 * 2**30         # ... and whenever its N x N buffers would pass this
@@ -157,7 +158,8 @@ def build_cases(args):
         cases += option_cases(args.layouts)
     if "wide" in args.cases:
         cases += prefill_cases(PREFILL_KINDS, QUICK_WIDE_DTYPES if args.quick else WIDE_DTYPES,
-                               (WIDE_D,), QUICK_WIDE_SEQLENS if args.quick else WIDE_SEQLENS,
+                               WIDE_HEAD_DIMS[-1:] if args.quick else WIDE_HEAD_DIMS,
+                               QUICK_WIDE_SEQLENS if args.quick else WIDE_SEQLENS,
                                args.layouts)
     if "decode" in args.cases:
         cases += decode_cases(QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES, seed=args.seed)
@@ -173,7 +175,7 @@ def impls_for(case, selected):
         # FlexAttention only where there is a boolean mask to make a block mask of
         table = OPTION_IMPLS if case.mask else tuple(n for n in OPTION_IMPLS if n != "flex")
     elif case.dtype in WIDE_DTYPES:
-        table = WIDE_IMPLS
+        table = tuple(n for n in WIDE_IMPLS if n != "cuflash-tf32" or case.dtype == "fp32")
     else:
         table = DENSE_IMPLS
     return [name for name in table if name in selected]
@@ -388,7 +390,7 @@ def self_test():
 
     everything = (prefill_cases(PREFILL_KINDS, DTYPES, HEAD_DIMS, SEQLENS, LAYOUTS)
                   + option_cases(LAYOUTS)
-                  + prefill_cases(PREFILL_KINDS, WIDE_DTYPES, (WIDE_D,), WIDE_SEQLENS, LAYOUTS)
+                  + prefill_cases(PREFILL_KINDS, WIDE_DTYPES, WIDE_HEAD_DIMS, WIDE_SEQLENS, LAYOUTS)
                   + decode_cases(DECODE_SHAPES))
     labels = [c.label for c in everything]
     expect("labels unique", len(set(labels)), len(labels))

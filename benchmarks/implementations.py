@@ -177,9 +177,11 @@ class Prepared:
     memory: str                       # "cupy" or "torch": whose allocator to watch
 
 
-def prepare_cuflash(env, case, x):
+def prepare_cuflash(env, case, x, precision=None):
     cf = env.cf
     opts = {"causal": case.causal}
+    if precision is not None:
+        opts["precision"] = precision
     if case.kv_lens:
         opts["kv_lens"] = [[n] for n in case.kv_lens]        # host ints, shape (B, 1)
     if case.window:
@@ -384,7 +386,8 @@ def prepare_naive(env, case, x):
 
 
 PREPARE = {"cuflash": prepare_cuflash, "fa4": prepare_fa4, "flex": prepare_flex,
-           "naive": prepare_naive}
+           "naive": prepare_naive,
+           "cuflash-tf32": lambda env, case, x: prepare_cuflash(env, case, x, precision="high")}
 
 
 def prepare(env, case, x, impl):

@@ -47,6 +47,10 @@ BAD_OPTIONS = [
     (dict(positions=(0, -2)), ValueError, "positions k_start"),
     (dict(positions=(1.0, 0)), ValueError, "positions q_start"),
     (dict(positions=(0, True)), ValueError, "positions k_start"),
+    (dict(precision="fast"), ValueError, "precision"),
+    (dict(precision="HIGHEST"), ValueError, "precision"),
+    (dict(precision=3), TypeError, "precision"),
+    (dict(precision=True), TypeError, "precision"),
 ]
 
 

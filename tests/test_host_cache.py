@@ -22,7 +22,18 @@ LOOK_ALIKES = [
     (dict(kv_lens=[[3], [4]]), dict(kv_lens=[[3.0], [4.0]]), TypeError, "kv_lens"),
     (dict(kv_lens=[[3], [4]]), dict(kv_lens=[[3], [9]]), ValueError, "kv_lens"),
     (dict(mask=np.ones((5, 7), bool)), dict(mask=np.ones((5, 7), np.uint8)), TypeError, "mask"),
+    (dict(precision="high"), dict(precision="fast"), ValueError, "precision"),
 ]
+
+
+def test_precision_is_part_of_the_signature(rng):
+    """Two calls that differ only in precision get their own Problems (the wide path reads it)."""
+    q, k, v = _qkv(rng)
+    high = _validate.make_problem(q, k, v, precision="high")
+    highest = _validate.make_problem(q, k, v)
+    assert high.key != highest.key
+    assert high.precision == "high" and highest.precision == "highest"
+    assert _validate.make_problem(q, k, v, precision="highest").precision == "highest"
 
 
 def _qkv(rng, dtype=np.float32):
