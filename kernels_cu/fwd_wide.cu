@@ -149,7 +149,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   cp_async_wait<0>();
 
   // Normalize once (fwd_mma's rules: an empty row 0 / -inf; l = 0 with visible keys NaN, which
-  // fwd_lost_rows settles with a mask or bias; huge maxima flagged for it too).
+  // fwd_lost_rows settles with a mask or bias; huge finite maxima flagged for it too).
   bool refix = false;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
@@ -159,8 +159,12 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       const int i = i_thr + mf * 16 + 8 * h;
       const bool empty = row_empty(i, Nq, b32);
       const T inv_l = sm.out_scale(l_row, empty);
+      // Without a modifier only a finite max beyond the fold's range needs the fix-up: an
+      // infinite one (every logit -inf, or a +inf logit: float32 overflow of q . k) already gives
+      // the NaN of the dense float32 formula, which the fix-up's float64 would not reproduce.
+      const T am = fabs(sm.m[mf][h]);
       refix |= HAS_MB ? !empty & !(l_row > T(0) && l_row < pos_inf<T>())
-                      : !empty & (fabs(sm.m[mf][h]) > fold_limit<T>());
+                      : !empty & (am > fold_limit<T>()) & (am < pos_inf<T>());
       if (i < Nq) {
         if (t == 0) lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
         T* row = out + (bh * Nq + i) * Dv;
