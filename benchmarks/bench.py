@@ -26,6 +26,9 @@ What it measures
   additive float32 bias (1, H, N, N).
 * Wider dtypes (--cases wide): float32 and float64, D = 128, N = 1024 and 4096, causal and not,
   forward and backward.
+* Options on the wider dtypes (--cases wide-options): float32 and float64, N = 4096, D = 64,
+  forward and backward: the plain case, window (1023, 0), the padding mask, an additive bias in the
+  accumulator dtype, Dk = 64 / Dv = 32 (issue 16's "within 15 % of the plain case").
 * Small calls (issue 17; --cases small): bf16 causal forward and backward at (B, H, N, D) =
   (1, 8, 128, 64) and (4, 16, 512, 128), and decode B = 1 against 4096 keys: the host's cost per
   call is the time there, so read loop_us and host_us.

@@ -15,7 +15,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
 PREFILL_KINDS = ("fwd", "bwd")
 LAYOUTS = ("bhnd", "bnhd")           # how q, k, v and dout are stored: (B, H, N, D) or (B, N, H, D)
-CASE_SETS = ("fwd", "bwd", "decode", "options", "wide", "small")
+CASE_SETS = ("fwd", "bwd", "decode", "options", "wide", "wide-options", "small")
 
 # Options: one shape (N = 4096, 16k tokens, bf16, D = 128 and hidden 2048 unless the case says),
 # forward and backward, one case per feature
@@ -28,6 +28,9 @@ BLOCK, BLOCK_VISIBLE, BLOCK_SEED = 128, 0.5, 0   # block-sparse: half the key bl
 WIDE_DTYPES = ("fp32", "fp64")
 WIDE_SEQLENS = (1024, 4096)
 WIDE_HEAD_DIMS = (64, 128)
+# Options on the wide dtypes (issue 16: within 15 % of the plain case): N = 4096, D = 64, 16k
+# tokens, fp32 and fp64, forward and backward; "plain" is the baseline of the ratio
+WIDE_OPTION_D = 64
 
 # Decode (issue 4's grid): Nq = 1 against KV caches of (B, L), and one uneven batch
 DECODE_HQ, DECODE_HKV, DECODE_D, DECODE_DTYPE = 32, 8, 128, "bf16"
@@ -133,6 +136,18 @@ def option_cases(layouts):
             for kind in PREFILL_KINDS for name, spec in specs for layout in layouts]
 
 
+def wide_option_cases(layouts):
+    """The wide dtypes at N = 4096, D = 64: the plain case and one case per feature."""
+    n, h = OPTION_N, HIDDEN // WIDE_OPTION_D
+    specs = (("plain", {}), ("window1023-0", dict(window=WINDOW)),
+             ("padding62", dict(mask="padding")), ("bias", dict(bias=True)),
+             ("dk64-dv32", dict(dv=WIDE_OPTION_D // 2)))
+    return [replace(Case(kind, dtype, TOTAL_TOKENS // n, h, h, n, n, WIDE_OPTION_D, False,
+                         layout=layout, option=f"wide-{name}"), **spec)
+            for kind in PREFILL_KINDS for dtype in WIDE_DTYPES for name, spec in specs
+            for layout in layouts]
+
+
 def small_cases():
     """The small calls of issue 17's host-cost table (option "small": a group of their own)."""
     cases = [Case(kind, "bf16", b, h, h, n, n, d, True, option=f"small_b{b}_h{h}_d{d}")
@@ -161,6 +176,8 @@ def build_cases(args):
                                WIDE_HEAD_DIMS[-1:] if args.quick else WIDE_HEAD_DIMS,
                                QUICK_WIDE_SEQLENS if args.quick else WIDE_SEQLENS,
                                args.layouts)
+    if "wide-options" in args.cases:
+        cases += wide_option_cases(args.layouts)
     if "decode" in args.cases:
         cases += decode_cases(QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES, seed=args.seed)
     if "small" in args.cases:
@@ -171,6 +188,10 @@ def build_cases(args):
 def impls_for(case, selected):
     if case.kind == "decode":
         table = DECODE_IMPLS
+    elif case.option and case.dtype in WIDE_DTYPES:
+        # naive CuPy attention takes no options; cuflash-tf32 is float32's
+        table = tuple(n for n in WIDE_IMPLS
+                      if n != "naive" and (n != "cuflash-tf32" or case.dtype == "fp32"))
     elif case.option:
         # FlexAttention only where there is a boolean mask to make a block mask of
         table = OPTION_IMPLS if case.mask else tuple(n for n in OPTION_IMPLS if n != "flex")
@@ -391,6 +412,7 @@ def self_test():
     everything = (prefill_cases(PREFILL_KINDS, DTYPES, HEAD_DIMS, SEQLENS, LAYOUTS)
                   + option_cases(LAYOUTS)
                   + prefill_cases(PREFILL_KINDS, WIDE_DTYPES, WIDE_HEAD_DIMS, WIDE_SEQLENS, LAYOUTS)
+                  + wide_option_cases(LAYOUTS)
                   + decode_cases(DECODE_SHAPES))
     labels = [c.label for c in everything]
     expect("labels unique", len(set(labels)), len(labels))

@@ -111,7 +111,8 @@ def to_dtype(cp, x32, dtype):
 def make_inputs(cp, case, seed):
     """q (Hq heads, Nq, Dk), k (Hkv, Nk, Dk), v (Hkv, Nk, Dv) and, for the backward, dout like the
     output, all N(0, 1) and stored in the case's layout: (B, H, N, D) for "bhnd", (B, N, H, D) for
-    "bnhd"; for a bias case also bias (1, Hq, Nq, Nk) float32 N(0, 1)."""
+    "bnhd"; for a bias case also bias (1, Hq, Nq, Nk) N(0, 1) in the accumulator dtype (float32,
+    float64 for fp64 cases: a float32 bias would be cast per call)."""
     rng = cp.random.RandomState(seed)
     dtype = np_dtype(case.dtype)
 
@@ -124,7 +125,8 @@ def make_inputs(cp, case, seed):
     if case.kind == "bwd":
         inputs["dout"] = draw(case.hq, case.nq, case.d_v)
     if case.bias:
-        inputs["bias"] = rng.standard_normal((1, case.hq, case.nq, case.nk), dtype=cp.float32)
+        acc = cp.float64 if case.dtype == "fp64" else cp.float32
+        inputs["bias"] = rng.standard_normal((1, case.hq, case.nq, case.nk), dtype=acc)
     return inputs
 
 
@@ -218,7 +220,7 @@ def sdpa_visible(env, case, x, q):
     if case.bias:
         # cast once: SDPA's fused backends take an attn_mask of the query dtype
         return ({"attn_mask": env.to_torch(x["bias"]).to(q.dtype)},
-                {"bias": f"float32 bias cast to {case.dtype} attn_mask, untimed"})
+                {"bias": f"{x['bias'].dtype} bias cast to {case.dtype} attn_mask, untimed"})
     visible = visible_mask(case)
     if visible is None:
         # SDPA's is_causal is top-left; the prefill grid has Nq = Nk, where it equals bottom-right
