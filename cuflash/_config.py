@@ -29,6 +29,8 @@ SMEM_DEFAULT_LIMIT = 48 * 1024
 
 # The inputs of the tensor-core (mma.sync / wgmma) kernels.
 MMA_DTYPES = ("float16", "bfloat16")
+# The longest Nq or Nk of the tensor-core kernels: their 32-bit visibility arithmetic is exact below.
+MMA_MAX_LEN = 1 << 29
 
 # (kernel, accumulator C type) -> (BLOCK_M, BLOCK_N) per bucket 32, 64, 128, 256: BLOCK_M query
 # rows, BLOCK_N key rows. Constraints of the generic layout: the kernel's "own" rows (queries in

@@ -10,11 +10,9 @@ from collections import namedtuple
 import numpy as np
 
 from . import _config, _generic, _memo, _runtime
-from ._validate import element_strides
 
 NAME = "mma"
 SOURCE = "fwd_mma.cu"
-MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
 
 # FwdTile: block_m = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp: 2
 # when Q is re-read from shared memory by ldmatrix, 1 when Q sits in registers), block_n keys per
@@ -95,15 +93,9 @@ def tensor_core_layout(p, same_dims=True):
     matrices 8 elements apart, aligned bases."""
     if p.dtype.name not in _config.MMA_DTYPES or (same_dims and p.Dk != p.Dv):
         return False
-    if not p.scale > 0 or max(p.Nq, p.Nk) > MAX_LEN:
+    if not p.scale > 0 or max(p.Nq, p.Nk) > _config.MMA_MAX_LEN:
         return False  # the kernels fold the scale into exp2 and take maxima of unscaled scores
-    if _runtime.device_info().cc < 80:
-        return False
-    for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
-        strides = element_strides(x)
-        if strides[-1] != 1 or strides[-2] % 8 or x.data.ptr % 16 or np.any(offsets % 8):
-            return False
-    return True
+    return _runtime.device_info().cc >= 80 and _runtime.rows_of_16_bytes(p)
 
 
 def takes(p):

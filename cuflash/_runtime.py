@@ -316,6 +316,17 @@ def _args_layout(p):
     return strides, on_device(table), kv_lens, a[()]
 
 
+def rows_of_16_bytes(p):
+    """Whether q, k and v are read as rows of 16-byte vectors, as every tensor-core kernel does:
+    unit innermost stride, row strides and matrix offsets multiples of 16 bytes, aligned bases."""
+    epc = 16 // p.dtype.itemsize  # elements per 16 bytes
+    for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
+        strides = element_strides(x)
+        if strides[-1] != 1 or strides[-2] % epc or x.data.ptr % 16 or np.any(offsets % epc):
+            return False
+    return True
+
+
 def ptr(a):
     return NULL if a is None else a
 

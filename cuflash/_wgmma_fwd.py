@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _broadcast, _config, _generic, _mask_tiles, _memo, _mma_fwd, _runtime, _tma
+from . import _broadcast, _config, _generic, _mask_tiles, _memo, _runtime, _tma
 from ._validate import element_strides, key_range
 
 NAME = "wgmma"
@@ -208,7 +208,7 @@ def takes(p):
         return False
     if p.dtype.name not in _config.MMA_DTYPES or not p.scale > 0:
         return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
-    if max(p.Nq, p.Nk) > _mma_fwd.MAX_LEN or not _runtime.wgmma_available():
+    if max(p.Nq, p.Nk) > _config.MMA_MAX_LEN or not _runtime.wgmma_available():
         return False
     if short_bounded_rows(p, dims) and _runtime.overrides().path != NAME:
         return False

@@ -14,11 +14,9 @@ from collections import namedtuple
 import numpy as np
 
 from . import _config, _generic, _memo, _runtime
-from ._validate import element_strides
 
 NAME = "wide"
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
-MAX_LEN = 1 << 29  # the kernels' 32-bit visibility arithmetic is exact below this
 DTYPES = ("float32", "float64")
 # Head-dim buckets: the kernel is compiled for DK = DV = the smallest >= max(Dk, Dv) and zeroes
 # the columns past Dk, Dv. float64 stops at 128 (its accumulators: 16 rows x DV per warp).
@@ -189,21 +187,16 @@ def takes(p):
     rows (unit innermost stride; row strides, matrix offsets and Dk, Dv multiples of 16 bytes;
     aligned bases)."""
     b = bucket(p)
-    if b is None or not p.scale > 0 or max(p.Nq, p.Nk) > MAX_LEN:
+    if b is None or not p.scale > 0 or max(p.Nq, p.Nk) > _config.MMA_MAX_LEN:
         return False
-    epc = 16 // p.dtype.itemsize
-    if p.Dk % epc or p.Dv % epc:
+    if (p.Dk * p.dtype.itemsize) % 16 or (p.Dv * p.dtype.itemsize) % 16:
         return False
     info = _runtime.device_info()
     has_mb = p.mask is not None or p.bias is not None
     tile = pick_tile(p.dtype.name, b, has_mb, info.cc) if info.cc >= 80 else None
     if tile is None or smem_bytes(p.dtype.name, tile, b) > info.smem_optin:
         return False
-    for x, offsets in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
-        strides = element_strides(x)
-        if strides[-1] != 1 or strides[-2] % epc or x.data.ptr % 16 or np.any(offsets % epc):
-            return False
-    return True
+    return _runtime.rows_of_16_bytes(p)
 
 
 _recipes = _memo.Memo(256)

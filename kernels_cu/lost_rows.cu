@@ -287,6 +287,16 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
   }  // items
 }
 
+// A logit computed in double as the forward's Acc would hold it: beyond Acc's range it is +-inf
+// (a float32 q . k of 16-bit or float32 inputs overflows, and the dense formula then gives NaN,
+// not the finite row double would), inside it stays exact.
+template <typename Acc> __device__ __forceinline__ double in_range(double x);
+template <> __device__ __forceinline__ double in_range<double>(double x) { return x; }
+template <> __device__ __forceinline__ double in_range<float>(double x) {
+  constexpr double OVER = 3.4028235677973366e38;  // FLT_MAX + ulp / 2: rounds to inf
+  return fabs(x) >= OVER ? copysign(__longlong_as_double(0x7ff0000000000000LL), x) : x;
+}
+
 // Grid: a stride of warps over the tensor-core forward's blocks (fix: one flag per block, in its
 // 1-D launch order bh * n_mtiles + reversed query tile, as fwd_mma.cu writes it; block_m <= 128
 // rows each). A flagged block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T)
@@ -331,8 +341,8 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       for (unsigned vb = __ballot_sync(FULL_WARP, vis); vb != 0u; vb &= vb - 1u) {
       const int sl = __ffs(vb) - 1;
       const long long j = j0 + sl;
-      const double x = dot(qi, h.k + j * h.k_rs, Dk) * h.scale +
-                       __shfl_sync(FULL_WARP, b_lane, sl);
+      const double x = in_range<Acc>(in_range<Acc>(dot(qi, h.k + j * h.k_rs, Dk)) * h.scale +
+                                     __shfl_sync(FULL_WARP, b_lane, sl));
       seen = true;
       if (x == -inf) continue;  // no mass (the row is NaN if nothing else comes)
       const double m_new = x > m ? x : m;  // a NaN x reaches l through p below

@@ -252,6 +252,52 @@ def test_non_finite_rows(run, what):
     assert not (to_f64(lse) == -np.inf).any()  # no row was taken for empty
 
 
+OVERFLOW_RUNS = RUNS[:3] + [pytest.param(("wgmma", "wgmma"), marks=pytest.mark.gpu),
+                             pytest.param(("wide", "wide"), marks=pytest.mark.gpu)] + RUNS[3:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sign", [1, -1], ids=["plus", "minus"])
+@pytest.mark.parametrize("hide", [None, "bias", "mask"])
+@pytest.mark.parametrize("path", OVERFLOW_RUNS, ids=RUN_IDS[:3] + ["wgmma", "wide"] + RUN_IDS[3:])
+def test_overflowing_logits(override, path, dtype, sign, hide):
+    """q . k beyond float32's range (|q|, |k| ~ 1e20, representable in bfloat16 too) is +-inf in
+    the float32 accumulator, and the dense formula gives NaN rows, on every path, with a mask or
+    bias too. Was (bfloat16, and every dtype with a mask or bias): the tensor-core forwards' lost-
+    row fix-up recomputed such rows in double, where nothing overflows, and returned finite rows."""
+    name, force = path
+    if name == "numpy":
+        xp = np
+    else:
+        import cupy as xp
+        override(path=force, poison=True)
+    rng = np.random.default_rng(7)
+    Nq, Nk = (4, 600) if name.startswith("split") else (50, 90)
+    q = rng.standard_normal((2, 1, Nq, 64))
+    k = rng.standard_normal((2, 1, Nk, 64))
+    v = rng.standard_normal((2, 1, Nk, 64))
+    q[1] = np.abs(q[1]) * 1e20
+    k[1] = sign * np.abs(k[1]) * 1e20
+    options, hopt = {}, {}
+    if hide == "bias":
+        hopt["bias"] = rng.standard_normal((2, 1, Nq, Nk)).astype(np.float32)
+        options["bias"] = _put(xp, hopt["bias"], np.float32)
+    elif hide == "mask":
+        hopt["mask"] = np.ones((Nq, Nk), bool)
+        hopt["mask"][:, ::3] = False
+        options["mask"] = xp.asarray(hopt["mask"])
+    q, k, v = (_put(xp, x, _dt(dtype)) for x in (q, k, v))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    ref_out, _ = reference.attention(to_f64(q), to_f64(k), to_f64(v), return_lse=True, **hopt)
+    want = np.zeros(ref_out.shape[:-1], bool)
+    want[1] = True
+    assert np.array_equal(_nan_rows(out), want), f"NaN rows {np.argwhere(_nan_rows(out) != want)}"
+    assert np.array_equal(np.isnan(to_f64(lse)), want)
+    ok = ~want
+    atol = 1e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(to_f64(out)[ok], ref_out[ok], atol=atol, rtol=0)
+
+
 def test_minus_inf_bias_still_hides(run):
     """-inf in the bias is a mask (a fully masked row is empty: 0 / -inf), unlike NaN."""
     xp, name = run
