@@ -1,6 +1,6 @@
 """The generic path (kernels_cu/fwd_generic.cu, bwd_generic.cu): every Problem, every dtype, on CUDA
 cores; and the launches of the lost-row kernels (kernels_cu/lost_rows.cu), which the tensor-core
-paths call too.
+paths call too (`flagged_forward`: the forward launch and its fix that fwd_mma and fwd_wide share).
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward, instantiations.
 Callers pass Problems with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones) whose arrays
@@ -169,6 +169,26 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
     fn, blocks, limit = _lost_launches.build(key, launch)
     fn((blocks,), (_config.GENERIC_THREADS,),
        (p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m)))
+
+
+def flagged_forward(p, recipe):
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype from a tensor-core forward whose
+    parameters are (q, k, v, out, lse) + Args.tail + (fix,) (fwd_mma, fwd_wide), then the lost-row
+    fix of the blocks it flags. recipe: (kernel, shared memory, blocks of its 1-D bh-major grid,
+    threads, block_m, has_mb)."""
+    import cupy
+
+    kern, smem, blocks, threads, block_m, has_mb = recipe
+    args = _runtime.Args(p)
+    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
+    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
+    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by the kernel
+    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
+    # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
+    # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
+    # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
+    launch_fwd_lost(args, out, lse, fix, block_m, np.inf if has_mb else None)
+    return out, lse
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):

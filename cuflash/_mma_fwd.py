@@ -7,8 +7,6 @@ backward's `takes_backward` reads it too).
 """
 from collections import namedtuple
 
-import numpy as np
-
 from . import _config, _generic, _memo, _runtime
 
 NAME = "mma"
@@ -126,16 +124,4 @@ def _recipe(p):
 def forward(p):
     """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32; every row settled, the ones the kernel
     flags by the lost-row fix."""
-    import cupy
-
-    kern, smem, blocks, threads, block_m, has_mb = _recipes.build(p.key, lambda: _recipe(p))
-    args = _runtime.Args(p)
-    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_mma
-    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
-    # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
-    # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
-    # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
-    _generic.launch_fwd_lost(args, out, lse, fix, block_m, np.inf if has_mb else None)
-    return out, lse
+    return _generic.flagged_forward(p, _recipes.build(p.key, lambda: _recipe(p)))

@@ -221,16 +221,7 @@ def _recipe(p):
 def forward(p):
     """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype; the rows the kernel flags
     settled by the lost-row fix."""
-    import cupy
-
-    kern, smem, blocks, threads, block_m, has_mb = _recipes.build(p.key, lambda: _recipe(p))
-    args = _runtime.Args(p)
-    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_wide
-    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
-    _generic.launch_fwd_lost(args, out, lse, fix, block_m, np.inf if has_mb else None)
-    return out, lse
+    return _generic.flagged_forward(p, _recipes.build(p.key, lambda: _recipe(p)))
 
 
 def _bwd_tiles(p):
