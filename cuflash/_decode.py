@@ -450,8 +450,16 @@ def make_items(lo, hi, S):
 # ---- the Problem-facing API --------------------------------------------------------------------
 
 def _lens(p):
+    """The lengths the schedule plans for: the host kv_lens, else Nk (also for lengths on the
+    device, whose values the host never sees: the kernels then stop each item at its length)."""
     return (np.full(p.BH, p.Nk, dtype=np.int64) if p.kv_lens is None
             else np.asarray(p.kv_lens, dtype=np.int64).reshape(p.BH))
+
+
+def _length_key(p):
+    """What members of a group must share besides k and v: the length, or with lengths on the
+    device the element of kv_lens they read."""
+    return _lens(p) if p.lens_map is None else p.lens_map
 
 
 def _max_extent(p):
@@ -506,7 +514,7 @@ class Schedule:
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
         self.v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
-        self.groups, self.G = grouping or group_heads(self.k_map, self.v_map, self.lens)
+        self.groups, self.G = grouping or group_heads(self.k_map, self.v_map, _length_key(p))
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         has_mb = p.mask is not None or p.bias is not None
         self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb)
@@ -602,7 +610,8 @@ class Plan:
             self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
             grouping = group_heads(np.asarray(p.k_map, dtype=np.int64).reshape(p.BH),
-                                   np.asarray(p.v_map, dtype=np.int64).reshape(p.BH), _lens(p))
+                                   np.asarray(p.v_map, dtype=np.int64).reshape(p.BH),
+                                   _length_key(p))
             rows = lay.rows(grouping[1], p.Nq)
             self.expr, self.kernel, self.per_sm, self.capacity = lay.kernels(rows)
         self.tc, self.dyn_smem = lay.tc, lay.dyn_smem
@@ -650,12 +659,14 @@ class Plan:
                     i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
                     p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
                     i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
-                if self.tc:  # persistent blocks, at most one wave (decode_tc)
-                    self.scalars += (i32(self.n_items),)
+                if self.tc:  # persistent blocks, at most one wave (decode_tc); lengths on the
+                    # device: its copies stop at each item's length (decode_split's do anyway)
+                    self.scalars += (i32(self.n_items), i32(p.lens_device is not None))
                     self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
                 else:
                     self.grid = self.n_items
-            args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, self.lens,
+            lens = self.lens if p.lens_device is None else p.lens_device
+            args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
                     self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
                     _runtime.ptr(p.bias)) + self.scalars
             self.kernel((self.grid,), (THREADS,), args, shared_mem=self.dyn_smem)
@@ -715,6 +726,7 @@ def _layout_key(p, split):
         return (cupy.cuda.Device().id, split, p.key)
     return (cupy.cuda.Device().id, split, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
             p.scale, p.left, p.right, p.bottom_right,
+            None if p.lens_map is None else p.lens_map.tobytes(),
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
             p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())
 

@@ -11,12 +11,15 @@
   tensors, four input pointers and the AttnArgs struct or its fields flat (`Args`,
   `ARGS_FIELDS`; DESIGN.md "Kernel ABI"), and the grid and shared-memory helpers (`bh_grid`,
   `opt_in`);
-* the test switches (`overrides`; cuflash._gpu.override sets them).
+* the test switches (`overrides`; cuflash._gpu.override sets them);
+* CUDA graph capture (`graph_safe`): the memory a call allocates while its stream captures is
+  kept for the graph's replays.
 
 CuPy is imported lazily: this module imports on machines without CuPy. Launches go to the current
 CuPy stream; nothing here synchronizes. ``CUFLASH_DEBUG=1`` prints registers, static shared memory
 and local (spill) bytes of each kernel the first time it is loaded on a device.
 """
+import contextlib
 import functools
 import io
 import os
@@ -249,6 +252,48 @@ def on_device(host):
     return table
 
 
+# ---- CUDA graph capture ------------------------------------------------------------------------
+# A captured call's kernels read and write its buffers at every replay, long after the call has
+# returned and dropped its temporaries (workspaces, flags, dq accumulators, the clamped kv_lens):
+# those must not go back to CuPy's pool, which would hand them to other arrays. So while the
+# current stream captures, every allocation of the call is kept here, until
+# cuflash.release_graph_memory().
+_graph_memory = []
+
+
+@contextlib.contextmanager
+def graph_safe(x):
+    """The body of a public call on array x: under CUDA stream capture, its allocations are kept
+    for the graph (the calls' device tables must exist already: capture after one call of the same
+    layout, as cupy.cuda.Graph requires of any host-to-device copy)."""
+    if not type(x).__module__.startswith("cupy"):
+        yield
+        return
+    import cupy
+
+    if not cupy.cuda.get_current_stream().is_capturing():
+        yield
+        return
+    alloc = cupy.cuda.get_allocator()
+
+    def keeping(size):
+        mem = alloc(size)
+        with _lock:
+            _graph_memory.append(mem)
+        return mem
+
+    with cupy.cuda.using_allocator(keeping):
+        yield
+
+
+def release_graph_memory():
+    """Give back the memory kept for captured graphs (see graph_safe); returns its bytes."""
+    with _lock:
+        kept = sum(m.mem.size for m in _graph_memory if getattr(m, "mem", None) is not None)
+        _graph_memory.clear()
+    return kept
+
+
 # ---- kernel arguments --------------------------------------------------------------------------
 
 def offset_table(p):
@@ -289,6 +334,8 @@ class Args:
         self.p = p
         self.strides, self.offsets, self.kv_lens, a = _args_layouts.build(
             p.key, lambda: _args_layout(p))
+        if p.lens_device is not None:  # a CuPy kv_lens: this call's, clamped on the device
+            self.kv_lens = p.lens_device
         self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a)
 
     def flat_tail(self, scale_type):

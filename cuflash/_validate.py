@@ -56,9 +56,15 @@ class Problem:
     # float32 on tensor cores: "highest" (three TF32 products per GEMM, as exact as float32) or
     # "high" (one TF32 product); the other dtypes compute as they always do
     precision: str = "highest"
+    # kv_lens given as a CuPy array (kv_lens is then None: its values stay on the device):
+    # lens_device (BH,) int64 on the device, clamped to [0, Nk] there, one per call; lens_map
+    # (BH,) the element of the caller's kv_lens that each (batch, head) reads (its broadcast).
+    lens_device: Optional[Any] = None
+    lens_map: Optional[np.ndarray] = None
 
-    def with_arrays(self, q, k, v, mask, bias):
-        """This Problem for another call of the same signature: its arrays, the rest shared."""
+    def with_arrays(self, q, k, v, mask, bias, kv_lens=None):
+        """This Problem for another call of the same signature: its arrays (and a CuPy
+        kv_lens'), the rest shared."""
         xp = self.xp
         if self.copied:
             q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
@@ -69,6 +75,8 @@ class Problem:
         new.mask = None if mask is None else xp.broadcast_to(mask, full)
         new.bias = (None if bias is None else
                     xp.broadcast_to(bias.astype(self.acc_dtype, copy=False), full))
+        if self.lens_map is not None:
+            new.lens_device = _device_lens(kv_lens, self.lead, self.Nk)
         return new
 
     @property
@@ -270,7 +278,42 @@ def _check_bias(fn, bias, full, lib, acc_dtype):
     return _xp_of(lib).broadcast_to(bias.astype(acc_dtype, copy=False), full)
 
 
+_clamp_lens = None
+
+
+def _device_lens(kv_lens, lead, Nk):
+    """A CuPy kv_lens as the kernels read it: (BH,) int64, each value clamped to [0, Nk], on the
+    device (one elementwise kernel on the current stream: no synchronization)."""
+    import cupy
+
+    global _clamp_lens
+    if _clamp_lens is None:
+        _clamp_lens = cupy.ElementwiseKernel(
+            "T x, int64 n", "int64 y", "y = x < T(0) ? 0 : (x > n ? n : (long long)x)",
+            "cuflash_clamp_lens")
+    with kv_lens.device:
+        return _clamp_lens(cupy.broadcast_to(kv_lens, lead), np.int64(Nk)).reshape(-1)
+
+
+def _check_device_lens(fn, kv_lens, lead, device):
+    """The checks a CuPy kv_lens takes on the host (its dtype, shape and device; its values are
+    clamped on the device instead, see _device_lens); returns lens_map."""
+    if kv_lens.dtype == np.bool_ or not np.issubdtype(kv_lens.dtype, np.integer):
+        raise TypeError(f"{fn}: kv_lens must hold integers, got dtype {kv_lens.dtype}")
+    if not _broadcasts_to(kv_lens.shape, lead):
+        raise ValueError(f"{fn}: kv_lens must broadcast to the leading dims {lead}, "
+                         f"got kv_lens.shape={kv_lens.shape}")
+    if kv_lens.device.id != device:
+        raise ValueError(f"{fn}: all arrays must be on one device: q is on cuda device {device} "
+                         f"but kv_lens is on cuda device {kv_lens.device.id}")
+    index = np.arange(kv_lens.size, dtype=np.int64).reshape(kv_lens.shape)
+    return np.ascontiguousarray(np.broadcast_to(index, lead)).reshape(-1)
+
+
 def _check_kv_lens(fn, kv_lens, lead, Nk, lib):
+    """Host kv_lens as an int64 array of the leading dims (or None). A CuPy kv_lens is copied to
+    the host here (synchronizing): make_problem keeps it on the device instead (cuflash.ring
+    needs its values)."""
     if kv_lens is None:
         return None
     kind = _library(kv_lens)
@@ -351,13 +394,13 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
     their arrays. Types are part of it (True == 1, but causal=1 is refused); host kv_lens by
-    value; a CuPy kv_lens has no signature (its values are on the device)."""
+    value; a CuPy kv_lens by its dtype, shape and device (its values stay on the device)."""
     try:
         w, pos = _pair_key(window), _pair_key(positions)
         if kv_lens is None:
             lens = None
         elif _library(kv_lens) == "cupy":
-            return None
+            lens = ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id)
         else:
             arr = np.asarray(kv_lens)
             lens = (type(kv_lens), arr.dtype, arr.shape, arr.tobytes())
@@ -387,7 +430,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
     if key is not None:
         known = _problems.get(key)
         if known is not None:
-            return known.with_arrays(q, k, v, mask, bias)
+            return known.with_arrays(q, k, v, mask, bias, kv_lens)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
                       precision=precision, fn=fn)
@@ -398,7 +441,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
                 x.flags.writeable = False
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
-        bare.q = bare.k = bare.v = bare.mask = bare.bias = None
+        bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = None
         _problems.build(key, lambda: bare)
     return p
 
@@ -463,7 +506,13 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     full = lead + (Nq, Nk)
     mask = _check_mask(fn, mask, full, lib)
     bias = _check_bias(fn, bias, full, lib, acc_dtype)
-    kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
+    lens_device = lens_map = None
+    if lib == "cupy" and _library(kv_lens) == "cupy":  # read on the device: no synchronization
+        lens_map = _check_device_lens(fn, kv_lens, lead, device)
+        lens_device = _device_lens(kv_lens, lead, Nk)
+        kv_lens = None
+    else:
+        kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
     precision = _check_precision(fn, precision)
 
     given = (q, k, v)
@@ -474,7 +523,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    acc_dtype=acc_dtype, scale=scale, causal=causal, bottom_right=bottom_right,
                    left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
                    q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied,
-                   precision=precision)
+                   precision=precision, lens_device=lens_device, lens_map=lens_map)
 
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):

@@ -162,6 +162,8 @@ def _key_tiles_aligned(p):
     if p.left < unbounded or p.right < unbounded:
         return False
     widest = max(t.block_n for (_, has_mb), t in TILES.items() if has_mb)
+    if p.lens_device is not None:
+        return False  # lengths on the device: any value
     lens = [p.Nk] if p.kv_lens is None else np.unique(p.kv_lens)
     return all(x == 0 or (x % 16 == 0 and x >= widest) for x in map(int, lens))
 

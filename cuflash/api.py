@@ -1,7 +1,7 @@
 """The public functions: validate -> normalize -> dispatch (NumPy path or CUDA path)."""
 import numpy as np
 
-from . import _broadcast
+from . import _broadcast, _runtime
 from ._validate import check_backward_inputs, check_flag, check_merge_inputs, make_problem
 
 # Pieces shared by the docstrings of attention, attention_backward and attention_vjp; the loop at
@@ -57,9 +57,12 @@ _OPTIONS_DOC = """\
         Per sequence, how many keys exist: only keys j < kv_lens are read (the rest may hold
         anything, NaN included). Broadcastable to the leading dims ``...`` of the output (a
         plain int for 2-D inputs), each value in [0, Nk]. Host data (an int, a list, a NumPy
-        array) serves NumPy and CuPy inputs alike and costs nothing; a CuPy array, only with
-        CuPy inputs, is copied to the host to be checked (one small synchronizing copy).
-        Bottom-right alignment aligns to kv_lens, not to Nk. None means all Nk keys.
+        array) serves NumPy and CuPy inputs alike and is checked on the host. A CuPy array, only
+        with CuPy inputs, stays on the device: the kernels read it (no synchronization, nothing
+        planned from its values, so a decode loop can update it in place and a CUDA graph replays
+        with its new values), and a value outside [0, Nk] is clamped there (below 0: no key;
+        above Nk: Nk keys), not refused. Bottom-right alignment aligns to kv_lens, not to Nk.
+        None means all Nk keys.
     positions : (q_start, k_start) or None, default None
         Where q's rows and k's keys sit in a longer sequence: query row i at position
         q_start + i, key j at k_start + j (two non-negative ints, a tuple or list). Causal and
@@ -99,7 +102,8 @@ _VALUE_ERRORS_DOC = """\
         - window is neither None nor a pair (a tuple or list of two), or a side is neither None
           nor a non-negative int (a float or a bool side included).
         - mask or bias has fewer than 2 dims or does not broadcast to (..., Nq, Nk).
-        - kv_lens does not broadcast to the leading dims, or holds a value outside [0, Nk].
+        - kv_lens does not broadcast to the leading dims, or (host data) holds a value outside
+          [0, Nk]; a CuPy kv_lens is on another device than q.
         - positions is neither None nor a pair, or a start is not a non-negative int.
         - precision is a string other than "highest" and "high"."""
 
@@ -126,7 +130,8 @@ _NOTES_DOC = """\
     like a dense product); a +inf logit, or logits that are all -inf (float32 overflow, e.g.
     q ~ 1e20 against k ~ -1e20), give NaN out and lse, not an empty row. Keys past kv_lens are
     never read. Array values (q, k, v, mask, bias, and out, lse and dout in the backward) are
-    never checked, because on the GPU that would need a synchronization; only kv_lens is."""
+    never checked, because on the GPU that would need a synchronization; only a host kv_lens is
+    (a CuPy one is clamped on the device)."""
 
 
 def _dispatch(problem):
@@ -292,11 +297,11 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     ValueError: attention: align must be 'bottom-right' or 'top-left', got 'top-right'
     """
     return_lse = check_flag("return_lse", return_lse, "attention")
-    problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                           precision=precision,
-                           fn="attention")
-    out, lse = _forward(problem)
+    with _runtime.graph_safe(q):
+        problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                               mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                               precision=precision, fn="attention")
+        out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
 
@@ -399,12 +404,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     (True, False)
     """
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
-    problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                           precision=precision,
-                           fn="attention_backward")
-    check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
-    return _backward(problem, dout, out, lse, deterministic)
+    with _runtime.graph_safe(q):
+        problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                               mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                               precision=precision, fn="attention_backward")
+        check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
+        return _backward(problem, dout, out, lse, deterministic)
 
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
@@ -483,15 +488,16 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
     if return_lse is not None:
         raise TypeError("attention_vjp: takes no return_lse option (it keeps lse itself)")
     deterministic = check_flag("deterministic", deterministic, "attention_vjp")
-    problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                           precision=precision,
-                           fn="attention_vjp")
-    out, lse = _forward(problem)
+    with _runtime.graph_safe(q):
+        problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                               mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                               precision=precision, fn="attention_vjp")
+        out, lse = _forward(problem)
 
     def vjp(dout):
         check_backward_inputs(problem, dout, out, lse, fn="attention_vjp")
-        return _backward(problem, dout, out, lse, deterministic)
+        with _runtime.graph_safe(q):
+            return _backward(problem, dout, out, lse, deterministic)
 
     return out, vjp
 
@@ -575,6 +581,11 @@ def merge(out_a, lse_a, out_b, lse_b):
     True
     """
     xp = check_merge_inputs(out_a, lse_a, out_b, lse_b, fn="merge")
+    with _runtime.graph_safe(out_a):
+        return _merge(xp, out_a, lse_a, out_b, lse_b)
+
+
+def _merge(xp, out_a, lse_a, out_b, lse_b):
     lse_dtype = np.result_type(lse_a.dtype, lse_b.dtype, np.float32)
     acc = np.dtype(np.float64) if lse_dtype == np.float64 or out_a.dtype == np.float64 \
         else np.dtype(np.float32)
@@ -604,3 +615,40 @@ for _f in (attention, attention_backward, attention_vjp):
         _f.__doc__ = _f.__doc__.format(qkv=_QKV_DOC, options=_OPTIONS_DOC, notes=_NOTES_DOC,
                                        type_errors=_TYPE_ERRORS_DOC,
                                        value_errors=_VALUE_ERRORS_DOC)
+
+
+def release_graph_memory():
+    """Give back the device memory cuflash keeps for captured CUDA graphs.
+
+    A call made while its stream captures a graph (``stream.begin_capture()``, then
+    ``cupy.cuda.Graph.launch`` to replay) writes its outputs and temporaries at every replay,
+    so cuflash keeps every buffer such a call allocates. Call this once those graphs are
+    destroyed (or never: it holds only what those calls allocated).
+
+    Parameters
+    ----------
+    None
+
+    Returns
+    -------
+    int
+        The bytes given back to CuPy's allocator.
+
+    Raises
+    ------
+    Nothing: with nothing kept it returns 0, also without CuPy.
+
+    Notes
+    -----
+    To capture, call once with the same layout first (that call builds the device tables a
+    capture cannot copy), then capture: the replays read the current values of q, k, v, mask,
+    bias, dout and a CuPy kv_lens, and write the out, lse and gradients the captured calls
+    returned. A host kv_lens (int, list, NumPy array) is captured by value.
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> cuflash.release_graph_memory()  # nothing was captured
+    0
+    """
+    return _runtime.release_graph_memory()

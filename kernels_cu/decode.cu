@@ -862,7 +862,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
           int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
-          int fused, int n_launch) {
+          int fused, int n_launch, int device_lens) {
   using namespace tc;
   constexpr int ROWS = 16;
   constexpr int BK = KW * DECODE_WARPS;           // keys per stage
@@ -899,6 +899,13 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   auto stages_of = [](long long k0, long long k1) {
     return k1 > k0 ? static_cast<int>((k1 - k0 - 1) / BK + 1) : 0;
   };
+  // The end of a launch row's keys: the host's k1, which with lengths on the device (device_lens:
+  // the host planned for Nk keys) stops at the row tile's length too, so that no key past it is
+  // read (it may hold NaN).
+  auto item_end = [&](long long launch_row) -> long long {
+    const long long* ir = items + ITEM_COLS * launch_row;
+    return device_lens ? min(ir[2], lens[groups[tiles[4 * ir[0]] * G]]) : ir[2];
+  };
 
   DECODE_MARK(0);
   long long row = blockIdx.x;  // < n_launch: the host launches at most n_launch blocks
@@ -907,7 +914,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   int base = 0;  // stream number of the current item's first stage
   {
     const long long* ir = items + ITEM_COLS * row;
-    if (ir[2] > ir[1]) request(0, ir[4], ir[5], static_cast<int>(ir[1]), static_cast<int>(ir[2]));
+    const long long end = item_end(row);
+    if (end > ir[1]) request(0, ir[4], ir[5], static_cast<int>(ir[1]), static_cast<int>(end));
     cp_async_commit();
   }
   DECODE_MARK(1);
@@ -916,8 +924,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     const DecodeItem it = read_item(items, tiles, row);
     const long long koff = items[ITEM_COLS * row + 4], voff = items[ITEM_COLS * row + 5];
     const int blo = static_cast<int>(it.k0);
-    const int k1 = static_cast<int>(it.k1);
-    const int n_own = stages_of(it.k0, it.k1);
+    const int k1 = static_cast<int>(item_end(row));
+    const int n_own = stages_of(it.k0, k1);
     // The next item: its first stage is requested in this item's last stage.
     const long long next = snake_row(round + 1, blockIdx.x, gridDim.x);
     const bool has_next = next < n_launch;
@@ -925,7 +933,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     if (has_next) {
       const long long* nr = items + ITEM_COLS * next;
       nk0 = nr[1];
-      nk1 = nr[2];
+      nk1 = item_end(next);
       nkoff = nr[4];
       nvoff = nr[5];
     }

@@ -1,0 +1,130 @@
+"""Lengths on the device and CUDA graphs (issue 17): a CuPy kv_lens is read by the kernels, with
+no synchronization and no plan made from its values, out-of-range values clamped on the device;
+forward, backward and decode calls captured in a cupy.cuda.Graph replay with the new contents of
+their input arrays."""
+import numpy as np
+import pytest
+
+import cuflash
+from helpers import BFLOAT16, check_backward, check_forward, to_array, to_host
+
+pytestmark = pytest.mark.gpu
+
+# (name, forced path or None, q lead, kv lead, Nq, Nk, D, dtype, options)
+CASES = [
+    ("decode-gqa", None, (2, 8), (2, 2), 1, 1500, 128, "bfloat16", {}),
+    ("decode-split", "split", (2, 4), (2, 4), 3, 900, 64, "float16", dict(causal=True)),
+    ("decode-simt-mask", "split-simt", (2, 4), (2, 1), 2, 800, 64, "float32", dict(mask=True)),
+    ("mma", "mma", (2, 4), (2, 4), 200, 300, 64, "float16", dict(causal=True)),
+    ("wgmma", "wgmma", (2, 4), (2, 2), 256, 384, 128, "bfloat16", {}),
+    ("wide", "wide", (2, 2), (2, 2), 150, 260, 64, "float32", dict(window=(40, 10))),
+    ("generic", "generic", (2, 2), (2, 2), 70, 90, 40, "float64", {}),
+]
+
+
+def _dtype(name):
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def _inputs(case, rng):
+    import cupy
+    _, _, lq, lkv, Nq, Nk, D, dtype, options = case
+    q, k, v, dout = (to_array(cupy, rng.standard_normal(s), _dtype(dtype))
+                     for s in (lq + (Nq, D), lkv + (Nk, D), lkv + (Nk, D), lq + (Nq, D)))
+    options = dict(options)
+    if options.get("mask"):
+        options["mask"] = cupy.asarray(rng.random((Nq, Nk)) < 0.7)
+    return q, k, v, dout, options
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_device_kv_lens(case, rng, override):
+    """A CuPy kv_lens gives the host kv_lens' result on every path, forward and backward, with
+    values outside [0, Nk] clamped (-3 -> 0: empty rows; Nk + 5 -> Nk)."""
+    import cupy
+    name, force, lq, lkv, Nq, Nk, D, dtype, _ = case
+    override(path=force, poison=True)
+    q, k, v, dout, options = _inputs(case, rng)
+    given = np.array([[-3], [Nk + 5]])  # per batch, one length for its heads
+    host = np.clip(given, 0, Nk)
+    out, lse = cuflash.attention(q, k, v, kv_lens=cupy.asarray(given), return_lse=True, **options)
+    check_forward(out, lse, q, k, v, kv_lens=host, **options)
+    ref = cuflash.attention(q, k, v, kv_lens=host, **options)
+    if not name.startswith("decode"):  # the same kernels on the same lengths: the same bits
+        assert np.array_equal(to_host(out), to_host(ref), equal_nan=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, kv_lens=cupy.asarray(given),
+                                       deterministic=True, **options)
+    check_backward(grads, dout, q, k, v, out, lse, kv_lens=host, **options)
+
+
+def test_device_kv_lens_checks(rng):
+    """What the host can check of a CuPy kv_lens without its values: dtype and shape."""
+    import cupy
+    q = cupy.zeros((2, 3, 16, 32), np.float32)
+    with pytest.raises(TypeError, match="attention: kv_lens must hold integers"):
+        cuflash.attention(q, q, q, kv_lens=cupy.ones(2, np.float32))
+    with pytest.raises(TypeError, match="attention: kv_lens must hold integers"):
+        cuflash.attention(q, q, q, kv_lens=cupy.ones(2, bool))
+    with pytest.raises(ValueError, match="attention: kv_lens must broadcast"):
+        cuflash.attention(q, q, q, kv_lens=cupy.ones((3, 2), np.int32))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_graph_replay(case, rng, override):
+    """Forward and backward captured in one CUDA graph (after one call of the same layout), then
+    replayed after new values were written into q, k, v, dout and the CuPy kv_lens: the outputs
+    the captured calls returned hold what eager calls give on the new values, bit for bit (the
+    backward deterministic). The graph's temporaries are kept until release_graph_memory."""
+    import cupy
+    name, force, lq, lkv, Nq, Nk, D, dtype, _ = case
+    override(path=force)
+    q, k, v, dout, options = _inputs(case, rng)
+    lens = cupy.asarray(np.array([[Nk - 7], [Nk // 3]]))
+
+    def calls():
+        out, lse = cuflash.attention(q, k, v, kv_lens=lens, return_lse=True, **options)
+        return (out, lse) + cuflash.attention_backward(dout, q, k, v, out, lse, kv_lens=lens,
+                                                       deterministic=True, **options)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        calls()  # builds the layout's device tables, which a capture cannot copy
+        stream.synchronize()
+        cuflash.release_graph_memory()
+        stream.begin_capture()
+        try:
+            captured = calls()
+        finally:
+            graph = stream.end_capture()
+        for trial in range(2):
+            fresh = _inputs(case, rng)
+            for x, y in zip((q, k, v, dout), fresh):
+                x[...] = y
+            lens[...] = cupy.asarray(np.array([[Nk // (2 + trial)], [Nk - trial]]))
+            graph.launch(stream)
+            want = calls()
+            stream.synchronize()
+            for got, ref, what in zip(captured, want, ("out", "lse", "dq", "dk", "dv")):
+                assert np.array_equal(to_host(got), to_host(ref), equal_nan=True), (trial, what)
+        del graph
+    assert cuflash.release_graph_memory() > 0
+
+
+def test_device_kv_lens_never_synchronize(rng):
+    """A decode step with a CuPy kv_lens enqueues work and nothing else (under stream capture any
+    synchronizing call or device-to-host copy raises), also for new lengths."""
+    import cupy
+    q = to_array(cupy, rng.standard_normal((4, 32, 1, 128)), np.float16)
+    k, v = (to_array(cupy, rng.standard_normal((4, 8, 4096, 128)), np.float16) for _ in "kv")
+    lens = cupy.asarray(np.array([[4000], [17], [0], [4096]]))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention(q, k, v, kv_lens=lens)
+        stream.synchronize()
+        lens += 1  # new values: no new plan
+        stream.begin_capture()
+        try:
+            cuflash.attention(q, k, v, kv_lens=lens)
+        finally:
+            stream.end_capture()
+    cuflash.release_graph_memory()
