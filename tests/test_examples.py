@@ -31,7 +31,8 @@ def test_masks_and_alignment_reproduces_the_worked_example():
     assert "0.830" in out and "1.170" in out
 
 
-@pytest.mark.parametrize("name", ["quickstart.py", "train_tiny_attention.py", "ring_attention.py"])
+@pytest.mark.parametrize("name", ["quickstart.py", "train_tiny_attention.py", "ring_attention.py",
+                                  "decode_loop.py"])
 def test_example_runs(name):
     assert run_example(name).strip()
 
