@@ -40,14 +40,8 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* qh = q + offsets[0 * BH + bh];
   const T* kh = k + offsets[1 * BH + bh];
   const T* vh = v + offsets[2 * BH + bh];
-  // (head_mask_bias's lines, written out: the call changes this kernel's PTX)
   MaskBias<Acc> mb;
-  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-  mb.mask_rs = mask_rs;
-  mb.mask_cs = mask_cs;
-  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-  mb.bias_rs = bias_rs;
-  mb.bias_cs = bias_cs;
+  set_head_mask_bias(mb, mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, qh, q_rs, i0, i_end, Dk);
 
