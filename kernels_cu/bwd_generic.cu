@@ -58,13 +58,9 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
          const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
          Acc* __restrict__ dk_acc, Acc* __restrict__ dv_acc, ATTN_INPUTS(Acc),
          ATTN_ARGS_PARAMS(Acc)) {
-  static_assert(BLOCK_N % ROW_GROUPS == 0 && BLOCK_M % LANES_PER_ROW == 0, "tile shape");
-  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
-  constexpr int ROWS = BLOCK_N / ROW_GROUPS;      // key rows per thread
-  constexpr int QUERIES = BLOCK_M / LANES_PER_ROW; // queries per thread per tile
-  constexpr int COLS = HEAD_DIM / LANES_PER_ROW;
-  constexpr int LD = HEAD_DIM + 1;
-  constexpr int LDP = BLOCK_M + 1;
+  using Tile = GenericTile<HEAD_DIM, BLOCK_N, BLOCK_M>;
+  constexpr int ROWS = Tile::ROWS, QUERIES = Tile::OTHER, COLS = Tile::COLS;
+  constexpr int LD = Tile::LD, LDP = Tile::LDP;
 
   const long long bh = block_bh();
   if (bh >= BH) return;
@@ -179,13 +175,9 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
        const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
        Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc)) {
-  static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
-  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
-  constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread
-  constexpr int KEYS = BLOCK_N / LANES_PER_ROW;  // keys per thread per tile
-  constexpr int COLS = HEAD_DIM / LANES_PER_ROW;
-  constexpr int LD = HEAD_DIM + 1;
-  constexpr int LDP = BLOCK_N + 1;
+  using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
+  constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
+  constexpr int LD = Tile::LD, LDP = Tile::LDP;
 
   const long long bh = block_bh();
   if (bh >= BH) return;

@@ -14,13 +14,9 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc),
             ATTN_ARGS_PARAMS(Acc)) {
-  static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
-  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
-  constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread
-  constexpr int KEYS = BLOCK_N / LANES_PER_ROW;  // keys per thread per tile
-  constexpr int COLS = HEAD_DIM / LANES_PER_ROW; // output columns per thread
-  constexpr int LD = HEAD_DIM + 1;               // padded shared row (Q, K, V)
-  constexpr int LDP = BLOCK_N + 1;               // padded shared row (P)
+  using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
+  constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
+  constexpr int LD = Tile::LD, LDP = Tile::LDP;
 
   const long long bh = block_bh();
   if (bh >= BH) return;

@@ -1,10 +1,24 @@
-// generic_tiles.cuh: the register-tile products of the CUDA-core (SIMT) kernels, fwd_generic.cu
-// and bwd_generic.cu. A thread owns rows group + ROW_GROUPS * r (r < ROWS) and columns
-// lane + LANES_PER_ROW * c (c < COLS) of an accumulator tile, group = threadIdx.x / LANES_PER_ROW
-// and lane = threadIdx.x % LANES_PER_ROW; rows are queries or keys, whichever the block owns.
-// Operands are Acc in padded shared memory; every sum runs over d in order.
+// generic_tiles.cuh: the block geometry and register-tile products of the
+// CUDA-core (SIMT) kernels, fwd_generic.cu and bwd_generic.cu. A thread owns rows
+// group + ROW_GROUPS * r (r < ROWS) and columns lane + LANES_PER_ROW * c (c < COLS) of an
+// accumulator tile, group = threadIdx.x / LANES_PER_ROW and lane = threadIdx.x % LANES_PER_ROW;
+// rows are queries or keys, whichever the block owns. Operands are Acc in padded shared memory;
+// every sum runs over d in order.
 #pragma once
 #include "common.cuh"
+
+// A generic kernel's block tile: BLOCK_ROWS rows (queries; keys in bwd_dkdv) of HEAD_DIM columns,
+// against tiles of BLOCK_OTHER rows of the other side.
+template <int HEAD_DIM, int BLOCK_ROWS, int BLOCK_OTHER>
+struct GenericTile {
+  static_assert(BLOCK_ROWS % ROW_GROUPS == 0 && BLOCK_OTHER % LANES_PER_ROW == 0, "tile shape");
+  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
+  static constexpr int ROWS = BLOCK_ROWS / ROW_GROUPS;        // block rows per thread
+  static constexpr int OTHER = BLOCK_OTHER / LANES_PER_ROW;   // other-side rows per thread per tile
+  static constexpr int COLS = HEAD_DIM / LANES_PER_ROW;       // head-dim columns per thread
+  static constexpr int LD = HEAD_DIM + 1;                     // padded shared row (Q, K, V, dO)
+  static constexpr int LDP = BLOCK_OTHER + 1;                 // padded shared row (P, dS)
+};
 
 // acc = 0.
 template <typename Acc, int ROWS, int COLS>
