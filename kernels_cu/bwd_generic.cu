@@ -67,17 +67,10 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const long long j0 = static_cast<long long>(blockIdx.x) * BLOCK_N;
   const long long j_end = (j0 + BLOCK_N < Nk) ? j0 + BLOCK_N : Nk;
 
-  // Shared layout (mirrored by _config.smem_bytes): K, V [BLOCK_N][LD], Q, dO [BLOCK_M][LD],
-  // P^T, dS^T [BLOCK_N][LDP], lse, delta [BLOCK_M].
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Acc* Ks = reinterpret_cast<Acc*>(smem_raw);
-  Acc* Vs = Ks + BLOCK_N * LD;
-  Acc* Qs = Vs + BLOCK_N * LD;
-  Acc* dOs = Qs + BLOCK_M * LD;
-  Acc* Ps = dOs + BLOCK_M * LD;
-  Acc* dSs = Ps + BLOCK_N * LDP;
-  Acc* lse_s = dSs + BLOCK_N * LDP;
-  Acc* delta_s = lse_s + BLOCK_M;
+  // K, V stay for the whole walk; Q, dO, P^T and dS^T (key-major), lse, delta per query tile.
+  Acc *Ks, *Vs, *Qs, *dOs, *Ps, *dSs, *lse_s, *delta_s;
+  shared_arrays<Acc>(Ks, BLOCK_N * LD, Vs, BLOCK_N * LD, Qs, BLOCK_M * LD, dOs, BLOCK_M * LD,
+                     Ps, BLOCK_N * LDP, dSs, BLOCK_N * LDP, lse_s, BLOCK_M, delta_s, BLOCK_M);
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;
@@ -184,14 +177,10 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
   const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
   const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
 
-  // Shared layout (mirrored by _config.smem_bytes): Q, dO [BLOCK_M][LD], K, V [BLOCK_N][LD],
-  // dS [BLOCK_M][LDP].
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Acc* Qs = reinterpret_cast<Acc*>(smem_raw);
-  Acc* dOs = Qs + BLOCK_M * LD;
-  Acc* Ks = dOs + BLOCK_M * LD;
-  Acc* Vs = Ks + BLOCK_N * LD;
-  Acc* dSs = Vs + BLOCK_N * LD;
+  // Q, dO stay for the whole walk; K, V per key tile; dS feeds the dS K product.
+  Acc *Qs, *dOs, *Ks, *Vs, *dSs;
+  shared_arrays<Acc>(Qs, BLOCK_M * LD, dOs, BLOCK_M * LD, Ks, BLOCK_N * LD, Vs, BLOCK_N * LD,
+                     dSs, BLOCK_M * LDP);
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;

@@ -23,11 +23,9 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
   const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
 
-  // Shared layout (mirrored by _config.smem_bytes): Q [BLOCK_M][LD], K|V [BLOCK_N][LD], P [BLOCK_M][LDP].
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Acc* Qs = reinterpret_cast<Acc*>(smem_raw);
-  Acc* KVs = Qs + BLOCK_M * LD;
-  Acc* Ps = KVs + BLOCK_N * LD;
+  // Q stays; K, then V, of each key tile share one buffer; P feeds the P.V product.
+  Acc *Qs, *KVs, *Ps;
+  shared_arrays<Acc>(Qs, BLOCK_M * LD, KVs, BLOCK_N * LD, Ps, BLOCK_M * LDP);
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;

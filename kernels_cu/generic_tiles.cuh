@@ -1,4 +1,4 @@
-// generic_tiles.cuh: the block geometry and register-tile products of the
+// generic_tiles.cuh: the block geometry, shared-memory carve and register-tile products of the
 // CUDA-core (SIMT) kernels, fwd_generic.cu and bwd_generic.cu. A thread owns rows
 // group + ROW_GROUPS * r (r < ROWS) and columns lane + LANES_PER_ROW * c (c < COLS) of an
 // accumulator tile, group = threadIdx.x / LANES_PER_ROW and lane = threadIdx.x % LANES_PER_ROW;
@@ -19,6 +19,21 @@ struct GenericTile {
   static constexpr int LD = HEAD_DIM + 1;                     // padded shared row (Q, K, V, dO)
   static constexpr int LDP = BLOCK_OTHER + 1;                 // padded shared row (P, dS)
 };
+
+// Points each `Acc*& array` at consecutive Acc arrays of dynamic shared memory of the element
+// counts given after them, in order: the layout cuflash/_generic.py smem_bytes adds up.
+template <typename Acc>
+__device__ __forceinline__ void carve_shared(Acc*) {}
+template <typename Acc, typename... More>
+__device__ __forceinline__ void carve_shared(Acc* at, Acc*& array, int n, More&&... more) {
+  array = at;
+  carve_shared(at + n, more...);
+}
+template <typename Acc, typename... Arrays>
+__device__ __forceinline__ void shared_arrays(Arrays&&... arrays) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  carve_shared(reinterpret_cast<Acc*>(smem_raw), arrays...);
+}
 
 // acc = 0.
 template <typename Acc, int ROWS, int COLS>
