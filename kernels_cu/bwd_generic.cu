@@ -65,7 +65,7 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const long long bh = block_bh();
   if (bh >= BH) return;
   const long long j0 = static_cast<long long>(blockIdx.x) * BLOCK_N;
-  const long long j_end = (j0 + BLOCK_N < Nk) ? j0 + BLOCK_N : Nk;
+  const long long j_end = tile_end(j0, BLOCK_N, Nk);
 
   // K, V stay for the whole walk; Q, dO, P^T and dS^T (key-major), lse, delta per query tile.
   Acc *Ks, *Vs, *Qs, *dOs, *Ps, *dSs, *lse_s, *delta_s;
@@ -89,7 +89,7 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Vs, h.v, v_rs, j0, j_end, Dv);
   }
   for (long long i0 = qr.lo; i0 <= qr.hi; i0 += BLOCK_M) {
-    const long long i_end = (i0 + BLOCK_M <= qr.hi) ? i0 + BLOCK_M : qr.hi + 1;
+    const long long i_end = tile_end(i0, BLOCK_M, qr);
     __syncthreads();  // previous tile's accumulation finished with Q, dO, P, dS
     load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
     load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);
@@ -175,7 +175,7 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
   const long long bh = block_bh();
   if (bh >= BH) return;
   const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
-  const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
+  const long long i_end = tile_end(i0, BLOCK_M, Nq);
 
   // Q, dO stay for the whole walk; K, V per key tile; dS feeds the dS K product.
   Acc *Qs, *dOs, *Ks, *Vs, *dSs;
@@ -203,7 +203,7 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 
   const KeyRange tile = tile_key_range(h.w, i0, i_end - 1);
   for (long long j0 = tile.lo; j0 <= tile.hi; j0 += BLOCK_N) {
-    const long long j_end = (j0 + BLOCK_N <= tile.hi) ? j0 + BLOCK_N : tile.hi + 1;
+    const long long j_end = tile_end(j0, BLOCK_N, tile);
     __syncthreads();  // previous tile's accumulation finished with K and dS
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Ks, h.k, k_rs, j0, j_end, Dk);
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Vs, h.v, v_rs, j0, j_end, Dv);

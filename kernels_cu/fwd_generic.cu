@@ -21,7 +21,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const long long bh = block_bh();
   if (bh >= BH) return;
   const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
-  const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
+  const long long i_end = tile_end(i0, BLOCK_M, Nq);
 
   // Q stays; K, then V, of each key tile share one buffer; P feeds the P.V product.
   Acc *Qs, *KVs, *Ps;
@@ -65,7 +65,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // Only key tiles inside the tile's visible range are visited; no element test outside it.
   const KeyRange tile = tile_key_range(w, i0, i_end - 1);
   for (long long j0 = tile.lo; j0 <= tile.hi; j0 += BLOCK_N) {
-    const long long j_end = (j0 + BLOCK_N <= tile.hi) ? j0 + BLOCK_N : tile.hi + 1;
+    const long long j_end = tile_end(j0, BLOCK_N, tile);
     __syncthreads();  // previous P.V finished with KVs and Ps (first trip: nothing to wait for)
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(KVs, kh, k_rs, j0, j_end, Dk);
     __syncthreads();

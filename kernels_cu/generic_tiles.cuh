@@ -6,6 +6,7 @@
 // every sum runs over d in order.
 #pragma once
 #include "common.cuh"
+#include "mask.cuh"
 
 // A generic kernel's block tile: BLOCK_ROWS rows (queries; keys in bwd_dkdv) of HEAD_DIM columns,
 // against tiles of BLOCK_OTHER rows of the other side.
@@ -19,6 +20,15 @@ struct GenericTile {
   static constexpr int LD = HEAD_DIM + 1;                     // padded shared row (Q, K, V, dO)
   static constexpr int LDP = BLOCK_OTHER + 1;                 // padded shared row (P, dS)
 };
+
+// The exclusive end of the tile of `size` rows from r0: cut at n, or after the last row of the
+// visible range r that the loop walks.
+__device__ __forceinline__ long long tile_end(long long r0, int size, long long n) {
+  return (r0 + size < n) ? r0 + size : n;
+}
+__device__ __forceinline__ long long tile_end(long long r0, int size, const KeyRange& r) {
+  return (r0 + size <= r.hi) ? r0 + size : r.hi + 1;
+}
 
 // Points each `Acc*& array` at consecutive Acc arrays of dynamic shared memory of the element
 // counts given after them, in order: the layout cuflash/_generic.py smem_bytes adds up.
