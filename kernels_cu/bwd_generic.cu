@@ -58,30 +58,19 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
          const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
          Acc* __restrict__ dk_acc, Acc* __restrict__ dv_acc, ATTN_INPUTS(Acc),
          ATTN_ARGS_PARAMS(Acc)) {
-  static_assert(BLOCK_N % ROW_GROUPS == 0 && BLOCK_M % LANES_PER_ROW == 0, "tile shape");
-  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
-  constexpr int ROWS = BLOCK_N / ROW_GROUPS;      // key rows per thread
-  constexpr int QUERIES = BLOCK_M / LANES_PER_ROW; // queries per thread per tile
-  constexpr int COLS = HEAD_DIM / LANES_PER_ROW;
-  constexpr int LD = HEAD_DIM + 1;
-  constexpr int LDP = BLOCK_M + 1;
+  using Tile = GenericTile<HEAD_DIM, BLOCK_N, BLOCK_M>;
+  constexpr int ROWS = Tile::ROWS, QUERIES = Tile::OTHER, COLS = Tile::COLS;
+  constexpr int LD = Tile::LD, LDP = Tile::LDP;
 
   const long long bh = block_bh();
   if (bh >= BH) return;
   const long long j0 = static_cast<long long>(blockIdx.x) * BLOCK_N;
-  const long long j_end = (j0 + BLOCK_N < Nk) ? j0 + BLOCK_N : Nk;
+  const long long j_end = tile_end(j0, BLOCK_N, Nk);
 
-  // Shared layout (mirrored by _config.smem_bytes): K, V [BLOCK_N][LD], Q, dO [BLOCK_M][LD],
-  // P^T, dS^T [BLOCK_N][LDP], lse, delta [BLOCK_M].
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Acc* Ks = reinterpret_cast<Acc*>(smem_raw);
-  Acc* Vs = Ks + BLOCK_N * LD;
-  Acc* Qs = Vs + BLOCK_N * LD;
-  Acc* dOs = Qs + BLOCK_M * LD;
-  Acc* Ps = dOs + BLOCK_M * LD;
-  Acc* dSs = Ps + BLOCK_N * LDP;
-  Acc* lse_s = dSs + BLOCK_N * LDP;
-  Acc* delta_s = lse_s + BLOCK_M;
+  // K, V stay for the whole walk; Q, dO, P^T and dS^T (key-major), lse, delta per query tile.
+  Acc *Ks, *Vs, *Qs, *dOs, *Ps, *dSs, *lse_s, *delta_s;
+  shared_arrays<Acc>(Ks, BLOCK_N * LD, Vs, BLOCK_N * LD, Qs, BLOCK_M * LD, dOs, BLOCK_M * LD,
+                     Ps, BLOCK_N * LDP, dSs, BLOCK_N * LDP, lse_s, BLOCK_M, delta_s, BLOCK_M);
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;
@@ -100,7 +89,7 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Vs, h.v, v_rs, j0, j_end, Dv);
   }
   for (long long i0 = qr.lo; i0 <= qr.hi; i0 += BLOCK_M) {
-    const long long i_end = (i0 + BLOCK_M <= qr.hi) ? i0 + BLOCK_M : qr.hi + 1;
+    const long long i_end = tile_end(i0, BLOCK_M, qr);
     __syncthreads();  // previous tile's accumulation finished with Q, dO, P, dS
     load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
     load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);
@@ -179,27 +168,19 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
        const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
        Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc)) {
-  static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
-  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
-  constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread
-  constexpr int KEYS = BLOCK_N / LANES_PER_ROW;  // keys per thread per tile
-  constexpr int COLS = HEAD_DIM / LANES_PER_ROW;
-  constexpr int LD = HEAD_DIM + 1;
-  constexpr int LDP = BLOCK_N + 1;
+  using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
+  constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
+  constexpr int LD = Tile::LD, LDP = Tile::LDP;
 
   const long long bh = block_bh();
   if (bh >= BH) return;
   const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
-  const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
+  const long long i_end = tile_end(i0, BLOCK_M, Nq);
 
-  // Shared layout (mirrored by _config.smem_bytes): Q, dO [BLOCK_M][LD], K, V [BLOCK_N][LD],
-  // dS [BLOCK_M][LDP].
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Acc* Qs = reinterpret_cast<Acc*>(smem_raw);
-  Acc* dOs = Qs + BLOCK_M * LD;
-  Acc* Ks = dOs + BLOCK_M * LD;
-  Acc* Vs = Ks + BLOCK_N * LD;
-  Acc* dSs = Vs + BLOCK_N * LD;
+  // Q, dO stay for the whole walk; K, V per key tile; dS feeds the dS K product.
+  Acc *Qs, *dOs, *Ks, *Vs, *dSs;
+  shared_arrays<Acc>(Qs, BLOCK_M * LD, dOs, BLOCK_M * LD, Ks, BLOCK_N * LD, Vs, BLOCK_N * LD,
+                     dSs, BLOCK_M * LDP);
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;
@@ -222,7 +203,7 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 
   const KeyRange tile = tile_key_range(h.w, i0, i_end - 1);
   for (long long j0 = tile.lo; j0 <= tile.hi; j0 += BLOCK_N) {
-    const long long j_end = (j0 + BLOCK_N <= tile.hi) ? j0 + BLOCK_N : tile.hi + 1;
+    const long long j_end = tile_end(j0, BLOCK_N, tile);
     __syncthreads();  // previous tile's accumulation finished with K and dS
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Ks, h.k, k_rs, j0, j_end, Dk);
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(Vs, h.v, v_rs, j0, j_end, Dv);

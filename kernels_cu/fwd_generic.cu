@@ -14,24 +14,18 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc),
             ATTN_ARGS_PARAMS(Acc)) {
-  static_assert(BLOCK_M % ROW_GROUPS == 0 && BLOCK_N % LANES_PER_ROW == 0, "tile shape");
-  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
-  constexpr int ROWS = BLOCK_M / ROW_GROUPS;     // query rows per thread
-  constexpr int KEYS = BLOCK_N / LANES_PER_ROW;  // keys per thread per tile
-  constexpr int COLS = HEAD_DIM / LANES_PER_ROW; // output columns per thread
-  constexpr int LD = HEAD_DIM + 1;               // padded shared row (Q, K, V)
-  constexpr int LDP = BLOCK_N + 1;               // padded shared row (P)
+  using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
+  constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
+  constexpr int LD = Tile::LD, LDP = Tile::LDP;
 
   const long long bh = block_bh();
   if (bh >= BH) return;
   const long long i0 = static_cast<long long>(blockIdx.x) * BLOCK_M;
-  const long long i_end = (i0 + BLOCK_M < Nq) ? i0 + BLOCK_M : Nq;
+  const long long i_end = tile_end(i0, BLOCK_M, Nq);
 
-  // Shared layout (mirrored by _config.smem_bytes): Q [BLOCK_M][LD], K|V [BLOCK_N][LD], P [BLOCK_M][LDP].
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Acc* Qs = reinterpret_cast<Acc*>(smem_raw);
-  Acc* KVs = Qs + BLOCK_M * LD;
-  Acc* Ps = KVs + BLOCK_N * LD;
+  // Q stays; K, then V, of each key tile share one buffer; P feeds the P.V product.
+  Acc *Qs, *KVs, *Ps;
+  shared_arrays<Acc>(Qs, BLOCK_M * LD, KVs, BLOCK_N * LD, Ps, BLOCK_M * LDP);
 
   const int group = threadIdx.x / LANES_PER_ROW;
   const int lane = threadIdx.x % LANES_PER_ROW;
@@ -40,14 +34,8 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* qh = q + offsets[0 * BH + bh];
   const T* kh = k + offsets[1 * BH + bh];
   const T* vh = v + offsets[2 * BH + bh];
-  // (head_mask_bias's lines, written out: the call changes this kernel's PTX)
   MaskBias<Acc> mb;
-  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-  mb.mask_rs = mask_rs;
-  mb.mask_cs = mask_cs;
-  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-  mb.bias_rs = bias_rs;
-  mb.bias_cs = bias_cs;
+  set_head_mask_bias(mb, mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, qh, q_rs, i0, i_end, Dk);
 
@@ -77,7 +65,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // Only key tiles inside the tile's visible range are visited; no element test outside it.
   const KeyRange tile = tile_key_range(w, i0, i_end - 1);
   for (long long j0 = tile.lo; j0 <= tile.hi; j0 += BLOCK_N) {
-    const long long j_end = (j0 + BLOCK_N <= tile.hi) ? j0 + BLOCK_N : tile.hi + 1;
+    const long long j_end = tile_end(j0, BLOCK_N, tile);
     __syncthreads();  // previous P.V finished with KVs and Ps (first trip: nothing to wait for)
     load_tile<T, Acc, HEAD_DIM, BLOCK_N>(KVs, kh, k_rs, j0, j_end, Dk);
     __syncthreads();

@@ -1,10 +1,49 @@
-// generic_tiles.cuh: the register-tile products of the CUDA-core (SIMT) kernels, fwd_generic.cu
-// and bwd_generic.cu. A thread owns rows group + ROW_GROUPS * r (r < ROWS) and columns
-// lane + LANES_PER_ROW * c (c < COLS) of an accumulator tile, group = threadIdx.x / LANES_PER_ROW
-// and lane = threadIdx.x % LANES_PER_ROW; rows are queries or keys, whichever the block owns.
-// Operands are Acc in padded shared memory; every sum runs over d in order.
+// generic_tiles.cuh: the block geometry, shared-memory carve and register-tile products of the
+// CUDA-core (SIMT) kernels, fwd_generic.cu and bwd_generic.cu. A thread owns rows
+// group + ROW_GROUPS * r (r < ROWS) and columns lane + LANES_PER_ROW * c (c < COLS) of an
+// accumulator tile, group = threadIdx.x / LANES_PER_ROW and lane = threadIdx.x % LANES_PER_ROW;
+// rows are queries or keys, whichever the block owns. Operands are Acc in padded shared memory;
+// every sum runs over d in order.
 #pragma once
 #include "common.cuh"
+#include "mask.cuh"
+
+// A generic kernel's block tile: BLOCK_ROWS rows (queries; keys in bwd_dkdv) of HEAD_DIM columns,
+// against tiles of BLOCK_OTHER rows of the other side.
+template <int HEAD_DIM, int BLOCK_ROWS, int BLOCK_OTHER>
+struct GenericTile {
+  static_assert(BLOCK_ROWS % ROW_GROUPS == 0 && BLOCK_OTHER % LANES_PER_ROW == 0, "tile shape");
+  static_assert(HEAD_DIM % LANES_PER_ROW == 0, "head-dim bucket");
+  static constexpr int ROWS = BLOCK_ROWS / ROW_GROUPS;        // block rows per thread
+  static constexpr int OTHER = BLOCK_OTHER / LANES_PER_ROW;   // other-side rows per thread per tile
+  static constexpr int COLS = HEAD_DIM / LANES_PER_ROW;       // head-dim columns per thread
+  static constexpr int LD = HEAD_DIM + 1;                     // padded shared row (Q, K, V, dO)
+  static constexpr int LDP = BLOCK_OTHER + 1;                 // padded shared row (P, dS)
+};
+
+// The exclusive end of the tile of `size` rows from r0: cut at n, or after the last row of the
+// visible range r that the loop walks.
+__device__ __forceinline__ long long tile_end(long long r0, int size, long long n) {
+  return (r0 + size < n) ? r0 + size : n;
+}
+__device__ __forceinline__ long long tile_end(long long r0, int size, const KeyRange& r) {
+  return (r0 + size <= r.hi) ? r0 + size : r.hi + 1;
+}
+
+// Points each `Acc*& array` at consecutive Acc arrays of dynamic shared memory of the element
+// counts given after them, in order: the layout cuflash/_generic.py smem_bytes adds up.
+template <typename Acc>
+__device__ __forceinline__ void carve_shared(Acc*) {}
+template <typename Acc, typename... More>
+__device__ __forceinline__ void carve_shared(Acc* at, Acc*& array, int n, More&&... more) {
+  array = at;
+  carve_shared(at + n, more...);
+}
+template <typename Acc, typename... Arrays>
+__device__ __forceinline__ void shared_arrays(Arrays&&... arrays) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  carve_shared(reinterpret_cast<Acc*>(smem_raw), arrays...);
+}
 
 // acc = 0.
 template <typename Acc, int ROWS, int COLS>

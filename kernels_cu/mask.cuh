@@ -91,7 +91,22 @@ struct MaskBias {
 };
 
 // The mask and bias of head bh (offsets: the host's (5, BH) table, rows 3 and 4); a null input
-// stays null.
+// stays null. Two spellings of one body: fwd_generic fills its own local in place, because taking
+// head_mask_bias's return value there gives that kernel different PTX.
+template <typename Acc>
+__device__ __forceinline__ void set_head_mask_bias(MaskBias<Acc>& mb, const unsigned char* mask,
+                                                   const Acc* bias, const long long* offsets,
+                                                   int BH, long long bh, long long mask_rs,
+                                                   long long mask_cs, long long bias_rs,
+                                                   long long bias_cs) {
+  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+  mb.mask_rs = mask_rs;
+  mb.mask_cs = mask_cs;
+  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  mb.bias_rs = bias_rs;
+  mb.bias_cs = bias_cs;
+}
+
 template <typename Acc>
 __device__ __forceinline__ MaskBias<Acc> head_mask_bias(const unsigned char* mask, const Acc* bias,
                                                         const long long* offsets, int BH,
@@ -99,12 +114,7 @@ __device__ __forceinline__ MaskBias<Acc> head_mask_bias(const unsigned char* mas
                                                         long long mask_cs, long long bias_rs,
                                                         long long bias_cs) {
   MaskBias<Acc> mb;
-  mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-  mb.mask_rs = mask_rs;
-  mb.mask_cs = mask_cs;
-  mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
-  mb.bias_rs = bias_rs;
-  mb.bias_cs = bias_cs;
+  set_head_mask_bias(mb, mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
   return mb;
 }
 
