@@ -171,11 +171,11 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
        (p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m)))
 
 
-def flagged_forward(p, recipe):
+def flagged_forward(p, recipe, extra=()):
     """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype from a tensor-core forward whose
-    parameters are (q, k, v, out, lse) + Args.tail + (fix,) (fwd_mma, fwd_wide), then the lost-row
-    fix of the blocks it flags. recipe: (kernel, shared memory, blocks of its 1-D bh-major grid,
-    threads, block_m, has_mb)."""
+    parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra (fwd_mma; fwd_wide, whose
+    extra is the mask's tile classes), then the lost-row fix of the blocks it flags. recipe:
+    (kernel, shared memory, blocks of its 1-D bh-major grid, threads, block_m, has_mb)."""
     import cupy
 
     kern, smem, blocks, threads, block_m, has_mb = recipe
@@ -183,7 +183,8 @@ def flagged_forward(p, recipe):
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by the kernel
-    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,), shared_mem=smem)
+    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra,
+         shared_mem=smem)
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.

@@ -13,7 +13,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _generic, _memo, _runtime
+from . import _config, _generic, _mask_tiles, _memo, _runtime
 
 NAME = "wide"
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
@@ -203,7 +203,8 @@ _recipes = _memo.Memo(256)
 
 
 def _recipe(p):
-    """(kernel, shared memory, blocks, threads, block_m, has_mb): the launch of a layout."""
+    """((kernel, shared memory, blocks, threads, block_m, has_mb), block_n): the launch of a
+    layout."""
     has_mb = p.mask is not None or p.bias is not None
     b = bucket(p)
     tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
@@ -215,13 +216,17 @@ def _recipe(p):
     blocks = -(-p.Nq // block_m) * p.BH  # 1-D, bh-major (fwd_lost_rows reads this order)
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return kern, smem, blocks, tile.warps * 32, block_m, has_mb
+    return (kern, smem, blocks, tile.warps * 32, block_m, has_mb), tile.block_n
 
 
 def forward(p):
     """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype; the rows the kernel flags
-    settled by the lost-row fix."""
-    return _generic.flagged_forward(p, _recipes.build(p.key, lambda: _recipe(p)))
+    settled by the lost-row fix. A mask's tile classes are computed first (on every call: the
+    mask may change in place); the table lives until the launch is enqueued."""
+    recipe, block_n = _recipes.build(p.key, lambda: _recipe(p))
+    classes, _table = (_mask_tiles.classify(p, recipe[4], block_n) if p.mask is not None
+                       else (_mask_tiles.NO_CLASSES, None))
+    return _generic.flagged_forward(p, recipe, (classes,))
 
 
 def _bwd_tiles(p):

@@ -48,14 +48,17 @@ struct NoMod {
     return NoMod();
   }
 };
-// The raw score to log2 units, for a tile of a masked kernel that its mask shows entirely.
-struct ScaleMod {
+// The raw score to the kernel's units (scale times log2e, or the scale alone in natural units),
+// for a tile of a masked kernel that its mask shows entirely.
+template <typename Acc>
+struct ScaleModT {
   static constexpr bool READS_INPUTS = false;
-  float scale_log2;
-  __device__ __forceinline__ float operator()(float x, int, long long) const {
-    return x * scale_log2;
+  Acc scale_units;
+  __device__ __forceinline__ Acc operator()(Acc x, int, long long) const {
+    return x * scale_units;
   }
 };
+using ScaleMod = ScaleModT<float>;
 // A boolean mask and / or an additive bias (of the kernel's accumulator type Acc), offset to this
 // (batch, head): the raw score x is scaled to the kernel's units here, log2 units (x * scale *
 // log2e + bias * log2e), or natural ones with NATURAL (x * scale + bias); the kernels fold the

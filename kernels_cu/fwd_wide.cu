@@ -16,6 +16,9 @@
 // Head dims Dk <= DK, Dv <= DV (runtime; the copies zero the columns past them, so DK, DV are a
 // bucket). Visibility, tile skipping and the lost-row flags are fwd_mma's: a block whose rows the
 // lost-row fix (lost_rows.cu fwd_lost_rows) must settle sets fix[block]; the grid is its order.
+// With a mask, its tile classes (mask_tiles.cuh, for BLOCK_M x BLOCK_N tiles; none: every tile
+// mixed) let the block skip the key tiles it hides, loads included, and take no per-element mask
+// on the ones it shows entirely when there is no bias.
 //
 // Requirements (the host falls back to the generic path otherwise): unit innermost stride, row
 // strides, offsets and Dk, Dv multiples of 16 / sizeof(T) elements, 16-byte aligned bases,
@@ -24,6 +27,7 @@
 #include "mask.cuh"
 
 #include "attn_core.cuh"
+#include "mask_tiles.cuh"
 #include "mma.cuh"
 #include "wide.cuh"
 
@@ -32,7 +36,7 @@ template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int M
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          T* __restrict__ out, T* __restrict__ lse, ATTN_INPUTS(T), const AttnArgs a,
-         int* __restrict__ fix) {
+         int* __restrict__ fix, const TileClasses classes) {
   using namespace tc;
   using Tc = WideMma<T, PASSES>;
   ATTN_ARGS_LOCALS(a, T);
@@ -81,11 +85,25 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   if (tid == 0) fix[blockIdx.x] = 0;  // set at the end by a thread with a row to settle
 
-  auto issue_tile = [&](int n) {
-    const int buf = n % STAGES, jt = j_first + n * BLOCK_N;
-    if (n < n_tiles) {
+  // Key tile `it` spans keys [j_first + it BLOCK_N, + BLOCK_N); its class (a mask only), and the
+  // first tile at or after `it` that the mask does not hide. A tile's ring slot is its count
+  // among the tiles visited (`seq`), not `it`.
+  const unsigned char* cls_row = HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
+  auto tile_cls = [&](int it) {
+    return HAS_MB ? tile_class<BLOCK_N>(cls_row, j_first + it * BLOCK_N) : int(TILE_MIXED);
+  };
+  auto next_tile = [&](int it) {
+    if (HAS_MB)
+      while (it < n_tiles && tile_cls(it) == TILE_HIDDEN) ++it;
+    return it;
+  };
+  int load_it = next_tile(0);  // the next tile to request
+  auto issue_tile = [&](int seq) {
+    const int buf = seq % STAGES, jt = j_first + load_it * BLOCK_N;
+    if (load_it < n_tiles) {
       cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, j_limit, Dk);
       cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, j_limit, Dv);
+      load_it = next_tile(load_it + 1);
     }
     cp_async_commit();
   };
@@ -112,8 +130,9 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
   const int i_thr = i0 + warp_row0 + g;
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int j0 = j_first + n * BLOCK_N;
+  int n = 0;  // tiles visited
+  for (int it = next_tile(0); it < n_tiles; it = next_tile(it + 1), ++n) {
+    const int j0 = j_first + it * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile n landed; everyone finished tile n - 1's buffers
     issue_tile(n + STAGES - 1);
@@ -124,7 +143,13 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     T s[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KD, PITCH_QK, PITCH_QK>(s, q_lane, k_lane);
 
-    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+    bool shown = false;  // the mask shows every key of the tile and there is no bias
+    if constexpr (HAS_MB) shown = mod.bias == nullptr && tile_cls(it) == TILE_VISIBLE;
+    if (shown) {
+      const ScaleModT<T> scaled{scale_units};  // the scale only
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, scaled);
+    } else if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
     }
