@@ -653,17 +653,18 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   static_assert(LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
   static_assert(STAGES >= 2, "cp.async ring depth");
 
-  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
-  const long long bh = blockIdx.x / n_mtiles;
-  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
-  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const QueryTile qt = query_tile<BLOCK_M>(Nq);
+  const long long bh = qt.bh;
+  const int i0 = qt.i0;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
 
+  // key_tiles' fields, in the order whose PTX this kernel has always had (the full-tile bounds
+  // last, next to the loop)
   const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const Bounds32 pr = make_bounds32(w);
-  const KeyRange range = tile_key_range(w, i0, i_last);
+  const KeyRange range = tile_key_range(w, i0, qt.i_last);
   const int n_tiles = range.hi >= range.lo
                           ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
   const int j_first = static_cast<int>(range.lo);
@@ -715,7 +716,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
                             scale_log2);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
+  const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
 
   for (int n = 0; n < n_tiles; ++n) {

@@ -52,23 +52,15 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // the same units (MaskBiasModT<double, true>).
   constexpr bool NATURAL = sizeof(T) == 8;
 
-  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
-  const long long bh = blockIdx.x / n_mtiles;
-  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
-  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const QueryTile qt = query_tile<BLOCK_M>(Nq);
+  const long long bh = qt.bh;
+  const int i0 = qt.i0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int warp_row0 = warp * MF * 16;
 
-  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
-  const KeyRange range = tile_key_range(w, i0, i_last);
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
-  const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
-  const Bounds32 b32 = make_bounds32(w);
-  const int n_tiles = range.hi >= range.lo
-                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
-  const int j_first = static_cast<int>(range.lo);
-  const int j_limit = static_cast<int>(range.hi) + 1;  // keys >= j_limit load as zeros
+  const KeyTiles kt = key_tiles<BLOCK_N>(kv_lens, bh, i0, qt.i_last, Nq, Nk, left, right,
+                                          bottom_right);
 
   const T* qh = q + offsets[0 * BH + bh];
   const T* kh = k + offsets[1 * BH + bh];
@@ -82,10 +74,10 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   if (tid == 0) fix[blockIdx.x] = 0;  // set at the end by a thread with a row to settle
 
   auto issue_tile = [&](int n) {
-    const int buf = n % STAGES, jt = j_first + n * BLOCK_N;
-    if (n < n_tiles) {
-      cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, j_limit, Dk);
-      cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, j_limit, Dv);
+    const int buf = n % STAGES, jt = kt.j_first + n * BLOCK_N;
+    if (n < kt.n_tiles) {
+      cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, kt.j_limit, Dk);
+      cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, kt.j_limit, Dv);
     }
     cp_async_commit();
   };
@@ -112,8 +104,8 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
   const int i_thr = i0 + warp_row0 + g;
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int j0 = j_first + n * BLOCK_N;
+  for (int n = 0; n < kt.n_tiles; ++n) {
+    const int j0 = kt.j_first + n * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile n landed; everyone finished tile n - 1's buffers
     issue_tile(n + STAGES - 1);
@@ -124,9 +116,9 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     T s[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KD, PITCH_QK, PITCH_QK>(s, q_lane, k_lane);
 
-    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+    if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
+      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
     }
 
     sm.step(s, fold);  // S -> P; m, l advanced; alpha for acc
@@ -157,7 +149,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     for (int h = 0; h < 2; ++h) {
       const T l_row = sm.row_sum(mf, h);
       const int i = i_thr + mf * 16 + 8 * h;
-      const bool empty = row_empty(i, Nq, b32);
+      const bool empty = row_empty(i, Nq, kt.b32);
       const T inv_l = sm.out_scale(l_row, empty);
       // Without a modifier only a finite max beyond the fold's range needs the fix-up: an
       // infinite one (every logit -inf, or a +inf logit: float32 overflow of q . k) already gives
