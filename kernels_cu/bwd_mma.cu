@@ -191,13 +191,13 @@ __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD,
 }
 // One dK/dV block's view of its head: the window and its 32-bit bounds, the query tiles that
 // can see the keys [j0, j0 + BLOCK_N) by position (m_first and the n_mt after it), and the head's
-// inputs (dO (rows of DV), lse2, delta per output row; q, k, v through the offset table).
+// inputs (q, k, v; dO (rows of DV), lse2, delta per output row).
 template <typename T>
-struct KeyBlock {
+struct KeyBlock : HeadQKV<T> {
   Window w;
   Bounds32 pr;
   int m_first, n_mt;
-  const T *q, *k, *v, *dout;
+  const T* dout;
   const float *lse2, *delta;
 };
 template <int DV, int BLOCK_M, int BLOCK_N, typename T>
@@ -213,9 +213,7 @@ __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* 
   const KeyRange qr = tile_query_range(b.w, j0, j0 + BLOCK_N - 1, Nq);
   b.m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
   b.n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - b.m_first + 1 : 0;
-  b.q = q + offsets[0 * BH + bh];
-  b.k = k + offsets[1 * BH + bh];
-  b.v = v + offsets[2 * BH + bh];
+  static_cast<HeadQKV<T>&>(b) = head_qkv(q, k, v, offsets, BH, bh);
   b.dout = dout + bh * Nq * DV;
   b.lse2 = lse2 + bh * Nq_pad;
   b.delta = delta + bh * Nq_pad;
@@ -670,9 +668,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const int j_first = static_cast<int>(range.lo);
   const int j_limit = static_cast<int>(range.hi) + 1;  // keys >= j_limit load as zeros
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * DV;
 
   // Shared layout (mirrored by _mma_bwd.dq_smem_bytes): Q, dO [BLOCK_M], K, V [STAGES][BLOCK_N].
@@ -687,15 +683,15 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const u32 bn_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
   const u32 bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
 
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, false, PD>(sQ, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, false, PD>(sQ, in.q, q_rs, i0, Nq);
   cp_tile<BLOCK_M, DV, THREADS, T, false, PD>(sdO, doh, DV, i0, Nq);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < n_tiles) {
       const int j0 = j_first + s * BLOCK_N;
-      cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + s * TILE_BYTES, kh, k_rs, j0,
+      cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + s * TILE_BYTES, in.k, k_rs, j0,
                                                         j_limit);
-      cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
+      cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + s * TILE_BYTES, in.v, v_rs, j0, j_limit);
     }
     cp_async_commit();
   }
@@ -728,9 +724,9 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       const int buf = nn % STAGES;
       if (nn < n_tiles) {
         const int jn = j_first + nn * BLOCK_N;
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + buf * TILE_BYTES, kh, k_rs, jn,
+        cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + buf * TILE_BYTES, in.k, k_rs, jn,
                                                           j_limit);
-        cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + buf * TILE_BYTES, vh, v_rs, jn,
+        cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + buf * TILE_BYTES, in.v, v_rs, jn,
                                                     j_limit);
       }
       cp_async_commit();

@@ -119,9 +119,7 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const int i_first = static_cast<int>(qr.lo), i_limit = static_cast<int>(qr.hi) + 1;
   const int key_limit = static_cast<int>(w.L);  // keys past kv_lens are never read
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * Dv;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -133,13 +131,13 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   auto issue_step = [&](int n) {
     const int buf = n % STAGES, it = i_first + n * BLOCK_M;
     if (n < n_steps) {
-      cp_rows<BLOCK_M, DK, PK, THREADS>(sQ + buf * Q_BYTES, qh, q_rs, it, i_limit, Dk);
+      cp_rows<BLOCK_M, DK, PK, THREADS>(sQ + buf * Q_BYTES, in.q, q_rs, it, i_limit, Dk);
       cp_rows<BLOCK_M, DV, PV, THREADS>(sdO + buf * DO_BYTES, doh, Dv, it, i_limit, Dv);
     }
     cp_async_commit();
   };
-  cp_rows<BLOCK_N, DK, PK, THREADS>(sK, kh, k_rs, j0, key_limit, Dk);
-  cp_rows<BLOCK_N, DV, PV, THREADS>(sV, vh, v_rs, j0, key_limit, Dv);
+  cp_rows<BLOCK_N, DK, PK, THREADS>(sK, in.k, k_rs, j0, key_limit, Dk);
+  cp_rows<BLOCK_N, DV, PV, THREADS>(sV, in.v, v_rs, j0, key_limit, Dv);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_step(s);
 
@@ -236,9 +234,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const KeyTiles kt = key_tiles<BLOCK_N>(kv_lens, bh, i0, qt.i_last, Nq, Nk, left, right,
                                           bottom_right);
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * Dv;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -250,12 +246,12 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   auto issue_tile = [&](int n) {
     const int buf = n % STAGES, jt = kt.j_first + n * BLOCK_N;
     if (n < kt.n_tiles) {
-      cp_rows<BLOCK_N, DK, PK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, kt.j_limit, Dk);
-      cp_rows<BLOCK_N, DV, PV, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, kt.j_limit, Dv);
+      cp_rows<BLOCK_N, DK, PK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
+      cp_rows<BLOCK_N, DV, PV, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
     }
     cp_async_commit();
   };
-  cp_rows<BLOCK_M, DK, PK, THREADS>(sQ, qh, q_rs, i0, Nq, Dk);
+  cp_rows<BLOCK_M, DK, PK, THREADS>(sQ, in.q, q_rs, i0, Nq, Dk);
   cp_rows<BLOCK_M, DV, PV, THREADS>(sdO, doh, Dv, i0, Nq, Dv);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);

@@ -70,9 +70,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   const KeyTiles kt = key_tiles<BLOCK_N>(kv_lens, bh, i0, qt.i_last, Nq, Nk, left, right,
                                           bottom_right);
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
@@ -96,17 +94,17 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const int buf = t % STAGES;
     const int jt = kt.j_first + t * BLOCK_N;
     if (t < kt.n_tiles)
-      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jt,
+      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, in.k, k_rs, jt,
                                                        kt.j_limit);
     if (KV_SPLIT) cp_async_commit();
     if (t < kt.n_tiles)
-      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jt,
+      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, in.v, v_rs, jt,
                                                        kt.j_limit);
     cp_async_commit();
   };
   // Prologue: Q with the first key tile, then STAGES - 2 more tiles. Commit groups:
   // [Q K0 V0] [K1 V1] ..., or with KV_SPLIT [Q K0] [V0] [K1] [V1] ...
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, in.q, q_rs, i0, Nq);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 

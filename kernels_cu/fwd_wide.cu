@@ -62,9 +62,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const KeyTiles kt = key_tiles<BLOCK_N>(kv_lens, bh, i0, qt.i_last, Nq, Nk, left, right,
                                           bottom_right);
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
@@ -76,12 +74,12 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   auto issue_tile = [&](int n) {
     const int buf = n % STAGES, jt = kt.j_first + n * BLOCK_N;
     if (n < kt.n_tiles) {
-      cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, kt.j_limit, Dk);
-      cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, kt.j_limit, Dv);
+      cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
+      cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
     }
     cp_async_commit();
   };
-  cp_rows<BLOCK_M, DK, PITCH_QK, THREADS>(sQ, qh, q_rs, i0, Nq, Dk);
+  cp_rows<BLOCK_M, DK, PITCH_QK, THREADS>(sQ, in.q, q_rs, i0, Nq, Dk);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 
