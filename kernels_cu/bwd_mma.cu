@@ -734,33 +734,22 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     const u32 kbuf = sK + (n % STAGES) * TILE_BYTES;
     const u32 vbuf = sV + (n % STAGES) * TILE_BYTES;
 
-    // S = Q K^T and dP = dO V^T.
+    // S = Q K^T and dP = dO V^T. (Not rows_times_queries: its B lane address, formed before the
+    // first A load, reorders this kernel's PTX.)
     float s[NF][4], dp[NF][4];
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nf][e] = dp[nf][e] = 0.f;
+    zero(s);
+    zero(dp);
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
       u32 a[4];
       ldsm_x4(sQ + a_lane + kk * 32, a);
-#pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4(kbuf + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run2(s[2 * p], s[2 * p + 1], a, b);
-      }
+      mma_kstep<T, false, 16 * ROW_BYTES>(s, a, kbuf + bn_lane + kk * 32);
     }
 #pragma unroll
     for (int kk = 0; kk < KDV; ++kk) {
       u32 a[4];
       ldsm_x4(sdO + a_lane + kk * 32, a);
-#pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4(vbuf + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run2(dp[2 * p], dp[2 * p + 1], a, b);
-      }
+      mma_kstep<T, false, 16 * ROW_BYTES>(dp, a, vbuf + bn_lane + kk * 32);
     }
 
     // Mask (rows = queries, columns = keys), only in tiles not entirely visible to the block.
@@ -782,12 +771,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     for (int kk = 0; kk < KN; ++kk) {
       u32 da[4];
       acc_to_a<T>(s[2 * kk], s[2 * kk + 1], da);
-#pragma unroll
-      for (int p = 0; p < DF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4_t(kbuf + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
-        Mma<T>::run2(dq[2 * p], dq[2 * p + 1], da, b);
-      }
+      mma_kstep<T, true, 32>(dq, da, kbuf + bt_lane + kk * 16 * ROW_BYTES);
     }
   }
   cp_async_wait<0>();  // no copy outlives the block
@@ -836,15 +820,7 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[MF][NF][4], u32 a_base, u32
     u32 a[MF][4];
 #pragma unroll
     for (int mi = 0; mi < MF; ++mi) ldsm_x4(a_base + mi * 16 * A_ROW + kk * 32, a[mi]);
-#pragma unroll
-    for (int p = 0; p < NF / 2; ++p) {
-      u32 b[4];
-      ldsm_x4(b_base + p * 16 * B_ROW + kk * 32, b);
-#pragma unroll
-      for (int mi = 0; mi < MF; ++mi) {
-        Mma<T>::run2(acc[mi][2 * p], acc[mi][2 * p + 1], a[mi], b);
-      }
-    }
+    mma_kstep<T, false, 16 * B_ROW>(acc, a, b_base + kk * 32);
   }
 }
 // acc[MF][NF] += A B over KSTEPS k-steps of 16, B = (k rows) x (NF * 8 columns) row-major at b_base
@@ -869,26 +845,9 @@ __device__ __forceinline__ void gemm_nn(float (&acc)[MF][NF][4], u32 a_base, u32
       else
         ldsm_x4(a_base + mi * 16 * A_ROW + kk * 32, a[mi]);
     }
-#pragma unroll
-    for (int p = 0; p < NF / 2; ++p) {
-      u32 b[4];
-      ldsm_x4_t(b_base + kk * 16 * B_ROW + p * 32, b);
-#pragma unroll
-      for (int mi = 0; mi < MF; ++mi) {
-        Mma<T>::run2(acc[mi][2 * p], acc[mi][2 * p + 1], a[mi], b);
-      }
-    }
+    mma_kstep<T, true, 32>(acc, a, b_base + kk * 16 * B_ROW);
     hook(kk);
   }
-}
-template <int MF, int NF>
-__device__ __forceinline__ void zero_acc(float (&acc)[MF][NF][4]) {
-#pragma unroll
-  for (int mi = 0; mi < MF; ++mi)
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.f;
 }
 // Packs a (MF * 16) x (NF * 8) accumulator block to 16 bits and stores it at base (this warp's
 // block origin; rows of ROW bytes): c0, c1 -> (row g, cols 2t, 2t+1), c2, c3 -> row g + 8.
@@ -998,8 +957,8 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   cp_async_commit();
 
   float dk[MF][DNF][4], dv[MF][DNF][4];
-  tcb::zero_acc(dk);
-  tcb::zero_acc(dv);
+  zero(dk);
+  zero(dv);
 
   const float NEG = neg_inf<float>();
   const float sl2 = scale * LOG2E;
@@ -1025,7 +984,7 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     const bool any_vis = iw0 < Nq && jw0 <= min(iw_last + pr.dhi, pr.L_last) &&
                          jw0 + WN - 1 >= max(iw0 + pr.dlo, 0);
     float s[MF][NQF][4];
-    tcb::zero_acc(s);
+    zero(s);
     if (any_vis)
       tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(s, sK + kr0 * ROW_BYTES + a_lane,
                                                           qs + qc0 * ROW_BYTES + bn_lane);
@@ -1058,7 +1017,7 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     tcb::store_acc16<T, MF, NQF, PS_ROW>(s, sP + kr0 * PS_ROW + qc0 * 2, g, t);
 
     float dp[MF][NQF][4];
-    tcb::zero_acc(dp);
+    zero(dp);
     if (any_vis)
       tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(dp, sV + kr0 * ROW_BYTES + a_lane,
                                                           dos + qc0 * ROW_BYTES + bn_lane);
@@ -1081,7 +1040,7 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     // ---- phase 3 (product): dQ[i0 + qq0 .., dq0 ..] = dS K over the tile's keys, into registers
     float acc[QMF][QDF][4];
     if (DQ_ATOMIC) {
-      tcb::zero_acc(acc);
+      zero(acc);
       tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
           acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
     }

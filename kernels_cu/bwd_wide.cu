@@ -142,8 +142,8 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   for (int s = 0; s < STAGES - 1; ++s) issue_step(s);
 
   T dk_acc[MF][DFK][4], dv_acc[MF][DFV][4];
-  wide::zero(dk_acc);
-  wide::zero(dv_acc);
+  zero(dk_acc);
+  zero(dv_acc);
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
                             scale);
   const u32 k_lane = sK + ((warp_row0 + g) * PK + 2 * t) * E;  // A of S^T: this warp's keys
@@ -257,7 +257,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 
   T dq_acc[MF][DFK][4];
-  wide::zero(dq_acc);
+  zero(dq_acc);
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
                             scale);
   const int i_thr = i0 + warp_row0 + g;

@@ -155,12 +155,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
     // S = Q K^T (raw dot products, fp32).
     float s[MF][NF][4];
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
+    zero(s);
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
       u32 qa[MF][4];
@@ -173,15 +168,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
           ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qa[mf]);
         }
       }
-#pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
-        u32 kb[4];
-        ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf) {
-          Mma<T>::run2(s[mf][2 * p], s[mf][2 * p + 1], qa[mf], kb);
-        }
-      }
+      mma_kstep<T, false, 16 * ROW_BYTES>(s, qa, kbuf + kk * 32);
     }
 
     // KV_SPLIT: V of this tile, waited for only after S = Q K^T (as FlashAttention-2 does;
