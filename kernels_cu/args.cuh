@@ -12,6 +12,22 @@
   const long long *__restrict__ offsets, const unsigned char *__restrict__ mask,               \
       const Bias *__restrict__ bias, const long long *__restrict__ kv_lens
 
+// q, k and v of head bh: rows 0 to 2 of the offsets table (rows 3 and 4, mask and bias:
+// mask.cuh head_mask_bias).
+template <typename T>
+struct HeadQKV {
+  const T *q, *k, *v;
+};
+template <typename T>
+__device__ __forceinline__ HeadQKV<T> head_qkv(const T* q, const T* k, const T* v,
+                                               const long long* offsets, int BH, long long bh) {
+  HeadQKV<T> h;
+  h.q = q + offsets[0 * BH + bh];
+  h.k = k + offsets[1 * BH + bh];
+  h.v = v + offsets[2 * BH + bh];
+  return h;
+}
+
 struct AttnArgs {
   long long q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs;  // strides, in elements
   int BH, Nq, Nk, Dk, Dv;

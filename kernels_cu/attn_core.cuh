@@ -29,6 +29,53 @@ __device__ __forceinline__ bool tile_all_visible(const Bounds32& b, int i0, int 
   return max(i_last + b.dlo, 0) <= j0 && j0 + BN - 1 <= min(i0 + b.dhi, b.L_last);
 }
 
+// ---- a query tile and the key tiles it visits ----------------------------------------------------
+// The kernels whose block owns query rows (fwd_mma, fwd_wide, the dQ kernels). Grid: 1-D,
+// blockIdx.x = bh * n_mtiles + (reversed query tile): no 65535 limit on BH, the blocks of one
+// (batch, head) run together (its K / V stay in L2), and the last query tiles, which see the most
+// keys when causal, start first. Rows [i0, i_last] of head bh.
+struct QueryTile {
+  long long bh;
+  int i0, i_last;
+};
+template <int BLOCK_M>
+__device__ __forceinline__ QueryTile query_tile(int Nq) {
+  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
+  QueryTile qt;
+  qt.bh = blockIdx.x / n_mtiles;
+  qt.i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
+  qt.i_last = min(qt.i0 + BLOCK_M, Nq) - 1;
+  return qt;
+}
+
+// The key tiles of BLOCK_N keys that rows [i0, i_last] can see by position: n_tiles of them from
+// key j_first, keys from j_limit on loading as zeros (tile_key_range; the tiles nobody sees are
+// never visited). A tile [j0, j0 + BLOCK_N) with full_lo <= j0 and j0 + BLOCK_N - 1 <= full_hi,
+// i.e. lo(i_last) <= j0 and the tile's last key <= hi(i0), is visible to every row (lo, hi are
+// non-decreasing): the kernels skip the per-element predicate (b32) there. (That test is written
+// out in each loop: as a member function it moved bwd_wide_dq's hoisted mask bounds in its PTX.)
+struct KeyTiles {
+  Window w;
+  int full_lo, full_hi;
+  Bounds32 b32;
+  int n_tiles, j_first, j_limit;
+};
+template <int BLOCK_N>
+__device__ __forceinline__ KeyTiles key_tiles(const long long* kv_lens, long long bh,
+                                                       int i0, int i_last, int Nq, int Nk,
+                                                       int left, int right, int bottom_right) {
+  KeyTiles kt;
+  kt.w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
+  const KeyRange range = tile_key_range(kt.w, i0, i_last);
+  kt.full_lo = static_cast<int>(min(key_range(kt.w, i_last).lo, kt.w.L));
+  kt.full_hi = static_cast<int>(max(key_range(kt.w, i0).hi, -1LL));
+  kt.b32 = make_bounds32(kt.w);
+  kt.n_tiles = range.hi >= range.lo ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
+  kt.j_first = static_cast<int>(range.lo);
+  kt.j_limit = static_cast<int>(range.hi) + 1;
+  return kt;
+}
+
 // ---- score modifiers ---------------------------------------------------------------------------
 // Applied to each logit visible by position, in the kernel's units (log2 units in the tensor-core
 // kernels): mod(x, i, j) returns the modified logit, -inf for a key the modifier hides. The

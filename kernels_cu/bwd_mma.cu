@@ -191,13 +191,13 @@ __device__ __forceinline__ void copy_query_tile(u32 sQ, u32 sdO, u32 sL, u32 sD,
 }
 // One dK/dV block's view of its head: the window and its 32-bit bounds, the query tiles that
 // can see the keys [j0, j0 + BLOCK_N) by position (m_first and the n_mt after it), and the head's
-// inputs (dO (rows of DV), lse2, delta per output row; q, k, v through the offset table).
+// inputs (q, k, v; dO (rows of DV), lse2, delta per output row).
 template <typename T>
-struct KeyBlock {
+struct KeyBlock : HeadQKV<T> {
   Window w;
   Bounds32 pr;
   int m_first, n_mt;
-  const T *q, *k, *v, *dout;
+  const T* dout;
   const float *lse2, *delta;
 };
 template <int DV, int BLOCK_M, int BLOCK_N, typename T>
@@ -213,9 +213,7 @@ __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* 
   const KeyRange qr = tile_query_range(b.w, j0, j0 + BLOCK_N - 1, Nq);
   b.m_first = qr.lo <= qr.hi ? static_cast<int>(qr.lo) / BLOCK_M : 0;
   b.n_mt = qr.lo <= qr.hi ? static_cast<int>(qr.hi) / BLOCK_M - b.m_first + 1 : 0;
-  b.q = q + offsets[0 * BH + bh];
-  b.k = k + offsets[1 * BH + bh];
-  b.v = v + offsets[2 * BH + bh];
+  static_cast<HeadQKV<T>&>(b) = head_qkv(q, k, v, offsets, BH, bh);
   b.dout = dout + bh * Nq * DV;
   b.lse2 = lse2 + bh * Nq_pad;
   b.delta = delta + bh * Nq_pad;
@@ -653,25 +651,24 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   static_assert(LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
   static_assert(STAGES >= 2, "cp.async ring depth");
 
-  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
-  const long long bh = blockIdx.x / n_mtiles;
-  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
-  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const QueryTile qt = query_tile<BLOCK_M>(Nq);
+  const long long bh = qt.bh;
+  const int i0 = qt.i0;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
 
+  // key_tiles' fields, in the order whose PTX this kernel has always had (the full-tile bounds
+  // last, next to the loop)
   const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const Bounds32 pr = make_bounds32(w);
-  const KeyRange range = tile_key_range(w, i0, i_last);
+  const KeyRange range = tile_key_range(w, i0, qt.i_last);
   const int n_tiles = range.hi >= range.lo
                           ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
   const int j_first = static_cast<int>(range.lo);
   const int j_limit = static_cast<int>(range.hi) + 1;  // keys >= j_limit load as zeros
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * DV;
 
   // Shared layout (mirrored by _mma_bwd.dq_smem_bytes): Q, dO [BLOCK_M], K, V [STAGES][BLOCK_N].
@@ -686,15 +683,15 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const u32 bn_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + ((lane / 8) % 2) * 16;
   const u32 bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + (lane / 16) * 16;
 
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, false, PD>(sQ, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS, T, false, PD>(sQ, in.q, q_rs, i0, Nq);
   cp_tile<BLOCK_M, DV, THREADS, T, false, PD>(sdO, doh, DV, i0, Nq);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < n_tiles) {
       const int j0 = j_first + s * BLOCK_N;
-      cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + s * TILE_BYTES, kh, k_rs, j0,
+      cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + s * TILE_BYTES, in.k, k_rs, j0,
                                                         j_limit);
-      cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + s * TILE_BYTES, vh, v_rs, j0, j_limit);
+      cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + s * TILE_BYTES, in.v, v_rs, j0, j_limit);
     }
     cp_async_commit();
   }
@@ -715,7 +712,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
                             scale_log2);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
+  const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
 
   for (int n = 0; n < n_tiles; ++n) {
@@ -727,9 +724,9 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       const int buf = nn % STAGES;
       if (nn < n_tiles) {
         const int jn = j_first + nn * BLOCK_N;
-        cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + buf * TILE_BYTES, kh, k_rs, jn,
+        cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, false, PD>(sK + buf * TILE_BYTES, in.k, k_rs, jn,
                                                           j_limit);
-        cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + buf * TILE_BYTES, vh, v_rs, jn,
+        cp_tile<BLOCK_N, DV, THREADS, T, false, PD>(sV + buf * TILE_BYTES, in.v, v_rs, jn,
                                                     j_limit);
       }
       cp_async_commit();
@@ -737,33 +734,22 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     const u32 kbuf = sK + (n % STAGES) * TILE_BYTES;
     const u32 vbuf = sV + (n % STAGES) * TILE_BYTES;
 
-    // S = Q K^T and dP = dO V^T.
+    // S = Q K^T and dP = dO V^T. (Not rows_times_queries: its B lane address, formed before the
+    // first A load, reorders this kernel's PTX.)
     float s[NF][4], dp[NF][4];
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nf][e] = dp[nf][e] = 0.f;
+    zero(s);
+    zero(dp);
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
       u32 a[4];
       ldsm_x4(sQ + a_lane + kk * 32, a);
-#pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4(kbuf + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run2(s[2 * p], s[2 * p + 1], a, b);
-      }
+      mma_kstep<T, false, 16 * ROW_BYTES>(s, a, kbuf + bn_lane + kk * 32);
     }
 #pragma unroll
     for (int kk = 0; kk < KDV; ++kk) {
       u32 a[4];
       ldsm_x4(sdO + a_lane + kk * 32, a);
-#pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4(vbuf + bn_lane + p * 16 * ROW_BYTES + kk * 32, b);
-        Mma<T>::run2(dp[2 * p], dp[2 * p + 1], a, b);
-      }
+      mma_kstep<T, false, 16 * ROW_BYTES>(dp, a, vbuf + bn_lane + kk * 32);
     }
 
     // Mask (rows = queries, columns = keys), only in tiles not entirely visible to the block.
@@ -785,12 +771,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     for (int kk = 0; kk < KN; ++kk) {
       u32 da[4];
       acc_to_a<T>(s[2 * kk], s[2 * kk + 1], da);
-#pragma unroll
-      for (int p = 0; p < DF / 2; ++p) {
-        u32 b[4];
-        ldsm_x4_t(kbuf + bt_lane + kk * 16 * ROW_BYTES + p * 32, b);
-        Mma<T>::run2(dq[2 * p], dq[2 * p + 1], da, b);
-      }
+      mma_kstep<T, true, 32>(dq, da, kbuf + bt_lane + kk * 16 * ROW_BYTES);
     }
   }
   cp_async_wait<0>();  // no copy outlives the block
@@ -839,15 +820,7 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[MF][NF][4], u32 a_base, u32
     u32 a[MF][4];
 #pragma unroll
     for (int mi = 0; mi < MF; ++mi) ldsm_x4(a_base + mi * 16 * A_ROW + kk * 32, a[mi]);
-#pragma unroll
-    for (int p = 0; p < NF / 2; ++p) {
-      u32 b[4];
-      ldsm_x4(b_base + p * 16 * B_ROW + kk * 32, b);
-#pragma unroll
-      for (int mi = 0; mi < MF; ++mi) {
-        Mma<T>::run2(acc[mi][2 * p], acc[mi][2 * p + 1], a[mi], b);
-      }
-    }
+    mma_kstep<T, false, 16 * B_ROW>(acc, a, b_base + kk * 32);
   }
 }
 // acc[MF][NF] += A B over KSTEPS k-steps of 16, B = (k rows) x (NF * 8 columns) row-major at b_base
@@ -872,26 +845,9 @@ __device__ __forceinline__ void gemm_nn(float (&acc)[MF][NF][4], u32 a_base, u32
       else
         ldsm_x4(a_base + mi * 16 * A_ROW + kk * 32, a[mi]);
     }
-#pragma unroll
-    for (int p = 0; p < NF / 2; ++p) {
-      u32 b[4];
-      ldsm_x4_t(b_base + kk * 16 * B_ROW + p * 32, b);
-#pragma unroll
-      for (int mi = 0; mi < MF; ++mi) {
-        Mma<T>::run2(acc[mi][2 * p], acc[mi][2 * p + 1], a[mi], b);
-      }
-    }
+    mma_kstep<T, true, 32>(acc, a, b_base + kk * 16 * B_ROW);
     hook(kk);
   }
-}
-template <int MF, int NF>
-__device__ __forceinline__ void zero_acc(float (&acc)[MF][NF][4]) {
-#pragma unroll
-  for (int mi = 0; mi < MF; ++mi)
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mi][nf][e] = 0.f;
 }
 // Packs a (MF * 16) x (NF * 8) accumulator block to 16 bits and stores it at base (this warp's
 // block origin; rows of ROW bytes): c0, c1 -> (row g, cols 2t, 2t+1), c2, c3 -> row g + 8.
@@ -1001,8 +957,8 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   cp_async_commit();
 
   float dk[MF][DNF][4], dv[MF][DNF][4];
-  tcb::zero_acc(dk);
-  tcb::zero_acc(dv);
+  zero(dk);
+  zero(dv);
 
   const float NEG = neg_inf<float>();
   const float sl2 = scale * LOG2E;
@@ -1028,7 +984,7 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     const bool any_vis = iw0 < Nq && jw0 <= min(iw_last + pr.dhi, pr.L_last) &&
                          jw0 + WN - 1 >= max(iw0 + pr.dlo, 0);
     float s[MF][NQF][4];
-    tcb::zero_acc(s);
+    zero(s);
     if (any_vis)
       tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(s, sK + kr0 * ROW_BYTES + a_lane,
                                                           qs + qc0 * ROW_BYTES + bn_lane);
@@ -1061,7 +1017,7 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     tcb::store_acc16<T, MF, NQF, PS_ROW>(s, sP + kr0 * PS_ROW + qc0 * 2, g, t);
 
     float dp[MF][NQF][4];
-    tcb::zero_acc(dp);
+    zero(dp);
     if (any_vis)
       tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(dp, sV + kr0 * ROW_BYTES + a_lane,
                                                           dos + qc0 * ROW_BYTES + bn_lane);
@@ -1084,7 +1040,7 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     // ---- phase 3 (product): dQ[i0 + qq0 .., dq0 ..] = dS K over the tile's keys, into registers
     float acc[QMF][QDF][4];
     if (DQ_ATOMIC) {
-      tcb::zero_acc(acc);
+      zero(acc);
       tcb::gemm_nn<T, QMF, QDF, BLOCK_N / 16, PS_ROW, ROW_BYTES, true>(
           acc, sdS + qq0 * 2 + ds_lane, sK + dq0 * 2 + bt_lane);
     }

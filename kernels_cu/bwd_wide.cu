@@ -119,9 +119,7 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const int i_first = static_cast<int>(qr.lo), i_limit = static_cast<int>(qr.hi) + 1;
   const int key_limit = static_cast<int>(w.L);  // keys past kv_lens are never read
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * Dv;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -133,19 +131,19 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   auto issue_step = [&](int n) {
     const int buf = n % STAGES, it = i_first + n * BLOCK_M;
     if (n < n_steps) {
-      cp_rows<BLOCK_M, DK, PK, THREADS>(sQ + buf * Q_BYTES, qh, q_rs, it, i_limit, Dk);
+      cp_rows<BLOCK_M, DK, PK, THREADS>(sQ + buf * Q_BYTES, in.q, q_rs, it, i_limit, Dk);
       cp_rows<BLOCK_M, DV, PV, THREADS>(sdO + buf * DO_BYTES, doh, Dv, it, i_limit, Dv);
     }
     cp_async_commit();
   };
-  cp_rows<BLOCK_N, DK, PK, THREADS>(sK, kh, k_rs, j0, key_limit, Dk);
-  cp_rows<BLOCK_N, DV, PV, THREADS>(sV, vh, v_rs, j0, key_limit, Dv);
+  cp_rows<BLOCK_N, DK, PK, THREADS>(sK, in.k, k_rs, j0, key_limit, Dk);
+  cp_rows<BLOCK_N, DV, PV, THREADS>(sV, in.v, v_rs, j0, key_limit, Dv);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_step(s);
 
   T dk_acc[MF][DFK][4], dv_acc[MF][DFV][4];
-  wide::zero(dk_acc);
-  wide::zero(dv_acc);
+  zero(dk_acc);
+  zero(dv_acc);
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
                             scale);
   const u32 k_lane = sK + ((warp_row0 + g) * PK + 2 * t) * E;  // A of S^T: this warp's keys
@@ -226,27 +224,17 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   constexpr int DG = DK >= 96 ? 2 : 4;
   static_assert(BLOCK_N % 8 == 0 && STAGES >= 2 && DFK % DG == 0, "tile shape");
 
-  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
-  const long long bh = blockIdx.x / n_mtiles;
-  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
-  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const QueryTile qt = query_tile<BLOCK_M>(Nq);
+  const long long bh = qt.bh;
+  const int i0 = qt.i0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int warp_row0 = warp * MF * 16;
 
-  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
-  const KeyRange range = tile_key_range(w, i0, i_last);
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
-  const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
-  const Bounds32 b32 = make_bounds32(w);
-  const int n_tiles = range.hi >= range.lo
-                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
-  const int j_first = static_cast<int>(range.lo);
-  const int j_limit = static_cast<int>(range.hi) + 1;
+  const KeyTiles kt = key_tiles<BLOCK_N>(kv_lens, bh, i0, qt.i_last, Nq, Nk, left, right,
+                                          bottom_right);
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * Dv;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -256,20 +244,20 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const u32 sV = sK + STAGES * K_BYTES;
 
   auto issue_tile = [&](int n) {
-    const int buf = n % STAGES, jt = j_first + n * BLOCK_N;
-    if (n < n_tiles) {
-      cp_rows<BLOCK_N, DK, PK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, j_limit, Dk);
-      cp_rows<BLOCK_N, DV, PV, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, j_limit, Dv);
+    const int buf = n % STAGES, jt = kt.j_first + n * BLOCK_N;
+    if (n < kt.n_tiles) {
+      cp_rows<BLOCK_N, DK, PK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
+      cp_rows<BLOCK_N, DV, PV, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
     }
     cp_async_commit();
   };
-  cp_rows<BLOCK_M, DK, PK, THREADS>(sQ, qh, q_rs, i0, Nq, Dk);
+  cp_rows<BLOCK_M, DK, PK, THREADS>(sQ, in.q, q_rs, i0, Nq, Dk);
   cp_rows<BLOCK_M, DV, PV, THREADS>(sdO, doh, Dv, i0, Nq, Dv);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 
   T dq_acc[MF][DFK][4];
-  wide::zero(dq_acc);
+  zero(dq_acc);
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
                             scale);
   const int i_thr = i0 + warp_row0 + g;
@@ -285,8 +273,8 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const u32 q_lane = sQ + ((warp_row0 + g) * PK + 2 * t) * E;
   const u32 do_lane = sdO + ((warp_row0 + g) * PV + 2 * t) * E;
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int j0 = j_first + n * BLOCK_N;
+  for (int n = 0; n < kt.n_tiles; ++n) {
+    const int j0 = kt.j_first + n * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     issue_tile(n + STAGES - 1);
@@ -294,9 +282,9 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
     T s[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDK, PK, PK>(s, q_lane, ks + (g * PK + 2 * t) * E);
-    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+    if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
+      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
     }
     T dp[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDV, PV, PV>(dp, do_lane, vs + (g * PV + 2 * t) * E);

@@ -29,8 +29,7 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
     tc::cp_tile<ROWS, HEAD_DIM, THREADS>(dst, src, rs, row0, limit);
 }
 
-// Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile): no 65535 limit on BH, and the
-// blocks of one (batch, head) run together so its K/V stay in L2.
+// Grid: attn_core.cuh's query_tile (1-D, blockIdx.x = bh * n_mtiles + reversed query tile).
 //
 // Two measured choices per tile (cuflash/_config.py FwdTile):
 //   CHEAP_ADDR  K/V copies with incremental addresses (cp_tile_inc: one 64-bit add per copy
@@ -59,30 +58,19 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
   static_assert(STAGES >= 2, "cp.async ring depth");
 
-  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
-  const long long bh = blockIdx.x / n_mtiles;
-  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
-  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const QueryTile qt = query_tile<BLOCK_M>(Nq);
+  const long long bh = qt.bh;
+  const int i0 = qt.i0;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row g (+8), columns 2t, 2t+1
   const int warp_row0 = warp * MF * 16;
 
-  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
-  const KeyRange range = tile_key_range(w, i0, i_last);
-  // A tile [j0, j0 + BLOCK_N) with lo(i_last) <= j0 and j0 + BLOCK_N - 1 <= hi(i0) is visible to
-  // every row of the block (lo, hi are non-decreasing): no per-element test there.
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
-  const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
-  const Bounds32 b32 = make_bounds32(w);  // the same predicate for the boundary tiles
-  const int n_tiles = range.hi >= range.lo
-                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
-  const int j_first = static_cast<int>(range.lo);
-  const int j_limit = static_cast<int>(range.hi) + 1;  // keys >= j_limit load as zeros
+  // The key tiles the block visits; those not entirely visible to it take the per-element test.
+  const KeyTiles kt = key_tiles<BLOCK_N>(kv_lens, bh, i0, qt.i_last, Nq, Nk, left, right,
+                                          bottom_right);
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
@@ -104,17 +92,19 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // group, or as two (K, then V) with KV_SPLIT.
   auto issue_tile = [&](int t) {
     const int buf = t % STAGES;
-    const int jt = j_first + t * BLOCK_N;
-    if (t < n_tiles)
-      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, kh, k_rs, jt, j_limit);
+    const int jt = kt.j_first + t * BLOCK_N;
+    if (t < kt.n_tiles)
+      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * TILE_BYTES, in.k, k_rs, jt,
+                                                       kt.j_limit);
     if (KV_SPLIT) cp_async_commit();
-    if (t < n_tiles)
-      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, vh, v_rs, jt, j_limit);
+    if (t < kt.n_tiles)
+      fwd_copy<CHEAP_ADDR, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * TILE_BYTES, in.v, v_rs, jt,
+                                                       kt.j_limit);
     cp_async_commit();
   };
   // Prologue: Q with the first key tile, then STAGES - 2 more tiles. Commit groups:
   // [Q K0 V0] [K1 V1] ..., or with KV_SPLIT [Q K0] [V0] [K1] [V1] ...
-  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, qh, q_rs, i0, Nq);
+  cp_tile<BLOCK_M, HEAD_DIM, THREADS>(sQ, in.q, q_rs, i0, Nq);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 
@@ -139,8 +129,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int j0 = j_first + n * BLOCK_N;  // first key of this tile
+  for (int n = 0; n < kt.n_tiles; ++n) {
+    const int j0 = kt.j_first + n * BLOCK_N;  // first key of this tile
     // KV_SPLIT: committed so far [.. K(n) V(n) .. K(n+S-2) V(n+S-2)]: K(n) is complete when at
     // most 2S - 3 groups are pending. Otherwise tile n is complete when S - 2 are.
     if (KV_SPLIT) cp_async_wait<2 * STAGES - 3>();
@@ -165,12 +155,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
     // S = Q K^T (raw dot products, fp32).
     float s[MF][NF][4];
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mf][nf][e] = 0.f;
+    zero(s);
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
       u32 qa[MF][4];
@@ -183,15 +168,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
           ldsm_x4(q_lane + mf * 16 * ROW_BYTES + kk * 32, qa[mf]);
         }
       }
-#pragma unroll
-      for (int p = 0; p < NF / 2; ++p) {
-        u32 kb[4];
-        ldsm_x4(kbuf + p * 16 * ROW_BYTES + kk * 32, kb);
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf) {
-          Mma<T>::run2(s[mf][2 * p], s[mf][2 * p + 1], qa[mf], kb);
-        }
-      }
+      mma_kstep<T, false, 16 * ROW_BYTES>(s, qa, kbuf + kk * 32);
     }
 
     // KV_SPLIT: V of this tile, waited for only after S = Q K^T (as FlashAttention-2 does;
@@ -203,13 +180,13 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
 
     // Mask by global position, only in steps not entirely visible to the block.
-    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+    if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
       // The row bounds are recomputed here from an opaque row index: hoisted out of the key loop,
       // 2 * MF * 2 loop invariants would stay live through every tile and spill at 128 x 64.
       const int i_thr = opaque(i0 + warp_row0 + g);
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
-        mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
+        mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
       }
     }
 
@@ -260,7 +237,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       const float l_row = sm.row_sum(mf, h);
       const int r = warp_row0 + mf * 16 + g + 8 * h;
       const int i = i0 + r;
-      const bool empty = row_empty(i, Nq, b32);  // by position
+      const bool empty = row_empty(i, Nq, kt.b32);  // by position
       const float inv_l = sm.out_scale(l_row, empty);
       // HAS_MB: l = 0 may be an all-masked row, and l = 0, NaN or inf a bias that overflowed in
       // log2 units (|bias| > FLT_MAX / log2e); else a max beyond the folded FFMA's accuracy

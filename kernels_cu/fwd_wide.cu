@@ -56,27 +56,17 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // the same units (MaskBiasModT<double, true>).
   constexpr bool NATURAL = sizeof(T) == 8;
 
-  const int n_mtiles = (Nq + BLOCK_M - 1) / BLOCK_M;
-  const long long bh = blockIdx.x / n_mtiles;
-  const int i0 = (n_mtiles - 1 - static_cast<int>(blockIdx.x % n_mtiles)) * BLOCK_M;
-  const int i_last = min(i0 + BLOCK_M, Nq) - 1;
+  const QueryTile qt = query_tile<BLOCK_M>(Nq);
+  const long long bh = qt.bh;
+  const int i0 = qt.i0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int warp_row0 = warp * MF * 16;
 
-  const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
-  const KeyRange range = tile_key_range(w, i0, i_last);
-  const int full_lo = static_cast<int>(min(key_range(w, i_last).lo, w.L));
-  const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
-  const Bounds32 b32 = make_bounds32(w);
-  const int n_tiles = range.hi >= range.lo
-                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
-  const int j_first = static_cast<int>(range.lo);
-  const int j_limit = static_cast<int>(range.hi) + 1;  // keys >= j_limit load as zeros
+  const KeyTiles kt = key_tiles<BLOCK_N>(kv_lens, bh, i0, qt.i_last, Nq, Nk, left, right,
+                                          bottom_right);
 
-  const T* qh = q + offsets[0 * BH + bh];
-  const T* kh = k + offsets[1 * BH + bh];
-  const T* vh = v + offsets[2 * BH + bh];
+  const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = smem_u32(smem_raw);
@@ -85,29 +75,29 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   if (tid == 0) fix[blockIdx.x] = 0;  // set at the end by a thread with a row to settle
 
-  // Key tile `it` spans keys [j_first + it BLOCK_N, + BLOCK_N); its class (a mask only), and the
-  // first tile at or after `it` that the mask does not hide. A tile's ring slot is its count
+  // Key tile `it` spans keys [kt.j_first + it BLOCK_N, + BLOCK_N); its class (a mask only), and
+  // the first tile at or after `it` that the mask does not hide. A tile's ring slot is its count
   // among the tiles visited (`seq`), not `it`.
   const unsigned char* cls_row = HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
   auto tile_cls = [&](int it) {
-    return HAS_MB ? tile_class<BLOCK_N>(cls_row, j_first + it * BLOCK_N) : int(TILE_MIXED);
+    return HAS_MB ? tile_class<BLOCK_N>(cls_row, kt.j_first + it * BLOCK_N) : int(TILE_MIXED);
   };
   auto next_tile = [&](int it) {
     if (HAS_MB)
-      while (it < n_tiles && tile_cls(it) == TILE_HIDDEN) ++it;
+      while (it < kt.n_tiles && tile_cls(it) == TILE_HIDDEN) ++it;
     return it;
   };
   int load_it = next_tile(0);  // the next tile to request
   auto issue_tile = [&](int seq) {
-    const int buf = seq % STAGES, jt = j_first + load_it * BLOCK_N;
-    if (load_it < n_tiles) {
-      cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, kh, k_rs, jt, j_limit, Dk);
-      cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, vh, v_rs, jt, j_limit, Dv);
+    const int buf = seq % STAGES, jt = kt.j_first + load_it * BLOCK_N;
+    if (load_it < kt.n_tiles) {
+      cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
+      cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
       load_it = next_tile(load_it + 1);
     }
     cp_async_commit();
   };
-  cp_rows<BLOCK_M, DK, PITCH_QK, THREADS>(sQ, qh, q_rs, i0, Nq, Dk);
+  cp_rows<BLOCK_M, DK, PITCH_QK, THREADS>(sQ, in.q, q_rs, i0, Nq, Dk);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s);
 
@@ -131,8 +121,8 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const int i_thr = i0 + warp_row0 + g;
 
   int n = 0;  // tiles visited
-  for (int it = next_tile(0); it < n_tiles; it = next_tile(it + 1), ++n) {
-    const int j0 = j_first + it * BLOCK_N;
+  for (int it = next_tile(0); it < kt.n_tiles; it = next_tile(it + 1), ++n) {
+    const int j0 = kt.j_first + it * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile n landed; everyone finished tile n - 1's buffers
     issue_tile(n + STAGES - 1);
@@ -148,10 +138,11 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     if (shown) {
       const ScaleModT<T> scaled{scale_units};  // the scale only
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, scaled);
-    } else if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+      for (int mf = 0; mf < MF; ++mf)
+        mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, scaled);
+    } else if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, b32, mod);
+      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
     }
 
     sm.step(s, fold);  // S -> P; m, l advanced; alpha for acc
@@ -182,7 +173,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     for (int h = 0; h < 2; ++h) {
       const T l_row = sm.row_sum(mf, h);
       const int i = i_thr + mf * 16 + 8 * h;
-      const bool empty = row_empty(i, Nq, b32);
+      const bool empty = row_empty(i, Nq, kt.b32);
       const T inv_l = sm.out_scale(l_row, empty);
       // Without a modifier only a finite max beyond the fold's range needs the fix-up: an
       // infinite one (every logit -inf, or a +inf logit: float32 overflow of q . k) already gives

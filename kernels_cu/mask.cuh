@@ -147,8 +147,8 @@ __device__ __forceinline__ Acc masked_logit(Acc s, long long i, long long j, con
 // delta contiguous (BH, Nq, Dv), (BH, Nq), (BH, Nq), and null (unused) in kernels that have none;
 // the window over L = clamp(kv_lens[bh], 0, Nk) valid keys.
 template <typename T, typename Acc>
-struct HeadInputs {
-  const T *q, *k, *v, *dout;
+struct HeadInputs : HeadQKV<T> {
+  const T* dout;
   const Acc *lse, *delta;
   MaskBias<Acc> mb;
   Window w;
@@ -162,9 +162,7 @@ __device__ __forceinline__ HeadInputs<T, Acc> head_inputs(
     long long bias_cs, int BH, int Nq, int Nk, int Dv, int left, int right, int bottom_right) {
   HeadInputs<T, Acc> h;
   h.w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
-  h.q = q + offsets[0 * BH + bh];
-  h.k = k + offsets[1 * BH + bh];
-  h.v = v + offsets[2 * BH + bh];
+  static_cast<HeadQKV<T>&>(h) = head_qkv(q, k, v, offsets, BH, bh);
   h.dout = dout + bh * Nq * Dv;
   h.lse = lse + bh * Nq;
   h.delta = delta + bh * Nq;

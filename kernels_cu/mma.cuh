@@ -84,13 +84,45 @@ TC_MMA(half_t, "f16")
 TC_MMA(bf16_t, "bf16")
 #undef TC_MMA
 
-// Every entry of an array of accumulator fragments set to 0 (before its first product).
+// Every entry of an array of accumulator fragments set to 0 (before its first product): one row
+// of n-fragments, or M of them (m-fragments; any accumulator type, the wide kernels' too).
 template <int N>
 __device__ __forceinline__ void zero(float (&a)[N][4]) {
 #pragma unroll
   for (int j = 0; j < N; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) a[j][e] = 0.f;
+}
+template <int M, int N, typename T>
+__device__ __forceinline__ void zero(T (&c)[M][N][4]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[m][n][e] = T(0);
+}
+
+// One k-step of 16 of acc += A B: MF m-fragments of A in registers, B's NF n-fragments loaded by
+// pairs, one ldmatrix.x4 (TRANS: .trans) at b + p * PAIR bytes for pair p serving every m-fragment.
+template <typename T, bool TRANS, int PAIR, int MF, int NF>
+__device__ __forceinline__ void mma_kstep(float (&acc)[MF][NF][4], const u32 (&a)[MF][4], u32 b) {
+#pragma unroll
+  for (int p = 0; p < NF / 2; ++p) {
+    u32 bf[4];
+    if (TRANS)
+      ldsm_x4_t(b + p * PAIR, bf);
+    else
+      ldsm_x4(b + p * PAIR, bf);
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) Mma<T>::run2(acc[mf][2 * p], acc[mf][2 * p + 1], a[mf], bf);
+  }
+}
+// The same for one m-fragment.
+template <typename T, bool TRANS, int PAIR, int NF>
+__device__ __forceinline__ void mma_kstep(float (&acc)[NF][4], const u32 (&a)[4], u32 b) {
+  mma_kstep<T, TRANS, PAIR>(reinterpret_cast<float (&)[1][NF][4]>(acc),
+                            reinterpret_cast<const u32 (&)[1][4]>(a), b);
 }
 
 // Two 16x8 float accumulator fragments (n-fragments 2 kk and 2 kk + 1 of one product) as the

@@ -23,16 +23,7 @@
 
 namespace wide {
 using tc::u32;
-
-template <int M, int N, typename T>
-__device__ __forceinline__ void zero(T (&c)[M][N][4]) {
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[m][n][e] = T(0);
-}
+using tc::zero;
 
 // k-steps per rounding group of rows_times_rows (all of them where rounding is to nearest).
 template <typename Tc, int KD>
