@@ -87,13 +87,14 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       while (it < kt.n_tiles && tile_cls(it) == TILE_HIDDEN) ++it;
     return it;
   };
-  int load_it = next_tile(0);  // the next tile to request
+  int load_it = next_tile(0);  // the next tile to request (with a mask)
   auto issue_tile = [&](int seq) {
-    const int buf = seq % STAGES, jt = kt.j_first + load_it * BLOCK_N;
-    if (load_it < kt.n_tiles) {
+    const int lt = HAS_MB ? load_it : seq;  // without a mask the seq-th tile is tile seq
+    const int buf = seq % STAGES, jt = kt.j_first + lt * BLOCK_N;
+    if (lt < kt.n_tiles) {
       cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
       cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
-      load_it = next_tile(load_it + 1);
+      if (HAS_MB) load_it = next_tile(load_it + 1);
     }
     cp_async_commit();
   };
@@ -120,8 +121,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
   const int i_thr = i0 + warp_row0 + g;
 
-  int n = 0;  // tiles visited
-  for (int it = next_tile(0); it < kt.n_tiles; it = next_tile(it + 1), ++n) {
+  for (int n = 0, it = next_tile(0); it < kt.n_tiles; ++n, it = HAS_MB ? next_tile(it + 1) : n) {
     const int j0 = kt.j_first + it * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile n landed; everyone finished tile n - 1's buffers
