@@ -254,7 +254,8 @@ _bwd_recipes = _memo.Memo(256)
 
 
 def _bwd_recipe(p):
-    """((kernel, shared memory, blocks) for dkdv and dq, threads): the launches of a layout."""
+    """(((kernel, shared memory, blocks, threads) for dkdv and dq), (dkdv tile, dq tile)): the
+    launches of a layout."""
     has_mb = p.mask is not None or p.bias is not None
     b, tiles = _bwd_tiles(p)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
@@ -267,7 +268,7 @@ def _bwd_recipe(p):
         if blocks > _runtime.MAX_GRID_X:
             raise ValueError(f"problem too large for one launch: {blocks} blocks")
         launches.append((kern, smem, blocks, t.warps * 32))
-    return tuple(launches)
+    return tuple(launches), tiles
 
 
 def backward(p, dout, out, lse, deterministic=False):
@@ -275,8 +276,8 @@ def backward(p, dout, out, lse, deterministic=False):
     accumulator dtype; deterministic whatever ``deterministic`` says (no atomics)."""
     import cupy
 
-    (dkdv, dkdv_smem, dkdv_blocks, dkdv_threads), (dq_k, dq_smem, dq_blocks, dq_threads) = \
-        _bwd_recipes.build(p.key, lambda: _bwd_recipe(p))
+    launches, (kv_tile, dq_tile) = _bwd_recipes.build(p.key, lambda: _bwd_recipe(p))
+    (dkdv, dkdv_smem, dkdv_blocks, dkdv_threads), (dq_k, dq_smem, dq_blocks, dq_threads) = launches
     args = _runtime.Args(p)
     BH, acc = p.BH, p.acc_dtype
     dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
@@ -289,7 +290,14 @@ def backward(p, dout, out, lse, deterministic=False):
     dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
     dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
     ins = (p.q, p.k, p.v, dout, lse_eff, delta)
-    dkdv((dkdv_blocks,), (dkdv_threads,), ins + (dk, dv) + args.tail, shared_mem=dkdv_smem)
-    dq_k((dq_blocks,), (dq_threads,), ins + (dq,) + args.tail, shared_mem=dq_smem)
+    # a mask's tile classes for each kernel's tiles (the tables live until the launches)
+    no = (_mask_tiles.NO_CLASSES, None)
+    dkdv_cls, _t1 = (_mask_tiles.classify(p, kv_tile.block_n, 16 * kv_tile.mf * kv_tile.warps)
+                     if p.mask is not None else no)
+    dq_cls, _t2 = (_mask_tiles.classify(p, 16 * dq_tile.mf * dq_tile.warps, dq_tile.block_n)
+                   if p.mask is not None else no)
+    dkdv((dkdv_blocks,), (dkdv_threads,), ins + (dk, dv) + args.tail + (dkdv_cls,),
+         shared_mem=dkdv_smem)
+    dq_k((dq_blocks,), (dq_threads,), ins + (dq,) + args.tail + (dq_cls,), shared_mem=dq_smem)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv)
     return dq, dk, dv

@@ -234,7 +234,7 @@ __device__ __forceinline__ void mask_key_rows(Acc (&s)[NF][4], int j, int i0, in
       const int i = i0 + nf * 8 + 2 * t + e;
       if (jh > b.L_last || jh < i + b.dlo || jh > i + b.dhi) return neg_inf<Acc>();
       if (Mod::READS_INPUTS) return i >= Nq ? neg_inf<Acc>() : mod(x, i, jh);
-      return x;
+      return mod(x, i, jh);
     });
   });
 }

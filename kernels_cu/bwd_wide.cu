@@ -19,12 +19,18 @@
 // Keys past kv_lens are never read (zero-filled); rows of keys past the last visible one get
 // dK = dV = 0 from P = 0.
 //
+// A mask's tile classes (mask_tiles.cuh; one table per kernel, for its own tiles) skip the steps
+// it hides, copies included, and give the ones it shows entirely (without bias) only the scale
+// and the position mask; a dK/dV block then starts its query steps at a multiple of BLOCK_M, the
+// classes' query tiles.
+//
 // Requirements: fwd_wide's (16-byte rows of q, k, v; dout contiguous (BH, Nq, Dv) and 16-byte
 // aligned), scale > 0.
 #include "common.cuh"
 #include "mask.cuh"
 
 #include "attn_core.cuh"
+#include "mask_tiles.cuh"
 #include "mma.cuh"
 #include "wide.cuh"
 
@@ -87,7 +93,8 @@ template <typename T, int PASSES, int DK, int DV, int BLOCK_M, int NWARPS, int M
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
-              T* __restrict__ dk, T* __restrict__ dv, ATTN_INPUTS(T), const AttnArgs a) {
+              T* __restrict__ dk, T* __restrict__ dv, ATTN_INPUTS(T), const AttnArgs a,
+              const TileClasses classes) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, T);
   constexpr bool HAS_MB = !Mod::IDENTITY;
@@ -115,8 +122,10 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const KeyRange qr = tile_query_range(w, j0, j0 + BLOCK_N - 1, Nq);
   const Bounds32 b32 = make_bounds32(w);
-  const int n_steps = qr.hi >= qr.lo ? static_cast<int>((qr.hi - qr.lo) / BLOCK_M) + 1 : 0;
-  const int i_first = static_cast<int>(qr.lo), i_limit = static_cast<int>(qr.hi) + 1;
+  const int i_first = HAS_MB ? static_cast<int>(qr.lo) / BLOCK_M * BLOCK_M  // classes' tiles
+                             : static_cast<int>(qr.lo);
+  const int n_steps = qr.hi >= qr.lo ? static_cast<int>((qr.hi - i_first) / BLOCK_M) + 1 : 0;
+  const int i_limit = static_cast<int>(qr.hi) + 1;
   const int key_limit = static_cast<int>(w.L);  // keys past kv_lens are never read
 
   const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
@@ -128,11 +137,27 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const u32 sQ = sV + BLOCK_N * PV * E;
   const u32 sdO = sQ + STAGES * Q_BYTES;
 
-  auto issue_step = [&](int n) {
-    const int buf = n % STAGES, it = i_first + n * BLOCK_M;
-    if (n < n_steps) {
+  // The class of step `st` (rows [i_first + st BLOCK_M, + BLOCK_M) against this block's keys),
+  // and the first step at or after `st` the mask does not hide; a step's ring slot is its count
+  // among the steps visited (`seq`).
+  const ClassColumn cc = HAS_MB ? class_column(classes, bh, j0 / BLOCK_N) : ClassColumn{nullptr, 0};
+  auto step_cls = [&](int st) {
+    return cc.column != nullptr ? int(cc.column[(i_first / BLOCK_M + st) * cc.step])
+                                : int(TILE_MIXED);
+  };
+  auto next_step = [&](int st) {
+    if (HAS_MB)
+      while (st < n_steps && step_cls(st) == TILE_HIDDEN) ++st;
+    return st;
+  };
+  int load_st = next_step(0);  // the next step to request (with a mask)
+  auto issue_step = [&](int seq) {
+    const int ls = HAS_MB ? load_st : seq;
+    const int buf = seq % STAGES, it = i_first + ls * BLOCK_M;
+    if (ls < n_steps) {
       cp_rows<BLOCK_M, DK, PK, THREADS>(sQ + buf * Q_BYTES, in.q, q_rs, it, i_limit, Dk);
       cp_rows<BLOCK_M, DV, PV, THREADS>(sdO + buf * DO_BYTES, doh, Dv, it, i_limit, Dv);
+      if (HAS_MB) load_st = next_step(load_st + 1);
     }
     cp_async_commit();
   };
@@ -150,8 +175,8 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const u32 v_lane = sV + ((warp_row0 + g) * PV + 2 * t) * E;  // A of dP^T
   const int j_thr = j0 + warp_row0 + g;                         // this lane's key row
 
-  for (int n = 0; n < n_steps; ++n) {
-    const int i0 = i_first + n * BLOCK_M;
+  for (int n = 0, st = next_step(0); st < n_steps; ++n, st = HAS_MB ? next_step(st + 1) : n) {
+    const int i0 = i_first + st * BLOCK_M;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // step n landed; everyone finished step n - 1's buffers
     issue_step(n + STAGES - 1);
@@ -161,7 +186,14 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     T s[MF][NQ][4];
     wide::rows_times_rows<T, PASSES, MF, NQ, KDK, PK, PK>(s, k_lane, qs + (g * PK + 2 * t) * E);
     const int i_last = min(i0 + BLOCK_M, i_limit) - 1;
-    if (HAS_MB || !tile_all_visible(b32, i0, i_last, j0, BLOCK_N)) {
+    bool shown = false;  // the mask shows the whole step and there is no bias
+    if constexpr (HAS_MB) shown = mod.bias == nullptr && step_cls(st) == TILE_VISIBLE;
+    if (shown) {
+      const ScaleModT<T> scaled{scale};  // natural units
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+        mask_key_rows(s[mf], j_thr + mf * 16, i0, t, Nq, b32, scaled);
+    } else if (HAS_MB || !tile_all_visible(b32, i0, i_last, j0, BLOCK_N)) {
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) mask_key_rows(s[mf], j_thr + mf * 16, i0, t, Nq, b32, mod);
     }
@@ -210,7 +242,7 @@ template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int M
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
-            T* __restrict__ dq, ATTN_INPUTS(T), const AttnArgs a) {
+            T* __restrict__ dq, ATTN_INPUTS(T), const AttnArgs a, const TileClasses classes) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, T);
   constexpr bool HAS_MB = !Mod::IDENTITY;
@@ -243,11 +275,24 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const u32 sK = sdO + BLOCK_M * PV * E;
   const u32 sV = sK + STAGES * K_BYTES;
 
-  auto issue_tile = [&](int n) {
-    const int buf = n % STAGES, jt = kt.j_first + n * BLOCK_N;
-    if (n < kt.n_tiles) {
+  // fwd_wide's key tiles, classes and ring slots
+  const unsigned char* cls_row = HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
+  auto tile_cls = [&](int it) {
+    return HAS_MB ? tile_class<BLOCK_N>(cls_row, kt.j_first + it * BLOCK_N) : int(TILE_MIXED);
+  };
+  auto next_tile = [&](int it) {
+    if (HAS_MB)
+      while (it < kt.n_tiles && tile_cls(it) == TILE_HIDDEN) ++it;
+    return it;
+  };
+  int load_it = next_tile(0);
+  auto issue_tile = [&](int seq) {
+    const int lt = HAS_MB ? load_it : seq;
+    const int buf = seq % STAGES, jt = kt.j_first + lt * BLOCK_N;
+    if (lt < kt.n_tiles) {
       cp_rows<BLOCK_N, DK, PK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
       cp_rows<BLOCK_N, DV, PV, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
+      if (HAS_MB) load_it = next_tile(load_it + 1);
     }
     cp_async_commit();
   };
@@ -273,8 +318,8 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const u32 q_lane = sQ + ((warp_row0 + g) * PK + 2 * t) * E;
   const u32 do_lane = sdO + ((warp_row0 + g) * PV + 2 * t) * E;
 
-  for (int n = 0; n < kt.n_tiles; ++n) {
-    const int j0 = kt.j_first + n * BLOCK_N;
+  for (int n = 0, it = next_tile(0); it < kt.n_tiles; ++n, it = HAS_MB ? next_tile(it + 1) : n) {
+    const int j0 = kt.j_first + it * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     issue_tile(n + STAGES - 1);
@@ -282,7 +327,14 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
     T s[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDK, PK, PK>(s, q_lane, ks + (g * PK + 2 * t) * E);
-    if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
+    bool shown = false;
+    if constexpr (HAS_MB) shown = mod.bias == nullptr && tile_cls(it) == TILE_VISIBLE;
+    if (shown) {
+      const ScaleModT<T> scaled{scale};
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+        mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, scaled);
+    } else if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
     }

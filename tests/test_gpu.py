@@ -321,6 +321,41 @@ def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng, override):
     check(q, k, v, rng, **options)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("kind", ["blocks", "blocks-bias", "blocks-causal", "padding"])
+def test_wide_forward_skips_hidden_tiles(kind, dtype, rng, override):
+    """The wide forward reads a mask's tile classes for its own tiles (mask_tiles.cuh): it skips
+    the key tiles the mask hides (copies included), gives tiles it shows entirely only the scale
+    and the position mask (no bias), masks the rest element by element; after an in-place change
+    of the mask, the next call sees the change. Blocks of 256 x 32 (the float32 D = 64 tile) give
+    all three kinds, and rows that see no key."""
+    import cupy
+    from cuflash import _gpu, _mask_tiles, _validate
+    override(path="wide")
+    B, H, Nq, Nk, D = 2, 2, 520, 400, 64
+    q = randn(rng, (B, H, Nq, D), dtype)
+    k, v = randn(rng, (B, H, Nk, D), dtype), randn(rng, (B, H, Nk, D), dtype)
+    options = {}
+    if kind == "padding":  # one row for every query; batch 1 sees no key at all
+        mask = (np.arange(Nk)[None, :] < np.array([[230], [0]]))[:, None, None, :]
+    else:
+        blocks = rng.random((B, 1, -(-Nq // 128), -(-Nk // 32))) < 0.5
+        mask = blocks.repeat(128, axis=2).repeat(32, axis=3)[:, :, :Nq, :Nk].copy()
+        mask[0, 0, 5, :] = False                      # a row with no visible key
+        mask[1, 0, 130:140, 70:75] = ~mask[1, 0, 130:140, 70:75]  # a mixed tile
+    options["mask"] = cupy.asarray(mask)
+    if kind == "blocks-bias":
+        options["bias"] = cupy.asarray(rng.standard_normal((H, Nq, Nk)), dtype)
+    if kind == "blocks-causal":
+        options["causal"] = True
+    p = _validate.make_problem(q, k, v, **options)
+    assert _gpu.forward_path(p) == "wide" and _mask_tiles.layout(p) is not None
+    check(q, k, v, rng, **options)
+    m = options["mask"]
+    m[..., 64:128] = ~m[..., 64:128]  # in place: hidden tiles become visible and back
+    check(q, k, v, rng, **options)
+
+
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)], ids=str)
 @pytest.mark.parametrize("kind", ["blocks", "blocks-bias", "blocks-kv-lens", "blocks-causal",
                                   "padding"])
