@@ -276,23 +276,16 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const u32 sV = sK + STAGES * K_BYTES;
 
   // fwd_wide's key tiles, classes and ring slots
-  const unsigned char* cls_row = HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
-  auto tile_cls = [&](int it) {
-    return HAS_MB ? tile_class<BLOCK_N>(cls_row, kt.j_first + it * BLOCK_N) : int(TILE_MIXED);
-  };
-  auto next_tile = [&](int it) {
-    if (HAS_MB)
-      while (it < kt.n_tiles && tile_cls(it) == TILE_HIDDEN) ++it;
-    return it;
-  };
-  int load_it = next_tile(0);
+  const TileWalk<BLOCK_N, HAS_MB> walk{HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr,
+                                        kt.j_first, kt.n_tiles};
+  int load_it = walk.next(0);
   auto issue_tile = [&](int seq) {
     const int lt = HAS_MB ? load_it : seq;
     const int buf = seq % STAGES, jt = kt.j_first + lt * BLOCK_N;
     if (lt < kt.n_tiles) {
       cp_rows<BLOCK_N, DK, PK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
       cp_rows<BLOCK_N, DV, PV, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
-      if (HAS_MB) load_it = next_tile(load_it + 1);
+      if (HAS_MB) load_it = walk.next(load_it + 1);
     }
     cp_async_commit();
   };
@@ -318,7 +311,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const u32 q_lane = sQ + ((warp_row0 + g) * PK + 2 * t) * E;
   const u32 do_lane = sdO + ((warp_row0 + g) * PV + 2 * t) * E;
 
-  for (int n = 0, it = next_tile(0); it < kt.n_tiles; ++n, it = HAS_MB ? next_tile(it + 1) : n) {
+  for (int n = 0, it = walk.next(0); it < kt.n_tiles; ++n, it = HAS_MB ? walk.next(it + 1) : n) {
     const int j0 = kt.j_first + it * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();
@@ -328,7 +321,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     T s[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDK, PK, PK>(s, q_lane, ks + (g * PK + 2 * t) * E);
     bool shown = false;
-    if constexpr (HAS_MB) shown = mod.bias == nullptr && tile_cls(it) == TILE_VISIBLE;
+    if constexpr (HAS_MB) shown = mod.bias == nullptr && walk.cls(it) == TILE_VISIBLE;
     if (shown) {
       const ScaleModT<T> scaled{scale};
 #pragma unroll

@@ -78,23 +78,16 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // Key tile `it` spans keys [kt.j_first + it BLOCK_N, + BLOCK_N); its class (a mask only), and
   // the first tile at or after `it` that the mask does not hide. A tile's ring slot is its count
   // among the tiles visited (`seq`), not `it`.
-  const unsigned char* cls_row = HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr;
-  auto tile_cls = [&](int it) {
-    return HAS_MB ? tile_class<BLOCK_N>(cls_row, kt.j_first + it * BLOCK_N) : int(TILE_MIXED);
-  };
-  auto next_tile = [&](int it) {
-    if (HAS_MB)
-      while (it < kt.n_tiles && tile_cls(it) == TILE_HIDDEN) ++it;
-    return it;
-  };
-  int load_it = next_tile(0);  // the next tile to request (with a mask)
+  const TileWalk<BLOCK_N, HAS_MB> walk{HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr,
+                                        kt.j_first, kt.n_tiles};
+  int load_it = walk.next(0);  // the next tile to request (with a mask)
   auto issue_tile = [&](int seq) {
     const int lt = HAS_MB ? load_it : seq;  // without a mask the seq-th tile is tile seq
     const int buf = seq % STAGES, jt = kt.j_first + lt * BLOCK_N;
     if (lt < kt.n_tiles) {
       cp_rows<BLOCK_N, DK, PITCH_QK, THREADS>(sK + buf * K_BYTES, in.k, k_rs, jt, kt.j_limit, Dk);
       cp_rows<BLOCK_N, DV, PITCH_V, THREADS>(sV + buf * V_BYTES, in.v, v_rs, jt, kt.j_limit, Dv);
-      if (HAS_MB) load_it = next_tile(load_it + 1);
+      if (HAS_MB) load_it = walk.next(load_it + 1);
     }
     cp_async_commit();
   };
@@ -121,7 +114,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
   const int i_thr = i0 + warp_row0 + g;
 
-  for (int n = 0, it = next_tile(0); it < kt.n_tiles; ++n, it = HAS_MB ? next_tile(it + 1) : n) {
+  for (int n = 0, it = walk.next(0); it < kt.n_tiles; ++n, it = HAS_MB ? walk.next(it + 1) : n) {
     const int j0 = kt.j_first + it * BLOCK_N;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile n landed; everyone finished tile n - 1's buffers
@@ -134,7 +127,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     wide::rows_times_rows<T, PASSES, MF, NF, KD, PITCH_QK, PITCH_QK>(s, q_lane, k_lane);
 
     bool shown = false;  // the mask shows every key of the tile and there is no bias
-    if constexpr (HAS_MB) shown = mod.bias == nullptr && tile_cls(it) == TILE_VISIBLE;
+    if constexpr (HAS_MB) shown = mod.bias == nullptr && walk.cls(it) == TILE_VISIBLE;
     if (shown) {
       const ScaleModT<T> scaled{scale_units};  // the scale only
 #pragma unroll

@@ -44,3 +44,20 @@ __device__ __forceinline__ int tile_class(const unsigned char* row, int j0) {
   const int first = row[j0 / BLOCK_N], last = row[(j0 + BLOCK_N - 1) / BLOCK_N];
   return first == last ? first : TILE_MIXED;
 }
+
+// The key tiles [j_first + it BLOCK_N, + BLOCK_N), it < n_tiles, of one query tile (class row
+// `row`, from class_row), as a kernel with a mask visits them (ON; otherwise every tile counts as
+// mixed and none is skipped): next(0), next(it + 1), ... skip the tiles the mask hides.
+template <int BLOCK_N, bool ON>
+struct TileWalk {
+  const unsigned char* row;
+  int j_first, n_tiles;
+  __device__ __forceinline__ int cls(int it) const {
+    return ON ? tile_class<BLOCK_N>(row, j_first + it * BLOCK_N) : int(TILE_MIXED);
+  }
+  __device__ __forceinline__ int next(int it) const {
+    if (ON)
+      while (it < n_tiles && cls(it) == TILE_HIDDEN) ++it;
+    return it;
+  }
+};
