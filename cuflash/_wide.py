@@ -224,8 +224,7 @@ def forward(p):
     settled by the lost-row fix. A mask's tile classes are computed first (on every call: the
     mask may change in place); the table lives until the launch is enqueued."""
     recipe, block_n = _recipes.build(p.key, lambda: _recipe(p))
-    classes, _table = (_mask_tiles.classify(p, recipe[4], block_n) if p.mask is not None
-                       else (_mask_tiles.NO_CLASSES, None))
+    classes, _table = _mask_tiles.classify(p, recipe[4], block_n)  # NO_CLASSES without a mask
     return _generic.flagged_forward(p, recipe, (classes,))
 
 
@@ -290,12 +289,10 @@ def backward(p, dout, out, lse, deterministic=False):
     dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
     dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
     ins = (p.q, p.k, p.v, dout, lse_eff, delta)
-    # a mask's tile classes for each kernel's tiles (the tables live until the launches)
-    no = (_mask_tiles.NO_CLASSES, None)
-    dkdv_cls, _t1 = (_mask_tiles.classify(p, kv_tile.block_n, 16 * kv_tile.mf * kv_tile.warps)
-                     if p.mask is not None else no)
-    dq_cls, _t2 = (_mask_tiles.classify(p, 16 * dq_tile.mf * dq_tile.warps, dq_tile.block_n)
-                   if p.mask is not None else no)
+    # a mask's tile classes for each kernel's tiles, NO_CLASSES without one (the tables live
+    # until the launches)
+    dkdv_cls, _t1 = _mask_tiles.classify(p, kv_tile.block_n, 16 * kv_tile.mf * kv_tile.warps)
+    dq_cls, _t2 = _mask_tiles.classify(p, 16 * dq_tile.mf * dq_tile.warps, dq_tile.block_n)
     dkdv((dkdv_blocks,), (dkdv_threads,), ins + (dk, dv) + args.tail + (dkdv_cls,),
          shared_mem=dkdv_smem)
     dq_k((dq_blocks,), (dq_threads,), ins + (dq,) + args.tail + (dq_cls,), shared_mem=dq_smem)
