@@ -88,6 +88,7 @@ class Case:
     window: Optional[tuple] = None   # (left, right) as cuflash's window= takes it
     mask: Optional[str] = None       # "padding" or "block-sparse": a boolean mask input
     bias: bool = False               # an additive float32 bias (1, Hq, Nq, Nk)
+    softcap: Optional[float] = None  # logit softcapping, cap * tanh(x / cap)
     option: Optional[str] = None     # the name of an options case
 
     @property
@@ -130,6 +131,8 @@ def option_cases(layouts):
         ("padding62", dict(mask="padding")),
         ("blocksparse50", dict(mask="block-sparse")),
         ("bias-fp32", dict(bias=True)),
+        ("softcap30", dict(softcap=30.0)),
+        ("softcap30_causal", dict(softcap=30.0, causal=True)),
     )
     return [replace(Case(kind, OPTION_DTYPE, TOTAL_TOKENS // n, h, h, n, n, OPTION_D, False,
                          layout=layout, option=name), **spec)
@@ -193,8 +196,10 @@ def impls_for(case, selected):
         table = tuple(n for n in WIDE_IMPLS
                       if n != "naive" and (n != "cuflash-tf32" or case.dtype == "fp32"))
     elif case.option:
-        # FlexAttention only where there is a boolean mask to make a block mask of
-        table = OPTION_IMPLS if case.mask else tuple(n for n in OPTION_IMPLS if n != "flex")
+        # FlexAttention only where there is a boolean mask to make a block mask of, or a
+        # softcap (its score_mod)
+        table = OPTION_IMPLS if case.mask or case.softcap else \
+            tuple(n for n in OPTION_IMPLS if n != "flex")
     elif case.dtype in WIDE_DTYPES:
         table = tuple(n for n in WIDE_IMPLS if n != "cuflash-tf32" or case.dtype == "fp32")
     else:
@@ -220,6 +225,8 @@ def skip_reason(case, impl, unavailable=None):
         return "skipped: fa4's flash_attn_func takes no mask or bias"
     if impl == "fa4" and case.kv_lens:
         return "skipped: fa4's flash_attn_func takes no per-sequence kv lengths"
+    if impl.startswith("torch-") and case.softcap:
+        return "skipped: SDPA takes no softcap"
     if impl == "torch-flash" and needs_attn_mask(case):
         return "skipped: SDPA's flash backend takes no attn_mask"
     if impl == "torch-efficient" and case.dtype == "fp64":

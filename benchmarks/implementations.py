@@ -192,6 +192,8 @@ def prepare_cuflash(env, case, x, precision=None):
         opts["mask"] = env.cp.asarray(mask_array(case))
     if case.bias:
         opts["bias"] = x["bias"]
+    if case.softcap:
+        opts["softcap"] = case.softcap
     # (B, H, N, D) views: of the buffers themselves for bhnd, swapaxes(1, 2) of them for bnhd
     q, k, v = (as_layout(x[name], case.layout, "bhnd") for name in ("q", "k", "v"))
     if case.kind != "bwd":
@@ -275,6 +277,8 @@ def prepare_fa4(env, case, x):
     kw = {"causal": case.causal}
     if case.window:
         kw["window_size"] = case.window
+    if case.softcap:
+        kw["softcap"] = case.softcap
 
     def forward(q, k, v):
         result = env.fa4(q, k, v, **kw)
@@ -291,11 +295,23 @@ def prepare_fa4(env, case, x):
 
 def prepare_flex(env, case, x):
     """FlexAttention with a block mask of the case's boolean mask (padding: kv < valid length of
-    the batch entry; block-sparse: the 128 x 128 block pattern), made and compiled untimed."""
+    the batch entry; block-sparse: the 128 x 128 block pattern), made and compiled untimed; a
+    softcap as its score_mod (cap * tanh(score / cap)), with the causal block mask if causal."""
     torch = env.torch
     flex, create_block_mask = env.flex
     q, k, v = torch_views(env, case, x, ("q", "k", "v"), "bhnd")
-    if case.mask == "padding":
+    kw = {}
+    if case.softcap:
+        cap = case.softcap
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+        kw["score_mod"] = score_mod
+    if case.softcap and not case.mask:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+        batch = None
+    elif case.mask == "padding":
         lens = torch.tensor(padding_lens(case), device=q.device)
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -307,10 +323,14 @@ def prepare_flex(env, case, x):
         def mask_mod(b, h, q_idx, kv_idx):
             return blocks[q_idx // BLOCK, kv_idx // BLOCK]
         batch = None                  # one pattern for every batch entry
-    block_mask = trial(torch, lambda: create_block_mask(mask_mod, batch, None, case.nq, case.nk,
-                                                        device=q.device, BLOCK_SIZE=BLOCK),
-                       "FlexAttention")
-    kw = {"block_mask": block_mask}
+    if not case.mask and not case.causal:
+        block_mask = None
+    else:
+        block_mask = trial(torch, lambda: create_block_mask(mask_mod, batch, None, case.nq,
+                                                            case.nk, device=q.device,
+                                                            BLOCK_SIZE=BLOCK),
+                           "FlexAttention")
+    kw["block_mask"] = block_mask
     if case.kind != "bwd":
         fn = partial(flex, q, k, v, **kw)
     else:

@@ -89,7 +89,7 @@ _C_TYPES = {
 C_SIZES = {"half_t": 2, "bf16_t": 2, "float": 4, "double": 8}  # bytes of each C type
 
 
-def _dtype_name(dtype):
+def dtype_name(dtype):
     if isinstance(dtype, str) and dtype in _C_TYPES:
         return dtype
     dt = np.dtype(dtype)
@@ -103,19 +103,7 @@ def _dtype_name(dtype):
 
 def c_types(dtype):
     """(storage C type, accumulator C type) of a supported dtype (or dtype name)."""
-    return _C_TYPES[_dtype_name(dtype)]
-
-
-def modifier_type(has_mb, acc="float", natural=None):
-    """The C++ score-modifier type (kernels_cu/attn_core.cuh) a tensor-core kernel with
-    accumulator C type `acc` is instantiated with: the mask / bias modifier, in log2 units or
-    natural ones (default: natural for double, as fwd_wide.cu computes float64; bwd_wide.cu
-    always), or the identity."""
-    if not has_mb:
-        return "NoMod"
-    natural = acc == "double" if natural is None else natural
-    return f"MaskBiasModT<{acc}, true>" if natural else \
-        "MaskBiasMod" if acc == "float" else f"MaskBiasModT<{acc}>"
+    return _C_TYPES[dtype_name(dtype)]
 
 
 def head_dim_bucket(Dk, Dv):

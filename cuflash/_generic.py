@@ -10,9 +10,10 @@ scalars of the C parameter's type (cuflash._runtime.Args: `flat_tail` for the ge
 """
 import numpy as np
 
-from . import _config, _memo, _runtime
+from . import _config, _memo, _modifiers, _runtime
 
 NAME = "generic"
+TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
 # kernel -> (source file, kernel name)
 KERNELS = {"fwd": (FWD_SOURCE, "fwd_generic"), "bwd_preprocess": (BWD_SOURCE, "bwd_preprocess"),
@@ -40,38 +41,47 @@ def smem_bytes(kernel, acc_ctype, bucket):
     return n * _config.C_SIZES[acc_ctype]
 
 
-def name_expression(kernel, dtype, bucket=None):
-    """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'."""
+def name_expression(kernel, dtype, bucket=None, transforms=()):
+    """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'
+    (the score transforms in natural units: a last template argument when there are any)."""
     t, acc = _config.c_types(dtype)
     name = KERNELS[kernel][1]
     if kernel == "bwd_preprocess":
         return f"{name}<{t}, {acc}>"
     bm, bn = _config.GENERIC_TILES[(kernel, acc, bucket)]
-    return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}>"
+    f = _transform_arg(transforms, acc, _config.dtype_name(dtype))
+    return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
 
 
-def lost_name_expressions(dtype, dk_is_input_dtype):
+def _transform_arg(transforms, acc, dtype_name="float64"):
+    """The transforms as a last template argument (natural units), none without any."""
+    return f", {_modifiers.transform(transforms, acc, True, dtype_name)}" if transforms else ""
+
+
+def lost_name_expressions(dtype, dk_is_input_dtype, transforms=()):
     """The two backward kernels of lost_rows.cu for inputs of ``dtype`` whose dk / dv buffers hold
     the inputs' dtype (else the accumulator's)."""
     t, acc = _config.c_types(dtype)
-    return (f"bwd_lost_rows<{t}, {acc}>",
-            f"bwd_lost_keys<{t}, {acc}, {t if dk_is_input_dtype else acc}>")
+    f = _transform_arg(transforms, "double")
+    return (f"bwd_lost_rows<{t}, {acc}{f}>",
+            f"bwd_lost_keys<{t}, {acc}, {t if dk_is_input_dtype else acc}{f}>")
 
 
-def fwd_lost_name_expression(dtype):
+def fwd_lost_name_expression(dtype, transforms=()):
     t, acc = _config.c_types(dtype)
-    return f"fwd_lost_rows<{t}, {acc}>"
+    return f"fwd_lost_rows<{t}, {acc}{_transform_arg(transforms, 'double')}>"
 
 
 def instantiations():
     """Every (kernel, dtype name, bucket or None, source file, name expression) of this path."""
     out = []
     for dt in _config.supported_dtype_names():
-        rows, keys = lost_name_expressions(dt, False)
-        out += [("bwd_lost_rows", dt, None, LOST_SOURCE, rows),
-                ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
-        out += [(kernel, dt, b, KERNELS[kernel][0], name_expression(kernel, dt, b))
-                for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
+        for tf in _modifiers.CHAINS:
+            rows, keys = lost_name_expressions(dt, False, tf)
+            out += [("bwd_lost_rows", dt, None, LOST_SOURCE, rows),
+                    ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
+            out += [(kernel, dt, b, KERNELS[kernel][0], name_expression(kernel, dt, b, tf))
+                    for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
         out.append(("bwd_preprocess", dt, None, BWD_SOURCE, name_expression("bwd_preprocess", dt)))
     return out
 
@@ -80,7 +90,8 @@ def _prepare(kernel, p):
     """The compiled kernel, its (BLOCK_M, BLOCK_N) and its dynamic shared memory, opted in."""
     acc = _config.c_types(p.dtype)[1]
     bucket = _config.head_dim_bucket(p.Dk, p.Dv)
-    kern = _runtime.get_function(KERNELS[kernel][0], name_expression(kernel, p.dtype, bucket))
+    kern = _runtime.get_function(KERNELS[kernel][0],
+                                 name_expression(kernel, p.dtype, bucket, _modifiers.names(p)))
     smem = smem_bytes(kernel, acc, bucket)
     _runtime.opt_in(kern, smem)
     return kern, _config.GENERIC_TILES[(kernel, acc, bucket)], smem
@@ -159,7 +170,8 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
     p = args.p
 
     def launch():
-        fn = _runtime.get_function(LOST_SOURCE, fwd_lost_name_expression(p.dtype))
+        fn = _runtime.get_function(LOST_SOURCE,
+                                   fwd_lost_name_expression(p.dtype, _modifiers.names(p)))
         per_block = _config.GENERIC_THREADS // 32
         blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
         limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
@@ -205,7 +217,8 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):
     BH, Nq, Nk = p.BH, p.Nq, p.Nk
 
     def plan():
-        rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype)
+        rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype,
+                                                     _modifiers.names(p))
         warps = _config.GENERIC_THREADS // 32
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)

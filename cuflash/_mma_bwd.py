@@ -36,10 +36,11 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _generic, _mask_tiles, _memo, _mma_fwd, _runtime
+from . import _config, _generic, _mask_tiles, _memo, _mma_fwd, _modifiers, _runtime
 from ._broadcast import _padded
 
 NAME = "mma"
+TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
 SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
@@ -126,20 +127,24 @@ def prep_expr(dtype_name, dims):
     return f"bwd_mma_prep<{_CTYPE[dtype_name]}, {dims[1]}>"
 
 
-def dkdv_expr(dtype_name, dims, tile, dq_atomic, has_mb):
-    """bwd_mma_dkdv<..., opt>, or the warp-grid kernel bwd_mma_dkdv_grid for an OPT_GRID tile."""
+def dkdv_expr(dtype_name, dims, tile, dq_atomic, has_mb, transforms=()):
+    """bwd_mma_dkdv<..., opt>, or the warp-grid kernel bwd_mma_dkdv_grid for an OPT_GRID tile.
+    has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py)."""
     dk, dv = dims
     if tile.opt & OPT_GRID:
         return (f"bwd_mma_dkdv_grid<{_CTYPE[dtype_name]}, {dk}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
     return (f"bwd_mma_dkdv<{_CTYPE[dtype_name]}, {dk}, {dv}, {tile.block_m}, {tile.warps}, "
-            f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, {_config.modifier_type(has_mb)}, "
-            f"{tile.min_blocks}, {tile.opt}>")
+            f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, "
+            f"{_modifiers.score_mod(has_mb, transforms, dtype_name=dtype_name)}, {tile.min_blocks}, "
+            f"{tile.opt}>")
 
 
-def dq_expr(dtype_name, dims, tile, has_mb):
+def dq_expr(dtype_name, dims, tile, has_mb, transforms=()):
     return (f"bwd_mma_dq<{_CTYPE[dtype_name]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
-            f"{tile.warps}, {tile.stages}, {_config.modifier_type(has_mb)}, {tile.min_blocks}>")
+            f"{tile.warps}, {tile.stages}, "
+            f"{_modifiers.score_mod(has_mb, transforms, dtype_name=dtype_name)}, "
+            f"{tile.min_blocks}>")
 
 
 def dkdv_blocks(p, tile):
@@ -217,13 +222,23 @@ def instantiations():
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
                 for atomic, mb in itertools.product((True, False), (False, True)):
                     exprs.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
+            # with score transforms: the mask / bias tiles, with or without a mask / bias
+            for tf, mb, atomic in itertools.product(_modifiers.CHAINS[1:], (False, True),
+                                                    (True, False)):
+                exprs.append(dkdv_expr(dt, d, DKDV_TILES_MB[d], atomic, mb, tf))
+                if not atomic:
+                    exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, tf))
+                if d in DKDV_TILES_WG:
+                    exprs.append(dkdv_expr(dt, d, wg_tile(d, True, atomic), atomic, mb, tf))
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]
         # the lost-row fix, with dk / dv in the inputs' dtype (no sum follows) or in float32
-        rows, keys16 = _generic.lost_name_expressions(dt, True)
-        keys32 = _generic.lost_name_expressions(dt, False)[1]
-        out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows)]
-        out += [("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, k) for k in (keys16, keys32)]
+        for tf in _modifiers.CHAINS:
+            rows, keys16 = _generic.lost_name_expressions(dt, True, tf)
+            keys32 = _generic.lost_name_expressions(dt, False, tf)[1]
+            out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows)]
+            out += [("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, k)
+                    for k in (keys16, keys32)]
     # the masks' tile classes of the dK/dV tiles with a mask
     masked = {(t.block_m, 16 * t.warps) for t in (*DKDV_TILES_MB.values(),
                                                   *DKDV_TILES_WG_MB.values())}
@@ -274,17 +289,18 @@ def _recipe(p, deterministic):
     out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
     nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     has_mb = p.mask is not None or p.bias is not None
-    tile = dkdv_tile(dims, has_mb, not deterministic)
+    names = _modifiers.names(p)
+    tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic)  # a modifier's tiles
     smem = dkdv_smem_bytes(dims, tile)
-    dkdv = _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb), smem,
-                     dkdv_arch(tile))
+    dkdv = _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names),
+                     smem, dkdv_arch(tile))
     # the mask's tile classes, for its key blocks of 16 * warps keys
     classes = (tile.block_m, 16 * tile.warps) if has_mb else None
     dq = dq_blocks = dq_threads = dq_smem = None
     if deterministic:  # dq every element, without atomics
         dq_tile = DQ_TILES[dims]
         dq_smem = dq_smem_bytes(dims, dq_tile)
-        dq = _function(dq_expr(p.dtype.name, dims, dq_tile, has_mb), dq_smem)
+        dq = _function(dq_expr(p.dtype.name, dims, dq_tile, has_mb, names), dq_smem)
         dq_blocks, dq_threads = -(-Nq // (16 * dq_tile.warps)) * BH, dq_tile.warps * 32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad,
                   _function(prep_expr(p.dtype.name, dims), 0), -(-BH * nq_pad * 8 // 256),

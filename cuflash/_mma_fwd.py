@@ -7,9 +7,10 @@ backward's `takes_backward` reads it too).
 """
 from collections import namedtuple
 
-from . import _config, _generic, _memo, _runtime
+from . import _config, _generic, _memo, _modifiers, _runtime
 
 NAME = "mma"
+TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
 SOURCE = "fwd_mma.cu"
 
 # FwdTile: block_m = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp: 2
@@ -45,8 +46,17 @@ TILES_CC90 = {
 }
 
 
-def pick_tile(head_dim, has_mb, cc=80):
+# With a score transform (cuflash/_modifiers.py) and no mask / bias, where the table's tile spills:
+# at D=128 128 x 64 with 8 warps and Q in registers (as D=96), 210 registers (sm_90a).
+TRANSFORM_TILES = {
+    (128, False): FwdTile(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+}
+
+
+def pick_tile(head_dim, has_mb, cc=80, transforms=()):
     """The forward tile for a device of compute capability `cc` (an int, e.g. 90)."""
+    if transforms and (head_dim, has_mb) in TRANSFORM_TILES:
+        return TRANSFORM_TILES[(head_dim, has_mb)]
     if cc >= 90 and (head_dim, has_mb) in TILES_CC90:
         return TILES_CC90[(head_dim, has_mb)]
     return TILES[(head_dim, has_mb)]
@@ -58,11 +68,14 @@ def smem_bytes(head_dim, has_mb):
     return (t.block_m + 2 * t.stages * t.block_n) * (head_dim + 8) * 2
 
 
-def name_expression(dtype, head_dim, has_mb, tile=None):
+def name_expression(dtype, head_dim, has_mb, tile=None, transforms=()):
+    """has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py;
+    they keep the tiles of the call without them)."""
     t = TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
     return (f"fwd_mma<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
-            f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, {_config.modifier_type(has_mb)}, "
+            f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, "
+            f"{_modifiers.score_mod(has_mb, transforms, dtype_name=_config.dtype_name(dtype))}, "
             f"{t.min_blocks}, {b(t.cheap_addr)}, {b(t.kv_split)}>")
 
 
@@ -70,18 +83,21 @@ def instantiations():
     """Every (kernel, dtype name, head dim or None, source file, name expression) of this path."""
     out = []
     for dt in _config.MMA_DTYPES:
-        out += [("fwd_mma", dt, d, SOURCE, name_expression(dt, d, mb)) for d, mb in TILES]
-        out += [("fwd_mma", dt, d, SOURCE, name_expression(dt, d, mb, t))
-                for (d, mb), t in TILES_CC90.items()]
-        out.append(("fwd_lost_rows", dt, None, _generic.LOST_SOURCE,
-                    _generic.fwd_lost_name_expression(dt)))
+        for tf in _modifiers.CHAINS:
+            exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf), tf)
+                     for d, mb in TILES for cc in (80, 90)}
+            out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
+            out.append(("fwd_lost_rows", dt, None, _generic.LOST_SOURCE,
+                        _generic.fwd_lost_name_expression(dt, tf)))
     return out
 
 
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    return {name_expression(dt, d, mb, t) for dt in _config.MMA_DTYPES
-            for (d, mb), t in TILES_CC90.items()}
+    return {name_expression(dt, d, mb, pick_tile(d, mb, 90, tf), tf)
+            for dt in _config.MMA_DTYPES for d, mb in TILES for tf in _modifiers.CHAINS} - \
+        {name_expression(dt, d, mb, pick_tile(d, mb, 80, tf), tf)
+         for dt in _config.MMA_DTYPES for d, mb in TILES for tf in _modifiers.CHAINS}
 
 
 def tensor_core_layout(p, same_dims=True):
@@ -110,15 +126,16 @@ _recipes = _memo.Memo(256)
 def _recipe(p):
     """(kernel, shared memory, blocks, threads, block_m, has_mb): the launch of a layout."""
     has_mb = p.mask is not None or p.bias is not None
-    tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc)
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile))
+    names = _modifiers.names(p)
+    tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names)
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile, names))
     smem = smem_bytes(p.Dk, has_mb)
     _runtime.opt_in(kern, smem)
     # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
     blocks = -(-p.Nq // tile.block_m) * p.BH
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return kern, smem, blocks, tile.warps * 32, tile.block_m, has_mb
+    return kern, smem, blocks, tile.warps * 32, tile.block_m, _modifiers.modified(p)
 
 
 def forward(p):

@@ -25,7 +25,7 @@ acc_dtype, which the API sums back to the inputs' own shapes and casts.
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _config
+from . import _config, _modifiers
 from ._validate import key_range
 
 # Read at call time, so that tests can shrink them: keys per tile, query rows per block (None:
@@ -127,13 +127,18 @@ class _Tiles:
         return tile[tuple(h[hs] for h in self.heads)]
 
     # -- scores ----------------------------------------------------------------------------
-    def scores(self, hs, rs, j0, j1, whole):
-        """Scaled (biased) scores of block (hs, rs) against keys [j0, j1), hidden ones at -inf,
-        and ``hidden`` (heads, rows, keys), or None where every score is visible."""
+    def scores(self, hs, rs, j0, j1, whole, grad=False):
+        """Scaled, transformed (cuflash/_modifiers.py), biased scores of block (hs, rs) against
+        keys [j0, j1), hidden ones at -inf, and ``hidden`` (heads, rows, keys), or None where
+        every score is visible; with ``grad`` also the transforms' derivative (None without
+        any; 1 where hidden)."""
         p = self.p
         s = self.qs[hs, rs] @ self.kt[hs, :, j0:j1]
         if not self.prescaled:
             s *= self.scale
+        g = None
+        if p.transforms:
+            s, g = _modifiers.forward_and_grad(p, s) if grad else (_modifiers.forward(p, s), None)
         hidden = None
         if not whole:
             keys = np.arange(j0, j1, dtype=np.int64)
@@ -149,16 +154,19 @@ class _Tiles:
         if hidden is not None:
             hidden = np.broadcast_to(hidden, s.shape)
             np.copyto(s, -np.inf, where=hidden)
-        return s, hidden
+            if g is not None:
+                np.copyto(g, 1, where=hidden)
+        return (s, hidden, g) if grad else (s, hidden)
 
     def row_scores(self, j0, j1, rows):
-        """Float64 scores of keys [j0, j1) for the (bh, i) pairs ``rows``, hidden at -inf:
-        (len(rows[0]), j1 - j0)."""
+        """Float64 scores of keys [j0, j1) for the (bh, i) pairs ``rows``, hidden at -inf, and
+        the transforms' derivative (1 where hidden): two (len(rows[0]), j1 - j0) arrays."""
         p, f64 = self.p, np.float64
         b, i = rows
         keys = np.arange(j0, j1, dtype=np.int64)
         s = np.einsum("nd,njd->nj", self.q[b, i].astype(f64), self.k[b, j0:j1].astype(f64))
         s *= f64(p.scale)
+        s, g = _modifiers.forward_and_grad(p, s)
         visible = (self.lo[b, i, None] <= keys) & (keys <= self.hi[b, i, None])
         pick = tuple(h[b] for h in self.heads) + (i,)
         if p.mask is not None:
@@ -167,7 +175,7 @@ class _Tiles:
             bias = p.bias[..., j0:j1][pick].astype(f64)
             visible &= bias != -np.inf
             s += bias
-        return np.where(visible, s, -np.inf)
+        return np.where(visible, s, -np.inf), np.where(visible, g, 1)
 
 
 def forward(problem):
@@ -239,7 +247,7 @@ def backward(problem, dout, out, lse, deterministic=False):
             delta_b, shift_b = delta[hs, rs, None], lse_shift[hs, rs, None]
             nan_lse = bool(np.isnan(shift_b).any())
             for j0, j1, whole in t.key_tiles(hs, rs):
-                s, hidden = t.scores(hs, rs, j0, j1, whole)
+                s, hidden, g = t.scores(hs, rs, j0, j1, whole, grad=True)
                 s -= shift_b
                 prob = np.exp(s, out=s)
                 if nan_lse and hidden is not None:  # a NaN lse - (-inf): hidden keys stay 0
@@ -248,6 +256,8 @@ def backward(problem, dout, out, lse, deterministic=False):
                 ds = do_b @ np.swapaxes(t.v[hs, j0:j1], -1, -2)   # dP
                 ds -= delta_b
                 ds *= prob                                          # dS = P (dP - D)
+                if g is not None:
+                    ds *= g                                         # ... F'(x)
                 dq_b += ds @ t.k[hs, j0:j1]
                 dk[hs, j0:j1] += np.swapaxes(ds, -1, -2) @ q_b
         dq *= t.scale                 # dS / dq = scale k; dk took q's scale already if q has it
@@ -267,7 +277,7 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv):
     l = np.zeros(b.size)
     every_row = slice(None), slice(None)
     for j0, j1, _ in t.key_tiles(*every_row):  # pass 1: the rows' max and sum, online
-        s = t.row_scores(j0, j1, rows)
+        s, _ = t.row_scores(j0, j1, rows)
         m_new = np.maximum(m, s.max(axis=-1))
         shift = np.where(m_new == -np.inf, 0, m_new)
         l = l * np.exp(m - shift) + np.exp(s - shift[:, None]).sum(axis=-1)
@@ -280,10 +290,10 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv):
     scale = f64(t.p.scale)
     grad_q = np.zeros(q.shape)
     for j0, j1, _ in t.key_tiles(*every_row):  # pass 2: P, dS and the three products
-        s = t.row_scores(j0, j1, rows)
+        s, g = t.row_scores(j0, j1, rows)
         prob = np.exp(s - shift) / l               # (n, tile)
         k, v = t.k[b, j0:j1].astype(f64), t.v[b, j0:j1].astype(f64)   # (n, tile, D)
-        ds = prob * (np.einsum("nd,njd->nj", do, v) - d)
+        ds = prob * (np.einsum("nd,njd->nj", do, v) - d) * g
         grad_q += np.einsum("nj,njd->nd", ds, k) * scale
         np.add.at(dk, (b[:, None], np.arange(j0, j1)[None, :]),
                   (ds[..., None] * q[:, None, :] * scale).astype(dk.dtype))

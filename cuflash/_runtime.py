@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _broadcast, _config, _memo
+from . import _broadcast, _config, _memo, _modifiers
 from ._validate import element_strides
 
 OPTIONS = ("-std=c++17",)
@@ -319,7 +319,8 @@ ARGS_FIELDS = (tuple((f"{x}_{s}", "<i8") for x, s in (("q", "rs"), ("k", "rs"), 
                                                     ("bias", "rs"), ("bias", "cs")))
                + tuple((x, "<i4") for x in ("BH", "Nq", "Nk", "Dk", "Dv"))
                + (("scale", "<f8"),)
-               + tuple((x, "<i4") for x in ("left", "right", "bottom_right")))
+               + tuple((x, "<i4") for x in ("left", "right", "bottom_right"))
+               + tuple((f"mod{k}", "<f8") for k in range(_modifiers.MOD_ARGS)))
 ARGS_DTYPE = np.dtype(list(ARGS_FIELDS), align=True)  # C's layout: fields on natural alignment
 
 
@@ -360,6 +361,8 @@ def _args_layout(p):
     for name in ("BH", "Nq", "Nk", "Dk", "Dv", "scale", "left", "right"):
         a[name] = getattr(p, name)
     a["bottom_right"] = bool(p.bottom_right)
+    for k, value in enumerate(_modifiers.scalars(p)):
+        a[f"mod{k}"] = value
     return strides, on_device(table), kv_lens, a[()]
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _broadcast, _memo
+from . import _broadcast, _memo, _modifiers
 from ._config import MAX_HEAD_DIM, accumulator_dtype, supported_dtype_names
 
 ALIGNS = ("bottom-right", "top-left")
@@ -61,6 +61,8 @@ class Problem:
     # (BH,) the element of the caller's kv_lens that each (batch, head) reads (its broadcast).
     lens_device: Optional[Any] = None
     lens_map: Optional[np.ndarray] = None
+    # the score transforms (cuflash/_modifiers.py): ((name, scalars), ...) in its table's order
+    transforms: tuple = ()
 
     def with_arrays(self, q, k, v, mask, bias, kv_lens=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
@@ -389,7 +391,7 @@ def _pair_key(pair):
 
 
 def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None,
-              precision=None):
+              precision=None, modifiers=None):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
@@ -408,7 +410,8 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
                None if mask is None else _array_key(mask),
                None if bias is None else _array_key(bias),
                _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
-               _side_key(precision))
+               _side_key(precision),
+               tuple((n, _side_key(x)) for n, x in sorted((modifiers or {}).items())))
         hash(key)
     except (AttributeError, TypeError, ValueError):
         return None
@@ -420,20 +423,21 @@ _problems = _memo.Memo(256)  # signature -> Problem without arrays (Problem.with
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                  mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                 fn="attention"):
-    """Validate and normalize the arguments of ``fn`` (the public function, named in messages).
+                 fn="attention", **modifiers):
+    """Validate and normalize the arguments of ``fn`` (the public function, named in messages);
+    `modifiers`: the score transforms' keywords (cuflash/_modifiers.py, e.g. softcap=).
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
     key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
-                    precision)
+                    precision, modifiers)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
             return known.with_arrays(q, k, v, mask, bias, kv_lens)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                      precision=precision, fn=fn)
+                      precision=precision, fn=fn, modifiers=modifiers)
     if key is not None:
         p.key = key
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
@@ -447,7 +451,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
 
 
 def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,
-                  precision, fn):
+                  precision, fn, modifiers):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -514,6 +518,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     else:
         kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
     precision = _check_precision(fn, precision)
+    transforms = _modifiers.check(fn, **modifiers)
 
     given = (q, k, v)
     q, k, v = (_innermost_contiguous(xp, x) for x in given)
@@ -523,7 +528,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    acc_dtype=acc_dtype, scale=scale, causal=causal, bottom_right=bottom_right,
                    left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
                    q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied,
-                   precision=precision, lens_device=lens_device, lens_map=lens_map)
+                   precision=precision, lens_device=lens_device, lens_map=lens_map,
+                   transforms=transforms)
 
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):

@@ -9,10 +9,11 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _broadcast, _config, _generic, _mask_tiles, _memo, _runtime, _tma
+from . import _broadcast, _config, _generic, _mask_tiles, _memo, _modifiers, _runtime, _tma
 from ._validate import element_strides, key_range
 
 NAME = "wgmma"
+TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
 SOURCE = "fwd_wgmma.cu"
 ARCH = "sm_90a"
 
@@ -36,6 +37,11 @@ TILES = {
     ((192, 192), True): _T(64, 2, 2, 240, True),
     ((256, 256), True): _T(32, 2, 2, 240, True),
 }
+# With a score transform and no mask / bias, where the table's tile spills (sm_90a ptxas): at D=64
+# 64 keys per tile (128 spilled 8 bytes).
+TRANSFORM_TILES = {
+    ((64, 64), False): _T(64, 3, 2, 160, False),
+}
 del _T
 DIMS = sorted({dims for dims, _ in TILES})
 
@@ -52,7 +58,11 @@ HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
 SHORT_ROW_KEYS = 768
 
 
-def pick_tile(dims, mb):
+def pick_tile(dims, mb, transforms=()):
+    """The tile of a mask / bias reading mb (score transforms keep the tile of the call without
+    them, but where TRANSFORM_TILES says otherwise)."""
+    if transforms and (dims, mb != MB_NONE) in TRANSFORM_TILES:
+        return TRANSFORM_TILES[(dims, mb != MB_NONE)]
     return TILES[(dims, mb != MB_NONE)]
 
 
@@ -74,16 +84,21 @@ def smem_bytes(dims, tile, mb):
         + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
 
-def name_expression(dtype, dims, tile, mb):
+def name_expression(dtype, dims, tile, mb, transforms=()):
+    """transforms: the score transforms' names (cuflash/_modifiers.py), a last template argument
+    when there are any."""
     b = "true" if tile.pingpong else "false"
+    f = (f", {_modifiers.transform(transforms, 'float', False, _config.dtype_name(dtype))}"
+         if transforms else "")
     return (f"fwd_wgmma<{_config.c_types(dtype)[0]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
-            f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}, {mb}>")
+            f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}, {mb}{f}>")
 
 
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
-    main = [("fwd_wgmma", dt, dims[0], SOURCE, name_expression(dt, dims, pick_tile(dims, mb), mb))
-            for dt in _config.MMA_DTYPES for dims in DIMS
+    main = [("fwd_wgmma", dt, dims[0], SOURCE,
+             name_expression(dt, dims, pick_tile(dims, mb, tf), mb, tf))
+            for dt in _config.MMA_DTYPES for dims in DIMS for tf in _modifiers.CHAINS
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
@@ -170,7 +185,8 @@ def _key_tiles_aligned(p):
 
 def _encode(p, dims):
     B, H = _mask_tiles.grid_shape(p)
-    tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED)
+    tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED,
+                     p.transforms)
     bm, bn = block_m(tile), tile.block_n
     found = [_tensor_map(x, x_map, B, H, n, x.shape[-1], (64, rows), _tma.SWIZZLE_128B)
              for x, x_map, n, rows in ((p.q, p.q_map, p.Nq, bm), (p.k, p.k_map, p.Nk, bn),
@@ -217,7 +233,7 @@ def takes(p):
     launch = _launch(p, dims)
     if launch is None:
         return False
-    return smem_bytes(dims, pick_tile(dims, launch.mb), launch.mb) <= \
+    return smem_bytes(dims, pick_tile(dims, launch.mb, p.transforms), launch.mb) <= \
         _runtime.device_info().smem_optin
 
 
@@ -226,8 +242,10 @@ _recipes = _memo.Memo(256)
 
 def _recipe(p, dims, mb):
     """(kernel, shared memory, blocks, threads, block_m, tile, H) of a layout's launch."""
-    tile = pick_tile(dims, mb)
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb), arch=ARCH)
+    names = _modifiers.names(p)
+    tile = pick_tile(dims, mb, names)
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names),
+                                 arch=ARCH)
     smem = smem_bytes(dims, tile, mb)
     _runtime.opt_in(kern, smem)
     blocks = -(-p.Nq // block_m(tile)) * p.BH
@@ -263,8 +281,9 @@ def forward(p):
                         i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
                         i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
                         _runtime.ptr(p.bias), i32(p.BH))
-         + tuple(np.int64(x) for x in args.strides[3:]) + (classes,), shared_mem=smem)
-    has_mb = launch.mb != MB_NONE
-    # as after fwd_mma: with a mask or bias, rows of l = 0 (all masked: empty, or all -inf: NaN)
+         + tuple(np.int64(x) for x in args.strides[3:]) + (classes,)
+         + tuple(np.float64(x) for x in _modifiers.scalars(p)), shared_mem=smem)
+    has_mb = launch.mb != MB_NONE or bool(p.transforms)
+    # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, bm, np.inf if has_mb else None)
     return out, lse

@@ -13,9 +13,10 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _config, _generic, _mask_tiles, _memo, _runtime
+from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
+TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")
 # Head-dim buckets: the kernel is compiled for DK = DV = the smallest >= max(Dk, Dv) and zeroes
@@ -105,9 +106,10 @@ def smem_bytes(dtype_name, t, bucket):
             + t.stages * t.block_n * (2 * bucket + 8 + 16 // e)) * e
 
 
-def name_expression(dtype_name, bucket, has_mb, passes, t):
+def name_expression(dtype_name, bucket, has_mb, passes, t, transforms=()):
+    """has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py)."""
     c = _config.c_types(dtype_name)[0]
-    mod = _config.modifier_type(has_mb, c)
+    mod = _modifiers.score_mod(has_mb, transforms, c)
     return (f"fwd_wide<{c}, {passes if dtype_name == 'float32' else 1}, {bucket}, {bucket}, "
             f"{t.block_n}, {t.warps}, {t.mf}, {t.stages}, {mod}, {t.min_blocks}>")
 
@@ -120,10 +122,10 @@ def pick_bwd_tiles(dtype_name, bucket, has_mb, cc=80):
     return BWD_TILES.get(key)
 
 
-def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles):
+def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles, transforms=()):
     """(dkdv, dq) name expressions (the modifier in natural units: bwd_wide.cu)."""
     c = _config.c_types(dtype_name)[0]
-    mod = _config.modifier_type(has_mb, c, natural=True)
+    mod = _modifiers.score_mod(has_mb, transforms, c, natural=True)
     p = passes if dtype_name == "float32" else 1
     dkdv, dq = tiles
     head = f"{c}, {p}, {bucket}, {bucket}"
@@ -141,11 +143,23 @@ def bwd_smem_bytes(dtype_name, tiles, bucket):
     return tuple((16 * t.mf * t.warps + t.stages * t.block_n) * row for t in tiles)
 
 
-def _variants(tiles):
-    """(dtype name, bucket, has_mb, passes, tile) of every instantiation of a tile table."""
+# The float64 backward with a score transform spills on every tile (its dF/dx doubles): the
+# generic kernels take it.
+NO_BWD_TRANSFORMS = ("float64",)
+
+
+def _variants(tiles, transforms_with_mb=False):
+    """(dtype name, bucket, has_mb, passes, tile, transforms) of every instantiation of a tile
+    table: the forward's score transforms keep the tiles of the calls without them; with
+    transforms_with_mb (the backward) they take the mask / bias tiles, with or without one."""
     for (dt, b, mb), t in tiles.items():
         for passes in (PASSES.values() if dt == "float32" else (1,)):
-            yield dt, b, mb, passes, t
+            for tf in _modifiers.CHAINS:
+                if tf and transforms_with_mb and dt in NO_BWD_TRANSFORMS:
+                    continue
+                for has_mb in ((mb,) if not tf or not transforms_with_mb else
+                               (False, True) if mb else ()):
+                    yield dt, b, has_mb, passes, t, tf
 
 
 def instantiations():
@@ -153,18 +167,20 @@ def instantiations():
     exprs = {name_expression(*v): v[:2] for tiles in (TILES, TILES_CC90) for v in _variants(tiles)}
     out = [("fwd_wide", dt, b, SOURCE, e) for e, (dt, b) in exprs.items()]
     for table in (BWD_TILES, BWD_TILES_CC90):
-        for dt, b, mb, passes, tiles in _variants(table):
-            dkdv, dq = bwd_name_expressions(dt, b, mb, passes, tiles)
+        for v in _variants(table, transforms_with_mb=True):
+            dkdv, dq = bwd_name_expressions(*v)
+            dt, b = v[:2]
             out += [("bwd_wide_dkdv", dt, b, BWD_SOURCE, dkdv),
                     ("bwd_wide_dq", dt, b, BWD_SOURCE, dq)]
     for dt in DTYPES:
-        rows, keys = _generic.lost_name_expressions(dt, False)
-        out += [("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
-                 _generic.name_expression("bwd_preprocess", dt)),
-                ("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows),
-                ("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, keys)]
-    out += [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, _generic.fwd_lost_name_expression(dt))
-            for dt in DTYPES]
+        out.append(("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
+                    _generic.name_expression("bwd_preprocess", dt)))
+        for tf in _modifiers.CHAINS:
+            rows, keys = _generic.lost_name_expressions(dt, False, tf)
+            out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows),
+                    ("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, keys),
+                    ("fwd_lost_rows", dt, None, _generic.LOST_SOURCE,
+                     _generic.fwd_lost_name_expression(dt, tf))]
     return out
 
 
@@ -172,7 +188,7 @@ def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
     fwd = {name_expression(*v) for v in _variants(TILES_CC90)} - {
         name_expression(*v) for v in _variants(TILES)}
-    return fwd | {e for v in _variants(BWD_TILES_CC90) for e in bwd_name_expressions(*v)}
+    return fwd | {e for v in _variants(BWD_TILES_CC90, True) for e in bwd_name_expressions(*v)}
 
 
 def bucket(p):
@@ -209,14 +225,15 @@ def _recipe(p):
     b = bucket(p)
     tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype.name, b, has_mb, passes, tile))
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype.name, b, has_mb, passes, tile,
+                                                         _modifiers.names(p)))
     smem = smem_bytes(p.dtype.name, tile, b)
     _runtime.opt_in(kern, smem)
     block_m = 16 * tile.mf * tile.warps
     blocks = -(-p.Nq // block_m) * p.BH  # 1-D, bh-major (fwd_lost_rows reads this order)
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return (kern, smem, blocks, tile.warps * 32, block_m, has_mb), tile.block_n
+    return (kern, smem, blocks, tile.warps * 32, block_m, _modifiers.modified(p)), tile.block_n
 
 
 def forward(p):
@@ -230,9 +247,8 @@ def forward(p):
 
 def _bwd_tiles(p):
     """(bucket, (dkdv tile, dq tile)) of p on the current device, or (bucket, None)."""
-    b = bucket(p)
-    has_mb = p.mask is not None or p.bias is not None
-    return b, pick_bwd_tiles(p.dtype.name, b, has_mb, _runtime.device_info().cc)
+    b = bucket(p)  # (a score transform takes the tiles of a mask / bias: its dF/dx registers)
+    return b, pick_bwd_tiles(p.dtype.name, b, _modifiers.modified(p), _runtime.device_info().cc)
 
 
 def bwd_bucket(p):
@@ -244,7 +260,7 @@ def bwd_bucket(p):
 def takes_backward(p):
     """The forward's conditions, within the backward's buckets and shared memory."""
     b, tiles = _bwd_tiles(p)
-    if tiles is None or not takes(p):
+    if tiles is None or not takes(p) or (p.transforms and p.dtype.name in NO_BWD_TRANSFORMS):
         return False
     return max(bwd_smem_bytes(p.dtype.name, tiles, b)) <= _runtime.device_info().smem_optin
 
@@ -259,7 +275,8 @@ def _bwd_recipe(p):
     b, tiles = _bwd_tiles(p)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
     launches = []
-    for expr, smem, t, n in zip(bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles),
+    exprs = bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles, _modifiers.names(p))
+    for expr, smem, t, n in zip(exprs,
                                 bwd_smem_bytes(p.dtype.name, tiles, b), tiles, (p.Nk, p.Nq)):
         kern = _runtime.get_function(BWD_SOURCE, expr)
         _runtime.opt_in(kern, smem)

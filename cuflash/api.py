@@ -53,6 +53,11 @@ _OPTIONS_DOC = """\
         +inf entry makes its row NaN. A finite padding bias such as finfo(float32).min hides
         nothing: a row that only has such logits is a uniform softmax with a finite lse.
         None means no bias.
+    softcap : float or None, default None
+        Logit softcapping (Gemma 2, Grok): the scaled logit x = scale·q·kᵀ becomes
+        ``softcap·tanh(x / softcap)``, then the bias is added, so every logit lies within
+        ±softcap of its bias. Its derivative ``1 - tanh²(x / softcap)`` enters the gradients.
+        A finite real number > 0 (a bool is refused); None or 0 means no softcap.
     kv_lens : int, sequence of ints, int array or None, default None
         Per sequence, how many keys exist: only keys j < kv_lens are read (the rest may hold
         anything, NaN included). Broadcastable to the leading dims ``...`` of the output (a
@@ -89,6 +94,7 @@ _TYPE_ERRORS_DOC = """\
         - kv_lens does not hold integers (bools are refused), or is a cupy.ndarray with NumPy
           inputs.
         - precision is neither None nor a string.
+        - softcap is neither None nor a real number (a bool is refused).
         - A keyword the function does not take (Python's own TypeError)."""
 
 _VALUE_ERRORS_DOC = """\
@@ -105,7 +111,8 @@ _VALUE_ERRORS_DOC = """\
         - kv_lens does not broadcast to the leading dims, or (host data) holds a value outside
           [0, Nk]; a CuPy kv_lens is on another device than q.
         - positions is neither None nor a pair, or a start is not a non-negative int.
-        - precision is a string other than "highest" and "high"."""
+        - precision is a string other than "highest" and "high".
+        - softcap is negative, NaN or infinite."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
@@ -169,7 +176,8 @@ def _backward(problem, dout, out, lse, deterministic=False):
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, positions=None, precision=None, return_lse=False):
+              bias=None, kv_lens=None, positions=None, precision=None, softcap=None,
+              return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
@@ -300,15 +308,14 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     with _runtime.graph_safe(q):
         problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                                mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                               precision=precision, fn="attention")
+                               precision=precision, softcap=softcap, fn="attention")
         out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
-                       precision=None,
-                       deterministic=False):
+                       precision=None, softcap=None, deterministic=False):
     """Compute the gradients of :func:`attention` with respect to q, k and v.
 
     The score tiles are recomputed from q, k and lse; no probability matrix is stored.
@@ -407,15 +414,14 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     with _runtime.graph_safe(q):
         problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                                mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                               precision=precision, fn="attention_backward")
+                               precision=precision, softcap=softcap, fn="attention_backward")
         check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
         return _backward(problem, dout, out, lse, deterministic)
 
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                   mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                  deterministic=False,
-                  return_lse=None):
+                  softcap=None, deterministic=False, return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
     For training without a framework: ``out, vjp = attention_vjp(q, k, v, ...)``, then
@@ -491,7 +497,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
     with _runtime.graph_safe(q):
         problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                                mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                               precision=precision, fn="attention_vjp")
+                               precision=precision, softcap=softcap, fn="attention_vjp")
         out, lse = _forward(problem)
 
     def vjp(dout):

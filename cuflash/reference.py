@@ -28,10 +28,12 @@ def _host(x):
     return np.asarray(x)
 
 
-def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions=None):
+def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions=None,
+           softcap=None):
     """Reject bad input with the library's own messages; the Problem itself is not used."""
     _validate.make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions)
+                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                           softcap=softcap)
 
 
 def _lead_shape(q, k, v):
@@ -112,8 +114,9 @@ class _Dense:
     """
 
     def __init__(self, q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                 positions=None, work=np.float64, storage=None):
+                 positions=None, work=np.float64, storage=None, softcap=None):
         self.work = work
+        self.softcap = None if not softcap else float(softcap)  # None or 0: none
         self.storage = storage
         q, k, v = (_host(x) for x in (q, k, v))
         self.shapes = q.shape, k.shape, v.shape
@@ -137,11 +140,19 @@ class _Dense:
             return x
         return np.asarray(x).astype(self.storage).astype(self.work)
 
-    def logits(self):
+    def logits(self, with_grad=False):
+        """The logits, -inf where invisible (which also hides inf / NaN there); with_grad: and
+        d logit / d(scaled score), the softcap's 1 - tanh^2 (1 without a softcap)."""
         s = self.rnd(self.scale * self.rnd(self.q @ np.swapaxes(self.k, -1, -2)))
+        grad = 1.0
+        if self.softcap is not None:  # softcap * tanh(s / softcap), before the bias
+            t = self.rnd(np.tanh(self.rnd(s / self.softcap)))
+            grad = self.rnd(1 - t * t)
+            s = self.rnd(self.softcap * t)
         if self.bias is not None:
             s = self.rnd(s + self.bias.astype(self.work))
-        return np.where(self.visible, s, -np.inf)  # invisible -> -inf, also hides inf/NaN there
+        s = np.where(self.visible, s, -np.inf)
+        return (s, grad) if with_grad else s
 
     def forward(self):
         # Masked-out entries never reach exp or log as -inf - (-inf); this only silences
@@ -174,7 +185,7 @@ class _Dense:
         return out, lse[..., 0]
 
     def _backward(self, dout, out, lse):
-        s = self.logits()
+        s, grad = self.logits(with_grad=True)
         lse = np.broadcast_to(self.rnd(_host(lse).astype(self.work)), s.shape[:-1])[..., None]
         dout = np.broadcast_to(self.rnd(_host(dout).astype(self.work)), self.out_shape)
         out = np.broadcast_to(self.rnd(_host(out).astype(self.work)), self.out_shape)
@@ -192,7 +203,7 @@ class _Dense:
         delta = self.rnd((dout * out).sum(axis=-1, keepdims=True))
         dv = self.rnd(np.swapaxes(p, -1, -2) @ dout)
         dp = self.rnd(dout @ np.swapaxes(self.v, -1, -2))
-        ds = self.rnd(p * self.rnd(dp - delta))
+        ds = self.rnd(self.rnd(p * self.rnd(dp - delta)) * grad)
         dq = self.rnd(self.scale * self.rnd(ds @ self.k))
         dk = self.rnd(self.scale * self.rnd(np.swapaxes(ds, -1, -2) @ self.q))
         qs, ks, vs = self.shapes
@@ -200,20 +211,22 @@ class _Dense:
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, positions=None, return_lse=False):
+              bias=None, kv_lens=None, positions=None, softcap=None, return_lse=False):
     """Dense float64 attention with exactly the semantics of ``cuflash.attention``.
 
     Returns ``out`` (``lead + (Nq, Dv)``), or ``(out, lse)`` (``lse``: ``lead + (Nq,)``), as NumPy
     float64 arrays whatever the input dtype or array module. Empty rows give out = 0, lse = -inf.
+    The logits are ``softcap * tanh(scale q k^T / softcap) + bias`` with a softcap.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions)
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap)
     out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                      positions).forward()
+                      positions, softcap=softcap).forward()
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
-                       window=None, mask=None, bias=None, kv_lens=None, positions=None):
+                       window=None, mask=None, bias=None, kv_lens=None, positions=None,
+                       softcap=None):
     """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``.
 
     Uses the same formula as the API, from the *passed* ``out`` and ``lse`` (not recomputed ones):
@@ -223,8 +236,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     ``log(l)``: there ``P = softmax(S)`` from the row's own max and sum;
     ``D = rowsum(dout * out)``, ``dV = P^T dout``, ``dS = P * (dout V^T - D)``,
     ``dQ = scale dS K``, ``dK = scale dS^T Q``; gradients of broadcast or grouped inputs are summed
-    into the input's own shape. Empty rows contribute nothing. Results are NumPy float64.
+    into the input's own shape. With a softcap dS carries its derivative too,
+    ``dS = P * (dout V^T - D) * (1 - tanh^2(scale q k^T / softcap))``. Empty rows contribute
+    nothing. Results are NumPy float64.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions)
-    dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions)
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap)
+    dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
+                   softcap=softcap)
     return dense.backward(dout, out, lse)

@@ -5,6 +5,7 @@
 // mirror of AttnArgs is cuflash/_runtime.py ARGS_FIELDS (a NumPy structured scalar with the same
 // fields, order and C types; tests/test_build.py holds the two in step).
 #pragma once
+#include "modifiers.cuh"
 
 // offsets (5, BH): element offsets of each (batch, head) in q, k, v, mask, bias; mask, bias (of
 // type Bias) and kv_lens (BH) are null where absent.
@@ -33,6 +34,7 @@ struct AttnArgs {
   int BH, Nq, Nk, Dk, Dv;
   double scale;  // rounded to the kernel's arithmetic type by ATTN_ARGS_LOCALS
   int left, right, bottom_right;  // the window (cuflash/_validate.py) and the alignment
+  double mod0, mod1;  // the score transforms' scalars (ModArgs, MOD_ARGS of them; cuflash/_modifiers.py)
 };
 
 // The same fields as separate parameters, for the generic CUDA-core kernels: there ptxas kept the
@@ -42,7 +44,7 @@ struct AttnArgs {
 #define ATTN_ARGS_PARAMS(Scale)                                                                \
   long long q_rs, long long k_rs, long long v_rs, long long mask_rs, long long mask_cs,        \
       long long bias_rs, long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, Scale scale, \
-      int left, int right, int bottom_right
+      int left, int right, int bottom_right, double mod0, double mod1
 
 // The fields as the const locals a kernel body reads (the names the positional parameters had),
 // the scale rounded to `Scale` as the host rounded it when it passed a scalar of that type.
@@ -52,4 +54,5 @@ struct AttnArgs {
   const long long bias_rs = (a).bias_rs, bias_cs = (a).bias_cs;                              \
   const int BH = (a).BH, Nq = (a).Nq, Nk = (a).Nk, Dk = (a).Dk, Dv = (a).Dv;                 \
   const Scale scale = static_cast<Scale>((a).scale);                                         \
-  const int left = (a).left, right = (a).right, bottom_right = (a).bottom_right
+  const int left = (a).left, right = (a).right, bottom_right = (a).bottom_right;               \
+  const ModArgs mod_args = {{(a).mod0, (a).mod1}}

@@ -7,6 +7,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "modifiers.cuh"
 
 // ---- visibility in 32 bits -------------------------------------------------------------------
 // Query i sees key j (by position) iff lo(i) <= j <= hi(i), lo(i) = max(i + dlo, 0) and
@@ -78,73 +79,99 @@ __device__ __forceinline__ KeyTiles key_tiles(const long long* kv_lens, long lon
 
 // ---- score modifiers ---------------------------------------------------------------------------
 // Applied to each logit visible by position, in the kernel's units (log2 units in the tensor-core
-// kernels): mod(x, i, j) returns the modified logit, -inf for a key the modifier hides. The
-// identity costs nothing; softcap, ALiBi and the like are further modifiers of this shape.
+// kernels): mod(x, i, j) returns the modified logit, -inf for a key the modifier hides; the
+// backward's mod.apply(x, i, j, g) also multiplies g by the derivative beyond the scale (1 without
+// a transform). The identity costs nothing.
 // READS_INPUTS: whether it reads per-(query, key) inputs (then it must not be asked about padding
 // query rows, i >= Nq). IDENTITY: no per-element work, so that a kernel templated on the modifier
-// leaves the tiles visible by position alone and folds the scale into exp2. make(...): the
-// modifier of head bh from the kernel's inputs (make_mask_bias below).
+// leaves the tiles visible by position alone and folds the scale into exp2. HAS_GRAD: the
+// backward multiplies dS by g. make(...): the modifier of head bh from the kernel's inputs.
 struct NoMod {
-  static constexpr bool READS_INPUTS = false, IDENTITY = true;
+  static constexpr bool READS_INPUTS = false, IDENTITY = true, HAS_GRAD = false;
   template <typename X>
   __device__ __forceinline__ X operator()(X x, int, long long) const { return x; }
+  template <typename X>
+  __device__ __forceinline__ X apply(X x, int, long long, X&) const { return x; }
+  __device__ __forceinline__ NoMod shown() const { return NoMod(); }
   template <typename Bias, typename Scale>
   __device__ __forceinline__ static NoMod make(const unsigned char*, const Bias*,
                                                const long long*, int, long long, long long,
-                                               long long, long long, long long, Scale) {
+                                               long long, long long, long long, Scale,
+                                               const ModArgs& = ModArgs()) {
     return NoMod();
   }
 };
-// The raw score to the kernel's units (scale times log2e, or the scale alone in natural units),
-// for a tile of a masked kernel that its mask shows entirely.
-template <typename Acc>
-struct ScaleModT {
-  static constexpr bool READS_INPUTS = false;
-  Acc scale_units;
-  __device__ __forceinline__ Acc operator()(Acc x, int, long long) const {
-    return x * scale_units;
-  }
-};
-using ScaleMod = ScaleModT<float>;
-// A boolean mask and / or an additive bias (of the kernel's accumulator type Acc), offset to this
-// (batch, head): the raw score x is scaled to the kernel's units here, log2 units (x * scale *
-// log2e + bias * log2e), or natural ones with NATURAL (x * scale + bias); the kernels fold the
-// scale into the exponent only without a modifier. A -inf bias gives x = -inf (no mass), a NaN bias
-// NaN; one below -max / log2e overflows to -inf (the kernels' lost-row fix-ups settle rows of only
-// such keys).
-template <typename Acc, bool NATURAL = false>
-struct MaskBiasModT {
-  static constexpr bool READS_INPUTS = true, IDENTITY = false;
+// A boolean mask and / or an additive bias (MB; of the kernel's accumulator type Acc, offset to
+// this (batch, head)) and the transform F (modifiers.cuh): the raw score x is scaled to the
+// kernel's units, log2 units (x * scale * log2e, then + bias * log2e), or natural ones with NATURAL
+// (x * scale, then + bias), F in between; the kernels fold the scale into the exponent only without
+// a modifier. A -inf bias gives x = -inf (no mass), a NaN bias NaN; one below -max / log2e
+// overflows to -inf (the kernels' lost-row fix-ups settle rows of only such keys).
+template <typename Acc, bool NATURAL = false, bool MB = true, typename F = NoTransform>
+struct ScoreModT {
+  static constexpr bool READS_INPUTS = MB, IDENTITY = false, HAS_GRAD = !F::IDENTITY;
   const unsigned char* mask;  // may be null
   const Acc* bias;            // may be null
   long long mask_rs, mask_cs, bias_rs, bias_cs;
   Acc scale_units;  // scale, times log2e unless NATURAL
+  F f;
+  // (F is called on a copy: a member function called on the member itself kept the struct in
+  // memory and changed the code of the kernels without a transform.)
   __device__ __forceinline__ Acc operator()(Acc x, int i, long long j) const {
-    if (mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<Acc>();
+    if (MB && mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<Acc>();
     x *= scale_units;
-    if (bias != nullptr) {
+    return biased(F(f)(x, i, j), i, j);
+  }
+  __device__ __forceinline__ Acc apply(Acc x, int i, long long j, Acc& g) const {
+    if (MB && mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<Acc>();
+    x *= scale_units;
+    return biased(F(f).apply(x, i, j, g), i, j);
+  }
+  __device__ __forceinline__ Acc biased(Acc x, int i, long long j) const {
+    if (MB && bias != nullptr) {
       const Acc b = bias[i * bias_rs + j * bias_cs];
       x = NATURAL ? x + b : acc_fma(b, log2e<Acc>(), x);
     }
     return x;
   }
-  __device__ __forceinline__ static MaskBiasModT make(const unsigned char* mask, const Acc* bias,
-                                                      const long long* offsets, int BH,
-                                                      long long bh, long long mask_rs,
-                                                      long long mask_cs, long long bias_rs,
-                                                      long long bias_cs, Acc scale_units) {
-    MaskBiasModT mb;
-    mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
-    mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+  // The modifier of a tile the mask shows entirely without a bias: the scale and F.
+  __device__ __forceinline__ ScoreModT<Acc, NATURAL, false, F> shown() const {
+    ScoreModT<Acc, NATURAL, false, F> s;
+    s.scale_units = scale_units;
+    s.f = f;
+    return s;
+  }
+  __device__ __forceinline__ static ScoreModT make(const unsigned char* mask, const Acc* bias,
+                                                   const long long* offsets, int BH,
+                                                   long long bh, long long mask_rs,
+                                                   long long mask_cs, long long bias_rs,
+                                                   long long bias_cs, Acc scale_units,
+                                                   const ModArgs& m = ModArgs()) {
+    ScoreModT mb;
+    if constexpr (MB) {
+      mb.mask = mask ? mask + offsets[3 * BH + bh] : nullptr;
+      mb.bias = bias ? bias + offsets[4 * BH + bh] : nullptr;
+    } else {
+      mb.mask = nullptr;
+      mb.bias = nullptr;
+    }
     mb.mask_rs = mask_rs;
     mb.mask_cs = mask_cs;
     mb.bias_rs = bias_rs;
     mb.bias_cs = bias_cs;
     mb.scale_units = scale_units;
+    mb.f = F::make(m, 0, NATURAL ? Acc(1) : log2e<Acc>());
     return mb;
   }
 };
+template <typename Acc, bool NATURAL = false>
+using MaskBiasModT = ScoreModT<Acc, NATURAL>;
 using MaskBiasMod = MaskBiasModT<float>;  // the 16-bit kernels' (float accumulators, log2 units)
+// The raw score to the kernel's units only (scale times log2e, or the scale alone in natural
+// units), for a tile of a masked kernel that its mask shows entirely.
+template <typename Acc, bool NATURAL = false>
+using ScaleModT = ScoreModT<Acc, NATURAL, false>;
+using ScaleMod = ScaleModT<float>;
 
 // The modifier of head bh (offsets: the kernels' (5, BH) table, rows 3 and 4 for mask and bias).
 template <typename Acc>
@@ -195,6 +222,40 @@ __device__ __forceinline__ bool row_empty(int i, int Nq, const Bounds32& b) {
   return (i >= Nq) | (max(i + b.dlo, 0) > min(i + b.dhi, b.L_last));
 }
 
+// The backward's modifier: mod, recording at each fragment entry s[nf][k] it modifies the
+// derivative g[nf][k] (Mod::apply; 1 at the entries it does not reach, whose P is 0).
+template <typename Mod, int NF, typename Acc>
+struct WithGrad {
+  static constexpr bool READS_INPUTS = Mod::READS_INPUTS;
+  const Mod& mod;
+  Acc (&g)[NF][4];
+};
+template <typename Mod, int NF, typename Acc>
+__device__ __forceinline__ WithGrad<Mod, NF, Acc> with_grad(const Mod& mod, Acc (&g)[NF][4]) {
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) g[nf][k] = Acc(1);
+  return WithGrad<Mod, NF, Acc>{mod, g};
+}
+// The modifier at fragment entry s[nf][k]: mod(x, i, j), and with WithGrad its derivative too.
+template <typename M, typename Acc>
+__device__ __forceinline__ Acc mod_at(const M& mod, Acc x, int i, long long j, int, int) {
+  return mod(x, i, j);
+}
+template <typename Mod, int NF, typename Acc>
+__device__ __forceinline__ Acc mod_at(const WithGrad<Mod, NF, Acc>& w, Acc x, int i, long long j,
+                                      int nf, int k) {
+  return w.mod.apply(x, i, j, w.g[nf][k]);
+}
+
+// g[nf][k] as WithGrad recorded it, or 1 without a derivative (the array unused).
+template <bool HAS_GRAD, int NF, typename Acc>
+__device__ __forceinline__ Acc grad_of(const Acc (&g)[NF][4], int nf, int k) {
+  if constexpr (HAS_GRAD) return g[nf][k];
+  return Acc(1);
+}
+
 // Row h of an m-fragment's scores, key column c = 8 nf + 2 t + e of the tile starting at key j0
 // (t = lane % 4): entries outside [c_lo, c_hi] become -inf, the others go through the modifier
 // (query i).
@@ -203,8 +264,9 @@ __device__ __forceinline__ void mask_columns(Acc (&s)[NF][4], int h, int c_lo, i
                                              int i, int j0, const Mod& mod) {
   for_row(s, h, [&](Acc x, int nf, int e) {
     const int c = nf * 8 + 2 * t + e;
-    return (c < c_lo || c > c_hi) ? neg_inf<Acc>()
-                                  : mod(x, i, static_cast<long long>(j0) + c);
+    return (c < c_lo || c > c_hi)
+               ? neg_inf<Acc>()
+               : mod_at(mod, x, i, static_cast<long long>(j0) + c, nf, 2 * h + e);
   });
 }
 
@@ -222,6 +284,17 @@ __device__ __forceinline__ void mask_rows(Acc (&s)[NF][4], int i, int j0, int t,
   });
 }
 
+// Every entry of an m-fragment through a modifier that reads no inputs (a score transform alone),
+// in a tile visible by position to every row of it: no position test.
+template <int NF, typename Acc, typename Mod>
+__device__ __forceinline__ void modify_all(Acc (&s)[NF][4], const Mod& mod) {
+  static_assert(!Mod::READS_INPUTS, "a mask or bias needs the per-element test");
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[nf][k] = mod_at(mod, s[nf][k], 0, 0, nf, k);
+}
+
 // Rows = keys (the dK / dV orientation): s[nf][2 h + e] of key j + 8 h (h = 0, 1) and query
 // i0 + 8 nf + 2 t + e. Padding query columns (i >= Nq) are left to the caller's P = 0 (their lse
 // is +inf) unless the modifier reads inputs there.
@@ -233,8 +306,8 @@ __device__ __forceinline__ void mask_key_rows(Acc (&s)[NF][4], int j, int i0, in
     for_row(s, h, [&](Acc x, int nf, int e) {
       const int i = i0 + nf * 8 + 2 * t + e;
       if (jh > b.L_last || jh < i + b.dlo || jh > i + b.dhi) return neg_inf<Acc>();
-      if (Mod::READS_INPUTS) return i >= Nq ? neg_inf<Acc>() : mod(x, i, jh);
-      return mod(x, i, jh);
+      if (Mod::READS_INPUTS && i >= Nq) return neg_inf<Acc>();
+      return mod_at(mod, x, i, jh, nf, 2 * h + e);
     });
   });
 }

@@ -42,17 +42,21 @@ bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, const Acc*
 
 // P for one (query i, key j) pair from its unscaled score; 0 where invisible or the row is empty
 // (lse = -inf), NaN where the lse is NaN.
-template <typename Acc>
+// g: the score transform's derivative there (f: modifiers.cuh; 1 without one).
+template <typename Acc, typename F>
 __device__ __forceinline__ Acc recompute_p(Acc s, Acc scale, long long i, long long j,
-                                           const Window& w, Acc lse_i, const MaskBias<Acc>& mb) {
+                                           const Window& w, Acc lse_i, const MaskBias<Acc>& mb,
+                                           const F& f, Acc& g) {
+  g = Acc(1);
   if (lse_i == NEG_INF) return Acc(0);
   Acc x = s * scale;
-  return visible_logit(x, i, j, key_range(w, i), mb) ? acc_exp(x - lse_i) : Acc(0);
+  return visible_logit(x, i, j, key_range(w, i), mb, f, g) ? acc_exp(x - lse_i) : Acc(0);
 }
 
 // Grid: x = key tile (BLOCK_N keys), (y, z) = batch*head. Each block walks only the query tiles
 // that can see its key tile (tile_query_range) and writes dk_acc (BH, Nk, Dk), dv_acc (BH, Nk, Dv).
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
+          typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
@@ -77,6 +81,7 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const HeadInputs<T, Acc> h =
       head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
                   bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
+  const F f = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
 
   Acc dk[ROWS][COLS], dv[ROWS][COLS];
   tile_zero(dk);
@@ -114,10 +119,10 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       for (int ii = 0; ii < QUERIES; ++ii) {
         const int ir = lane + LANES_PER_ROW * ii;
         const long long i = i0 + ir;
-        Acc p = Acc(0);
-        if (j < j_end) p = recompute_p(s[r][ii], scale, i, j, h.w, lse_s[ir], h.mb);
+        Acc p = Acc(0), g = Acc(1);
+        if (j < j_end) p = recompute_p(s[r][ii], scale, i, j, h.w, lse_s[ir], h.mb, f, g);
         Ps[jr * LDP + ir] = p;
-        dSs[jr * LDP + ir] = p * (dp[r][ii] - delta_s[ir]);
+        dSs[jr * LDP + ir] = p * (dp[r][ii] - delta_s[ir]) * g;
       }
     }
     __syncthreads();
@@ -163,7 +168,8 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
 // Grid: x = query tile (BLOCK_M queries), (y, z) = batch*head. Walks the key tiles the query tile
 // can see (tile_key_range) and writes dq_acc (BH, Nq, Dk) = scale * dS K.
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
+          typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
        const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
@@ -187,6 +193,7 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
   const HeadInputs<T, Acc> h =
       head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
                   bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
+  const F f = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);
@@ -224,8 +231,9 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         const long long j = j0 + lane + LANES_PER_ROW * jj;
         Acc ds = Acc(0);
         if (j < j_end) {
-          const Acc p = recompute_p(s[r][jj], scale, i, j, h.w, lse_r[r], h.mb);
-          ds = p * (dp[r][jj] - delta_r[r]);
+          Acc g;
+          const Acc p = recompute_p(s[r][jj], scale, i, j, h.w, lse_r[r], h.mb, f, g);
+          ds = p * (dp[r][jj] - delta_r[r]) * g;
         }
         dSs[ir * LDP + lane + LANES_PER_ROW * jj] = ds;
       }

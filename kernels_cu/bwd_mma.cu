@@ -413,7 +413,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_log2);
+                            scale_log2, mod_args);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
 
@@ -459,12 +459,17 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // exp2's FMA (sl); on sm_80 that branch spilled the D=96 tile.
     const int i_last = min(i0 + BLOCK_M, Nq) - 1;
     bool shown = false;
-    if constexpr (WG && HAS_MB) shown = mod.bias == nullptr && query_class(it) == TILE_VISIBLE;
+    if constexpr (WG && HAS_MB && !Mod::HAS_GRAD)
+      shown = mod.bias == nullptr && query_class(it) == TILE_VISIBLE;
+    float gr[Mod::HAS_GRAD ? NQF : 1][4];  // the modifier's derivative (HAS_GRAD)
     if (shown) {
       if (!tile_all_visible(pr, i0, i_last, j0, BLOCK_N))
         mask_key_rows(s, jw, i0, t, Nq, pr, NoMod());
-    } else if (HAS_MB || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
-      mask_key_rows(s, jw, i0, t, Nq, pr, mod);
+    } else if (Mod::READS_INPUTS || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
+      if constexpr (Mod::HAS_GRAD) mask_key_rows(s, jw, i0, t, Nq, pr, with_grad(mod, gr));
+      else mask_key_rows(s, jw, i0, t, Nq, pr, mod);
+    } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
+      modify_all(s, with_grad(mod, gr));
     }
     const float sl = shown ? scale_log2 : sl2;
 
@@ -507,15 +512,17 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       tcb::rows_times_queries<T, NQF, KDV, KV_IN_REGS, LROW, SWZ>(dp, va, sV + a_lane,
                                                                     dos + bn_lane);
 
-    // dS^T = scale * P^T (dP^T - delta[query]), in dp.
+    // dS^T = scale * P^T (dP^T - delta[query]) (times the modifier's derivative), in dp.
+    constexpr bool GR = Mod::HAS_GRAD;
 #pragma unroll
     for (int nf = 0; nf < NQF; ++nf) {
       float d0, d1;
       ld_shared_v2f(des + (nf * 8 + 2 * t) * 4, d0, d1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        dp[nf][2 * h] = scale * s[nf][2 * h] * (dp[nf][2 * h] - d0);
-        dp[nf][2 * h + 1] = scale * s[nf][2 * h + 1] * (dp[nf][2 * h + 1] - d1);
+        dp[nf][2 * h] = scale * s[nf][2 * h] * (dp[nf][2 * h] - d0) * grad_of<GR>(gr, nf, 2 * h);
+        dp[nf][2 * h + 1] =
+            scale * s[nf][2 * h + 1] * (dp[nf][2 * h + 1] - d1) * grad_of<GR>(gr, nf, 2 * h + 1);
       }
     }
 
@@ -710,7 +717,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_log2);
+                            scale_log2, mod_args);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
@@ -753,17 +760,23 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     }
 
     // Mask (rows = queries, columns = keys), only in tiles not entirely visible to the block.
-    if (HAS_MB || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
-      mask_rows(s, i0 + warp * 16 + g, j0, t, Nq, pr, mod);
+    float gr[Mod::HAS_GRAD ? NF : 1][4];  // the modifier's derivative (HAS_GRAD)
+    if (Mod::READS_INPUTS || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
+      const int i = i0 + warp * 16 + g;
+      if constexpr (Mod::HAS_GRAD) mask_rows(s, i, j0, t, Nq, pr, with_grad(mod, gr));
+      else mask_rows(s, i, j0, t, Nq, pr, mod);
+    } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
+      modify_all(s, with_grad(mod, gr));
     }
 
-    // dS = scale * P (dP - delta), P = exp2(S * scale * log2e - lse2[row]).
+    // dS = scale * P (dP - delta) (times the modifier's derivative),
+    // P = exp2(S * scale * log2e - lse2[row]).
 #pragma unroll
     for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float p = ex2(fmaf(s[nf][e], sl2, -l2r[e / 2]));
-        s[nf][e] = scale * p * (dp[nf][e] - der[e / 2]);
+        s[nf][e] = scale * p * (dp[nf][e] - der[e / 2]) * grad_of<Mod::HAS_GRAD>(gr, nf, e);
       }
 
     // dQ += dS K: dS packed from the accumulators (k = keys), K read transposed.

@@ -97,7 +97,7 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
               const TileClasses classes) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, T);
-  constexpr bool HAS_MB = !Mod::IDENTITY;
+  constexpr bool HAS_MB = !Mod::IDENTITY, GR = Mod::HAS_GRAD;
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_N = 16 * MF * NWARPS;  // keys of this block
   constexpr int NQ = BLOCK_M / 8;            // query fragments = k-steps of dV, dK
@@ -170,7 +170,7 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   zero(dk_acc);
   zero(dv_acc);
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale);
+                            scale, mod_args);
   const u32 k_lane = sK + ((warp_row0 + g) * PK + 2 * t) * E;  // A of S^T: this warp's keys
   const u32 v_lane = sV + ((warp_row0 + g) * PV + 2 * t) * E;  // A of dP^T
   const int j_thr = j0 + warp_row0 + g;                         // this lane's key row
@@ -187,15 +187,23 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     wide::rows_times_rows<T, PASSES, MF, NQ, KDK, PK, PK>(s, k_lane, qs + (g * PK + 2 * t) * E);
     const int i_last = min(i0 + BLOCK_M, i_limit) - 1;
     bool shown = false;  // the mask shows the whole step and there is no bias
-    if constexpr (HAS_MB) shown = mod.bias == nullptr && step_cls(st) == TILE_VISIBLE;
+    if constexpr (HAS_MB && !GR) shown = mod.bias == nullptr && step_cls(st) == TILE_VISIBLE;
+    T gr[MF][GR ? NQ : 1][4];  // the modifier's derivative (GR)
     if (shown) {
-      const ScaleModT<T> scaled{scale};  // natural units
+      const auto scaled = mod.shown();  // the scale only
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
         mask_key_rows(s[mf], j_thr + mf * 16, i0, t, Nq, b32, scaled);
-    } else if (HAS_MB || !tile_all_visible(b32, i0, i_last, j0, BLOCK_N)) {
+    } else if (Mod::READS_INPUTS || !tile_all_visible(b32, i0, i_last, j0, BLOCK_N)) {
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) mask_key_rows(s[mf], j_thr + mf * 16, i0, t, Nq, b32, mod);
+      for (int mf = 0; mf < MF; ++mf) {
+        const int j = j_thr + mf * 16;
+        if constexpr (GR) mask_key_rows(s[mf], j, i0, t, Nq, b32, with_grad(mod, gr[mf]));
+        else mask_key_rows(s[mf], j, i0, t, Nq, b32, mod);
+      }
+    } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], with_grad(mod, gr[mf]));
     }
     // P^T = exp(S^T - lse[query]); this lane's query columns are i0 + 8 nf + 2t + e
     T dl[NQ][2];
@@ -224,7 +232,9 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 #pragma unroll
       for (int nf = 0; nf < NQ; ++nf)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[mf][nf][e] = s[mf][nf][e] * (dp[mf][nf][e] - dl[nf][e % 2]);
+        for (int e = 0; e < 4; ++e)
+          dp[mf][nf][e] =
+              s[mf][nf][e] * (dp[mf][nf][e] - dl[nf][e % 2]) * grad_of<GR>(gr[mf], nf, e);
     // dK += dS^T Q
     wide::acc_times_rows<T, PASSES, MF, NQ, DFK, DG, PK>(
         dk_acc, dp, qs + (2 * t * PK + g + part * DFK * 8) * E, 0, AddTo<T>());
@@ -245,7 +255,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
             T* __restrict__ dq, ATTN_INPUTS(T), const AttnArgs a, const TileClasses classes) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, T);
-  constexpr bool HAS_MB = !Mod::IDENTITY;
+  constexpr bool HAS_MB = !Mod::IDENTITY, GR = Mod::HAS_GRAD;
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_M = 16 * MF * NWARPS;
   constexpr int NF = BLOCK_N / 8;  // key fragments = k-steps of dQ
@@ -297,7 +307,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   T dq_acc[MF][DFK][4];
   zero(dq_acc);
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale);
+                            scale, mod_args);
   const int i_thr = i0 + warp_row0 + g;
   T lrow[MF][2], drow[MF][2];  // lse and delta of this lane's rows g, g + 8
 #pragma unroll
@@ -321,15 +331,23 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     T s[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDK, PK, PK>(s, q_lane, ks + (g * PK + 2 * t) * E);
     bool shown = false;
-    if constexpr (HAS_MB) shown = mod.bias == nullptr && walk.cls(it) == TILE_VISIBLE;
+    if constexpr (HAS_MB && !GR) shown = mod.bias == nullptr && walk.cls(it) == TILE_VISIBLE;
+    T gr[MF][GR ? NF : 1][4];  // the modifier's derivative (GR)
     if (shown) {
-      const ScaleModT<T> scaled{scale};
+      const auto scaled = mod.shown();  // the scale only
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
         mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, scaled);
-    } else if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
+    } else if (Mod::READS_INPUTS || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
+      for (int mf = 0; mf < MF; ++mf) {
+        const int i = i_thr + mf * 16;
+        if constexpr (GR) mask_rows(s[mf], i, j0, t, Nq, kt.b32, with_grad(mod, gr[mf]));
+        else mask_rows(s[mf], i, j0, t, Nq, kt.b32, mod);
+      }
+    } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], with_grad(mod, gr[mf]));
     }
     T dp[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDV, PV, PV>(dp, do_lane, vs + (g * PV + 2 * t) * E);
@@ -341,7 +359,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const T p = prob<HAS_MB>(s[mf][nf][e], scale, lrow[mf][e / 2]);
-          dp[mf][nf][e] = p * (dp[mf][nf][e] - drow[mf][e / 2]);
+          dp[mf][nf][e] = p * (dp[mf][nf][e] - drow[mf][e / 2]) * grad_of<GR>(gr[mf], nf, e);
         }
     // dQ += dS K
     wide::acc_times_rows<T, PASSES, MF, NF, DFK, DG, PK>(dq_acc, dp, ks + (2 * t * PK + g) * E,

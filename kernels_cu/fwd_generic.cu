@@ -9,7 +9,8 @@
 #include "mask.cuh"
 #include "generic_tiles.cuh"
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
+          typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc),
@@ -36,6 +37,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* vh = v + offsets[2 * BH + bh];
   MaskBias<Acc> mb;
   set_head_mask_bias(mb, mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
+  const F f = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, qh, q_rs, i0, i_end, Dk);
 
@@ -84,13 +86,15 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 #pragma unroll
       for (int jj = 0; jj < KEYS; ++jj) {
         const long long j = j0 + lane + LANES_PER_ROW * jj;
-        Acc x = s[r][jj] * scale;
+        Acc x = s[r][jj] * scale, g;
         if (has_mb) {
-          const bool vis = visible_logit(x, i, j, rows[r], mb);
+          const bool vis = visible_logit(x, i, j, rows[r], mb, f, g);
           seen |= static_cast<unsigned>(vis) << r;
           x = vis ? x : NEG_INF;
         } else if (j < rows[r].lo || j > rows[r].hi) {
           x = NEG_INF;
+        } else {
+          x = f(x, i, j);
         }
         s[r][jj] = x;
         tile_max = max_nan(tile_max, x);

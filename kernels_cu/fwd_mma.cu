@@ -45,7 +45,9 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         int* __restrict__ fix) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
-  constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
+  // HAS_MB: the score modifier works on every element; READS: it reads a mask or bias there (a
+  // score transform alone spares the tiles visible by position the position test)
+  constexpr bool HAS_MB = !Mod::IDENTITY, READS = Mod::READS_INPUTS;
   constexpr int THREADS = NWARPS * 32;
   constexpr int MF = BLOCK_M / (16 * NWARPS);  // m-fragments per warp
   constexpr int NF = BLOCK_N / 8;              // score n-fragments (keys)
@@ -125,7 +127,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_log2);
+                            scale_log2, mod_args);
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
@@ -180,7 +182,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
 
     // Mask by global position, only in steps not entirely visible to the block.
-    if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
+    if (READS || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
       // The row bounds are recomputed here from an opaque row index: hoisted out of the key loop,
       // 2 * MF * 2 loop invariants would stay live through every tile and spill at 128 x 64.
       const int i_thr = opaque(i0 + warp_row0 + g);
@@ -188,6 +190,9 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       for (int mf = 0; mf < MF; ++mf) {
         mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
       }
+    } else if constexpr (HAS_MB && !READS) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], mod);
     }
 
     sm.step(s, sl2);  // S -> P; m, l rescaled and advanced

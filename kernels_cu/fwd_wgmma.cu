@@ -76,14 +76,15 @@ struct InputHeads {
 // as BLOCK_M rows of BLOCK_N bytes, the bias as BLOCK_N / 32 boxes of BLOCK_M rows x 32 floats with
 // the 128-byte swizzle; one that is the same for every query row was staged as its row 0 (step
 // 0). A lane's pair of columns is one 2-byte and one 8-byte shared load.
-template <int BLOCK_M, int BLOCK_N>
+template <int BLOCK_M, int BLOCK_N, typename F>
 struct StagedMaskBias {
   tc::u32 mask_s, bias_s;  // this tile's stages
   bool has_mask, has_bias;
   int mask_step, bias_step;
   float scale_log2;
+  F f;  // the score transform (modifiers.cuh)
   // This lane's scores s (query rows i, i + 8, block rows r, r + 8) of the key tile at j0:
-  // invisible by position or masked -> -inf, else s * scale_log2 + bias * log2e.
+  // invisible by position or masked -> -inf, else f(s * scale_log2) + bias * log2e.
   template <int NF>
   __device__ __forceinline__ void apply(float (&s)[NF][4], int i, int r, int j0, int t, int Nq,
                                         const Bounds32& b, int key_floor) const {
@@ -107,7 +108,7 @@ struct StagedMaskBias {
           const int c = c0 + e;
           const bool keep = c >= cr.lo && c <= cr.hi && ((m >> (8 * e)) & 0xffu) != 0;
           float& x = s[nf][2 * h + e];
-          x = keep ? fmaf(bv[e], LOG2E, x * scale_log2) : neg_inf<float>();
+          x = keep ? fmaf(bv[e], LOG2E, F(f)(x * scale_log2, 0, 0)) : neg_inf<float>();
         }
       }
     });
@@ -115,7 +116,7 @@ struct StagedMaskBias {
 };
 
 template <typename T, int DK, int DV, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS,
-          bool PINGPONG, int MB>
+          bool PINGPONG, int MB, typename F = NoTransform>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
@@ -125,7 +126,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           int mask_box_rows, int bias_box_rows, const long long* __restrict__ offsets,
           const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs,
-          const TileClasses classes) {
+          const TileClasses classes, double mod0, double mod1) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
@@ -140,7 +141,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   static_assert(DV <= DK, "the output is staged in the Q tile");
   static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong between two consumer warpgroups");
   static_assert(128 * (24 + CONSUMERS * CONSUMER_REGS) <= 65536, "register budget");
-  constexpr bool HAS_MB = MB != MB_NONE;
+  // HAS_MB: a score modifier on every tile; READS: it reads a mask or bias (a score transform
+  // alone spares the tiles visible by position the position test)
+  constexpr bool HAS_MB = MB != MB_NONE || !F::IDENTITY, READS = MB != MB_NONE;
   constexpr bool STAGED = MB >= MB_STAGED, CLASSES = MB == MB_CLASSES;
   // staged mask / bias slots (MB_STAGED); mask_box_rows, bias_box_rows: rows per staged tile
   // (0: absent, 1: the same for every query row, BLOCK_M)
@@ -267,9 +270,10 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // into the exponent's FFMA.
   const float sl2 = HAS_MB ? 1.f : scale * LOG2E;
   const bool global_mb = MB == MB_GLOBAL;
-  const MaskBiasMod mb = make_mask_bias(global_mb ? mask : nullptr, global_mb ? bias : nullptr,
-                                        offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                                        scale * LOG2E);
+  using Mod = ScoreModT<float, false, true, F>;  // MB_GLOBAL's; its shown() the scale and F
+  const Mod mb = Mod::make(global_mb ? mask : nullptr, global_mb ? bias : nullptr, offsets, BH, bh,
+                           mask_rs, mask_cs, bias_rs, bias_cs, scale * LOG2E,
+                           ModArgs{{mod0, mod1}});
   float s[1][NF][4];
   u32 p[KN][4];
 
@@ -277,11 +281,11 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // the tile's place in the rings).
   auto mask_tile = [&](int it, int seq) {
     const int j0 = tile_start(it), floor = it == 0 ? key_floor : 0;
-    if (HAS_MB || j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
+    if (READS || j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
       const int i = i0 + row_w + g;
       if constexpr (STAGED) {
         if (CLASSES && bias_box_rows == 0 && visit_class(it) == TILE_VISIBLE) {
-          const ScaleMod to_log2{scale * LOG2E};  // the mask shows every key: scale only
+          const auto to_log2 = mb.shown();  // the mask shows every key: scale (and F) only
           if (j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
             mask_rows(s[0], i, j0, t, Nq, b32, to_log2, floor);
           } else {
@@ -293,15 +297,19 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           return;
         }
         const int slot = seq % STAGES;
-        const StagedMaskBias<BLOCK_M, BLOCK_N> st{
+        const StagedMaskBias<BLOCK_M, BLOCK_N, F> st{
             sM + slot * M_BYTES, sB + slot * B_BYTES, mask_box_rows != 0, bias_box_rows != 0,
-            mask_box_rows == 1 ? 0 : 1, bias_box_rows == 1 ? 0 : 1, scale * LOG2E};
+            mask_box_rows == 1 ? 0 : 1, bias_box_rows == 1 ? 0 : 1, scale * LOG2E, mb.f};
         st.apply(s[0], i, row_w + g, j0, t, Nq, b32, floor);
       } else if constexpr (MB == MB_GLOBAL) {
         mask_rows(s[0], i, j0, t, Nq, b32, mb, floor);
-      } else {
+      } else if constexpr (F::IDENTITY) {
         mask_rows(s[0], i, j0, t, Nq, b32, NoMod(), floor);
+      } else {
+        mask_rows(s[0], i, j0, t, Nq, b32, mb.shown(), floor);
       }
+    } else if constexpr (HAS_MB && !READS) {  // a transform alone, in a tile visible by position
+      modify_all(s[0], mb.shown());
     }
   };
   // K's slot is free once S = Q K^T is done, or with staged tiles once they are read too.

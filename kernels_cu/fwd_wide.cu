@@ -108,7 +108,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const T scale_units = NATURAL ? scale : scale * log2e<T>();
   const T fold = HAS_MB ? T(1) : scale_units;
   const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_units);
+                            scale_units, mod_args);
   // This lane's Q rows g, g + 8 of the warp's first m-fragment, at column 2t (a k-step adds 8
   // columns, an m-fragment 16 rows).
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
@@ -129,13 +129,16 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     bool shown = false;  // the mask shows every key of the tile and there is no bias
     if constexpr (HAS_MB) shown = mod.bias == nullptr && walk.cls(it) == TILE_VISIBLE;
     if (shown) {
-      const ScaleModT<T> scaled{scale_units};  // the scale only
+      const auto scaled = mod.shown();  // the scale (and transform) only
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
         mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, scaled);
-    } else if (HAS_MB || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
+    } else if (Mod::READS_INPUTS || j0 < kt.full_lo || j0 + BLOCK_N - 1 > kt.full_hi) {
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
+    } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], mod);
     }
 
     sm.step(s, fold);  // S -> P; m, l advanced; alpha for acc

@@ -84,11 +84,13 @@ __device__ __forceinline__ void add_to(bf16_t* p, double x) { *p = bf16_from_flo
 __device__ __forceinline__ void add_to(float* p, double x) { *p = static_cast<float>(*p + x); }
 __device__ __forceinline__ void add_to(double* p, double x) { *p += x; }
 
-// mask.cuh's inputs of one (batch, head), plus the row strides and scale, in double.
-template <typename T, typename Acc>
+// mask.cuh's inputs of one (batch, head), plus the row strides, scale and score transform F
+// (modifiers.cuh, natural units), in double.
+template <typename T, typename Acc, typename F = NoTransform>
 struct LostHead : HeadInputs<T, Acc> {
   long long q_rs, k_rs, v_rs;
   double scale;
+  F f;
 
   // Whether j is visible to i, and then its bias (0 without one).
   __device__ __forceinline__ bool visible(double& b, long long i, long long j) const {
@@ -100,11 +102,12 @@ struct LostHead : HeadInputs<T, Acc> {
     return b != -__longlong_as_double(0x7ff0000000000000LL);
   }
 
-  // The logit of (i, j) in double, or false where j is not visible to i.
-  __device__ __forceinline__ bool logit(double& x, double qk, long long i, long long j) const {
+  // The logit of (i, j) in double, or false where j is not visible to i; g *= F's derivative.
+  __device__ __forceinline__ bool logit(double& x, double qk, long long i, long long j,
+                                        double& g) const {
     double b;
     if (!visible(b, i, j)) return false;
-    x = qk * scale + b;
+    x = F(f).apply(qk * scale, i, j, g) + b;  // on a copy, as attn_core.cuh ScoreModT
     return true;
   }
 };
@@ -117,10 +120,10 @@ struct LostHead : HeadInputs<T, Acc> {
       int *__restrict__ flags
 // The LostHead of (batch, head) bh from those arguments (no lost-row kernel reads a delta).
 #define LOST_HEAD(dout)                                                                        \
-  LostHead<T, Acc>{head_inputs<T, Acc>(bh, q, k, v, dout, lse, nullptr, offsets, mask, bias,   \
-                                       kv_lens, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, \
-                                       Dv, left, right, bottom_right),                         \
-                   q_rs, k_rs, v_rs, scale}
+  LostHead<T, Acc, F>{head_inputs<T, Acc>(bh, q, k, v, dout, lse, nullptr, offsets, mask, bias, \
+                                          kv_lens, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, \
+                                          Nk, Dv, left, right, bottom_right),                  \
+                      q_rs, k_rs, v_rs, scale, F::make(mod_args, 0, 1.0)}
 
 // A warp's 128 rows of the flattened (BH, Nq), as four chunks of 32: lane e < 4 gets the ballot
 // of chunk e (bit l: row row0 + 32 e + l satisfies pred), the other lanes 0.
@@ -153,7 +156,7 @@ __device__ __forceinline__ void for_each_row(unsigned bits, long long row0, F&& 
 // Grid: a stride of warps over items of 128 rows of one (batch, head). flags: (BH, ceil(Nq / 32)),
 // one per 32 rows of a (batch, head): read when `prewritten` (the tensor-core preprocess wrote
 // them), else written here from lse. stats: (BH, Nq, 3) = m, l, delta of lost rows only.
-template <typename T, typename Acc>
+template <typename T, typename Acc, typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
   ATTN_ARGS_LOCALS(a, double);
@@ -179,7 +182,7 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
   const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
   for_each_row(bits, row0, [&](long long row) {
     const long long bh = row / Nq, i = row % Nq;
-    const LostHead<T, Acc> h = LOST_HEAD(dout);
+    const LostHead<T, Acc, F> h = LOST_HEAD(dout);
     double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
     load_row(qi, h.q + i * h.q_rs, Dk);
     load_row(doi, h.dout + i * Dv, Dv);
@@ -188,9 +191,9 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
     // The row's max and sum, online (a -inf logit adds nothing).
     double m = neg_inf, l = 0.0;
     for (long long j = kr.lo; j <= kr.hi; ++j) {
-      double x;
+      double x, g = 1.0;
       const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-      if (!h.logit(x, qk, i, j) || x == neg_inf) continue;
+      if (!h.logit(x, qk, i, j, g) || x == neg_inf) continue;
       if (x > m) {
         l = l * exp(m - x) + 1.0;
         m = x;
@@ -203,15 +206,15 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
       stats[3 * row + 1] = l;
       stats[3 * row + 2] = delta;
     }
-    // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta).
+    // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta) F'.
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) dqi[c] = 0.0;
     for (long long j = kr.lo; j <= kr.hi; ++j) {
-      double x;
+      double x, g = 1.0;
       const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-      if (!h.logit(x, qk, i, j)) continue;
+      if (!h.logit(x, qk, i, j, g)) continue;
       const double p = exp(x - m) / l;
-      const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
+      const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta) * g;
       axpy(dqi, ds, h.k + j * h.k_rs, Dk);
     }
     Acc* dq_row = dq + row * Dk;
@@ -227,7 +230,7 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
 // Grid: ceil(BH * ceil(Nk / LOST_SEG) / LOST_WARPS) blocks, after bwd_lost_rows (stats, flags):
 // warp item = LOST_SEG keys of one (batch, head). dk: (BH, Nk, Dk), dv: (BH, Nk, Dv) of DK (the
 // main kernels' output type), added to.
-template <typename T, typename Acc, typename DK>
+template <typename T, typename Acc, typename DK, typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
   ATTN_ARGS_LOCALS(a, double);
@@ -237,7 +240,7 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
   for (long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
        item < BH * n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
   const long long bh = item / n_items;
-  const LostHead<T, Acc> h = LOST_HEAD(dout);
+  const LostHead<T, Acc, F> h = LOST_HEAD(dout);
   const long long j0 = (item % n_items) * LOST_SEG;
   const long long j_last = j0 + LOST_SEG - 1 < Nk - 1 ? j0 + LOST_SEG - 1 : Nk - 1;
   const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
@@ -263,12 +266,12 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
       for (long long i = c * LOST_CHUNK > rows.lo ? c * LOST_CHUNK : rows.lo; i <= i_end; ++i) {
         const long long r = bh * Nq + i;
         if (!is_lost(static_cast<double>(lse[r]), lost)) continue;
-        double x;
+        double x, g = 1.0;
         const double qk = dot(kj, h.q + i * h.q_rs, Dk);
-        if (!h.logit(x, qk, i, j)) continue;
+        if (!h.logit(x, qk, i, j, g)) continue;
         const double* st = stats + 3 * r;
         const double p = exp(x - st[0]) / st[1];
-        const double ds = p * (dot(vj, h.dout + i * Dv, Dv) - st[2]);
+        const double ds = p * (dot(vj, h.dout + i * Dv, Dv) - st[2]) * g;
         axpy(dkj, ds, h.q + i * h.q_rs, Dk);
         axpy(dvj, p, h.dout + i * Dv, Dv);
         touched = true;
@@ -301,7 +304,7 @@ template <> __device__ __forceinline__ double in_range<float>(double x) {
 // 1-D launch order bh * n_mtiles + reversed query tile, as fwd_mma.cu writes it; block_m <= 128
 // rows each). A flagged block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T)
 // and lse (Acc) recomputed in double.
-template <typename T, typename Acc>
+template <typename T, typename Acc, typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs a,
@@ -326,7 +329,7 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   });
   for_each_row(bits, row0, [&](long long row) {
     const long long bh = row / Nq, i = row % Nq;
-    const LostHead<T, Acc> h = LOST_HEAD(static_cast<const T*>(nullptr));
+    const LostHead<T, Acc, F> h = LOST_HEAD(static_cast<const T*>(nullptr));
     double qi[LOST_COLS], acc[LOST_COLS];
     load_row(qi, h.q + i * h.q_rs, Dk);
 #pragma unroll
@@ -341,8 +344,9 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       for (unsigned vb = __ballot_sync(FULL_WARP, vis); vb != 0u; vb &= vb - 1u) {
       const int sl = __ffs(vb) - 1;
       const long long j = j0 + sl;
-      const double x = in_range<Acc>(in_range<Acc>(dot(qi, h.k + j * h.k_rs, Dk)) * h.scale +
-                                     __shfl_sync(FULL_WARP, b_lane, sl));
+      const double x = in_range<Acc>(
+          F(h.f)(in_range<Acc>(dot(qi, h.k + j * h.k_rs, Dk)) * h.scale, i, j) +
+          __shfl_sync(FULL_WARP, b_lane, sl));
       seen = true;
       if (x == -inf) continue;  // no mass (the row is NaN if nothing else comes)
       const double m_new = x > m ? x : m;  // a NaN x reaches l through p below

@@ -120,18 +120,27 @@ __device__ __forceinline__ MaskBias<Acc> head_mask_bias(const unsigned char* mas
 
 // The per-element test: whether key j is visible to query i (position range, mask, and a bias
 // entry other than -inf; a NaN bias is visible and makes the logit NaN). When it is, `s` (the
-// scaled logit, natural units) becomes the biased logit; otherwise `s` is left unchanged.
-template <typename Acc>
+// scaled logit, natural units) becomes the transformed (f: modifiers.cuh), biased logit and g is
+// multiplied by f's derivative; otherwise `s` is left unchanged.
+template <typename Acc, typename F>
 __device__ __forceinline__ bool visible_logit(Acc& s, long long i, long long j, const KeyRange& r,
-                                              const MaskBias<Acc>& mb) {
+                                              const MaskBias<Acc>& mb, const F& f, Acc& g) {
   if (j < r.lo || j > r.hi) return false;
   if (mb.mask != nullptr && !mb.mask[i * mb.mask_rs + j * mb.mask_cs]) return false;
   if (mb.bias != nullptr) {
     const Acc b = mb.bias[i * mb.bias_rs + j * mb.bias_cs];
     if (b == NEG_INF) return false;
-    s += b;
+    s = f.apply(s, i, j, g) + b;
+  } else {
+    s = f.apply(s, i, j, g);
   }
   return true;
+}
+template <typename Acc>
+__device__ __forceinline__ bool visible_logit(Acc& s, long long i, long long j, const KeyRange& r,
+                                              const MaskBias<Acc>& mb) {
+  Acc g = Acc(1);
+  return visible_logit(s, i, j, r, mb, NoTransform(), g);
 }
 
 // The biased logit where visible, -inf elsewhere (for code that needs no visibility bit: a

@@ -74,9 +74,10 @@ def naive_attention_backward(dout, q, k, v, out, lse, **options):
 
 
 def _dense_options(options):
-    names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions")
+    names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
+             "softcap")
     defaults = dict(scale=None, causal=False, align="bottom-right", window=None, mask=None,
-                    bias=None, kv_lens=None, positions=None)
+                    bias=None, kv_lens=None, positions=None, softcap=None)
     return {name: options.get(name, defaults[name]) for name in names}
 
 

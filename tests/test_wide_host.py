@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from cuflash import _config, _wide
+from cuflash import _modifiers, _wide
 
 CCS = (80, 90)
 KEYS = sorted(set(_wide.TILES) | set(_wide.TILES_CC90) | set(_wide.BWD_TILES)
@@ -61,10 +61,12 @@ def test_buckets_are_whole_for_each_mask_setting(cc):
 def test_buckets_and_modifiers():
     assert all(b in _wide.BUCKETS[dt] for dt, b, _ in KEYS)
     # float64 kernels run in natural units; the backward always does (bwd_wide.cu)
-    assert _config.modifier_type(True, "double") == "MaskBiasModT<double, true>"
-    assert _config.modifier_type(True, "float") == "MaskBiasMod"
-    assert _config.modifier_type(True, "float", natural=True) == "MaskBiasModT<float, true>"
-    assert _config.modifier_type(False, "double") == "NoMod"
+    assert _modifiers.score_mod(True, (), "double") == "MaskBiasModT<double, true>"
+    assert _modifiers.score_mod(True, (), "float") == "MaskBiasMod"
+    assert _modifiers.score_mod(True, (), "float", natural=True) == "MaskBiasModT<float, true>"
+    assert _modifiers.score_mod(False, (), "double") == "NoMod"
+    assert _modifiers.score_mod(False, ("softcap",), "double", dtype_name="float64") == \
+        "ScoreModT<double, true, false, Softcap<double, true, 0>>"
     for dt, b, mb in KEYS:
         tiles = _wide.pick_bwd_tiles(dt, b, mb, 90)
         if tiles is not None and mb:
