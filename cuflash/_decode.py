@@ -3,7 +3,8 @@
 The kernels read each kv head's keys once for all the query rows that share it (GQA packing) and
 split the key axis across blocks; see the header of kernels_cu/decode.cu for the block layouts
 (decode_tc: tensor cores, 16-bit, Dk = Dv in {64, 128}, no mask / bias; decode_split: the rest) and
-the workspace format (normalized partial out, each partial's max and sum).
+the workspace format (normalized partial out, each partial's max and sum). Both kernels take the
+score transforms (cuflash/_modifiers.py), a last template argument and two trailing scalars.
 
 Host side, per call (all NumPy, then ONE int64 table on the device, cached by content through
 cuflash._runtime.on_device):
@@ -43,10 +44,11 @@ import threading
 
 import numpy as np
 
-from . import _config, _runtime
+from . import _config, _modifiers, _runtime
 from ._validate import element_strides, key_range
 
 NAME = "split"
+TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
 SOURCE = "decode.cu"
 FORCED_SPLIT_KEYS = 64    # the split of a forced run: many splits, some empty for some rows
 WARPS = 4                 # kernels_cu/decode.cu DECODE_WARPS
@@ -55,15 +57,17 @@ THREADS = 32 * WARPS
 # ---- the config table of this path -------------------------------------------------------------
 # SUPPORT RULE: the split path applies to CuPy inputs with Nq <= MAX_NQ query rows per head whose
 # largest key extent is >= MIN_KEYS (below that one block per (batch, head) is as good and the
-# generic path is already tuned for it). Everything else (masks, bias, kv_lens, windows, causal
-# with either alignment, GQA/MQA/broadcast, any strides, every dtype, Dk, Dv <= 256) is supported.
+# generic path is already tuned for it). Everything else (masks, bias, score transforms, kv_lens,
+# windows, causal with either alignment, GQA/MQA/broadcast, any strides, every dtype, Dk, Dv <= 256)
+# is supported.
 MAX_NQ = 16
 MIN_KEYS = 512
 MAX_ROWS = 8              # rows per block (template ROWS in {1, 2, 4, 8})
 MAX_GROUP = 64            # query heads packed on one kv head at most
 SPLIT_MIN_KEYS = 256      # a split never has fewer keys than this (tiny caches do not split)
-# Instantiations: 4 dtypes x 4 buckets x up to 4 ROWS x (mask/bias or not), aligned rows only
-# (`fits`), compiled on first use (`instantiations` lists them for tests/test_build.py).
+# Instantiations: 4 dtypes x 4 buckets x up to 4 ROWS x (mask/bias or not) x the transform chains
+# (_modifiers.CHAINS), aligned rows only (`fits`), compiled on first use (`instantiations` lists
+# them for tests/test_build.py).
 # decode_tc's tile: TC_KW keys per warp per stage of its two-slot cp.async ring (64-key stages),
 # TC_MIN_BLOCKS blocks per SM; the fastest tile on the H200 (benchmarks/RESULTS.md has the ones
 # that lost).
@@ -71,6 +75,8 @@ TC_KW = 16
 TC_MIN_BLOCKS = 2
 TC_HEAD_DIMS = (64, 128)   # Dk == Dv == HEAD_DIM (the bucket); others stay on decode_split
 TC_MAX_KEYS = 1 << 30      # 32-bit key arithmetic in decode_tc
+_LOG2E = 1.4426950408889634  # tc_fits: decode_tc's transform scalars in log2 units, as floats
+_FLOAT_MAX = float(np.finfo(np.float32).max)
 # split_size: its candidates' waves, and the fixed cost of one block in keys in its list schedule.
 SPLIT_WAVES = (1, 2, 3, 4, 6, 8)
 SPLIT_OVERHEAD_KEYS = 256
@@ -92,10 +98,11 @@ def shape_constants(dtype, bucket, rows):
                 BLOCK_KEYS=kpl * u * WARPS)
 
 
-def max_rows(dtype, bucket, has_mb=False):
+def max_rows(dtype, bucket, has_mb=False, transforms=False):
     """Largest ROWS whose q (and acc) registers, ROWS x COLS 32-bit words each, fit the budget:
     64 words for 16-bit storage (COLS = 8: ROWS = 8, 244-250 registers), 32 otherwise (float32
-    D = 256 at ROWS = 8 and double D = 128 at ROWS = 8 reach 255 registers and spill on sm_80)."""
+    D = 256 at ROWS = 8 and double D = 128 at ROWS = 8 reach 255 registers and spill on sm_80).
+    transforms: whether the kernel applies score transforms."""
     c = shape_constants(dtype, bucket, 1)
     words = 2 if _config.c_types(dtype)[1] == "double" else 1
     budget = 64 if _storage_size(dtype) == 2 else 32
@@ -103,28 +110,34 @@ def max_rows(dtype, bucket, has_mb=False):
     while r > 1 and r * c["COLS"] * words > budget:
         r //= 2
     # the mask/bias reads keep more addresses live: half the rows, a quarter for double (NVRTC
-    # 13.0 spilled otherwise)
-    return max(1, r // (2 * words)) if has_mb else r
+    # 13.0 spilled otherwise); so does a transform's double tanh (float's fits)
+    return max(1, r // (2 * words)) if has_mb or (transforms and words == 2) else r
 
 
-def rows_per_block(dtype, bucket, group_rows, has_mb=False):
+def rows_per_block(dtype, bucket, group_rows, has_mb=False, transforms=False):
     """ROWS template value: the smallest power of two >= the group's rows, capped."""
-    cap = max_rows(dtype, bucket, has_mb)
+    cap = max_rows(dtype, bucket, has_mb, transforms)
     r = 1
     while r < group_rows and r < cap:
         r *= 2
     return r
 
 
-def name_expression(dtype, bucket, rows, has_mb, aligned):
+def name_expression(dtype, bucket, rows, has_mb, aligned, transforms=()):
+    """Name expression of the decode_split kernel; transforms: the score transforms' names
+    (cuflash/_modifiers.py), a last template argument in natural units when there are any."""
     t, acc = _config.c_types(dtype)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return f"decode_split<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}>"
+    f = (f", {_modifiers.transform(transforms, acc, True, _config.dtype_name(dtype))}"
+         if transforms else "")
+    return f"decode_split<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}{f}>"
 
 
-def tc_expression(dtype, bucket):
-    """Name expression of the decode_tc kernel."""
-    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {TC_KW}, {TC_MIN_BLOCKS}>"
+def tc_expression(dtype, bucket, transforms=()):
+    """Name expression of the decode_tc kernel; transforms as name_expression's (in log2 units)."""
+    f = (f", {_modifiers.transform(transforms, 'float', False, _config.dtype_name(dtype))}"
+         if transforms else "")
+    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {TC_KW}, {TC_MIN_BLOCKS}{f}>"
 
 
 def tc_smem_bytes(bucket):
@@ -138,10 +151,12 @@ def tc_fits(p):
     """True when decode_tc can run this Problem (16-bit, Dk == Dv == 64 or 128, no mask / bias,
     scale > 0: it folds the scale into one FFMA on maxima of the unscaled scores, which a zero
     scale (-inf * 0 = NaN on masked scores) or a negative one (the max becomes the min) breaks;
-    decode_split pre-multiplies q by the scale and takes any)."""
+    decode_split pre-multiplies q by the scale and takes any). It applies the score transforms in
+    log2 units, so their scalars times log2(e) must be finite floats (decode has no fix-up kernel
+    for a cap that overflows there; decode_split keeps them in natural units)."""
     return (p.dtype.name in ("float16", "bfloat16") and p.Dk == p.Dv and p.Dk in TC_HEAD_DIMS
             and p.mask is None and p.bias is None and p.scale > 0 and p.Nk < TC_MAX_KEYS
-            and fits(p))
+            and all(abs(x) * _LOG2E < _FLOAT_MAX for x in _modifiers.scalars(p)) and fits(p))
 
 
 # ---- kernels (compiled by cuflash._runtime) and their occupancy --------------------------------
@@ -517,7 +532,8 @@ class Schedule:
         self.groups, self.G = grouping or group_heads(self.k_map, self.v_map, _length_key(p))
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         has_mb = p.mask is not None or p.bias is not None
-        self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb)
+        self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb,
+                                           bool(p.transforms))
         block_keys = block_keys or shape_constants(p.dtype, self.bucket, self.rows)["BLOCK_KEYS"]
         g, t, lo, hi = tile_extents(self.lens[self.groups[:, 0]], self.G, p.Nq, self.rows,
                                     p.left, p.right, p.bottom_right)
@@ -563,6 +579,7 @@ class _Layout:
     def __init__(self, p, variant=None):
         self.dtype = p.dtype
         self.has_mb = p.mask is not None or p.bias is not None
+        self.transforms = _modifiers.names(p)  # the score transforms (a template argument)
         self.aligned = _aligned(p)
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         # decode_tc: 16 rows a block, its stage's keys a pass; decode_split: Schedule's defaults
@@ -579,15 +596,17 @@ class _Layout:
         with kv_lens) and Nq query rows."""
         if self.sched_rows:
             return self.sched_rows
-        return rows_per_block(self.dtype, self.bucket, G * Nq, self.has_mb)
+        return rows_per_block(self.dtype, self.bucket, G * Nq, self.has_mb,
+                              bool(self.transforms))
 
     def kernels(self, rows):
         """(expr, kernel, blocks per SM, capacity) on the current device
         (forward's cache keys name it), compiled on first use."""
         hit = self._by_rows.get(rows)
         if hit is None:
-            expr = (tc_expression(self.dtype, self.bucket) if self.tc else
-                    name_expression(self.dtype, self.bucket, rows, self.has_mb, self.aligned))
+            expr = (tc_expression(self.dtype, self.bucket, self.transforms) if self.tc else
+                    name_expression(self.dtype, self.bucket, rows, self.has_mb, self.aligned,
+                                    self.transforms))
             kernel, per_sm = _kernel(expr, self.dyn_smem)
             capacity = max(1, per_sm * _runtime.device_info().sm_count)  # one wave
             hit = self._by_rows[rows] = (expr, kernel, per_sm, capacity)
@@ -665,6 +684,8 @@ class Plan:
                     self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
                 else:
                     self.grid = self.n_items
+                # the transforms' scalars, both kernels' last parameters (mod0, mod1)
+                self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
             lens = self.lens if p.lens_device is None else p.lens_device
             args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
                     self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
@@ -725,7 +746,7 @@ def _layout_key(p, split):
     if p.key is not None and p.kv_lens is None:
         return (cupy.cuda.Device().id, split, p.key)
     return (cupy.cuda.Device().id, split, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
-            p.scale, p.left, p.right, p.bottom_right,
+            p.scale, p.left, p.right, p.bottom_right, p.transforms,
             None if p.lens_map is None else p.lens_map.tobytes(),
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
             p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())
@@ -735,14 +756,15 @@ def instantiations():
     """Every (kernel, dtype name, bucket, source file, name expression) this path can request."""
     out = []
     for dt in _config.supported_dtype_names():
-        for b in _config.HEAD_DIM_BUCKETS:
-            for has_mb in (False, True):
-                r = 1
-                while r <= max_rows(dt, b, has_mb):
-                    out.append(("decode_split", dt, b, SOURCE,
-                                name_expression(dt, b, r, has_mb, True)))
-                    r *= 2
-        if dt in ("float16", "bfloat16"):
-            for b in TC_HEAD_DIMS:
-                out.append(("decode_tc", dt, b, SOURCE, tc_expression(dt, b)))
+        for tf in _modifiers.CHAINS:
+            for b in _config.HEAD_DIM_BUCKETS:
+                for has_mb in (False, True):
+                    r = 1
+                    while r <= max_rows(dt, b, has_mb, bool(tf)):
+                        out.append(("decode_split", dt, b, SOURCE,
+                                    name_expression(dt, b, r, has_mb, True, tf)))
+                        r *= 2
+            if dt in ("float16", "bfloat16"):
+                for b in TC_HEAD_DIMS:
+                    out.append(("decode_tc", dt, b, SOURCE, tc_expression(dt, b, tf)))
     return out

@@ -86,6 +86,15 @@ DKDV_TILES_MB = {
     (128, 128): DkdvTile(block_m=16, warps=8, kv_in_regs=False, min_blocks=1),
     (256, 256): DkdvTile(block_m=16, warps=4, kv_in_regs=False, min_blocks=1, opt=OPT_HALVES),
 }
+# with a score transform (its dF/dx registers; with or without a mask / bias): smaller query steps
+# where the mask / bias tile spilled on sm_80
+DKDV_TILES_TF = {
+    **DKDV_TILES_MB,
+    (64, 64): DkdvTile(block_m=32, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
+}
+# Head dims whose every tile spilled with a transform and a mask / bias on sm_80 (D=96: no smaller
+# query step fits its dQ layout): the generic backward takes a transform there.
+NO_TRANSFORM_DIMS = ((96, 96),)
 # dq: one tile per head dim pair, with and without mask / bias (Dk >= 192: 32 keys per step, one
 # block per SM; 64 spilled at 256)
 DQ_TILES = {d: DqTile(block_n=64, warps=4, stages=2, min_blocks=2) for d in DKDV_TILES}
@@ -181,7 +190,7 @@ def wg_tile(dims, has_mb, dq_atomic):
     return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(dims)
 
 
-def dkdv_tile(dims, has_mb, dq_atomic=False):
+def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=()):
     """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
     capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
     cuflash._gpu.override(wgmma=False)), else the DKDV_TILES_LARGE_SMEM tile where shared memory
@@ -195,6 +204,8 @@ def dkdv_tile(dims, has_mb, dq_atomic=False):
         big = DKDV_TILES_LARGE_SMEM[dims]
         if dkdv_smem_bytes(dims, big) <= info.smem_optin:
             return big
+    if transforms:
+        return DKDV_TILES_TF[dims]
     return (DKDV_TILES_MB if has_mb else DKDV_TILES)[dims]
 
 
@@ -225,7 +236,9 @@ def instantiations():
             # with score transforms: the mask / bias tiles, with or without a mask / bias
             for tf, mb, atomic in itertools.product(_modifiers.CHAINS[1:], (False, True),
                                                     (True, False)):
-                exprs.append(dkdv_expr(dt, d, DKDV_TILES_MB[d], atomic, mb, tf))
+                if d in NO_TRANSFORM_DIMS:
+                    continue
+                exprs.append(dkdv_expr(dt, d, DKDV_TILES_TF[d], atomic, mb, tf))
                 if not atomic:
                     exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, tf))
                 if d in DKDV_TILES_WG:
@@ -240,7 +253,7 @@ def instantiations():
             out += [("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, k)
                     for k in (keys16, keys32)]
     # the masks' tile classes of the dK/dV tiles with a mask
-    masked = {(t.block_m, 16 * t.warps) for t in (*DKDV_TILES_MB.values(),
+    masked = {(t.block_m, 16 * t.warps) for t in (*DKDV_TILES_MB.values(), *DKDV_TILES_TF.values(),
                                                   *DKDV_TILES_WG_MB.values())}
     return out + [("mask_tile_classes", None, None, _mask_tiles.SOURCE,
                    _mask_tiles.expression(*shape)) for shape in sorted(masked)]
@@ -258,6 +271,8 @@ def takes_backward(p):
     if (p.Dk, p.Dv) not in DKDV_TILES or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
         return False
     if p.bias is not None and p.bias.dtype != np.float32:
+        return False
+    if p.transforms and (p.Dk, p.Dv) in NO_TRANSFORM_DIMS:
         return False
     if not _mma_fwd.tensor_core_layout(p, same_dims=False):
         return False
@@ -290,7 +305,7 @@ def _recipe(p, deterministic):
     nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
-    tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic)  # a modifier's tiles
+    tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic, names)  # a modifier's
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names),
                      smem, dkdv_arch(tile))

@@ -2,6 +2,8 @@
 // the work decomposition, the tables and the merge below: decode_split (CUDA cores, every dtype,
 // head dims <= 256, masks and bias; its block layout is described here) and decode_tc (tensor
 // cores, float16 / bfloat16, Dk = Dv in {64, 128}, no mask / bias; described at its definition).
+// Both take the score transforms F (modifiers.cuh: logit = F(scale q.k) + bias), a last template
+// argument, their scalars the trailing kernel parameters mod0, mod1.
 //
 // Work decomposition (the host, cuflash/_decode.py, builds every table):
 //   group    the output (batch, head) matrices that read ONE k matrix and ONE v matrix and share
@@ -13,10 +15,11 @@
 // Each block reads its keys of one kv head ONCE for all of its rows, with 16-byte loads, and keeps
 // the online softmax per row in Acc (float; double for double). Scores are in the base-2 domain
 // (q is pre-multiplied by scale * log2(e), so p = exp2(t - m)), except in decode_split with a
-// mask or bias: there the logits and the maxima (the workspace's too) stay in natural units
-// (q times scale, the bias added as it is, p = exp2((x - m) * log2(e))), because a finite bias
-// need not be finite in base 2 (finfo(float32).min * log2(e) overflows; a padding row made of
-// such a bias is a uniform softmax, not an empty row).
+// mask, a bias or a transform: there the logits and the maxima (the workspace's too) stay in
+// natural units (q times scale, F applied and the bias added as it is, p = exp2((x - m) *
+// log2(e))), because a finite bias need not be finite in base 2 (finfo(float32).min * log2(e)
+// overflows; a padding row made of such a bias is a uniform softmax, not an empty row), nor a
+// transform's scalars (a cap near finfo(float32).max).
 //
 // decode_split's block layout: DECODE_WARPS warps stream disjoint warp chunks of keys (warp w takes chunks
 // w, w + DECODE_WARPS, ...). In a warp, LK consecutive lanes span one key row (16 bytes each, NV
@@ -35,7 +38,7 @@
 //     out NaN, lse NaN; otherwise acc / l and m + log l (NaN logits make l NaN, and so both);
 //   * otherwise the item writes its partial to the workspace: ws_out (n_items, ROWS, Dv) holds the
 //     NORMALIZED partial output acc / l, ws_ml (n_items, ROWS, 2) the partial's max and sum
-//     (m, l), m in BASE 2 or, for decode_split with mask / bias, in natural units. (m, l) and not
+//     (m, l), m in BASE 2 or, for decode_split with a modifier, in natural units. (m, l) and not
 //     the partial lse m + log l: where |m| is huge (a padding row of finfo(float32).min biases)
 //     the lse rounds to m, and partials of different sizes would get equal weights. The m slot
 //     also carries the row's visibility, so that the merge knows whether an all-identity row is
@@ -592,11 +595,13 @@ __device__ __forceinline__ DecodeItem read_item(const long long* __restrict__ it
   return it;
 }
 
-// SIMT split kernel (every dtype, head dims <= 256, masks and bias): DECODE_WARPS warps stream
-// disjoint warp chunks of keys from global memory into a register double buffer (see the header).
-template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED>
+// SIMT split kernel (every dtype, head dims <= 256, masks and bias, the score transform F in
+// natural units): DECODE_WARPS warps stream disjoint warp chunks of keys from global memory into a
+// register double buffer (see the header).
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
+          typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(DECODE_SPLIT_PARAMS) {
+decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1) {
   __shared__ DecodeRow rows[ROWS];
   __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];
   __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
@@ -607,6 +612,9 @@ decode_split(DECODE_SPLIT_PARAMS) {
   constexpr int VEC = Shape::VEC, LK = Shape::LK, NV = Shape::NV, COLS = Shape::COLS;
   constexpr int KPL = Shape::KPL, U = Shape::U, NS = Shape::NS, WC = Shape::WC;
   constexpr long long STRIDE = static_cast<long long>(WC) * DECODE_WARPS;  // keys per block pass
+  // A score modifier (mask, bias or transform): the logits, maxima and partials in natural units.
+  constexpr bool NATURAL = HAS_MB || !F::IDENTITY;
+  const F xf = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
 
   const DecodeItem it = read_item(items, tiles, blockIdx.x);
   const long long bh0 = groups[it.g * G];  // every group's first member exists
@@ -620,10 +628,10 @@ decode_split(DECODE_SPLIT_PARAMS) {
   const int slot = lane / LK;  // which key of a warp load
   const int t = lane % LK;     // which 16-byte column vector(s) of it
 
-  // q rows, pre-scaled into the base-2 domain (natural units with mask / bias, the header says
+  // q rows, pre-scaled into the base-2 domain (natural units with a modifier, the header says
   // why); padding rows and columns >= Dk are 0.
   Acc qr[ROWS][COLS];
-  const Acc qscale = HAS_MB ? scale : scale * log2e<Acc>();
+  const Acc qscale = NATURAL ? scale : scale * log2e<Acc>();
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const long long bh = rows[r].bh;
@@ -642,7 +650,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
   // Per-row state (DESIGN.md "Empty state"), per key slot: the online softmax (m = -inf, l = 0)
   // and acc = 0; with mask / bias also vis (bit r: row r has seen a visible key; m and l cannot
   // tell, a visible logit may be -inf).
-  RowSoftmax<Acc, HAS_MB, ROWS> sm;
+  RowSoftmax<Acc, NATURAL, ROWS> sm;
   Acc acc[ROWS][COLS];
   unsigned vis = 0u;
 #pragma unroll
@@ -689,7 +697,8 @@ decode_split(DECODE_SPLIT_PARAMS) {
     }
     slot_allreduce<Acc, NS, LK>(s, t);
 
-    // Mask by global position only where some key of the chunk may be invisible to some row.
+    // Mask by global position only where some key of the chunk may be invisible to some row; a
+    // transform applies to every visible logit, the interior chunks' too.
     const bool interior = !HAS_MB && base >= flo && base + WC - 1 <= fhi;
     if (!interior) {
 #pragma unroll
@@ -706,8 +715,9 @@ decode_split(DECODE_SPLIT_PARAMS) {
         for (int u = 0; u < U; ++u) {
           const long long j = base + u * KPL + slot;
           Acc& x = s[u * ROWS + r];
-          if (HAS_MB) {  // natural units: the bias is added as it is
-            if (visible_logit(x, rows[r].i, j, kr, mb))
+          if (NATURAL) {  // natural units: F applied, the bias added as it is
+            Acc g = Acc(1);  // F's derivative: unused (the forward)
+            if (visible_logit(x, rows[r].i, j, kr, mb, xf, g))
               vis |= 1u << r;
             else
               x = NEG_INF;
@@ -716,6 +726,12 @@ decode_split(DECODE_SPLIT_PARAMS) {
           }
         }
       }
+    } else if constexpr (!F::IDENTITY) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          s[u * ROWS + r] = xf(s[u * ROWS + r], rows[r].i, base + u * KPL + slot);
     }
 
     // Online softmax per row (RowSoftmax): new max, rescale BOTH l and acc, add this chunk's
@@ -797,9 +813,9 @@ decode_split(DECODE_SPLIT_PARAMS) {
     for (int w = 0; w < DECODE_WARPS; ++w) vis_mb |= red_vis[w];
   }
 
-  finish_item<T, Acc, ROWS, HAS_MB>(out, lse, ws_out, ws_ml, counters, rows, &red_acc[0][0][0],
-                                    HEAD_DIM, red_m, red_l, sM, sInv, s_last, vis_mb, it.item,
-                                    it.tile_id, it.first, it.n_items, Nq, Dv, fused);
+  finish_item<T, Acc, ROWS, NATURAL>(out, lse, ws_out, ws_ml, counters, rows, &red_acc[0][0][0],
+                                     HEAD_DIM, red_m, red_l, sM, sInv, s_last, vis_mb, it.item,
+                                     it.tile_id, it.first, it.n_items, Nq, Dv, fused);
 }
 
 // decode_tc's stage copy: keys [row0, row0 + ROWS) of a (row stride rs) matrix into padded shared
@@ -834,7 +850,10 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 //   S = Q K^T   A = Q (registers, from shared once), B = K (ldmatrix)
 //   softmax     exp2 with scale * log2(e) folded into one FFMA on the unscaled scores (needs
 //               scale > 0: _decode.tc_fits); masked by global position only in stages not
-//               entirely visible to every row
+//               entirely visible to every row. With a transform F (the 16-bit arithmetic of
+//               modifiers.cuh) every stage forms its logits explicitly in log2 units instead,
+//               F(s * scale * log2(e)), -inf where hidden by position (a ScoreModT without mask /
+//               bias, as fwd_mma's), and exp2 folds nothing
 //   O += P V    A = P packed from the S accumulators, B = V (ldmatrix.trans)
 // The warps' states are merged through shared memory (finish_item) in the ring slot the last
 // stage freed.
@@ -851,7 +870,7 @@ __device__ __forceinline__ long long snake_row(int round, int b, int grid) {
   return static_cast<long long>(round) * grid + ((round & 1) ? grid - 1 - b : b);
 }
 
-template <typename T, int HEAD_DIM, int KW, int MINB>
+template <typename T, int HEAD_DIM, int KW, int MINB, typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MINB)
 decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
           T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,
@@ -862,7 +881,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
           int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
-          int fused, int n_launch, int device_lens) {
+          int fused, int n_launch, int device_lens, double mod0, double mod1) {
   using namespace tc;
   constexpr int ROWS = 16;
   constexpr int BK = KW * DECODE_WARPS;           // keys per stage
@@ -886,6 +905,10 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const float sl2 = scale * LOG2E;
+  // The transform's modifier (unused without one): the scale to log2 units, then F.
+  using Mod = ScoreModT<float, false, false, F>;
+  const Mod mod = Mod::make(mask, bias, offsets, BH, 0, mask_rs, mask_cs, bias_rs, bias_cs, sl2,
+                            ModArgs{{mod0, mod1}});
 
   // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
   // piece of the host's extent of the tile (the union of its rows' visible ranges: no key is read
@@ -957,13 +980,15 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) ldsm_x4(q_lane + kk * 32, qa[kk]);
     }
-    // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to [k0, k1)); the host
-    // keeps keys < 2^30 on this path.
+    // This thread's rows g and g + 8: visible keys [lo, hi] (clipped to [k0, k1)) and query
+    // position; the host keeps keys < 2^30 on this path.
     long long row_lo[2], row_hi[2];
+    int row_i[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       row_lo[h] = rows[g + 8 * h].lo;
       row_hi[h] = rows[g + 8 * h].hi;  // padding rows: hi < lo, nothing visible
+      row_i[h] = static_cast<int>(rows[g + 8 * h].i);
     }
 
     MmaSoftmax<1> sm;  // the online softmax of this lane's rows g and g + 8
@@ -1005,20 +1030,25 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
             Mma<T>::run2(s[0][2 * p], s[0][2 * p + 1], qa[kk], kb);
           }
 
-        // Mask by global position unless every row of the tile sees all KW keys.
-        if (j0 < bk.flo || j0 + KW - 1 > bk.fhi) {
+        // Mask by global position unless every row of the tile sees all KW keys (without a
+        // transform: the scale is folded into exp2 below); with one, every stage forms its logits,
+        // F applied, -inf where hidden by position.
+        if (!F::IDENTITY || j0 < bk.flo || j0 + KW - 1 > bk.fhi) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const long long lo = row_lo[h] - j0, hi = row_hi[h] - j0;
             const int c_lo = static_cast<int>(lo < 0 ? 0 : (lo > KW ? KW : lo));
             const int c_hi = static_cast<int>(hi < -1 ? -1 : (hi > KW ? KW : hi));
-            mask_columns(s[0], h, c_lo, c_hi, t, 0, j0, NoMod());
+            if constexpr (F::IDENTITY)
+              mask_columns(s[0], h, c_lo, c_hi, t, 0, j0, NoMod());
+            else
+              mask_columns(s[0], h, c_lo, c_hi, t, row_i[h], j0, mod);
           }
         }
 
         // Online softmax: new max, rescale BOTH l and acc, add this step's mass (attn_core.cuh's
         // MmaSoftmax, with its huge-logit guard: decode has no fix-up kernel).
-        sm.step_guarded(s, sl2);
+        sm.step_guarded(s, F::IDENTITY ? sl2 : 1.f);
 #pragma unroll
         for (int df = 0; df < DF; ++df)
 #pragma unroll
