@@ -167,23 +167,6 @@ struct ScoreModT {
 template <typename Acc, bool NATURAL = false>
 using MaskBiasModT = ScoreModT<Acc, NATURAL>;
 using MaskBiasMod = MaskBiasModT<float>;  // the 16-bit kernels' (float accumulators, log2 units)
-// The raw score to the kernel's units only (scale times log2e, or the scale alone in natural
-// units), for a tile of a masked kernel that its mask shows entirely.
-template <typename Acc, bool NATURAL = false>
-using ScaleModT = ScoreModT<Acc, NATURAL, false>;
-using ScaleMod = ScaleModT<float>;
-
-// The modifier of head bh (offsets: the kernels' (5, BH) table, rows 3 and 4 for mask and bias).
-template <typename Acc>
-__device__ __forceinline__ MaskBiasModT<Acc> make_mask_bias(const unsigned char* mask,
-                                                            const Acc* bias,
-                                                            const long long* offsets, int BH,
-                                                            long long bh, long long mask_rs,
-                                                            long long mask_cs, long long bias_rs,
-                                                            long long bias_cs, Acc scale_log2) {
-  return MaskBiasModT<Acc>::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                                 scale_log2);
-}
 
 // ---- visibility on mma.sync fragments -----------------------------------------------------------
 // f(h) for the two rows of this lane's pair (h = 0: row g, h = 1: row g + 8).
@@ -331,9 +314,7 @@ template <> __device__ __forceinline__ double fold_limit<double>() { return 1677
 // reference, so no exp(-inf - (-inf)); NaN logits (dropped by fmaxf) reach l through exp2.
 template <int MF, typename Acc = float, bool NATURAL = false>
 struct MmaSoftmax {
-  static __device__ __forceinline__ Acc exp_units(Acc x) {
-    return NATURAL ? acc_exp(x) : exp2_acc(x);
-  }
+  static __device__ __forceinline__ Acc exp_units(Acc x) { return ::exp_units<NATURAL>(x); }
   Acc m[MF][2], l[MF][2], alpha[MF][2];
 
   // The empty state of m-fragment mf's rows: m = -inf, l = 0.
