@@ -37,28 +37,29 @@ _T = WideTile
 
 
 def _table(rows):
-    """{(dtype, bucket, has_mb): tile} from (dtype, bucket, tile, tile with a mask or bias)."""
-    return {(dt, b, mb): t for dt, b, plain, masked in rows
-            for mb, t in ((False, plain), (True, masked))}
+    """{(dtype, bucket, has_mb): tile} from (dtype, bucket, tile[, tile with a mask or bias]):
+    a row without the second tile uses its one tile for both."""
+    return {(dt, b, mb): t for dt, b, plain, *masked in rows
+            for mb, t in ((False, plain), (True, (masked or [plain])[0]))}
 
 
 TILES = _table([
-    ("float32", 32, _T(32, 8, 2, 2, 1), _T(32, 8, 2, 2, 1)),
-    ("float32", 64, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-    ("float32", 96, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-    ("float32", 128, _T(16, 4, 1, 2, 2), _T(16, 4, 1, 2, 2)),
-    ("float32", 192, _T(8, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
-    ("float32", 256, _T(8, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
-    ("float64", 32, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-    ("float64", 64, _T(16, 8, 1, 2, 1), _T(16, 8, 1, 2, 1)),
-    ("float64", 96, _T(8, 4, 1, 2, 1), _T(8, 4, 1, 2, 1)),
+    ("float32", 32, _T(32, 8, 2, 2, 1)),
+    ("float32", 64, _T(32, 8, 1, 2, 1)),
+    ("float32", 96, _T(32, 8, 1, 2, 1)),
+    ("float32", 128, _T(16, 4, 1, 2, 2)),
+    ("float32", 192, _T(8, 4, 1, 2, 1)),
+    ("float32", 256, _T(8, 4, 1, 2, 1)),
+    ("float64", 32, _T(32, 8, 1, 2, 1)),
+    ("float64", 64, _T(16, 8, 1, 2, 1)),
+    ("float64", 96, _T(8, 4, 1, 2, 1)),
 ])
 TILES_CC90 = _table([
     ("float32", 64, _T(32, 8, 2, 2, 1), _T(32, 8, 1, 2, 1)),
-    ("float32", 128, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-    ("float64", 64, _T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-    ("float64", 96, _T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1)),
-    ("float64", 128, _T(16, 8, 1, 2, 1), _T(16, 8, 1, 2, 1)),
+    ("float32", 128, _T(32, 8, 1, 2, 1)),
+    ("float64", 64, _T(32, 8, 1, 2, 1)),
+    ("float64", 96, _T(16, 4, 1, 2, 1)),
+    ("float64", 128, _T(16, 8, 1, 2, 1)),
 ])
 # The backward: (dkdv tile, dq tile) per (dtype, bucket, has_mb). A dkdv tile's block_n is the
 # query rows per step (its block owns 16 * mf * warps keys); a dq tile's, the keys per step.
@@ -68,22 +69,16 @@ TILES_CC90 = _table([
 # 128 takes the generic kernels.
 _P = lambda dkdv, dq: (dkdv, dq)  # noqa: E731
 BWD_TILES = _table([
-    ("float32", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-     _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
-    ("float32", 64, _P(_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-     _P(_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
-    ("float32", 96, _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1)),
-     _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1))),
-    ("float64", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1)),
-     _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float32", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float32", 64, _P(_T(16, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
+    ("float32", 96, _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1))),
+    ("float64", 32, _P(_T(32, 8, 1, 2, 1), _T(32, 8, 1, 2, 1))),
     ("float64", 64, _P(_T(16, 4, 1, 2, 1), _T(16, 4, 1, 2, 1)),
      _P(_T(8, 4, 1, 2, 1), _T(16, 4, 1, 2, 1))),
 ])
 BWD_TILES_CC90 = _table([
-    ("float32", 128, _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1)),
-     _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1))),
-    ("float64", 96, _P(_T(16, 4, 1, 2, 1, 2), _T(16, 4, 1, 2, 1)),
-     _P(_T(16, 4, 1, 2, 1, 2), _T(16, 4, 1, 2, 1))),
+    ("float32", 128, _P(_T(16, 8, 1, 2, 1, 2), _T(16, 8, 1, 2, 1))),
+    ("float64", 96, _P(_T(16, 4, 1, 2, 1, 2), _T(16, 4, 1, 2, 1))),
     ("float64", 128, _P(_T(16, 4, 1, 2, 1, 2), _T(16, 4, 1, 2, 1)),
      _P(_T(8, 4, 1, 2, 1, 2), _T(8, 4, 1, 2, 1))),
 ])

@@ -141,6 +141,17 @@ _NOTES_DOC = """\
     (a CuPy one is clamped on the device)."""
 
 
+# The options each public function hands to make_problem, named as in its signature (one list,
+# so that a new option is added to the signatures and here, not to every call).
+OPTIONS = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
+           "precision", "softcap")
+
+
+def _options(names):
+    """The OPTIONS' values among a public function's locals()."""
+    return {name: names[name] for name in OPTIONS}
+
+
 def _dispatch(problem):
     if problem.xp is np:
         from . import _numpy
@@ -306,9 +317,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     """
     return_lse = check_flag("return_lse", return_lse, "attention")
     with _runtime.graph_safe(q):
-        problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                               mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                               precision=precision, softcap=softcap, fn="attention")
+        problem = make_problem(q, k, v, fn="attention", **_options(locals()))
         out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
@@ -412,9 +421,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     """
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
     with _runtime.graph_safe(q):
-        problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                               mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                               precision=precision, softcap=softcap, fn="attention_backward")
+        problem = make_problem(q, k, v, fn="attention_backward", **_options(locals()))
         check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
         return _backward(problem, dout, out, lse, deterministic)
 
@@ -495,9 +502,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
         raise TypeError("attention_vjp: takes no return_lse option (it keeps lse itself)")
     deterministic = check_flag("deterministic", deterministic, "attention_vjp")
     with _runtime.graph_safe(q):
-        problem = make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                               mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                               precision=precision, softcap=softcap, fn="attention_vjp")
+        problem = make_problem(q, k, v, fn="attention_vjp", **_options(locals()))
         out, lse = _forward(problem)
 
     def vjp(dout):
