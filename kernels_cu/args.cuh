@@ -56,3 +56,7 @@ struct AttnArgs {
   const Scale scale = static_cast<Scale>((a).scale);                                         \
   const int left = (a).left, right = (a).right, bottom_right = (a).bottom_right;               \
   const ModArgs mod_args = {{(a).mod0, (a).mod1}}
+
+// Head bh's mask / bias inputs as ScoreModT::make (attn_core.cuh) takes them, by the names
+// ATTN_INPUTS and ATTN_ARGS_LOCALS give: Mod::make(MOD_INPUTS(bh), scale_units, mod_args).
+#define MOD_INPUTS(bh) mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs

@@ -382,12 +382,7 @@ struct MmaSoftmax {
     for (int mf = 0; mf < MF; ++mf) huge |= fabsf(m_ref[mf][0]) > HUGE_M || fabsf(m_ref[mf][1]) > HUGE_M;
     float sl = fold;
     if (__any_sync(FULL_WARP, huge)) {
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mf][nf][e] = __fmul_rn(s[mf][nf][e], fold);  // not contracted
+      tc::for_each_entry(s, [&](float& x, int, int, int) { x = __fmul_rn(x, fold); });  // no fma
       sl = 1.f;  // fma(x, 1, -m) = x - m, rounded
     }
 #pragma unroll

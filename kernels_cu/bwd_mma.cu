@@ -98,6 +98,29 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 // see it.)
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16 };
 
+// s[mi][nf][e] = f(s[mi][nf][e], value, mi, nf, e) over S^T-shaped fragments (rows = keys,
+// columns = queries q0 + nf * 8 + 2t + e % 2), value = that query's entry of the shared float
+// array col (lse2 or delta; one v2 load per n-fragment serves its two columns).
+template <int MF, int NQF, typename F>
+__device__ __forceinline__ void with_query_values(float (&s)[MF][NQF][4], u32 col, int q0, int t,
+                                                  F f) {
+#pragma unroll
+  for (int nf = 0; nf < NQF; ++nf) {
+    float v[2];
+    tc::ld_shared_v2f(col + (q0 + nf * 8 + 2 * t) * 4, v[0], v[1]);
+#pragma unroll
+    for (int mi = 0; mi < MF; ++mi)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][nf][e] = f(s[mi][nf][e], v[e % 2], mi, nf, e);
+  }
+}
+template <int NQF, typename F>  // one m-fragment
+__device__ __forceinline__ void with_query_values(float (&s)[NQF][4], u32 col, int q0, int t,
+                                                  F f) {
+  with_query_values(reinterpret_cast<float(&)[1][NQF][4]>(s), col, q0, t,
+                    [&](float x, float v, int, int nf, int e) { return f(x, v, nf, e); });
+}
+
 // The dQ reductions of a query tile go out spread over the k-steps of the product that follows
 // them (dK += dS^T Q; phase 2 in bwd_mma_dkdv_grid), ceil(NR / STEPS) per k-step: issued as one
 // burst at the end of the tile they fill the load/store queue, and the next tile's copies wait.
@@ -368,15 +391,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
   // lse2, delta [2][BLOCK_M] floats. SWZ: from the first BASE_ALIGN-aligned address (every tile
   // base is then aligned: tc::tile_addr's XOR, wgmma's swizzle).
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sK = SWZ ? (smem_u32(smem_raw) + BASE_ALIGN - 1) & ~(BASE_ALIGN - 1)
-                     : smem_u32(smem_raw);
-  const u32 sV = sK + BLOCK_N * ROW_BYTES;
-  const u32 sQ = sV + BLOCK_N * ROW_BYTES;
-  const u32 sdO = sQ + 2 * QT_BYTES;
-  const u32 sdS = sdO + 2 * QT_BYTES;
-  const u32 sL = sdS + BLOCK_N * DS_ROW;
-  const u32 sD = sL + 2 * BLOCK_M * 4;
+  u32 sK, sV, sQ, sdO, sdS, sL, sD;
+  shared_regions<SWZ ? BASE_ALIGN : 16>(sK, BLOCK_N * ROW_BYTES, sV, BLOCK_N * ROW_BYTES, sQ,
+                                        2 * QT_BYTES, sdO, 2 * QT_BYTES, sdS, BLOCK_N * DS_ROW,
+                                        sL, 2 * BLOCK_M * 4, sD);
 
   // Per-lane ldmatrix offsets (mma.cuh layouts), as (row, 16-byte chunk) in
   // tc::chunk_offset; the blocks a lane reads are then tc::tile_addr(tile base + offset, ...):
@@ -412,8 +430,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
-  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_log2, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, mod_args);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
 
@@ -475,16 +492,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     // P^T = exp2(S^T * scale * log2e - lse2[query]); -inf (invisible) and +inf lse2 (empty or
     // padding row) both give exactly 0.
-#pragma unroll
-    for (int nf = 0; nf < NQF; ++nf) {
-      float l0, l1;
-      ld_shared_v2f(ls + (nf * 8 + 2 * t) * 4, l0, l1);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        s[nf][2 * h] = ex2(fmaf(s[nf][2 * h], sl, -l0));
-        s[nf][2 * h + 1] = ex2(fmaf(s[nf][2 * h + 1], sl, -l1));
-      }
-    }
+    tcb::with_query_values(s, ls, 0, t, [&](float x, float l2, int, int) {
+      return ex2(fmaf(x, sl, -l2));
+    });
 
     // dV += P^T dO: P^T packed straight from the accumulators (k = queries).
     if constexpr (WG) {
@@ -514,17 +524,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     // dS^T = scale * P^T (dP^T - delta[query]) (times the modifier's derivative), in dp.
     constexpr bool GR = Mod::HAS_GRAD;
-#pragma unroll
-    for (int nf = 0; nf < NQF; ++nf) {
-      float d0, d1;
-      ld_shared_v2f(des + (nf * 8 + 2 * t) * 4, d0, d1);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        dp[nf][2 * h] = scale * s[nf][2 * h] * (dp[nf][2 * h] - d0) * grad_of<GR>(gr, nf, 2 * h);
-        dp[nf][2 * h + 1] =
-            scale * s[nf][2 * h + 1] * (dp[nf][2 * h + 1] - d1) * grad_of<GR>(gr, nf, 2 * h + 1);
-      }
-    }
+    tcb::with_query_values(dp, des, 0, t, [&](float x, float delta, int nf, int e) {
+      return scale * s[nf][e] * (x - delta) * grad_of<GR>(gr, nf, e);
+    });
 
     // dS^T packed to 16 bits (the A operand of dK += dS^T Q), and with DQ_ATOMIC stored to shared
     // memory for dQ.
@@ -679,11 +681,8 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const T* doh = dout + bh * Nq * DV;
 
   // Shared layout (mirrored by _mma_bwd.dq_smem_bytes): Q, dO [BLOCK_M], K, V [STAGES][BLOCK_N].
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sQ = smem_u32(smem_raw);
-  const u32 sdO = sQ + BLOCK_M * ROW_BYTES;
-  const u32 sK = sdO + BLOCK_M * ROW_BYTES;
-  const u32 sV = sK + STAGES * TILE_BYTES;
+  u32 sQ, sdO, sK, sV;
+  shared_regions(sQ, BLOCK_M * ROW_BYTES, sdO, BLOCK_M * ROW_BYTES, sK, STAGES * TILE_BYTES, sV);
 
   // ldmatrix lane offsets as fwd_mma.cu: Q, dO as A; K, V as B (non-trans); K as B of dS K (trans).
   const u32 a_lane = (warp * 16 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
@@ -716,8 +715,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   zero(dq);
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
-  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_log2, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, mod_args);
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
@@ -934,15 +932,10 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 
   // K, V [BLOCK_N], Q, dO [2][BLOCK_M] rows of ROW_BYTES; dS^T, P^T [BLOCK_N] rows of PS_ROW;
   // lse2, delta [2][BLOCK_M] floats.
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sK = smem_u32(smem_raw);
-  const u32 sV = sK + BLOCK_N * ROW_BYTES;
-  const u32 sQ = sV + BLOCK_N * ROW_BYTES;
-  const u32 sdO = sQ + 2 * QT_BYTES;
-  const u32 sdS = sdO + 2 * QT_BYTES;
-  const u32 sL = sdS + BLOCK_N * PS_ROW;
-  const u32 sD = sL + 2 * BLOCK_M * 4;
-  const u32 sP = sD + 2 * BLOCK_M * 4;
+  u32 sK, sV, sQ, sdO, sdS, sL, sD, sP;
+  shared_regions(sK, BLOCK_N * ROW_BYTES, sV, BLOCK_N * ROW_BYTES, sQ, 2 * QT_BYTES, sdO,
+                 2 * QT_BYTES, sdS, BLOCK_N * PS_ROW, sL, 2 * BLOCK_M * 4, sD, 2 * BLOCK_M * 4,
+                 sP);
 
   // ldmatrix lane offsets (mma.cuh layouts), all relative to a block's first row / column:
   //  A non-trans (rows = M, k contiguous): row lane % 16, column 8 * (lane / 16)
@@ -1002,31 +995,16 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
       tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(s, sK + kr0 * ROW_BYTES + a_lane,
                                                           qs + qc0 * ROW_BYTES + bn_lane);
     if (!any_vis) {
-      // s stays 0; P^T below must be 0 too: -inf logits
-#pragma unroll
-      for (int mi = 0; mi < MF; ++mi)
-#pragma unroll
-        for (int nf = 0; nf < NQF; ++nf)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][nf][e] = NEG;
+      for_each_entry(s, [&](float& x, int, int, int) { x = NEG; });  // P^T below must be 0 too
     } else if (!tile_all_visible(pr, iw0, iw_last, jw0, WN)) {
       // Padding query rows (>= Nq) need no test: their lse2 is +inf, so P = 0.
 #pragma unroll
       for (int mi = 0; mi < MF; ++mi) mask_key_rows(s[mi], jw0 + mi * 16 + g, iw0, t, Nq, pr, NoMod());
     }
     // P^T = exp2(S^T * scale * log2e - lse2[query]) (0 where invisible or on empty / padding rows)
-#pragma unroll
-    for (int nf = 0; nf < NQF; ++nf) {
-      float l0, l1;
-      ld_shared_v2f(ls + (qc0 + nf * 8 + 2 * t) * 4, l0, l1);
-#pragma unroll
-      for (int mi = 0; mi < MF; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          s[mi][nf][2 * h] = ex2(fmaf(s[mi][nf][2 * h], sl2, -l0));
-          s[mi][nf][2 * h + 1] = ex2(fmaf(s[mi][nf][2 * h + 1], sl2, -l1));
-        }
-    }
+    tcb::with_query_values(s, ls, qc0, t, [&](float x, float l2, int, int, int) {
+      return ex2(fmaf(x, sl2, -l2));
+    });
     tcb::store_acc16<T, MF, NQF, PS_ROW>(s, sP + kr0 * PS_ROW + qc0 * 2, g, t);
 
     float dp[MF][NQF][4];
@@ -1035,18 +1013,9 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
       tcb::gemm_nt<T, MF, NQF, KD, ROW_BYTES, ROW_BYTES>(dp, sV + kr0 * ROW_BYTES + a_lane,
                                                           dos + qc0 * ROW_BYTES + bn_lane);
     // dS^T = scale * P^T (dP^T - delta[query])
-#pragma unroll
-    for (int nf = 0; nf < NQF; ++nf) {
-      float d0, d1;
-      ld_shared_v2f(des + (qc0 + nf * 8 + 2 * t) * 4, d0, d1);
-#pragma unroll
-      for (int mi = 0; mi < MF; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          dp[mi][nf][2 * h] = scale * s[mi][nf][2 * h] * (dp[mi][nf][2 * h] - d0);
-          dp[mi][nf][2 * h + 1] = scale * s[mi][nf][2 * h + 1] * (dp[mi][nf][2 * h + 1] - d1);
-        }
-    }
+    tcb::with_query_values(dp, des, qc0, t, [&](float x, float delta, int mi, int nf, int e) {
+      return scale * s[mi][nf][e] * (x - delta);
+    });
     tcb::store_acc16<T, MF, NQF, PS_ROW>(dp, sdS + kr0 * PS_ROW + qc0 * 2, g, t);
     __syncthreads();  // P^T and dS^T of every warp in shared memory
 
@@ -1083,14 +1052,10 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   }
 
   // Every key row of the tile below Nk is written, zeros where no query sees it.
-#pragma unroll
-  for (int mi = 0; mi < MF; ++mi)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = jw0 + mi * 16 + g + 8 * h;
-      if (j < Nk) {
-        const long long e = (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
-        tcb::store_kv_rows<T>(dk_acc, dv_acc, e, e, dk[mi], dv[mi], h, out16);
-      }
+  for_frag_rows<MF>(jw0, g, [&](int mi, int h, int j) {
+    if (j < Nk) {
+      const long long e = (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, e, e, dk[mi], dv[mi], h, out16);
     }
+  });
 }

@@ -57,22 +57,17 @@ __device__ __forceinline__ void store_rows(T* __restrict__ out, const T (&acc)[M
                                            int r0, int rows_limit, int cols, T scale,
                                            int c0 = 0) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  tc::for_frag_rows<MF>(r0, g, [&](int mf, int h, int r) {
+    if (r >= rows_limit) return;
 #pragma unroll
-  for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + mf * 16 + g + 8 * h;
-      if (r < rows_limit) {
-#pragma unroll
-        for (int df = 0; df < DF; ++df) {
-          const int c = c0 + df * 8 + 2 * t;
-          if (c < cols) {  // cols is even: both columns or neither
-            out[static_cast<long long>(r) * cols + c] = acc[mf][df][2 * h] * scale;
-            out[static_cast<long long>(r) * cols + c + 1] = acc[mf][df][2 * h + 1] * scale;
-          }
-        }
+    for (int df = 0; df < DF; ++df) {
+      const int c = c0 + df * 8 + 2 * t;
+      if (c < cols) {  // cols is even: both columns or neither
+        out[static_cast<long long>(r) * cols + c] = acc[mf][df][2 * h] * scale;
+        out[static_cast<long long>(r) * cols + c + 1] = acc[mf][df][2 * h + 1] * scale;
       }
     }
+  });
 }
 
 template <typename T>
@@ -131,11 +126,8 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * Dv;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sK = smem_u32(smem_raw);
-  const u32 sV = sK + BLOCK_N * PK * E;
-  const u32 sQ = sV + BLOCK_N * PV * E;
-  const u32 sdO = sQ + STAGES * Q_BYTES;
+  u32 sK, sV, sQ, sdO;
+  shared_regions(sK, BLOCK_N * PK * E, sV, BLOCK_N * PV * E, sQ, STAGES * Q_BYTES, sdO);
 
   // The class of step `st` (rows [i_first + st BLOCK_M, + BLOCK_M) against this block's keys),
   // and the first step at or after `st` the mask does not hide; a step's ring slot is its count
@@ -169,8 +161,7 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   T dk_acc[MF][DFK][4], dv_acc[MF][DFV][4];
   zero(dk_acc);
   zero(dv_acc);
-  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale, mod_args);
   const u32 k_lane = sK + ((warp_row0 + g) * PK + 2 * t) * E;  // A of S^T: this warp's keys
   const u32 v_lane = sV + ((warp_row0 + g) * PV + 2 * t) * E;  // A of dP^T
   const int j_thr = j0 + warp_row0 + g;                         // this lane's key row
@@ -227,14 +218,9 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     // dP^T = V dO^T, then dS^T = P^T (dP^T - delta[query])
     T dp[MF][NQ][4];
     wide::rows_times_rows<T, PASSES, MF, NQ, KDV, PV, PV>(dp, v_lane, dos + (g * PV + 2 * t) * E);
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NQ; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          dp[mf][nf][e] =
-              s[mf][nf][e] * (dp[mf][nf][e] - dl[nf][e % 2]) * grad_of<GR>(gr[mf], nf, e);
+    for_each_entry(dp, [&](T& x, int mf, int nf, int e) {
+      x = s[mf][nf][e] * (x - dl[nf][e % 2]) * grad_of<GR>(gr[mf], nf, e);
+    });
     // dK += dS^T Q
     wide::acc_times_rows<T, PASSES, MF, NQ, DFK, DG, PK>(
         dk_acc, dp, qs + (2 * t * PK + g + part * DFK * 8) * E, 0, AddTo<T>());
@@ -279,11 +265,8 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
   const T* doh = dout + bh * Nq * Dv;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sQ = smem_u32(smem_raw);
-  const u32 sdO = sQ + BLOCK_M * PK * E;
-  const u32 sK = sdO + BLOCK_M * PV * E;
-  const u32 sV = sK + STAGES * K_BYTES;
+  u32 sQ, sdO, sK, sV;
+  shared_regions(sQ, BLOCK_M * PK * E, sdO, BLOCK_M * PV * E, sK, STAGES * K_BYTES, sV);
 
   // fwd_wide's key tiles, classes and ring slots
   const TileWalk<BLOCK_N, HAS_MB> walk{HAS_MB ? class_row(classes, bh, i0 / BLOCK_M) : nullptr,
@@ -306,8 +289,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
   T dq_acc[MF][DFK][4];
   zero(dq_acc);
-  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale, mod_args);
   const int i_thr = i0 + warp_row0 + g;
   T lrow[MF][2], drow[MF][2];  // lse and delta of this lane's rows g, g + 8
 #pragma unroll
@@ -352,15 +334,10 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     T dp[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDV, PV, PV>(dp, do_lane, vs + (g * PV + 2 * t) * E);
     // P = exp(S - lse[row]); dS = P (dP - delta[row]), in dp
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const T p = prob<HAS_MB>(s[mf][nf][e], scale, lrow[mf][e / 2]);
-          dp[mf][nf][e] = p * (dp[mf][nf][e] - drow[mf][e / 2]) * grad_of<GR>(gr[mf], nf, e);
-        }
+    for_each_entry(dp, [&](T& x, int mf, int nf, int e) {
+      const T p = prob<HAS_MB>(s[mf][nf][e], scale, lrow[mf][e / 2]);
+      x = p * (x - drow[mf][e / 2]) * grad_of<GR>(gr[mf], nf, e);
+    });
     // dQ += dS K
     wide::acc_times_rows<T, PASSES, MF, NF, DFK, DG, PK>(dq_acc, dp, ks + (2 * t * PK + g) * E,
                                                          0, AddTo<T>());

@@ -167,3 +167,18 @@ __device__ __forceinline__ void load_tile(Acc* __restrict__ dst, const T* __rest
 __device__ __forceinline__ long long block_bh() {
   return static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
 }
+
+// Sets each `P& region` to consecutive places from `at`, each `size` after the one before (P: an
+// element pointer and element counts, or a shared-window u32 address and bytes): one statement
+// for a kernel's shared-memory layout, in the order its host smem_bytes adds the sizes up.
+template <typename P>
+__device__ __forceinline__ void carve_shared(P) {}
+template <typename P>
+__device__ __forceinline__ void carve_shared(P at, P& last) {  // the last region's size unsaid
+  last = at;
+}
+template <typename P, typename... More>
+__device__ __forceinline__ void carve_shared(P at, P& region, int size, More&&... more) {
+  region = at;
+  carve_shared(static_cast<P>(at + size), more...);
+}

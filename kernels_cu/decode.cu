@@ -907,8 +907,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const float sl2 = scale * LOG2E;
   // The transform's modifier (unused without one): the scale to log2 units, then F.
   using Mod = ScoreModT<float, false, false, F>;
-  const Mod mod = Mod::make(mask, bias, offsets, BH, 0, mask_rs, mask_cs, bias_rs, bias_cs, sl2,
-                            ModArgs{{mod0, mod1}});
+  const Mod mod = Mod::make(MOD_INPUTS(0), sl2, ModArgs{{mod0, mod1}});
 
   // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
   // piece of the host's extent of the tile (the union of its rows' visible ranges: no key is read

@@ -74,10 +74,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
   const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sQ = smem_u32(smem_raw);
-  const u32 sK = sQ + BLOCK_M * ROW_BYTES;
-  const u32 sV = sK + STAGES * TILE_BYTES;
+  u32 sQ, sK, sV;
+  shared_regions(sQ, BLOCK_M * ROW_BYTES, sK, STAGES * TILE_BYTES, sV);
 
   // Per-lane ldmatrix offsets (see the m16n8k16 fragment layouts):
   //  Q (A, x4): lane -> row lane % 16, column 8 * (lane / 16)
@@ -126,8 +124,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // (s * scale * log2e + bias * log2e); otherwise the scale is folded into the exponent's FFMA.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_log2, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, mod_args);
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 

@@ -68,10 +68,8 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   const HeadQKV<T> in = head_qkv(q, k, v, offsets, BH, bh);
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 sQ = smem_u32(smem_raw);
-  const u32 sK = sQ + BLOCK_M * PITCH_QK * E;
-  const u32 sV = sK + STAGES * K_BYTES;
+  u32 sQ, sK, sV;
+  shared_regions(sQ, BLOCK_M * PITCH_QK * E, sK, STAGES * K_BYTES, sV);
 
   if (tid == 0) fix[blockIdx.x] = 0;  // set at the end by a thread with a row to settle
 
@@ -107,8 +105,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   }
   const T scale_units = NATURAL ? scale : scale * log2e<T>();
   const T fold = HAS_MB ? T(1) : scale_units;
-  const Mod mod = Mod::make(mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs,
-                            scale_units, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_units, mod_args);
   // This lane's Q rows g, g + 8 of the warp's first m-fragment, at column 2t (a k-step adds 8
   // columns, an m-fragment 16 rows).
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
@@ -145,14 +142,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
     // O = alpha O + P V (rounding toward zero: P V apart, then O = fma(O, alpha, P V)); V's first
     // loads wait for the softmax.
-    if (!FRESH) {
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-        for (int df = 0; df < DF; ++df)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mf][df][e] *= sm.alpha[mf][e / 2];
-    }
+    if (!FRESH) for_each_entry(acc, [&](T& o, int mf, int, int e) { o *= sm.alpha[mf][e / 2]; });
     wide::acc_times_rows<T, PASSES, MF, NF, DF, DF, PITCH_V>(
         acc, s, v_lane, after(sm.l[MF - 1][1]), [&](T(&o)[4], const T(&pv)[4], int mf) {
           for (int e = 0; e < 4; ++e) o[e] = acc_fma(o[e], sm.alpha[mf][e / 2], pv[e]);

@@ -32,13 +32,6 @@ __device__ __forceinline__ long long tile_end(long long r0, int size, const KeyR
 
 // Points each `Acc*& array` at consecutive Acc arrays of dynamic shared memory of the element
 // counts given after them, in order: the layout cuflash/_generic.py smem_bytes adds up.
-template <typename Acc>
-__device__ __forceinline__ void carve_shared(Acc*) {}
-template <typename Acc, typename... More>
-__device__ __forceinline__ void carve_shared(Acc* at, Acc*& array, int n, More&&... more) {
-  array = at;
-  carve_shared(at + n, more...);
-}
 template <typename Acc, typename... Arrays>
 __device__ __forceinline__ void shared_arrays(Arrays&&... arrays) {
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -27,6 +27,15 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
 }
+// carve_shared (common.cuh) over dynamic shared memory as shared-window addresses, from its first
+// ALIGN-aligned byte: shared_regions(sA, bytes_a, sB, bytes_b, sC) puts sA at the start, sB after.
+template <u32 ALIGN = 16, typename... Regions>
+__device__ __forceinline__ void shared_regions(Regions&&... regions) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  u32 base = smem_u32(smem_raw);
+  if constexpr (ALIGN > 16) base = (base + ALIGN - 1) & ~(ALIGN - 1);
+  carve_shared(base, regions...);
+}
 // 16-byte global -> shared copy; src_bytes = 0 writes zeros without reading.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
@@ -93,14 +102,29 @@ __device__ __forceinline__ void zero(float (&a)[N][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) a[j][e] = 0.f;
 }
-template <int M, int N, typename T>
-__device__ __forceinline__ void zero(T (&c)[M][N][4]) {
+// f(c[m][n][e], m, n, e) for every entry of M rows of N accumulator fragments (e / 2: the row
+// of the lane's pair, as in for_pair), fully unrolled: the one element loop over fragments.
+template <int M, int N, typename T, typename F>
+__device__ __forceinline__ void for_each_entry(T (&c)[M][N][4], F f) {
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[m][n][e] = T(0);
+      for (int e = 0; e < 4; ++e) f(c[m][n][e], m, n, e);
+}
+// f(mf, h, r) for the two rows of this lane's pair in each of MF m-fragments from row r0:
+// r = r0 + 16 mf + g + 8 h (g = lane / 4; h: entries 2 h, 2 h + 1), the one row loop.
+template <int MF, typename F>
+__device__ __forceinline__ void for_frag_rows(int r0, int g, F f) {
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) f(mf, h, r0 + mf * 16 + g + 8 * h);
+}
+template <int M, int N, typename T>
+__device__ __forceinline__ void zero(T (&c)[M][N][4]) {
+  for_each_entry(c, [](T& x, int, int, int) { x = T(0); });
 }
 
 // One k-step of 16 of acc += A B: MF m-fragments of A in registers, B's NF n-fragments loaded by

@@ -23,6 +23,7 @@
 
 namespace wide {
 using tc::u32;
+using tc::for_each_entry;
 using tc::zero;
 
 // k-steps per rounding group of rows_times_rows (all of them where rounding is to nearest).
@@ -82,15 +83,10 @@ __device__ __forceinline__ void rows_times_rows(T (&s)[MF][NF][4], u32 a_lane, u
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf) Tc::run(c[mf][nf], a[mf], b);
     if (nf == NF - 1 && (kk + 1) % G == 0) {  // the end of a rounding group: into s
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-        for (int f = 0; f < NF; ++f)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[mf][f][e] = kk + 1 == G ? c[mf][f][e] : s[mf][f][e] + c[mf][f][e];
-            if (kk + 1 < KD) c[mf][f][e] = T(0);
-          }
+      for_each_entry(s, [&](T& x, int mf, int f, int e) {
+        x = kk + 1 == G ? c[mf][f][e] : x + c[mf][f][e];
+        if (kk + 1 < KD) c[mf][f][e] = T(0);
+      });
     }
   }
 }
