@@ -132,7 +132,7 @@ def preprocess(p, dout, out, lse):
     return lse_eff, delta
 
 
-def backward(p, dout, out, lse, deterministic=False):
+def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), every element,
     in the accumulator dtype. Deterministic by construction (no atomics): bwd_preprocess (delta =
     rowsum(dout * out), and lse_eff: +inf, with delta 0, on lost rows), bwd_dkdv over key tiles,
@@ -155,7 +155,7 @@ def backward(p, dout, out, lse, deterministic=False):
     kern, (bm, _), smem = _prepare("bwd_dq", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
          (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type), shared_mem=smem)
-    launch_lost(args, dout, out, lse, dq, dk, dv)
+    launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
     return dq, dk, dv
 
 
@@ -204,13 +204,15 @@ def flagged_forward(p, recipe, extra=()):
     return out, lse
 
 
-def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):
+def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
     """kernels_cu/lost_rows.cu: add the exact gradients of the lost rows (_config.LOST_LSE) to dq,
     dk, dv, which the main backward kernels wrote without them. dout, out contiguous
     (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype; dq (BH, Nq, Dk) in it too;
     dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. ``flags`` (BH, ceil(Nq / 32)):
-    the lost-row flags, if the preprocess wrote them (else made here from lse). Two small
-    launches that only read flags (and lse) when no row is lost."""
+    the lost-row flags, if the preprocess wrote them (else made here from lse). With sinks
+    (p.sinks) the sink joins each lost row's max and sum, and the row's exact sink probability is
+    written into ``sink_probs`` (BH, Nq) float64. Two small launches that only read flags (and
+    lse) when no row is lost."""
     import cupy
 
     p = args.p
@@ -235,5 +237,6 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None):
         flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
     threads = (_config.GENERIC_THREADS,)
-    rows_fn((row_blocks,), threads, common + (dq, np.int32(prewritten)))
+    sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
+    rows_fn((row_blocks,), threads, common + (dq, np.int32(prewritten)) + sinks)
     keys_fn((key_blocks,), threads, common + (dk, dv))

@@ -2,7 +2,7 @@
 
 A path is a module with the same small interface: NAME; for the forward `takes(p)` and
 `forward(p)` -> (out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of the accumulator dtype); for the
-backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic)` -> (dq, dk, dv) per
+backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic, sink_probs)` -> (dq, dk, dv) per
 output (batch, head); and `instantiations()`, the (kernel, dtype name, bucket or head dim or None,
 source file, name expression) tuples it can request; TRANSFORMS: whether its kernels take the
 score transforms (cuflash/_modifiers.py; those that do not are skipped for a Problem that has
@@ -56,13 +56,15 @@ def forward(p):
         return _choose(FORWARD, "takes", p).forward(p)
 
 
-def backward(p, dout, out, lse, deterministic=False):
+def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq, dk, dv per output (batch, head), in the accumulator dtype (the tensor-core path may give
     dk, dv in the inputs' dtype already). The generic kernels are deterministic by construction (no
     atomics); the tensor-core path adds dq with atomics unless ``deterministic``, which then takes
-    its fixed-order dq kernel."""
+    its fixed-order dq kernel. ``sink_probs`` (with sinks): each row's sink probability, (BH, Nq)
+    float64, which the lost-row fix overwrites on its rows (_generic.launch_lost)."""
     with p.q.device:
-        return _choose(BACKWARD, "takes_backward", p).backward(p, dout, out, lse, deterministic)
+        return _choose(BACKWARD, "takes_backward", p).backward(p, dout, out, lse, deterministic,
+                                                               sink_probs)
 
 
 # path argument of override -> (Overrides.path, Overrides.variant)

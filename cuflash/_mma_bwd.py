@@ -323,7 +323,7 @@ def _recipe(p, deterministic):
                   tile.warps * 32, smem, classes, dq, dq_blocks, dq_threads, dq_smem)
 
 
-def backward(p, dout, out, lse, deterministic=False):
+def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
     dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
     dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype."""
@@ -360,5 +360,6 @@ def backward(p, dout, out, lse, deterministic=False):
     if deterministic:
         r.dq((r.dq_blocks,), (r.dq_threads,), (p.q, p.k, p.v, dout, lse2, delta, dq) + tail,
              shared_mem=r.dq_smem)
-    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags)
+    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,
+                         sink_probs=sink_probs)
     return dq, dk, dv

@@ -224,9 +224,10 @@ def _rows(x, problem, width, dtype):
     return np.asarray(x).reshape(problem.BH, problem.Nq, width).astype(dtype)
 
 
-def backward(problem, dout, out, lse, deterministic=False):
+def backward(problem, dout, out, lse, deterministic=False, sink_probs=None):
     """Gradients per output (batch, head) in acc dtype: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
-    dv (BH, Nk, Dv). P is recomputed per tile from q, k and lse; D = rowsum(dout * out)."""
+    dv (BH, Nk, Dv). P is recomputed per tile from q, k and lse; D = rowsum(dout * out).
+    With sinks, the lost rows' sink probabilities are written into ``sink_probs`` (BH, Nq)."""
     p = problem
     t = _Tiles(p)
     acc_t = t.acc
@@ -264,13 +265,15 @@ def backward(problem, dout, out, lse, deterministic=False):
         if not t.prescaled:
             dk *= t.scale
         if lost.any():
-            _lost_rows(t, np.nonzero(lost), dout, _rows(out, p, p.Dv, np.float64), dq, dk, dv)
+            _lost_rows(t, np.nonzero(lost), dout, _rows(out, p, p.Dv, np.float64), dq, dk, dv,
+                       sink_probs)
     return dq, dk, dv
 
 
-def _lost_rows(t, rows, dout, out, dq, dk, dv):
+def _lost_rows(t, rows, dout, out, dq, dk, dv, sink_probs=None):
     """Add the gradients of the lost rows ``rows`` = (bh, i), recomputed in float64 from their
-    own max and sum (two passes over the key tiles), to dq, dk, dv. ``out``: (BH, Nq, Dv)."""
+    own max and sum (two passes over the key tiles; the sink, if any, joins the sum), to dq, dk,
+    dv; with sinks, write their exact sink probabilities into sink_probs. ``out``: (BH, Nq, Dv)."""
     f64 = np.float64
     b, i = rows
     m = np.full(b.size, -np.inf)
@@ -282,6 +285,13 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv):
         shift = np.where(m_new == -np.inf, 0, m_new)
         l = l * np.exp(m - shift) + np.exp(s - shift[:, None]).sum(axis=-1)
         m = m_new
+    if t.p.sinks is not None:  # the sink column (value 0): one more logit of the row's sum
+        sink = t.p.sinks[b]
+        m_new = np.maximum(m, sink)
+        shift = np.where(m_new == -np.inf, 0, m_new)
+        l = l * np.exp(m - shift) + np.exp(sink - shift)
+        m = m_new
+        sink_probs[b, i] = np.exp(sink - shift) / l
     shift = np.where(m == -np.inf, 0, m)[:, None]
     l = l[:, None]
     do = dout[b, i].astype(f64)                    # (n, Dv)

@@ -11,6 +11,7 @@ need a device-to-host synchronization; what they give is the README's non-finite
 Every message starts with the public function it is raised for (``fn``: "attention",
 "attention_backward", "attention_vjp", "merge") and names the argument.
 """
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -63,10 +64,16 @@ class Problem:
     lens_map: Optional[np.ndarray] = None
     # the score transforms (cuflash/_modifiers.py): ((name, scalars), ...) in its table's order
     transforms: tuple = ()
+    # attention sinks (cuflash/_sinks.py): sinks (BH,) float64, of q's library, each (batch,
+    # head)'s sink logit; sinks_shape and sinks_dtype: the shape and dtype of their gradient (the
+    # caller's shape; its float dtype, else the accumulator's). None: no sinks.
+    sinks: Optional[Any] = None
+    sinks_shape: Optional[tuple] = None
+    sinks_dtype: Optional[np.dtype] = None
 
-    def with_arrays(self, q, k, v, mask, bias, kv_lens=None):
+    def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
-        kv_lens'), the rest shared."""
+        kv_lens', and the sinks), the rest shared."""
         xp = self.xp
         if self.copied:
             q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
@@ -79,6 +86,7 @@ class Problem:
                     xp.broadcast_to(bias.astype(self.acc_dtype, copy=False), full))
         if self.lens_map is not None:
             new.lens_device = _device_lens(kv_lens, self.lead, self.Nk)
+        new.sinks = _sinks_per_head(xp, q, sinks, self.lead)
         return new
 
     @property
@@ -280,6 +288,39 @@ def _check_bias(fn, bias, full, lib, acc_dtype):
     return _xp_of(lib).broadcast_to(bias.astype(acc_dtype, copy=False), full)
 
 
+def _check_sinks(fn, sinks, lead, lib, device, acc_dtype):
+    """A real number, or a real array of q's library broadcastable to the leading dims; returns
+    the (shape, dtype) of its gradient (a float array's dtype, else the accumulator's). Values
+    are not read: any value is the dense formula's (README "Attention sinks")."""
+    if sinks is None:
+        return None, None
+    if isinstance(sinks, numbers.Real) and not isinstance(sinks, (bool, np.bool_)):
+        return (), acc_dtype
+    if _library(sinks) is None:
+        raise TypeError(f"{fn}: sinks must be a real number or a numpy.ndarray or cupy.ndarray "
+                        f"of real numbers, got {type(sinks).__name__}")
+    _check_same_family(fn, (("sinks", sinks),), "q", lib, device)
+    floating = _dtype_name(sinks.dtype) in supported_dtype_names()
+    if not floating and (sinks.dtype == np.bool_ or not np.issubdtype(sinks.dtype, np.integer)):
+        raise TypeError(f"{fn}: sinks must hold real numbers (an integer dtype or "
+                        f"{', '.join(supported_dtype_names())}), got dtype {sinks.dtype}")
+    if not _broadcasts_to(sinks.shape, lead):
+        raise ValueError(f"{fn}: sinks must broadcast to the leading dims {lead} (one sink per "
+                         f"head: (H,) for (B, H, N, D) inputs), got sinks.shape={sinks.shape}")
+    return tuple(sinks.shape), np.dtype(sinks.dtype) if floating else acc_dtype
+
+
+def _sinks_per_head(xp, q, sinks, lead):
+    """A checked sinks as each output (batch, head) reads it: (BH,) float64 on q's device (one
+    fill or copy on the current stream), None without sinks."""
+    if sinks is None:
+        return None
+    with (q.device if xp is not np else contextlib.nullcontext()):
+        if _library(sinks) is None:
+            return xp.full(math.prod(lead), float(sinks), dtype=np.float64)
+        return xp.ascontiguousarray(xp.broadcast_to(sinks, lead), dtype=np.float64).reshape(-1)
+
+
 _clamp_lens = None
 
 
@@ -390,8 +431,15 @@ def _pair_key(pair):
     return (type(pair),) + tuple(_side_key(s) for s in pair)
 
 
+def _sinks_key(sinks):
+    """sinks' part of a signature: its type alone for a number (its value is read per call)."""
+    if sinks is None:
+        return None
+    return (type(sinks),) if _library(sinks) is None else _array_key(sinks)
+
+
 def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None,
-              precision=None, modifiers=None):
+              precision=None, modifiers=None, sinks=None):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
@@ -410,7 +458,7 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
                None if mask is None else _array_key(mask),
                None if bias is None else _array_key(bias),
                _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
-               _side_key(precision),
+               _side_key(precision), _sinks_key(sinks),
                tuple((n, _side_key(x)) for n, x in sorted((modifiers or {}).items())))
         hash(key)
     except (AttributeError, TypeError, ValueError):
@@ -423,21 +471,21 @@ _problems = _memo.Memo(256)  # signature -> Problem without arrays (Problem.with
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                  mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                 fn="attention", **modifiers):
+                 sinks=None, fn="attention", **modifiers):
     """Validate and normalize the arguments of ``fn`` (the public function, named in messages);
     `modifiers`: the score transforms' keywords (cuflash/_modifiers.py, e.g. softcap=).
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
     key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
-                    precision, modifiers)
+                    precision, modifiers, sinks)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
-            return known.with_arrays(q, k, v, mask, bias, kv_lens)
+            return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                      precision=precision, fn=fn, modifiers=modifiers)
+                      precision=precision, sinks=sinks, fn=fn, modifiers=modifiers)
     if key is not None:
         p.key = key
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
@@ -445,13 +493,13 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
                 x.flags.writeable = False
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
-        bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = None
+        bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None
         _problems.build(key, lambda: bare)
     return p
 
 
 def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,
-                  precision, fn, modifiers):
+                  precision, sinks, fn, modifiers):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -519,6 +567,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
         kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
     precision = _check_precision(fn, precision)
     transforms = _modifiers.check(fn, **modifiers)
+    sinks_shape, sinks_dtype = _check_sinks(fn, sinks, lead, lib, device, acc_dtype)
 
     given = (q, k, v)
     q, k, v = (_innermost_contiguous(xp, x) for x in given)
@@ -529,7 +578,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
                    q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied,
                    precision=precision, lens_device=lens_device, lens_map=lens_map,
-                   transforms=transforms)
+                   transforms=transforms, sinks=_sinks_per_head(xp, q, sinks, lead),
+                   sinks_shape=sinks_shape, sinks_dtype=sinks_dtype)
 
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):

@@ -282,7 +282,7 @@ def _bwd_recipe(p):
     return tuple(launches), tiles
 
 
-def backward(p, dout, out, lse, deterministic=False):
+def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), in the
     accumulator dtype; deterministic whatever ``deterministic`` says (no atomics)."""
     import cupy
@@ -308,5 +308,5 @@ def backward(p, dout, out, lse, deterministic=False):
     dkdv((dkdv_blocks,), (dkdv_threads,), ins + (dk, dv) + args.tail + (dkdv_cls,),
          shared_mem=dkdv_smem)
     dq_k((dq_blocks,), (dq_threads,), ins + (dq,) + args.tail + (dq_cls,), shared_mem=dq_smem)
-    _generic.launch_lost(args, dout, out, lse, dq, dk, dv)
+    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
     return dq, dk, dv

@@ -1,7 +1,7 @@
 """The public functions: validate -> normalize -> dispatch (NumPy path or CUDA path)."""
 import numpy as np
 
-from . import _broadcast, _runtime
+from . import _broadcast, _runtime, _sinks
 from ._validate import check_backward_inputs, check_flag, check_merge_inputs, make_problem
 
 # Pieces shared by the docstrings of attention, attention_backward and attention_vjp; the loop at
@@ -58,6 +58,17 @@ _OPTIONS_DOC = """\
         ``softcap·tanh(x / softcap)``, then the bias is added, so every logit lies within
         ±softcap of its bias. Its derivative ``1 - tanh²(x / softcap)`` enters the gradients.
         A finite real number > 0 (a bool is refused); None or 0 means no softcap.
+    sinks : float or real array or None, default None
+        Attention sinks: a logit per head that joins every row's softmax denominator with no
+        value, ``out_i = sum_j exp(s_ij - L_i)·v_j`` with
+        ``L_i = log(sum_j exp(s_ij) + exp(t))``, t the sink of row i's head and s_ij the logits
+        above (scale, softcap, bias, every mask option). A real number, or a real array (an
+        integer or float dtype, of q's library) broadcastable to the output's leading dims
+        ``...``: (H,) for (B, H, N, D) inputs, one sink per query head; (B, H) per batch and
+        head. Its values are not restricted: -inf is no sink, a NaN sink makes its head's rows
+        NaN, +inf (a +inf logit) too. The returned lse is L (the sink included); a row that sees
+        no key gives out 0 and lse = t. With sinks, :func:`attention_backward` also returns the
+        sink's gradient. None means no sinks.
     kv_lens : int, sequence of ints, int array or None, default None
         Per sequence, how many keys exist: only keys j < kv_lens are read (the rest may hold
         anything, NaN included). Broadcastable to the leading dims ``...`` of the output (a
@@ -95,6 +106,8 @@ _TYPE_ERRORS_DOC = """\
           inputs.
         - precision is neither None nor a string.
         - softcap is neither None nor a real number (a bool is refused).
+        - sinks is neither None, a real number nor an array of q's library (a bool is refused),
+          or its dtype is bool or complex.
         - A keyword the function does not take (Python's own TypeError)."""
 
 _VALUE_ERRORS_DOC = """\
@@ -112,7 +125,8 @@ _VALUE_ERRORS_DOC = """\
           [0, Nk]; a CuPy kv_lens is on another device than q.
         - positions is neither None nor a pair, or a start is not a non-negative int.
         - precision is a string other than "highest" and "high".
-        - softcap is negative, NaN or infinite."""
+        - softcap is negative, NaN or infinite.
+        - sinks does not broadcast to the leading dims ``...``, or is on another device than q."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
@@ -144,7 +158,7 @@ _NOTES_DOC = """\
 # The options each public function hands to make_problem, named as in its signature (one list,
 # so that a new option is added to the signatures and here, not to every call).
 OPTIONS = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
-           "precision", "softcap")
+           "precision", "softcap", "sinks")
 
 
 def _options(names):
@@ -166,28 +180,38 @@ def _forward(problem):
         # nothing to compute: every row is empty (or there are no rows)
         out = xp.zeros(problem.out_shape, dtype=problem.dtype)
         lse = xp.full(problem.lse_shape, -np.inf, dtype=problem.acc_dtype)
-        return out, lse
-    out, lse = _dispatch(problem).forward(problem)
-    return out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
+    else:
+        out, lse = _dispatch(problem).forward(problem)
+        out, lse = out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
+    if problem.sinks is not None:  # the sink-free softmax joined with each row's sink
+        out, lse = _sinks.join(problem, out, lse)
+    return out, lse
 
 
 def _backward(problem, dout, out, lse, deterministic=False):
+    """(dq, dk, dv), and dsinks with sinks."""
     xp = problem.xp
+    # with sinks: each row's sink probability, exact on lost rows after the backward's fix
+    prob = None if problem.sinks is None else _sinks.probabilities(problem, lse)
     if problem.BH == 0 or problem.Nq == 0 or problem.Nk == 0:
-        return tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (problem.q, problem.k, problem.v))
-    dq, dk, dv = _dispatch(problem).backward(problem, dout, out, lse, deterministic=deterministic)
-    # gradients were computed per output (batch, head): sum them back over broadcast/GQA axes
-    grads = []
-    for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
-        g = g.reshape(problem.lead + g.shape[-2:])
-        with np.errstate(over="ignore"):  # beyond the dtype's range: inf, as a cast gives
-            grads.append(_broadcast.reduce_to_lead(xp, g, x.shape).astype(problem.dtype,
-                                                                         copy=False))
+        grads = [xp.zeros(x.shape, dtype=problem.dtype) for x in (problem.q, problem.k, problem.v)]
+    else:
+        dq, dk, dv = _dispatch(problem).backward(problem, dout, out, lse,
+                                                 deterministic=deterministic, sink_probs=prob)
+        # gradients were computed per output (batch, head): sum them back over broadcast/GQA axes
+        grads = []
+        for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
+            g = g.reshape(problem.lead + g.shape[-2:])
+            with np.errstate(over="ignore"):  # beyond the dtype's range: inf, as a cast gives
+                grads.append(_broadcast.reduce_to_lead(xp, g, x.shape).astype(problem.dtype,
+                                                                             copy=False))
+    if prob is not None:
+        grads.append(_sinks.gradient(problem, dout, out, prob))
     return tuple(grads)
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, positions=None, precision=None, softcap=None,
+              bias=None, kv_lens=None, positions=None, precision=None, softcap=None, sinks=None,
               return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
@@ -211,7 +235,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     lse : array, shape (..., Nq)
         Only with ``return_lse=True``, as ``(out, lse)``: the natural-log log-sum-exp of the
         row's visible scaled (biased) logits, in the accumulator dtype (float32, or float64 for
-        float64 inputs); -inf for an empty row.
+        float64 inputs); -inf for an empty row. With sinks, the sink's exp(t) is in the sum (an
+        empty row gives t).
 
     Raises
     ------
@@ -324,7 +349,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
-                       precision=None, softcap=None, deterministic=False):
+                       precision=None, softcap=None, sinks=None, deterministic=False):
     """Compute the gradients of :func:`attention` with respect to q, k and v.
 
     The score tiles are recomputed from q, k and lse; no probability matrix is stored.
@@ -339,8 +364,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
         out's shape, q's dtype and library.
     lse : numpy.ndarray or cupy.ndarray, shape (..., Nq)
         The forward's lse (``return_lse=True``), float32 or float64, of q's library. out and
-        lse are not checked against q, k and v: from other inputs or options they give wrong
-        gradients.
+        lse are not checked against q, k and v: from other inputs or options (sinks included)
+        they give wrong gradients.
 {options}
     deterministic : bool, default False
         If True, the gradients are bitwise identical run to run on every path. Only the
@@ -357,6 +382,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     dv : array, shape and dtype of v
         The gradient with respect to v, summed back like dk. In each, a value beyond the
         dtype's range becomes +-inf, as a cast gives.
+    dsinks : array, shape of sinks
+        Only with sinks, as ``(dq, dk, dv, dsinks)``: the gradient with respect to the sinks,
+        ``-sum_i exp(t - lse_i)·D_i`` over the rows of each head, summed over the axes on which
+        sinks broadcasts; of sinks' dtype if it is a float array, else of the accumulator dtype
+        (a 0-d array for a number), of q's library.
 
     Raises
     ------
@@ -383,13 +413,14 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     -----
     With D = rowsum(dout ∘ out) and P = exp(scale·q·kᵀ + bias - lse) on the visible pairs
     (0 elsewhere): dv = Pᵀ·dout, dS = P ∘ (dout·vᵀ - D), dq = scale·dS·k, dk = scale·dSᵀ·q.
-    mask and bias get no gradient.
+    mask and bias get no gradient. With sinks these formulas stand as they are (lse includes the
+    sink, and its value 0 adds nothing to D), and dsinks = -sum_i exp(t - lse_i)·D_i.
 
     A row with lse = -inf is empty and contributes nothing; a NaN lse gives NaN gradients (dq of
     that row, dk and dv of the keys it sees), never silent zeros. A row whose |lse| is at least
     2**12 (2**24 for float64 inputs), e.g. one padded with an additive finfo(float32).min bias,
-    cannot carry log(l) in its lse: its max and sum are recomputed exactly (in float64) in the
-    backward, at extra cost for those rows only.
+    cannot carry log(l) in its lse: its max and sum (the sink included) are recomputed exactly
+    (in float64) in the backward, at extra cost for those rows only.
 
     The forward's rules, as for :func:`attention`:
 
@@ -428,12 +459,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                   mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                  softcap=None, deterministic=False, return_lse=None):
+                  softcap=None, sinks=None, deterministic=False, return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
     For training without a framework: ``out, vjp = attention_vjp(q, k, v, ...)``, then
     ``dq, dk, dv = vjp(dout)``. vjp keeps the forward's lse itself (and holds on to q, k, v, out
-    and lse until it is dropped); it may be called any number of times.
+    and lse, and the sinks, until it is dropped); it may be called any number of times.
 
     Parameters
     ----------
@@ -450,9 +481,9 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
     out : array, shape (..., Nq, Dv)
         As :func:`attention` returns it.
     vjp : callable
-        ``vjp(dout)``, with dout of out's shape, dtype and library, returns ``(dq, dk, dv)``:
-        ``attention_backward(dout, q, k, v, out, lse, ...)`` with this call's inputs, options,
-        out and lse.
+        ``vjp(dout)``, with dout of out's shape, dtype and library, returns ``(dq, dk, dv)``
+        (``(dq, dk, dv, dsinks)`` with sinks): ``attention_backward(dout, q, k, v, out, lse,
+        ...)`` with this call's inputs, options, out and lse.
 
     Raises
     ------

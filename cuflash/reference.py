@@ -29,11 +29,11 @@ def _host(x):
 
 
 def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions=None,
-           softcap=None):
+           softcap=None, sinks=None):
     """Reject bad input with the library's own messages; the Problem itself is not used."""
     _validate.make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                            mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                           softcap=softcap)
+                           softcap=softcap, sinks=sinks)
 
 
 def _lead_shape(q, k, v):
@@ -111,10 +111,14 @@ class _Dense:
 
     ``work`` is the dtype arithmetic happens in; ``rnd`` rounds each intermediate result to the
     storage dtype (identity for the spec). The public functions use float64 and no rounding.
+
+    With sinks, every row gets one more column, materialized: the logit of its head's sink, a
+    key that is visible unless the sink is -inf, with value 0 (the last column of ``logits()``,
+    ``visible`` and ``values``).
     """
 
     def __init__(self, q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                 positions=None, work=np.float64, storage=None, softcap=None):
+                 positions=None, work=np.float64, storage=None, softcap=None, sinks=None):
         self.work = work
         self.softcap = None if not softcap else float(softcap)  # None or 0: none
         self.storage = storage
@@ -134,6 +138,15 @@ class _Dense:
         self.visible = _visible(self.lead, nq, nk, causal, align, window,
                                 None if mask is None else mask.astype(bool), bias, _host(kv_lens),
                                 positions)
+        self.values = self.v
+        self.sinks = None
+        if sinks is not None:
+            self.sinks_shape = np.shape(_host(sinks))
+            t = np.broadcast_to(_host(sinks).astype(np.float64), self.lead)[..., None, None]
+            self.sinks = np.broadcast_to(self.rnd(t.astype(work)), self.lead + (nq, 1))
+            self.visible = np.concatenate([self.visible, self.sinks != -np.inf], axis=-1)
+            self.values = np.concatenate([self.v, np.zeros(self.lead + (1, self.v.shape[-1]))],
+                                         axis=-2)
 
     def rnd(self, x):
         if self.storage is None:
@@ -151,6 +164,10 @@ class _Dense:
             s = self.rnd(self.softcap * t)
         if self.bias is not None:
             s = self.rnd(s + self.bias.astype(self.work))
+        if self.sinks is not None:  # the sink column (its logit does not depend on q or k)
+            s = np.concatenate([s, self.sinks], axis=-1)
+            grad = np.concatenate([np.broadcast_to(grad, s.shape[:-1] + (s.shape[-1] - 1,)),
+                                   np.ones(s.shape[:-1] + (1,))], axis=-1)
         s = np.where(self.visible, s, -np.inf)
         return (s, grad) if with_grad else s
 
@@ -176,12 +193,19 @@ class _Dense:
     def _forward(self):
         # Only a row with no visible key is empty (out 0, lse -inf). A row that sees keys follows
         # IEEE arithmetic: a NaN or +inf logit gives NaN, and so does a row whose every visible
-        # logit is -inf (l = 0: 0 / 0).
-        seen, m0, e, l = self._stats(self.logits())
-        num = self.rnd(e @ self.v)
+        # logit is -inf (l = 0: 0 / 0). With a sink, such a row stays NaN (README "Attention
+        # sinks": an overflow, not an empty row), though the sink alone would make l > 0.
+        s = self.logits()
+        seen, m0, e, l = self._stats(s)
+        num = self.rnd(e @ self.values)
         out = np.where(seen, self.rnd(num / np.where(seen, l, 1)), 0)
         lse = np.where(l == 0, np.nan, m0 + np.log(np.where(l == 0, 1, l)))
         lse = np.where(seen, lse, -np.inf)
+        if self.sinks is not None:
+            keys = self.visible[..., :-1]
+            dead = keys.any(axis=-1, keepdims=True) & ~(keys & (s[..., :-1] > -np.inf)).any(
+                axis=-1, keepdims=True)
+            out, lse = np.where(dead, np.nan, out), np.where(dead, np.nan, lse)
         return out, lse[..., 0]
 
     def _backward(self, dout, out, lse):
@@ -202,32 +226,42 @@ class _Dense:
         p = self.rnd(p)
         delta = self.rnd((dout * out).sum(axis=-1, keepdims=True))
         dv = self.rnd(np.swapaxes(p, -1, -2) @ dout)
-        dp = self.rnd(dout @ np.swapaxes(self.v, -1, -2))
+        dp = self.rnd(dout @ np.swapaxes(self.values, -1, -2))
         ds = self.rnd(self.rnd(p * self.rnd(dp - delta)) * grad)
-        dq = self.rnd(self.scale * self.rnd(ds @ self.k))
-        dk = self.rnd(self.scale * self.rnd(np.swapaxes(ds, -1, -2) @ self.q))
+        nk = self.k.shape[-2]  # the columns past nk: the sink's
+        dq = self.rnd(self.scale * self.rnd(ds[..., :nk] @ self.k))
+        dk = self.rnd(self.scale * self.rnd(np.swapaxes(ds[..., :nk], -1, -2) @ self.q))
         qs, ks, vs = self.shapes
-        return (self.rnd(_sum_to(dq, qs)), self.rnd(_sum_to(dk, ks)), self.rnd(_sum_to(dv, vs)))
+        grads = (self.rnd(_sum_to(dq, qs)), self.rnd(_sum_to(dk, ks)),
+                 self.rnd(_sum_to(dv[..., :nk, :], vs)))
+        if self.sinks is None:
+            return grads
+        dsinks = ds[..., nk].sum(axis=-1)  # lead: d(loss) / d(sink logit), summed over the rows
+        return grads + (self.rnd(_sum_to(dsinks[..., None, None], self.sinks_shape + (1, 1))
+                                 .reshape(self.sinks_shape)),)
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, positions=None, softcap=None, return_lse=False):
+              bias=None, kv_lens=None, positions=None, softcap=None, sinks=None, return_lse=False):
     """Dense float64 attention with exactly the semantics of ``cuflash.attention``.
 
     Returns ``out`` (``lead + (Nq, Dv)``), or ``(out, lse)`` (``lse``: ``lead + (Nq,)``), as NumPy
     float64 arrays whatever the input dtype or array module. Empty rows give out = 0, lse = -inf.
-    The logits are ``softcap * tanh(scale q k^T / softcap) + bias`` with a softcap.
+    The logits are ``softcap * tanh(scale q k^T / softcap) + bias`` with a softcap. With sinks
+    every row's softmax has one more column, of its head's sink logit and value 0 (visible unless
+    the sink is -inf): an empty row then gives out = 0, lse = the sink.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap)
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks)
     out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                      positions, softcap=softcap).forward()
+                      positions, softcap=softcap, sinks=sinks).forward()
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
-                       softcap=None):
-    """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``.
+                       softcap=None, sinks=None):
+    """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``
+    (and ``dsinks``, shaped like ``sinks``, with sinks).
 
     Uses the same formula as the API, from the *passed* ``out`` and ``lse`` (not recomputed ones):
     ``P = exp(S - lse)`` on visible keys of rows with ``lse > -inf`` (a NaN ``lse`` gives NaN; 0 on
@@ -238,9 +272,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     ``dQ = scale dS K``, ``dK = scale dS^T Q``; gradients of broadcast or grouped inputs are summed
     into the input's own shape. With a softcap dS carries its derivative too,
     ``dS = P * (dout V^T - D) * (1 - tanh^2(scale q k^T / softcap))``. Empty rows contribute
-    nothing. Results are NumPy float64.
+    nothing. With sinks the sink column joins P and dS (its value 0, so its dP is 0) and
+    ``dsinks = sum_i dS[i, sink] = -sum_i P[i, sink] D_i``, summed into sinks' shape; a lost row's
+    max and sum include it. Results are NumPy float64.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap)
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks)
     dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
-                   softcap=softcap)
+                   softcap=softcap, sinks=sinks)
     return dense.backward(dout, out, lse)

@@ -16,7 +16,9 @@
 // and sum from its own logits, in double:
 //   bwd_lost_rows  one warp per 128 rows of the flattened (BH, Nq): flags[c] = "rows
 //                  [32 c, 32 c + 32) hold a lost row", always written; per lost row: m, l, delta
-//                  in `stats`, then dq += scale * dS K
+//                  in `stats` (with attention sinks, the row's sink logit is one more term of m
+//                  and l, and its probability exp(t - m) / l goes to sink_probs), then
+//                  dq += scale * dS K
 //   bwd_lost_keys  one warp per 128 keys of one (batch, head), after bwd_lost_rows: for each key
 //                  and each lost row that sees it, in row order: dv += P^T dO, dk += scale dS^T Q
 // Without lost rows a warp reads its rows' lse (or the flags of its keys' query range) and
@@ -35,6 +37,16 @@ constexpr int LOST_WARPS = NUM_THREADS / 32;
 
 __device__ __forceinline__ bool is_lost(double lse, double lost) {
   return lse - lse == 0.0 && (lse >= lost || lse <= -lost);  // finite and |lse| >= lost
+}
+
+// One more logit x (> -inf) into a row's running max m and sum l of exp(x - m).
+__device__ __forceinline__ void add_logit(double& m, double& l, double x) {
+  if (x > m) {
+    l = l * exp(m - x) + 1.0;
+    m = x;
+  } else {
+    l += exp(x - m);
+  }
 }
 
 __device__ __forceinline__ double warp_sum(double x) {
@@ -155,10 +167,13 @@ __device__ __forceinline__ void for_each_row(unsigned bits, long long row0, F&& 
 
 // Grid: a stride of warps over items of 128 rows of one (batch, head). flags: (BH, ceil(Nq / 32)),
 // one per 32 rows of a (batch, head): read when `prewritten` (the tensor-core preprocess wrote
-// them), else written here from lse. stats: (BH, Nq, 3) = m, l, delta of lost rows only.
+// them), else written here from lse. stats: (BH, Nq, 3) = m, l, delta of lost rows only. sinks:
+// (BH,) each (batch, head)'s sink logit (-inf: none), or nullptr without sinks; sink_probs:
+// (BH, Nq), the lost rows' sink probabilities written (nullptr without sinks).
 template <typename T, typename Acc, typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
-bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
+bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* __restrict__ sinks,
+              double* __restrict__ sink_probs) {
   ATTN_ARGS_LOCALS(a, double);
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
   const long long n_items = static_cast<long long>(BH) * ((Nq + LOST_SEG - 1) / LOST_SEG);
@@ -194,12 +209,11 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten) {
       double x, g = 1.0;
       const double qk = dot(qi, h.k + j * h.k_rs, Dk);
       if (!h.logit(x, qk, i, j, g) || x == neg_inf) continue;
-      if (x > m) {
-        l = l * exp(m - x) + 1.0;
-        m = x;
-      } else {
-        l += exp(x - m);
-      }
+      add_logit(m, l, x);
+    }
+    if (sinks != nullptr && sinks[bh] != neg_inf) {  // the sink column: a logit of value 0
+      add_logit(m, l, sinks[bh]);
+      if (lane == 0) sink_probs[row] = exp(sinks[bh] - m) / l;
     }
     if (lane == 0) {
       stats[3 * row + 0] = m;

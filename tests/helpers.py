@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+import cuflash
 from cuflash import reference
 
 try:
@@ -67,7 +68,8 @@ def naive_attention(q, k, v, **options):
 
 
 def naive_attention_backward(dout, q, k, v, out, lse, **options):
-    """Dense gradients computed in q's dtype; ``(dq, dk, dv)`` as float64 NumPy arrays."""
+    """Dense gradients computed in q's dtype; ``(dq, dk, dv)`` (and dsinks with sinks) as float64
+    NumPy arrays."""
     work, storage = _arithmetic(to_host(q).dtype)
     dense = reference._Dense(q, k, v, work=work, storage=storage, **_dense_options(options))
     return tuple(g.astype(np.float64) for g in dense.backward(dout, out, lse))
@@ -75,9 +77,9 @@ def naive_attention_backward(dout, q, k, v, out, lse, **options):
 
 def _dense_options(options):
     names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
-             "softcap")
+             "softcap", "sinks")
     defaults = dict(scale=None, causal=False, align="bottom-right", window=None, mask=None,
-                    bias=None, kv_lens=None, positions=None, softcap=None)
+                    bias=None, kv_lens=None, positions=None, softcap=None, sinks=None)
     return {name: options.get(name, defaults[name]) for name in names}
 
 
@@ -141,16 +143,17 @@ def check_forward(out, lse, q, k, v, **options):
 
 
 def check_backward(grads, dout, q, k, v, out, lse, **options):
-    """cuflash's (dq, dk, dv) against the float64 reference's for the same dout, out and lse,
-    within 2x a same-dtype naive baseline (floor 4x the forward's)."""
+    """cuflash's (dq, dk, dv), and dsinks with sinks, against the float64 reference's for the same
+    dout, out and lse, within 2x a same-dtype naive baseline (floor 4x the forward's)."""
     dtype = np.dtype(q.dtype)
     low = dtype != np.float64
     qh, kh, vh, douth, outh, lseh = (to_host(x) for x in (q, k, v, dout, out, lse))
     host_options = _host_options(options)
     ref = reference.attention_backward(douth, qh, kh, vh, outh, lseh, **host_options)
     base = (naive_attention_backward(douth, qh, kh, vh, outh, lseh, **host_options) if low
-            else (None,) * 3)
-    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, base):
+            else (None,) * len(ref))
+    assert len(grads) == len(ref), f"{len(grads)} gradients, expected {len(ref)}"
+    for name, g, r, n in zip(("dq", "dk", "dv", "dsinks"), grads, ref, base):
         assert_close_to_reference(g, r, n, FLOORS[dtype.name] * 4, name)
 
 
@@ -169,3 +172,12 @@ def check_seed_counterexample(attention, values, want):
     out, lse = attention(q, k, v, scale=1.0, return_lse=True)
     assert abs(out[0, 0] - want) <= 1e-15, f"out {out[0, 0]!r}, expected {want}"
     assert abs(lse[0] - math.log(4)) <= 1e-15, f"lse {lse[0]!r}, expected log 4"
+
+
+def call_public(fn, q, k, v, **options):
+    """Call the public function named ``fn`` with ``options`` (attention_backward on an out and lse
+    of the forward without them): what the validation tests run."""
+    if fn == "attention_backward":
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+        return cuflash.attention_backward(out, q, k, v, out, lse, **options)
+    return getattr(cuflash, fn)(q, k, v, **options)

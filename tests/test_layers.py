@@ -17,6 +17,7 @@ LAYERS = {
     "_numpy": 2, "reference": 2,                  # the CPU path
     "_generic": 3, "_decode": 3,                  # the CUDA paths, generic first: the tensor-core
     "_mask_tiles": 3,                             # (a service of the paths below)
+    "_sinks": 3,                                  # (the sinks' join and gradient, for api)
     "_mma_fwd": 4, "_wide": 4,                # paths launch its lost-row kernels, and the
     "_mma_bwd": 5, "_wgmma_fwd": 5,               # backward reads the forward's layout rule
     "_gpu": 6,                                    # the dispatcher and the catalog

@@ -9,7 +9,7 @@ import pytest
 
 import cuflash
 from cuflash import _gpu, _validate, reference
-from helpers import BFLOAT16, check_backward, check_forward, to_array, to_host
+from helpers import BFLOAT16, call_public, check_backward, check_forward, to_array, to_host
 
 DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
 
@@ -136,13 +136,8 @@ def test_zero_is_off_and_signature_keeps_values_apart(rng):
                                           (float("inf"), ValueError)])
 def test_bad_softcap_is_refused(fn, value, error, rng):
     q, k, v = _inputs(rng, (), (), 4, 5, 8, 8, "float32")
-    out, lse = cuflash.attention(q, k, v, return_lse=True)
-    call = {"attention": lambda: cuflash.attention(q, k, v, softcap=value),
-            "attention_backward": lambda: cuflash.attention_backward(out, q, k, v, out, lse,
-                                                                    softcap=value),
-            "attention_vjp": lambda: cuflash.attention_vjp(q, k, v, softcap=value)}[fn]
     with pytest.raises(error, match=f"^{fn}: softcap"):
-        call()
+        call_public(fn, q, k, v, softcap=value)
 
 
 # ---- the CUDA paths ---------------------------------------------------------------------------

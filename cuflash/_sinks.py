@@ -1,0 +1,117 @@
+"""Attention sinks (``sinks=``, README "Attention sinks"): a per-head logit t that joins every row's
+softmax denominator with value 0.
+
+With L = log(sum_j exp(s_j) + exp(t)) and out = sum_j exp(s_j - L) v_j, the forward is the
+sink-free forward (out0, lse0) joined with the sink (``join``): L = logaddexp(lse0, t) and
+out = out0 * exp(lse0 - L). The backward's kernels need nothing else: given L and that out, their
+P = exp(s - L) is the softmax with the sink, and D = rowsum(dout * out) equals sum_j P_j dP_j
+because the sink's value is 0. The sink's own gradient is dt = -sum_i P_sink_i D_i with
+P_sink_i = exp(t - L_i) (``probabilities``, then ``gradient``); the lost-row fix of the backward
+(kernels_cu/lost_rows.cu, cuflash/_numpy.py) takes the sink into the max and sum it recomputes
+and overwrites its rows' P_sink with the exact value. Everything here runs in float64, on the
+Problem's library, without a synchronization.
+"""
+import contextlib
+
+import numpy as np
+
+from . import _broadcast, _runtime
+
+# join(a, t) -> (f, L) in double: L = log(exp(a) + exp(t)) and f = exp(a - L), the weight left to
+# the keys of a row whose sink-free lse is a. t = -inf is no sink (f = 1, L = a exactly); t = +inf
+# is a +inf logit (NaN, as the dense formula's max shift gives); a NaN a or t gives NaN.
+_JOIN_C = r"""
+__device__ void cuflash_sink_join(double a, double t, double& f, double& L) {
+  const double inf = __longlong_as_double(0x7ff0000000000000LL);
+  if (t == -inf) { f = 1.0; L = a; return; }
+  if (t == inf) { f = L = __longlong_as_double(0x7ff8000000000000LL); return; }
+  const double d = a - t, e = exp(-fabs(d));
+  if (d >= 0.0) { f = 1.0 / (1.0 + e); L = a + log1p(e); }
+  else { f = e / (1.0 + e); L = t + log1p(e); }  /* and a NaN d */
+}
+"""
+
+_kernels = {}
+
+
+def _kernel(name):
+    """The CuPy kernels of this module, built once."""
+    if name not in _kernels:
+        import cupy
+
+        _kernels["join"] = cupy.ElementwiseKernel(
+            "raw X lse0, raw float64 sinks, int64 nq, int64 dv", "T o, raw X lse1",
+            """
+            const long long row = i / dv;
+            double f, L;
+            cuflash_sink_join(static_cast<double>(lse0[row]), sinks[row / nq], f, L);
+            o = static_cast<T>(static_cast<double>(o) * f);
+            if (i % dv == 0) lse1[row] = static_cast<X>(L);
+            """, "cuflash_sink_join", preamble=_JOIN_C)
+        _kernels["probabilities"] = cupy.ElementwiseKernel(
+            "X lse, raw float64 sinks, int64 nq", "float64 prob",
+            "const double l = lse; prob = isinf(l) && l < 0 ? 0.0 : exp(sinks[i / nq] - l)",
+            "cuflash_sink_probabilities")
+        _kernels["row_dot"] = cupy.ReductionKernel(
+            "T x, T y", "float64 d", "static_cast<double>(x) * static_cast<double>(y)", "a + b",
+            "d = a", "0", "cuflash_sink_row_dot", reduce_type="double")
+    return _kernels[name]
+
+
+def _device(p):
+    return contextlib.nullcontext() if p.xp is np else p.q.device
+
+
+def _join_numpy(a, t):
+    """The NumPy form of _JOIN_C, elementwise: (f, L) of float64 arrays a, t."""
+    with np.errstate(all="ignore"):
+        d = a - t
+        e = np.exp(-np.abs(d))
+        keys = d >= 0
+        f = np.where(keys, 1 / (1 + e), e / (1 + e))
+        L = np.where(keys, a, t) + np.log1p(e)
+        f = np.where(t == -np.inf, 1.0, np.where(t == np.inf, np.nan, f))
+        L = np.where(t == -np.inf, a, np.where(t == np.inf, np.nan, L))
+    return f, L
+
+
+def join(p, out, lse):
+    """The sink-free forward's out (lead + (Nq, Dv), p.dtype) and lse (lead + (Nq,)) joined with
+    the sinks: the softmax's out and lse with each row's sink column (out in place on CuPy)."""
+    if p.xp is np:
+        f, L = _join_numpy(lse.astype(np.float64), p.sinks.reshape(p.lead + (1,)))
+        with np.errstate(all="ignore"):
+            return ((out.astype(np.float64) * f[..., None]).astype(p.dtype),
+                    L.astype(lse.dtype))
+    with _device(p):
+        joined = _runtime.empty(lse.shape, lse.dtype)  # every row written (Dv >= 1)
+        _kernel("join")(lse, p.sinks, np.int64(p.Nq), np.int64(p.Dv), out, joined)
+    return out, joined
+
+
+def probabilities(p, lse):
+    """Each row's sink probability P_sink = exp(t - lse), (BH, Nq) float64, from the lse given to
+    the backward (0 on an empty row, lse = -inf); the lost-row fix overwrites its rows'."""
+    if p.xp is np:
+        lse = np.asarray(lse, dtype=np.float64).reshape(p.BH, p.Nq)
+        with np.errstate(all="ignore"):
+            return np.where(lse == -np.inf, 0.0, np.exp(p.sinks[:, None] - lse))
+    with _device(p):
+        prob = p.xp.empty((p.BH, p.Nq), dtype=np.float64)
+        _kernel("probabilities")(lse.reshape(p.BH, p.Nq), p.sinks, np.int64(p.Nq), prob)
+    return prob
+
+
+def gradient(p, dout, out, prob):
+    """dsinks = -sum_i P_sink_i D_i, D = rowsum(dout * out) in float64, summed over the rows and
+    over the axes on which sinks broadcasts: sinks' shape, p.sinks_dtype."""
+    xp = p.xp
+    with _device(p), np.errstate(all="ignore"):  # NaN and inf propagate as the formula says
+        if xp is np:
+            delta = np.einsum("...d,...d->...", dout.astype(np.float64), out.astype(np.float64))
+        else:
+            delta = _kernel("row_dot")(dout, out, axis=-1)
+        per_head = -(prob.reshape(delta.shape) * delta).sum(axis=-1)  # lead
+        shape = p.sinks_shape
+        g = _broadcast.reduce_to_lead(xp, per_head.reshape(p.lead + (1, 1)), shape + (1, 1))
+        return g.reshape(shape).astype(p.sinks_dtype)
