@@ -39,15 +39,15 @@ def _kernel(name):
     if name not in _kernels:
         import cupy
 
+        # per row: the weight f and lse L; then per element out *= f (f broadcast over Dv), so
+        # that the join's double-precision exp / log1p run once a row, not once an element
         _kernels["join"] = cupy.ElementwiseKernel(
-            "raw X lse0, raw float64 sinks, int64 nq, int64 dv", "T o, raw X lse1",
-            """
-            const long long row = i / dv;
-            double f, L;
-            cuflash_sink_join(static_cast<double>(lse0[row]), sinks[row / nq], f, L);
-            o = static_cast<T>(static_cast<double>(o) * f);
-            if (i % dv == 0) lse1[row] = static_cast<X>(L);
-            """, "cuflash_sink_join", preamble=_JOIN_C)
+            "X lse0, float64 t", "float64 f, X lse1",
+            "double L; cuflash_sink_join(static_cast<double>(lse0), t, f, L); lse1 = L;",
+            "cuflash_sink_join", preamble=_JOIN_C)
+        _kernels["scale"] = cupy.ElementwiseKernel(
+            "float64 f", "T o", "o = static_cast<T>(static_cast<double>(o) * f)",
+            "cuflash_sink_scale")
         _kernels["probabilities"] = cupy.ElementwiseKernel(
             "X lse, raw float64 sinks, int64 nq", "float64 prob",
             "const double l = lse; prob = isinf(l) && l < 0 ? 0.0 : exp(sinks[i / nq] - l)",
@@ -84,8 +84,11 @@ def join(p, out, lse):
             return ((out.astype(np.float64) * f[..., None]).astype(p.dtype),
                     L.astype(lse.dtype))
     with _device(p):
-        joined = _runtime.empty(lse.shape, lse.dtype)  # every row written (Dv >= 1)
-        _kernel("join")(lse, p.sinks, np.int64(p.Nq), np.int64(p.Dv), out, joined)
+        joined = _runtime.empty(lse.shape, lse.dtype)
+        f = _runtime.empty(lse.shape, np.float64)
+        t = p.sinks.reshape(p.lead + (1,))
+        _kernel("join")(lse, t, f, joined)
+        _kernel("scale")(f[..., None], out)
     return out, joined
 
 
