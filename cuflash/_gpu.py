@@ -11,7 +11,8 @@ Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers t
 """
 import contextlib
 
-from . import _decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _wgmma_fwd, _wide
+from . import (_decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _sinks, _wgmma_fwd,
+               _wide)
 
 FORWARD = (_decode, _wgmma_fwd, _mma_fwd, _wide, _generic)  # decode, Hopper, tensor cores, generic
 BACKWARD = (_mma_bwd, _wide, _generic)
@@ -104,7 +105,7 @@ def instantiations():
     """Every (kernel, dtype name, bucket or head dim or None, source file, name expression) the
     package can request (the paths' instantiations, each expression once): CI builds them all."""
     found = {}
-    for path in PATHS:
+    for path in PATHS + (_sinks,):  # and the sinks' row kernels
         for inst in path.instantiations():
             found.setdefault(inst[-1], inst)
     return list(found.values())

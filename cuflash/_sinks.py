@@ -15,23 +15,33 @@ import contextlib
 
 import numpy as np
 
-from . import _broadcast, _runtime
-
-# join(a, t) -> (f, L) in double: L = log(exp(a) + exp(t)) and f = exp(a - L), the weight left to
-# the keys of a row whose sink-free lse is a. t = -inf is no sink (f = 1, L = a exactly); t = +inf
-# is a +inf logit (NaN, as the dense formula's max shift gives); a NaN a or t gives NaN.
-_JOIN_C = r"""
-__device__ void cuflash_sink_join(double a, double t, double& f, double& L) {
-  const double inf = __longlong_as_double(0x7ff0000000000000LL);
-  if (t == -inf) { f = 1.0; L = a; return; }
-  if (t == inf) { f = L = __longlong_as_double(0x7ff8000000000000LL); return; }
-  const double d = a - t, e = exp(-fabs(d));
-  if (d >= 0.0) { f = 1.0 / (1.0 + e); L = a + log1p(e); }
-  else { f = e / (1.0 + e); L = t + log1p(e); }  /* and a NaN d */
-}
-"""
+from . import _broadcast, _config, _runtime
 
 _kernels = {}
+_ROWS_PER_BLOCK = 8  # kernels_cu/sinks.cu: one warp a row
+
+
+def _expr(kernel, dtype, lse_dtype=None):
+    """The name expression of a sinks.cu kernel for out's dtype (and the lse's)."""
+    types = [_config.c_types(dtype)[0]] + ([_config.c_types(lse_dtype)[0]] if lse_dtype else [])
+    return f"{kernel}<{', '.join(types)}>"
+
+
+def instantiations():
+    """The sinks.cu kernels the package can request (the catalog's, for the CI build)."""
+    rows = []
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        acc = "float64" if dt == "float64" else "float32"
+        rows.append(("sink_join_rows", dt, None, "sinks.cu", _expr("sink_join_rows", dt, acc)))
+        rows.append(("sink_row_dot", dt, None, "sinks.cu", _expr("sink_row_dot", dt)))
+    return rows
+
+
+def _launch(expr, rows, *args):
+    if rows == 0:
+        return
+    grid = ((rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK,)
+    _runtime.get_function("sinks.cu", expr)(grid, (32 * _ROWS_PER_BLOCK,), args)
 
 
 def _kernel(name):
@@ -43,8 +53,8 @@ def _kernel(name):
         # that the join's double-precision exp / log1p run once a row, not once an element
         _kernels["join"] = cupy.ElementwiseKernel(
             "X lse0, float64 t", "float64 f, X lse1",
-            "double L; cuflash_sink_join(static_cast<double>(lse0), t, f, L); lse1 = L;",
-            "cuflash_sink_join", preamble=_JOIN_C)
+            "double L; sink_join(static_cast<double>(lse0), t, f, L); lse1 = L;",
+            "cuflash_sink_join", preamble=_runtime.source("sinks.cu"))
         _kernels["scale"] = cupy.ElementwiseKernel(
             "float64 f", "T o", "o = static_cast<T>(static_cast<double>(o) * f)",
             "cuflash_sink_scale")
@@ -63,7 +73,7 @@ def _device(p):
 
 
 def _join_numpy(a, t):
-    """The NumPy form of _JOIN_C, elementwise: (f, L) of float64 arrays a, t."""
+    """The NumPy form of kernels_cu/sinks.cu sink_join, elementwise: (f, L) of float64 arrays a, t."""
     with np.errstate(all="ignore"):
         d = a - t
         e = np.exp(-np.abs(d))
@@ -85,6 +95,11 @@ def join(p, out, lse):
                     L.astype(lse.dtype))
     with _device(p):
         joined = _runtime.empty(lse.shape, lse.dtype)
+        if out.flags.c_contiguous and lse.flags.c_contiguous and out.dtype == p.dtype:
+            rows = p.BH * p.Nq
+            _launch(_expr("sink_join_rows", p.dtype, lse.dtype), rows, out, lse, joined, p.sinks,
+                    np.int64(rows), np.int32(p.Nq), np.int32(p.Dv))
+            return out, joined
         f = _runtime.empty(lse.shape, np.float64)
         t = p.sinks.reshape(p.lead + (1,))
         _kernel("join")(lse, t, f, joined)
@@ -112,6 +127,12 @@ def gradient(p, dout, out, prob):
     with _device(p), np.errstate(all="ignore"):  # NaN and inf propagate as the formula says
         if xp is np:
             delta = np.einsum("...d,...d->...", dout.astype(np.float64), out.astype(np.float64))
+        elif (dout.flags.c_contiguous and out.flags.c_contiguous
+              and dout.dtype == out.dtype == p.dtype):  # one warp a row
+            delta = _runtime.empty(out.shape[:-1], np.float64)
+            rows = p.BH * p.Nq
+            _launch(_expr("sink_row_dot", p.dtype), rows, dout, out, delta, np.int64(rows),
+                    np.int32(p.Dv))
         else:
             delta = _kernel("row_dot")(dout, out, axis=-1)
         per_head = -(prob.reshape(delta.shape) * delta).sum(axis=-1)  # lead

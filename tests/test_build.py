@@ -41,7 +41,8 @@ def test_instantiation_table_is_complete():
     assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_mma", "fwd_wgmma", "fwd_wide", "bwd_wide_dkdv", "bwd_wide_dq",
                        "decode_split", "fwd_lost_rows", "decode_tc", "bwd_mma_prep", "bwd_mma_dkdv",
                        "bwd_mma_dkdv_grid", "bwd_mma_dq",
-                       "bwd_lost_rows", "bwd_lost_keys", "mask_tile_classes"}
+                       "bwd_lost_rows", "bwd_lost_keys", "mask_tile_classes",
+                       "sink_join_rows", "sink_row_dot"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
     for path in _gpu.PATHS:  # and the paths agree on the kernels they share (the lost rows')
         assert set(path.instantiations()) <= set(INSTANTIATIONS), path.NAME
