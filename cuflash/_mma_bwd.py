@@ -326,7 +326,9 @@ def _recipe(p, deterministic):
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
     dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
-    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype."""
+    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype.
+    sink_probs (with sinks): the rows' sink probabilities, which the lost-row fix overwrites on
+    its rows (_gpu.backward)."""
     import cupy
 
     key = None if p.key is None else (p.key, deterministic, _runtime.overrides().wgmma)

@@ -284,7 +284,8 @@ def _bwd_recipe(p):
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), in the
-    accumulator dtype; deterministic whatever ``deterministic`` says (no atomics)."""
+    accumulator dtype; deterministic whatever ``deterministic`` says (no atomics). sink_probs
+    (with sinks): the rows' sink probabilities, which the lost-row fix overwrites on its rows."""
     import cupy
 
     launches, (kv_tile, dq_tile) = _bwd_recipes.build(p.key, lambda: _bwd_recipe(p))
