@@ -686,11 +686,13 @@ class Plan:
                     self.grid = self.n_items
                 # the transforms' scalars, both kernels' last parameters (mod0, mod1)
                 self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
+                self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
+                                              self.dyn_smem)
             lens = self.lens if p.lens_device is None else p.lens_device
             args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
                     self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
                     _runtime.ptr(p.bias)) + self.scalars
-            self.kernel((self.grid,), (THREADS,), args, shared_mem=self.dyn_smem)
+            self.launch(args)
         return out, lse
 
 

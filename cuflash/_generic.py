@@ -175,28 +175,26 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
         per_block = _config.GENERIC_THREADS // 32
         blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
         limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
-        return fn, blocks, np.float64(limit)
+        return _runtime.Launch(fn, (blocks,), (_config.GENERIC_THREADS,)), np.float64(limit)
 
     key = None if p.key is None else (p.key, fix.size, block_m, lost, lse.dtype)
-    fn, blocks, limit = _lost_launches.build(key, launch)
-    fn((blocks,), (_config.GENERIC_THREADS,),
-       (p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m)))
+    run, limit = _lost_launches.build(key, launch)
+    run((p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m)))
 
 
 def flagged_forward(p, recipe, extra=()):
     """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype from a tensor-core forward whose
     parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra (fwd_mma; fwd_wide, whose
     extra is the mask's tile classes), then the lost-row fix of the blocks it flags. recipe:
-    (kernel, shared memory, blocks of its 1-D bh-major grid, threads, block_m, has_mb)."""
+    (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
     import cupy
 
-    kern, smem, blocks, threads, block_m, has_mb = recipe
+    launch, blocks, block_m, has_mb = recipe
     args = _runtime.Args(p)
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by the kernel
-    kern((blocks,), (threads,), (p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra,
-         shared_mem=smem)
+    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra)
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
@@ -225,18 +223,20 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
         key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
-        return (_runtime.get_function(LOST_SOURCE, rows_expr), row_blocks,
-                _runtime.get_function(LOST_SOURCE, keys_expr), key_blocks,
+        threads = (_config.GENERIC_THREADS,)
+        return (_runtime.Launch(_runtime.get_function(LOST_SOURCE, rows_expr), (row_blocks,),
+                                threads),
+                _runtime.Launch(_runtime.get_function(LOST_SOURCE, keys_expr), (key_blocks,),
+                                threads),
                 np.float64(_config.lost_lse_limit(lse.dtype)))
 
     key = None if p.key is None else (p.key, dk.dtype, lse.dtype)
-    rows_fn, row_blocks, keys_fn, key_blocks, lost = _lost_plans.build(key, plan)
+    rows, keys, lost = _lost_plans.build(key, plan)
     stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
     prewritten = flags is not None  # by the tensor-core preprocess; else written from lse here
     if flags is None:
         flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
-    threads = (_config.GENERIC_THREADS,)
     sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
-    rows_fn((row_blocks,), threads, common + (dq, np.int32(prewritten)) + sinks)
-    keys_fn((key_blocks,), threads, common + (dk, dv))
+    rows(common + (dq, np.int32(prewritten)) + sinks)
+    keys(common + (dk, dv))

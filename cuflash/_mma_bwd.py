@@ -291,8 +291,8 @@ def _contiguous16(x, shape):
 
 
 _recipes = _memo.Memo(256)
-Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep prep_blocks lost dkdv dkdv_blocks "
-                              "dkdv_threads dkdv_smem dkdv_classes dq dq_blocks dq_threads dq_smem")
+# the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic)
+Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq")
 
 
 def _recipe(p, deterministic):
@@ -307,20 +307,23 @@ def _recipe(p, deterministic):
     names = _modifiers.names(p)
     tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic, names)  # a modifier's
     smem = dkdv_smem_bytes(dims, tile)
-    dkdv = _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names),
-                     smem, dkdv_arch(tile))
+    dkdv = _runtime.Launch(
+        _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names), smem,
+                  dkdv_arch(tile)), (dkdv_blocks(p, tile),), (tile.warps * 32,), smem)
     # the mask's tile classes, for its key blocks of 16 * warps keys
     classes = (tile.block_m, 16 * tile.warps) if has_mb else None
-    dq = dq_blocks = dq_threads = dq_smem = None
+    dq = None
     if deterministic:  # dq every element, without atomics
         dq_tile = DQ_TILES[dims]
         dq_smem = dq_smem_bytes(dims, dq_tile)
-        dq = _function(dq_expr(p.dtype.name, dims, dq_tile, has_mb, names), dq_smem)
-        dq_blocks, dq_threads = -(-Nq // (16 * dq_tile.warps)) * BH, dq_tile.warps * 32
-    return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad,
-                  _function(prep_expr(p.dtype.name, dims), 0), -(-BH * nq_pad * 8 // 256),
-                  np.float32(_config.lost_lse_limit(np.float32)), dkdv, dkdv_blocks(p, tile),
-                  tile.warps * 32, smem, classes, dq, dq_blocks, dq_threads, dq_smem)
+        dq = _runtime.Launch(_function(dq_expr(p.dtype.name, dims, dq_tile, has_mb, names),
+                                       dq_smem),
+                             (-(-Nq // (16 * dq_tile.warps)) * BH,), (dq_tile.warps * 32,),
+                             dq_smem)
+    prep = _runtime.Launch(_function(prep_expr(p.dtype.name, dims), 0),
+                           (-(-BH * nq_pad * 8 // 256),), (256,))
+    return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
+                  np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq)
 
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
@@ -344,8 +347,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     delta = _runtime.empty((BH, r.nq_pad), dtype=np.float32)
     lost_flags = cupy.empty((BH, -(-Nq // 32)), dtype=np.int32)  # all written by prep
     # prep: lse2, delta (BH, Nq_pad) and the lost-row flags (BH, ceil(Nq / 32)) for lost_rows.cu
-    r.prep((r.prep_blocks,), (256,), (dout, out, lse, lse2, delta, i32(BH), i32(Nq),
-                                      i32(r.nq_pad), r.lost, lost_flags))
+    r.prep((dout, out, lse, lse2, delta, i32(BH), i32(Nq), i32(r.nq_pad), r.lost, lost_flags))
     if deterministic:
         dq = _runtime.empty((BH, Nq, Dk), dtype=np.float32)
     else:
@@ -356,12 +358,10 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     # table must live until the launch is enqueued)
     classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
                        else (_mask_tiles.NO_CLASSES, None))
-    r.dkdv((r.dkdv_blocks,), (r.dkdv_threads,),
-           (p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
-            classes) + tail + (i32(r.out16),), shared_mem=r.dkdv_smem)
+    r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
+            classes) + tail + (i32(r.out16),))
     if deterministic:
-        r.dq((r.dq_blocks,), (r.dq_threads,), (p.q, p.k, p.v, dout, lse2, delta, dq) + tail,
-             shared_mem=r.dq_smem)
+        r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,
                          sink_probs=sink_probs)
     return dq, dk, dv

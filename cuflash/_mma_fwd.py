@@ -124,7 +124,7 @@ _recipes = _memo.Memo(256)
 
 
 def _recipe(p):
-    """(kernel, shared memory, blocks, threads, block_m, has_mb): the launch of a layout."""
+    """(Launch, blocks, block_m, has_mb): the launch of a layout (_generic.flagged_forward)."""
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names)
@@ -135,7 +135,8 @@ def _recipe(p):
     blocks = -(-p.Nq // tile.block_m) * p.BH
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return kern, smem, blocks, tile.warps * 32, tile.block_m, _modifiers.modified(p)
+    return (_runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem), blocks, tile.block_m,
+            _modifiers.modified(p))
 
 
 def forward(p):

@@ -12,6 +12,7 @@ Every message starts with the public function it is raised for (``fn``: "attenti
 "attention_backward", "attention_vjp", "merge") and names the argument.
 """
 import contextlib
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -467,6 +468,9 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
 
 
 _problems = _memo.Memo(256)  # signature -> Problem without arrays (Problem.with_arrays)
+# Problem.key: a number per signature (a new one if it comes back after eviction), cheap to hash
+# in the paths' per-layout tables (a signature is a nested tuple, hashed anew at each lookup)
+_key_numbers = itertools.count(1)
 
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
@@ -487,7 +491,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
                       precision=precision, sinks=sinks, fn=fn, modifiers=modifiers)
     if key is not None:
-        p.key = key
+        p.key = next(_key_numbers)
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
             if x is not None:
                 x.flags.writeable = False

@@ -114,6 +114,7 @@ def cc90_only():
 # InputHeads, and the rows per staged mask / bias tile (0: absent, 1: one row for every query).
 Launch = namedtuple("Launch", "mb maps heads mask_rows bias_rows")
 _launches = _memo.Memo(256)
+_runs = _memo.Memo(256)  # the same keys -> the kernel's _runtime.Launch
 
 
 def _launch(p, dims):
@@ -122,9 +123,12 @@ def _launch(p, dims):
     fixes the layouts and the bounds, which decide whether the mask / bias may be staged:
     _key_tiles_aligned; a causal call on the arrays of an unbounded one staged them and
     faulted, when the key held the layouts only)."""
+    return _launches.build(_launch_key(p, dims), lambda: _encode(p, dims))
+
+
+def _launch_key(p, dims):
     ptrs = tuple(None if x is None else x.data.ptr for x in (p.q, p.k, p.v, p.mask, p.bias))
-    key = None if p.key is None else (dims, p.key) + ptrs
-    return _launches.build(key, lambda: _encode(p, dims))
+    return None if p.key is None else (dims, p.key) + ptrs
 
 
 def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
@@ -265,6 +269,9 @@ def forward(p):
     key = None if p.key is None else (p.key, launch.mb)
     kern, smem, blocks, threads, bm, tile, H = _recipes.build(
         key, lambda: _recipe(p, dims, launch.mb))
+    # the kernel's launch with these tensor maps (which hold the inputs' addresses)
+    run = _runs.build(_launch_key(p, dims),
+                      lambda: _runtime.Launch(kern, (blocks,), (threads,), smem))
     args = _runtime.Args(p)
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
@@ -275,14 +282,13 @@ def forward(p):
                        if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
     # the kernel's own parameter list (not AttnArgs: the struct's fields cost the generic kernels
     # registers, and this one is kept as it was measured)
-    kern((blocks,), (threads,),
-         launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix, i32(H),
-                        i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
-                        i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
-                        i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
-                        _runtime.ptr(p.bias), i32(p.BH))
-         + tuple(np.int64(x) for x in args.strides[3:]) + (classes,)
-         + tuple(np.float64(x) for x in _modifiers.scalars(p)), shared_mem=smem)
+    run(launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix, i32(H),
+                       i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
+                       i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
+                       i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
+                       _runtime.ptr(p.bias), i32(p.BH))
+        + tuple(np.int64(x) for x in args.strides[3:]) + (classes,)
+        + tuple(np.float64(x) for x in _modifiers.scalars(p)))
     has_mb = launch.mb != MB_NONE or bool(p.transforms)
     # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, bm, np.inf if has_mb else None)

@@ -214,8 +214,8 @@ _recipes = _memo.Memo(256)
 
 
 def _recipe(p):
-    """((kernel, shared memory, blocks, threads, block_m, has_mb), block_n): the launch of a
-    layout."""
+    """((Launch, blocks, block_m, has_mb), block_n): the launch of a layout
+    (_generic.flagged_forward)."""
     has_mb = p.mask is not None or p.bias is not None
     b = bucket(p)
     tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
@@ -228,7 +228,8 @@ def _recipe(p):
     blocks = -(-p.Nq // block_m) * p.BH  # 1-D, bh-major (fwd_lost_rows reads this order)
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return (kern, smem, blocks, tile.warps * 32, block_m, _modifiers.modified(p)), tile.block_n
+    return ((_runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem), blocks, block_m,
+             _modifiers.modified(p)), tile.block_n)
 
 
 def forward(p):
@@ -236,7 +237,7 @@ def forward(p):
     settled by the lost-row fix. A mask's tile classes are computed first (on every call: the
     mask may change in place); the table lives until the launch is enqueued."""
     recipe, block_n = _recipes.build(p.key, lambda: _recipe(p))
-    classes, _table = _mask_tiles.classify(p, recipe[4], block_n)  # NO_CLASSES without a mask
+    classes, _table = _mask_tiles.classify(p, recipe[2], block_n)  # NO_CLASSES without a mask
     return _generic.flagged_forward(p, recipe, (classes,))
 
 
@@ -264,8 +265,7 @@ _bwd_recipes = _memo.Memo(256)
 
 
 def _bwd_recipe(p):
-    """(((kernel, shared memory, blocks, threads) for dkdv and dq), (dkdv tile, dq tile)): the
-    launches of a layout."""
+    """((the Launch of dkdv, of dq), (dkdv tile, dq tile)): the launches of a layout."""
     has_mb = p.mask is not None or p.bias is not None
     b, tiles = _bwd_tiles(p)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
@@ -278,7 +278,7 @@ def _bwd_recipe(p):
         blocks = -(-n // (16 * t.mf * t.warps)) * p.BH * t.parts
         if blocks > _runtime.MAX_GRID_X:
             raise ValueError(f"problem too large for one launch: {blocks} blocks")
-        launches.append((kern, smem, blocks, t.warps * 32))
+        launches.append(_runtime.Launch(kern, (blocks,), (t.warps * 32,), smem))
     return tuple(launches), tiles
 
 
@@ -289,7 +289,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     import cupy
 
     launches, (kv_tile, dq_tile) = _bwd_recipes.build(p.key, lambda: _bwd_recipe(p))
-    (dkdv, dkdv_smem, dkdv_blocks, dkdv_threads), (dq_k, dq_smem, dq_blocks, dq_threads) = launches
+    dkdv, dq_k = launches
     args = _runtime.Args(p)
     BH, acc = p.BH, p.acc_dtype
     dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
@@ -306,8 +306,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     # until the launches)
     dkdv_cls, _t1 = _mask_tiles.classify(p, kv_tile.block_n, 16 * kv_tile.mf * kv_tile.warps)
     dq_cls, _t2 = _mask_tiles.classify(p, 16 * dq_tile.mf * dq_tile.warps, dq_tile.block_n)
-    dkdv((dkdv_blocks,), (dkdv_threads,), ins + (dk, dv) + args.tail + (dkdv_cls,),
-         shared_mem=dkdv_smem)
-    dq_k((dq_blocks,), (dq_threads,), ins + (dq,) + args.tail + (dq_cls,), shared_mem=dq_smem)
+    dkdv(ins + (dk, dv) + args.tail + (dkdv_cls,))
+    dq_k(ins + (dq,) + args.tail + (dq_cls,))
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
     return dq, dk, dv

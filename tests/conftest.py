@@ -1,6 +1,10 @@
 """Shared fixtures: the GPU marker's skip rule, the seeded generator, and the CUDA test switches."""
 import contextlib
+import os
 import zlib
+
+# every kernel Launch checks that its layout's parameters stay those of its first call
+os.environ.setdefault("CUFLASH_CHECK_LAUNCHES", "1")
 
 import numpy as np
 import pytest
