@@ -422,6 +422,33 @@ def test_cuda_bnhd_layout(dtype, rng, override):
 
 # ---- the forward kernels that join the sinks themselves (SINKS) --------------------------------
 
+def test_catalog_has_the_sinks_twin_of_every_fused_forward():
+    """The paths whose kernels join the sinks (SINKS) list, for each forward instantiation, its
+    twin with the last template argument SINKS = true (and only those): what their forwards
+    request with sinks, which CI compiles."""
+    from cuflash import _gpu
+
+    def arguments(expr):  # the top-level template arguments of a name expression
+        args, depth, start = [], 0, expr.index("<") + 1
+        for i, c in enumerate(expr[start:-1], start):
+            depth += (c == "<") - (c == ">")
+            if c == "," and depth == 0:
+                args.append(expr[start:i].strip())
+                start = i + 1
+        return tuple(args + [expr[start:-1].strip()])
+
+    fused = [p for p in _gpu.FORWARD if p.SINKS]
+    assert sorted(p.NAME for p in fused) == ["mma", "wgmma", "wide"]
+    with_sinks = {"fwd_mma": 12, "fwd_wide": 11, "fwd_wgmma": 11}  # arguments, SINKS last
+    for path in fused:
+        kernel = f"fwd_{path.NAME}"
+        exprs = {arguments(e) for k, *_, e in path.instantiations() if k == kernel}
+        twins = {a for a in exprs if len(a) == with_sinks[kernel]}
+        assert twins and all(a[-1] == "true" for a in twins), path.NAME
+        bare = {a[:-1][:-1] if a[-2] == "NoTransform" else a[:-1] for a in twins}
+        assert bare == exprs - twins, path.NAME
+
+
 # (forced path, dtype): the kernels of each path that join the sink in their finalize
 FUSED = [("wgmma", "float16"), ("wgmma", "bfloat16"), ("mma", "float16"), ("mma", "bfloat16"),
          ("wide", "float32"), ("wide", "float64")]
