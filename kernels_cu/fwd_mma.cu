@@ -234,8 +234,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // but has l = 0 (every visible logit -inf) is 0 / 0 = NaN, like a NaN l. With a mask or bias
   // "sees keys" is known by position only: a row with l = 0 there may also be one whose keys are
   // all masked (empty), so it is written NaN and fwd_lost_rows (kernels_cu/lost_rows.cu), which
-  // rechecks every NaN row, tells the two apart. The warp stages its own rows of the output in
-  // its own rows of the Q tile, then writes them with 16-byte stores.
+  // rechecks every NaN row, tells the two apart. With SINKS the row's sink then joins its factor
+  // and lse (sinks.cuh join_sink: an empty row becomes 0 / t, a NaN one stays NaN). The warp
+  // stages its own rows of the output in its own rows of the Q tile, then writes them with
+  // 16-byte stores.
   bool refix = false;  // a row fwd_lost_rows must settle (fix[block], see there)
   const float sink = SINKS ? static_cast<float>(sinks[bh]) : 0.f;
 #pragma unroll
