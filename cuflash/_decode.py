@@ -49,6 +49,7 @@ from ._validate import element_strides, key_range
 
 NAME = "split"
 TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+SINKS = False  # whether its kernels join the sinks themselves (else cuflash/_gpu.py does)
 SOURCE = "decode.cu"
 FORCED_SPLIT_KEYS = 64    # the split of a forced run: many splits, some empty for some rows
 WARPS = 4                 # kernels_cu/decode.cu DECODE_WARPS

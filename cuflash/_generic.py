@@ -14,6 +14,7 @@ from . import _config, _memo, _modifiers, _runtime
 
 NAME = "generic"
 TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+SINKS = False  # whether its forward kernels join the sinks themselves (else cuflash/_gpu.py does)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
 # kernel -> (source file, kernel name)
 KERNELS = {"fwd": (FWD_SOURCE, "fwd_generic"), "bwd_preprocess": (BWD_SOURCE, "bwd_preprocess"),
@@ -166,7 +167,8 @@ _lost_plans = _memo.Memo(256)
 def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
     """fwd_lost_rows: in the blocks of the tensor-core forward flagged in ``fix`` (its launch
     order), recompute in double out and lse of the rows whose lse came out NaN, +inf or lost
-    (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags."""
+    (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags.
+    With sinks (p.sinks) it joins them to those rows, as the forward kernels (SINKS) did."""
     p = args.p
 
     def launch():
@@ -179,14 +181,16 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
 
     key = None if p.key is None else (p.key, fix.size, block_m, lost, lse.dtype)
     run, limit = _lost_launches.build(key, launch)
-    run((p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m)))
+    run((p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m),
+                                                  _runtime.ptr(p.sinks)))
 
 
 def flagged_forward(p, recipe, extra=()):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype from a tensor-core forward whose
-    parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra (fwd_mma; fwd_wide, whose
-    extra is the mask's tile classes), then the lost-row fix of the blocks it flags. recipe:
-    (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks joined, from a
+    tensor-core forward whose parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra +
+    (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks null without
+    them, and the kernel instantiated with SINKS where there are), then the lost-row fix of the
+    blocks it flags. recipe: (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
     import cupy
 
     launch, blocks, block_m, has_mb = recipe
@@ -194,7 +198,7 @@ def flagged_forward(p, recipe, extra=()):
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by the kernel
-    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra)
+    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra + (_runtime.ptr(p.sinks),))
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.

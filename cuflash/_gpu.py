@@ -1,7 +1,9 @@
 """The CUDA dispatcher: ordered registries of paths, the tests' override, the catalog of kernels.
 
 A path is a module with the same small interface: NAME; for the forward `takes(p)` and
-`forward(p)` -> (out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of the accumulator dtype); for the
+`forward(p)` -> (out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of the accumulator dtype), and SINKS:
+whether its kernels join attention sinks themselves (then its forward returns the softmax with
+p.sinks; the others' results are joined with them here, cuflash._sinks.join); for the
 backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic, sink_probs)` -> (dq, dk, dv) per
 output (batch, head); and `instantiations()`, the (kernel, dtype name, bucket or head dim or None,
 source file, name expression) tuples it can request; TRANSFORMS: whether its kernels take the
@@ -53,8 +55,13 @@ def backward_path(p):
 
 
 def forward(p):
+    """(out, lse) of p by the first path that takes it, with p's sinks if it has any."""
     with p.q.device:
-        return _choose(FORWARD, "takes", p).forward(p)
+        path = _choose(FORWARD, "takes", p)
+        out, lse = path.forward(p)
+        if p.sinks is not None and not path.SINKS:  # the sink-free softmax joined with the sinks
+            out, lse = _sinks.join(p, out, lse)
+        return out, lse
 
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):

@@ -11,6 +11,7 @@ from . import _config, _generic, _memo, _modifiers, _runtime
 
 NAME = "mma"
 TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+SINKS = True  # whether its forward kernels join the sinks themselves (fwd_mma.cu SINKS)
 SOURCE = "fwd_mma.cu"
 
 # FwdTile: block_m = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp: 2
@@ -68,15 +69,16 @@ def smem_bytes(head_dim, has_mb):
     return (t.block_m + 2 * t.stages * t.block_n) * (head_dim + 8) * 2
 
 
-def name_expression(dtype, head_dim, has_mb, tile=None, transforms=()):
+def name_expression(dtype, head_dim, has_mb, tile=None, transforms=(), sinks=False):
     """has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py;
-    they keep the tiles of the call without them)."""
+    they keep the tiles of the call without them); sinks: whether the kernel joins attention
+    sinks (a last template argument, true, only then: the tiles are the call's without them)."""
     t = TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
     return (f"fwd_mma<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, "
             f"{_modifiers.score_mod(has_mb, transforms, dtype_name=_config.dtype_name(dtype))}, "
-            f"{t.min_blocks}, {b(t.cheap_addr)}, {b(t.kv_split)}>")
+            f"{t.min_blocks}, {b(t.cheap_addr)}, {b(t.kv_split)}{', true' if sinks else ''}>")
 
 
 def instantiations():
@@ -84,8 +86,8 @@ def instantiations():
     out = []
     for dt in _config.MMA_DTYPES:
         for tf in _modifiers.CHAINS:
-            exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf), tf)
-                     for d, mb in TILES for cc in (80, 90)}
+            exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf), tf, sk)
+                     for d, mb in TILES for cc in (80, 90) for sk in (False, True)}
             out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
             out.append(("fwd_lost_rows", dt, None, _generic.LOST_SOURCE,
                         _generic.fwd_lost_name_expression(dt, tf)))
@@ -94,10 +96,12 @@ def instantiations():
 
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    return {name_expression(dt, d, mb, pick_tile(d, mb, 90, tf), tf)
-            for dt in _config.MMA_DTYPES for d, mb in TILES for tf in _modifiers.CHAINS} - \
-        {name_expression(dt, d, mb, pick_tile(d, mb, 80, tf), tf)
-         for dt in _config.MMA_DTYPES for d, mb in TILES for tf in _modifiers.CHAINS}
+    every = [(dt, d, mb, tf, sk) for dt in _config.MMA_DTYPES for d, mb in TILES
+             for tf in _modifiers.CHAINS for sk in (False, True)]
+    return {name_expression(dt, d, mb, pick_tile(d, mb, 90, tf), tf, sk)
+            for dt, d, mb, tf, sk in every} - \
+        {name_expression(dt, d, mb, pick_tile(d, mb, 80, tf), tf, sk)
+         for dt, d, mb, tf, sk in every}
 
 
 def tensor_core_layout(p, same_dims=True):
@@ -128,7 +132,8 @@ def _recipe(p):
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names)
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile, names))
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile, names,
+                                                         p.sinks is not None))
     smem = smem_bytes(p.Dk, has_mb)
     _runtime.opt_in(kern, smem)
     # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
@@ -140,6 +145,6 @@ def _recipe(p):
 
 
 def forward(p):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32; every row settled, the ones the kernel
-    flags by the lost-row fix."""
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with p's sinks; every row settled,
+    the ones the kernel flags by the lost-row fix."""
     return _generic.flagged_forward(p, _recipes.build(p.key, lambda: _recipe(p)))

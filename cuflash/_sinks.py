@@ -86,10 +86,13 @@ def _join_numpy(a, t):
 
 
 def join(p, out, lse):
-    """The sink-free forward's out (lead + (Nq, Dv), p.dtype) and lse (lead + (Nq,)) joined with
-    the sinks: the softmax's out and lse with each row's sink column (out in place on CuPy)."""
+    """The sink-free forward's out (lead + (Nq, Dv) or (BH, Nq, Dv), p.dtype) and lse (lead +
+    (Nq,) or (BH, Nq)) joined with the sinks: the softmax's out and lse with each row's sink
+    column (out in place on CuPy). For the paths whose kernels do not take sinks (cuflash/_gpu.py
+    SINKS), the NumPy path and the empty Problems (every row empty: out 0, lse the sink)."""
+    t = p.sinks.reshape(lse.shape[:-1] + (1,))
     if p.xp is np:
-        f, L = _join_numpy(lse.astype(np.float64), p.sinks.reshape(p.lead + (1,)))
+        f, L = _join_numpy(lse.astype(np.float64), t)
         with np.errstate(all="ignore"):
             return ((out.astype(np.float64) * f[..., None]).astype(p.dtype),
                     L.astype(lse.dtype))
@@ -101,7 +104,6 @@ def join(p, out, lse):
                     np.int64(rows), np.int32(p.Nq), np.int32(p.Dv))
             return out, joined
         f = _runtime.empty(lse.shape, np.float64)
-        t = p.sinks.reshape(p.lead + (1,))
         _kernel("join")(lse, t, f, joined)
         _kernel("scale")(f[..., None], out)
     return out, joined

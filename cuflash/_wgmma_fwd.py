@@ -14,6 +14,7 @@ from ._validate import element_strides, key_range
 
 NAME = "wgmma"
 TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wgmma.cu SINKS)
 SOURCE = "fwd_wgmma.cu"
 ARCH = "sm_90a"
 
@@ -84,12 +85,13 @@ def smem_bytes(dims, tile, mb):
         + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
 
-def name_expression(dtype, dims, tile, mb, transforms=()):
-    """transforms: the score transforms' names (cuflash/_modifiers.py), a last template argument
-    when there are any."""
+def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False):
+    """transforms: the score transforms' names (cuflash/_modifiers.py), a template argument when
+    there are any or sinks; sinks: whether the kernel joins attention sinks (then a last template
+    argument, true)."""
     b = "true" if tile.pingpong else "false"
     f = (f", {_modifiers.transform(transforms, 'float', False, _config.dtype_name(dtype))}"
-         if transforms else "")
+         if transforms or sinks else "") + (", true" if sinks else "")
     return (f"fwd_wgmma<{_config.c_types(dtype)[0]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
             f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}, {mb}{f}>")
 
@@ -97,9 +99,9 @@ def name_expression(dtype, dims, tile, mb, transforms=()):
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     main = [("fwd_wgmma", dt, dims[0], SOURCE,
-             name_expression(dt, dims, pick_tile(dims, mb, tf), mb, tf))
+             name_expression(dt, dims, pick_tile(dims, mb, tf), mb, tf, sk))
             for dt in _config.MMA_DTYPES for dims in DIMS for tf in _modifiers.CHAINS
-            for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
+            for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES) for sk in (False, True)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
     return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
@@ -248,8 +250,8 @@ def _recipe(p, dims, mb):
     """(kernel, shared memory, blocks, threads, block_m, tile, H) of a layout's launch."""
     names = _modifiers.names(p)
     tile = pick_tile(dims, mb, names)
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names),
-                                 arch=ARCH)
+    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names,
+                                                         p.sinks is not None), arch=ARCH)
     smem = smem_bytes(dims, tile, mb)
     _runtime.opt_in(kern, smem)
     blocks = -(-p.Nq // block_m(tile)) * p.BH
@@ -260,8 +262,8 @@ def _recipe(p, dims, mb):
 
 
 def forward(p):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32; every row settled, the ones the kernel
-    flags by the lost-row fix."""
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with p's sinks; every row settled,
+    the ones the kernel flags by the lost-row fix."""
     import cupy
 
     dims = padded(p)
@@ -288,7 +290,7 @@ def forward(p):
                        i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
                        _runtime.ptr(p.bias), i32(p.BH))
         + tuple(np.int64(x) for x in args.strides[3:]) + (classes,)
-        + tuple(np.float64(x) for x in _modifiers.scalars(p)))
+        + tuple(np.float64(x) for x in _modifiers.scalars(p)) + (_runtime.ptr(p.sinks),))
     has_mb = launch.mb != MB_NONE or bool(p.transforms)
     # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, bm, np.inf if has_mb else None)

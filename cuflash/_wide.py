@@ -17,6 +17,7 @@ from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
 TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wide.cu SINKS)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")
 # Head-dim buckets: the kernel is compiled for DK = DV = the smallest >= max(Dk, Dv) and zeroes
@@ -101,12 +102,14 @@ def smem_bytes(dtype_name, t, bucket):
             + t.stages * t.block_n * (2 * bucket + 8 + 16 // e)) * e
 
 
-def name_expression(dtype_name, bucket, has_mb, passes, t, transforms=()):
-    """has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py)."""
+def name_expression(dtype_name, bucket, has_mb, passes, t, transforms=(), sinks=False):
+    """has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py);
+    sinks: whether the kernel joins attention sinks (a last template argument, true, only then)."""
     c = _config.c_types(dtype_name)[0]
     mod = _modifiers.score_mod(has_mb, transforms, c)
     return (f"fwd_wide<{c}, {passes if dtype_name == 'float32' else 1}, {bucket}, {bucket}, "
-            f"{t.block_n}, {t.warps}, {t.mf}, {t.stages}, {mod}, {t.min_blocks}>")
+            f"{t.block_n}, {t.warps}, {t.mf}, {t.stages}, {mod}, {t.min_blocks}"
+            f"{', true' if sinks else ''}>")
 
 
 def pick_bwd_tiles(dtype_name, bucket, has_mb, cc=80):
@@ -159,7 +162,8 @@ def _variants(tiles, transforms_with_mb=False):
 
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
-    exprs = {name_expression(*v): v[:2] for tiles in (TILES, TILES_CC90) for v in _variants(tiles)}
+    exprs = {name_expression(*v, sinks=sk): v[:2] for tiles in (TILES, TILES_CC90)
+             for v in _variants(tiles) for sk in (False, True)}
     out = [("fwd_wide", dt, b, SOURCE, e) for e, (dt, b) in exprs.items()]
     for table in (BWD_TILES, BWD_TILES_CC90):
         for v in _variants(table, transforms_with_mb=True):
@@ -181,8 +185,8 @@ def instantiations():
 
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    fwd = {name_expression(*v) for v in _variants(TILES_CC90)} - {
-        name_expression(*v) for v in _variants(TILES)}
+    fwd = {name_expression(*v, sinks=sk) for v in _variants(TILES_CC90) for sk in (False, True)} - {
+        name_expression(*v, sinks=sk) for v in _variants(TILES) for sk in (False, True)}
     return fwd | {e for v in _variants(BWD_TILES_CC90, True) for e in bwd_name_expressions(*v)}
 
 
@@ -221,7 +225,7 @@ def _recipe(p):
     tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype.name, b, has_mb, passes, tile,
-                                                         _modifiers.names(p)))
+                                                         _modifiers.names(p), p.sinks is not None))
     smem = smem_bytes(p.dtype.name, tile, b)
     _runtime.opt_in(kern, smem)
     block_m = 16 * tile.mf * tile.warps
@@ -233,9 +237,9 @@ def _recipe(p):
 
 
 def forward(p):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype; the rows the kernel flags
-    settled by the lost-row fix. A mask's tile classes are computed first (on every call: the
-    mask may change in place); the table lives until the launch is enqueued."""
+    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks; the rows the
+    kernel flags settled by the lost-row fix. A mask's tile classes are computed first (on every
+    call: the mask may change in place); the table lives until the launch is enqueued."""
     recipe, block_n = _recipes.build(p.key, lambda: _recipe(p))
     classes, _table = _mask_tiles.classify(p, recipe[2], block_n)  # NO_CLASSES without a mask
     return _generic.flagged_forward(p, recipe, (classes,))

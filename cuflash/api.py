@@ -180,10 +180,12 @@ def _forward(problem):
         # nothing to compute: every row is empty (or there are no rows)
         out = xp.zeros(problem.out_shape, dtype=problem.dtype)
         lse = xp.full(problem.lse_shape, -np.inf, dtype=problem.acc_dtype)
+        joined = False
     else:
         out, lse = _dispatch(problem).forward(problem)
         out, lse = out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
-    if problem.sinks is not None:  # the sink-free softmax joined with each row's sink
+        joined = xp is not np  # cuflash._gpu.forward gives the softmax with the sinks
+    if problem.sinks is not None and not joined:  # the sink-free softmax joined with the sinks
         out, lse = _sinks.join(problem, out, lse)
     return out, lse
 

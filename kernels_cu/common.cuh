@@ -86,6 +86,8 @@ __device__ __forceinline__ float acc_exp(float x) { return expf(x); }
 __device__ __forceinline__ double acc_exp(double x) { return exp(x); }
 __device__ __forceinline__ float acc_log(float x) { return logf(x); }
 __device__ __forceinline__ double acc_log(double x) { return log(x); }
+__device__ __forceinline__ float acc_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double acc_log1p(double x) { return log1p(x); }
 __device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }

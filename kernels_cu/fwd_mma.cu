@@ -18,6 +18,7 @@
 
 #include "attn_core.cuh"
 #include "mma.cuh"
+#include "sinks.cuh"
 
 // One K or V tile copy: cp_tile, or cp_tile_inc with CHEAP_ADDR.
 template <bool CHEAP, int ROWS, int HEAD_DIM, int THREADS, typename T>
@@ -31,6 +32,9 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 
 // Grid: attn_core.cuh's query_tile (1-D, blockIdx.x = bh * n_mtiles + reversed query tile).
 //
+// SINKS: each row's softmax takes its head's sink logit sinks[bh] (sinks.cuh), joined at its end;
+// sinks is not read without.
+//
 // Two measured choices per tile (cuflash/_config.py FwdTile):
 //   CHEAP_ADDR  K/V copies with incremental addresses (cp_tile_inc: one 64-bit add per copy
 //               instead of a 64-bit row * stride product and parameter reloads);
@@ -38,11 +42,12 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 //               only for K before S = Q K^T, and for V (plus a second barrier) right after it,
 //               so V's copy overlaps Q K^T.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
-          bool Q_IN_REGS, typename Mod, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT>
+          bool Q_IN_REGS, typename Mod, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT,
+          bool SINKS = false>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         T* __restrict__ out, float* __restrict__ lse, ATTN_INPUTS(float), const AttnArgs a,
-        int* __restrict__ fix) {
+        int* __restrict__ fix, const double* __restrict__ sinks) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   // HAS_MB: the score modifier works on every element; READS: it reads a mask or bias there (a
@@ -229,9 +234,12 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // but has l = 0 (every visible logit -inf) is 0 / 0 = NaN, like a NaN l. With a mask or bias
   // "sees keys" is known by position only: a row with l = 0 there may also be one whose keys are
   // all masked (empty), so it is written NaN and fwd_lost_rows (kernels_cu/lost_rows.cu), which
-  // rechecks every NaN row, tells the two apart. The warp stages its own rows of the output in
-  // its own rows of the Q tile, then writes them with 16-byte stores.
+  // rechecks every NaN row, tells the two apart. With SINKS the row's sink then joins its factor
+  // and lse (sinks.cuh join_sink: an empty row becomes 0 / t, a NaN one stays NaN). The warp
+  // stages its own rows of the output in its own rows of the Q tile, then writes them with
+  // 16-byte stores.
   bool refix = false;  // a row fwd_lost_rows must settle (fix[block], see there)
+  const float sink = SINKS ? static_cast<float>(sinks[bh]) : 0.f;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -240,12 +248,18 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       const int r = warp_row0 + mf * 16 + g + 8 * h;
       const int i = i0 + r;
       const bool empty = row_empty(i, Nq, kt.b32);  // by position
-      const float inv_l = sm.out_scale(l_row, empty);
+      float inv_l = sm.out_scale(l_row, empty);
       // HAS_MB: l = 0 may be an all-masked row, and l = 0, NaN or inf a bias that overflowed in
       // log2 units (|bias| > FLT_MAX / log2e); else a max beyond the folded FFMA's accuracy
       refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())
                       : !empty & (fabsf(sm.m[mf][h]) > FOLD_LIMIT);  // (an infinite m: NaN anyway)
-      if (t == 0 && i < Nq) lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
+      if constexpr (SINKS) {  // the sink joins the row's softmax (refix read the keys' l, m)
+        float lse_row = sm.lse(mf, h, empty, l_row);
+        join_sink(sink, inv_l, lse_row);
+        if (t == 0 && i < Nq) lse[bh * Nq + i] = lse_row;
+      } else if (t == 0 && i < Nq) {
+        lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
+      }
       const u32 row_addr = sQ + r * ROW_BYTES + 4 * t;
 #pragma unroll
       for (int df = 0; df < DF; ++df) {

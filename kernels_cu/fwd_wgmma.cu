@@ -35,6 +35,9 @@
 // tile and written with 16-byte stores; lse; the block's flag for fwd_lost_rows (|m| beyond the
 // folded FFMA's accuracy).
 //
+// SINKS: each row's softmax takes its head's sink logit sinks[bh] (sinks.cuh), joined at its end;
+// sinks is not read without.
+//
 // Requirements (cuflash/_wgmma_fwd.py): compute capability 9.0, the tensor maps of q, k, v
 // (16-byte aligned bases and strides, unit innermost stride), Dv a multiple of 8, scale > 0.
 #include "common.cuh"
@@ -43,6 +46,7 @@
 
 #include "attn_core.cuh"
 #include "mma.cuh"
+#include "sinks.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -116,7 +120,7 @@ struct StagedMaskBias {
 };
 
 template <typename T, int DK, int DV, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS,
-          bool PINGPONG, int MB, typename F = NoTransform>
+          bool PINGPONG, int MB, typename F = NoTransform, bool SINKS = false>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
@@ -126,7 +130,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           int mask_box_rows, int bias_box_rows, const long long* __restrict__ offsets,
           const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs,
-          const TileClasses classes, double mod0, double mod1) {
+          const TileClasses classes, double mod0, double mod1,
+          const double* __restrict__ sinks) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
@@ -386,16 +391,23 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // of the warpgroup has finished reading Q.
   tma::named_sync(1 + cw, 128);
   bool refix = false;
+  const float sink = SINKS ? static_cast<float>(sinks[bh]) : 0.f;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const float l_row = sm.row_sum(0, hh);
     const int r = row_w + g + 8 * hh;
     const int i = i0 + r;
     const bool empty = row_empty(i, Nq, b32);
-    const float inv_l = sm.out_scale(l_row, empty);
+    float inv_l = sm.out_scale(l_row, empty);
     refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())  // fwd_mma.cu's rules
                     : !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);
-    if (t == 0 && i < Nq) lse[bh * Nq + i] = sm.lse(0, hh, empty, l_row);
+    if constexpr (SINKS) {  // the sink joins the row's softmax (refix read the keys' l, m)
+      float lse_row = sm.lse(0, hh, empty, l_row);
+      join_sink(sink, inv_l, lse_row);
+      if (t == 0 && i < Nq) lse[bh * Nq + i] = lse_row;
+    } else if (t == 0 && i < Nq) {
+      lse[bh * Nq + i] = sm.lse(0, hh, empty, l_row);
+    }
 #pragma unroll
     for (int df = 0; df < DF; ++df) {
       const u32 packed = Mma<T>::pack(o[df][2 * hh] * inv_l, o[df][2 * hh + 1] * inv_l);

@@ -20,6 +20,8 @@
 // mixed) let the block skip the key tiles it hides, loads included, and take no per-element mask
 // on the ones it shows entirely when there is no bias.
 //
+// SINKS: each row's softmax takes its head's sink logit sinks[bh] (sinks.cuh), joined at its end.
+//
 // Requirements (the host falls back to the generic path otherwise): unit innermost stride, row
 // strides, offsets and Dk, Dv multiples of 16 / sizeof(T) elements, 16-byte aligned bases,
 // scale > 0.
@@ -29,14 +31,15 @@
 #include "attn_core.cuh"
 #include "mask_tiles.cuh"
 #include "mma.cuh"
+#include "sinks.cuh"
 #include "wide.cuh"
 
 template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int MF, int STAGES,
-          typename Mod, int MIN_BLOCKS>
+          typename Mod, int MIN_BLOCKS, bool SINKS = false>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          T* __restrict__ out, T* __restrict__ lse, ATTN_INPUTS(T), const AttnArgs a,
-         int* __restrict__ fix, const TileClasses classes) {
+         int* __restrict__ fix, const TileClasses classes, const double* __restrict__ sinks) {
   using namespace tc;
   using Tc = WideMma<T, PASSES>;
   ATTN_ARGS_LOCALS(a, T);
@@ -153,6 +156,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // Normalize once (fwd_mma's rules: an empty row 0 / -inf; l = 0 with visible keys NaN, which
   // fwd_lost_rows settles with a mask or bias; huge finite maxima flagged for it too).
   bool refix = false;
+  const T sink = SINKS ? static_cast<T>(sinks[bh]) : T(0);
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -160,7 +164,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       const T l_row = sm.row_sum(mf, h);
       const int i = i_thr + mf * 16 + 8 * h;
       const bool empty = row_empty(i, Nq, kt.b32);
-      const T inv_l = sm.out_scale(l_row, empty);
+      T inv_l = sm.out_scale(l_row, empty);
       // Without a modifier only a finite max beyond the fold's range needs the fix-up: an
       // infinite one (every logit -inf, or a +inf logit: float32 overflow of q . k) already gives
       // the NaN of the dense float32 formula, which the fix-up's float64 would not reproduce.
@@ -168,7 +172,13 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       refix |= HAS_MB ? !empty & !(l_row > T(0) && l_row < pos_inf<T>())
                       : !empty & (am > fold_limit<T>()) & (am < pos_inf<T>());
       if (i < Nq) {
-        if (t == 0) lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
+        if constexpr (SINKS) {  // the sink joins the row's softmax (refix read the keys' l, m)
+          T lse_row = sm.lse(mf, h, empty, l_row);
+          join_sink(sink, inv_l, lse_row);
+          if (t == 0) lse[bh * Nq + i] = lse_row;
+        } else if (t == 0) {
+          lse[bh * Nq + i] = sm.lse(mf, h, empty, l_row);
+        }
         T* row = out + (bh * Nq + i) * Dv;
 #pragma unroll
         for (int df = 0; df < DF; ++df) {

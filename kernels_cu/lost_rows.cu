@@ -9,7 +9,12 @@
 // the scale into one FFMA, p = exp2(fma(s, scale * log2e, -m)), whose rounding residual reaches
 // ulp(m) / 2 and overflows exp2 once |m| is huge (p = inf, then NaN). The rows it may have
 // computed wrongly are exactly those whose lse came out lost, NaN or +inf; this kernel recomputes
-// their out and lse in double (a NaN row stays NaN).
+// their out and lse in double (a NaN row stays NaN). With attention sinks the forward kernels
+// joined each row's sink at its end (sinks.cuh), and so does this kernel to the rows it
+// recomputes. (The rows are chosen by the joined lse: one whose keys' lse alone is lost but whose
+// sink lifts it below the limit keeps the kernel's value, the keys' part weighted by their share
+// exp(lse0 - lse), which is about 0 but where the keys' maximum is within the rounding residual
+// that the limit allows anyway.)
 //
 // Backward: the main kernels skip lost rows (their preprocess gives them lse = +inf and
 // delta = 0); these two kernels then ADD their exact gradients, recomputing each lost row's max
@@ -29,6 +34,7 @@
 // bitwise the same logits. out, dout are contiguous (BH, Nq, Dv); lse contiguous (BH, Nq).
 #include "common.cuh"
 #include "mask.cuh"
+#include "sinks.cuh"
 
 constexpr int LOST_CHUNK = 32;   // rows of the flattened (BH, Nq) per flag (one per lane)
 constexpr int LOST_SEG = 128;    // rows a warp checks at once (4 chunks); keys of a key item
@@ -317,12 +323,14 @@ template <> __device__ __forceinline__ double in_range<float>(double x) {
 // Grid: a stride of warps over the tensor-core forward's blocks (fix: one flag per block, in its
 // 1-D launch order bh * n_mtiles + reversed query tile, as fwd_mma.cu writes it; block_m <= 128
 // rows each). A flagged block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T)
-// and lse (Acc) recomputed in double.
+// and lse (Acc) recomputed in double. sinks: (BH,) each (batch, head)'s sink logit, joined to
+// the rows recomputed, or nullptr without sinks.
 template <typename T, typename Acc, typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs a,
-              double lost, const int* __restrict__ fix, int block_m) {
+              double lost, const int* __restrict__ fix, int block_m,
+              const double* __restrict__ sinks) {
   ATTN_ARGS_LOCALS(a, double);
   const int n_mtiles = (Nq + block_m - 1) / block_m;
   const long long n_blocks = static_cast<long long>(BH) * n_mtiles;
@@ -373,16 +381,18 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       }
     }
     // As every forward: empty -> 0 / -inf; l == 0 (all -inf) or an infinite logit -> NaN.
+    // With a sink, joined as the forward kernels join it (an empty row: 0 and the sink).
     const double nan = __longlong_as_double(0x7ff8000000000000LL);
-    const double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
+    double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
+    double lse_row = !seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l);
+    if (sinks != nullptr) join_sink(in_range<Acc>(sinks[bh]), inv_l, lse_row);  // Acc's range
     T* orow = out + row * Dv;
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) {
       const int col = lane + 32 * c;
       if (col < Dv) store_acc(orow + col, static_cast<Acc>(acc[c] * inv_l));
     }
-    if (lane == 0)
-      lse[row] = static_cast<Acc>(!seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l));
+    if (lane == 0) lse[row] = static_cast<Acc>(lse_row);
   });
   }  // flagged blocks
   }  // flag words

@@ -1,30 +1,9 @@
 // sinks.cu: attention sinks (cuflash/_sinks.py) on contiguous rows of Dv elements, one warp a row:
-// the forward's join of a sink-free (out, lse) with each row's sink, and rowsum(dout * out) for
-// the sink's gradient. Both are one pass over out; their double arithmetic runs once a row.
+// the join of a sink-free (out, lse) with each row's sink (sinks.cuh's rule, after the paths whose
+// kernels do not take sinks: generic, decode), and rowsum(dout * out) for the sink's gradient.
+// Both are one pass over out; their double arithmetic runs once a row.
 #include "common.cuh"
-
-// The weight f = exp(a - L) left to the keys of a row whose sink-free lse is a, and its lse
-// L = log(exp(a) + exp(t)) with the sink t: t = -inf is no sink (f = 1, L = a exactly); t = +inf
-// a +inf logit (NaN, as the dense formula's max shift gives); a NaN a or t gives NaN.
-__device__ __forceinline__ void sink_join(double a, double t, double& f, double& L) {
-  if (t == neg_inf<double>()) {
-    f = 1.0;
-    L = a;
-    return;
-  }
-  if (t == pos_inf<double>()) {
-    f = L = __longlong_as_double(0x7ff8000000000000LL);
-    return;
-  }
-  const double d = a - t, e = exp(-fabs(d));
-  if (d >= 0.0) {
-    f = 1.0 / (1.0 + e);
-    L = a + log1p(e);
-  } else {  // and a NaN d
-    f = e / (1.0 + e);
-    L = t + log1p(e);
-  }
-}
+#include "sinks.cuh"
 
 // out (rows, dv) *= f of its row, lse1[row] = L; sinks: one per nq rows (per (batch, head)).
 template <typename T, typename X>

@@ -84,6 +84,7 @@ def test_paths_share_one_interface():
         assert path.__name__.rsplit(".", 1)[1] in PATHS and callable(path.instantiations)
     for path in gpu.FORWARD:
         assert callable(path.takes) and callable(path.forward) and path.NAME
+        assert isinstance(path.SINKS, bool)  # whether its kernels join attention sinks
     for path in gpu.BACKWARD:
         assert callable(path.takes_backward) and callable(path.backward) and path.NAME
     assert [p.NAME for p in gpu.FORWARD] == ["split", "wgmma", "mma", "wide", "generic"]

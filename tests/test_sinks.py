@@ -319,9 +319,10 @@ def test_good_sinks_are_taken(rng):
 
 # ---- the CUDA paths ---------------------------------------------------------------------------
 
-# (forced path, case, its options) of the GPU runs: the softcap tests' cases on the main paths,
-# and their decode cases on the split-KV kernels (forced, many splits)
-GPU_RUNS = ([(path, case, _options) for path in ("generic", "mma", "wide", "auto")
+# (forced path, case, its options) of the GPU runs: the softcap tests' cases on the main paths
+# (wgmma, mma and wide join the sinks in their kernels, generic after them), and their decode
+# cases on the split-KV kernels (forced, many splits)
+GPU_RUNS = ([(path, case, _options) for path in ("generic", "mma", "wgmma", "wide", "auto")
              for case in GPU_CASES]
             + [(path, case, _decode_options) for path in ("split", "split-simt")
                for case in DECODE_CASES])
@@ -354,11 +355,13 @@ def test_cuda_paths(path, case, options, dtype, rng, override):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", ["scale", "bias"])
-@pytest.mark.parametrize("path", ["generic", "mma", "wide", "auto"])
+@pytest.mark.parametrize("path", ["generic", "mma", "wgmma", "wide", "auto"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_cuda_lost_rows_take_the_sink(dtype, path, how, rng, override):
     """The lost-row kernels (kernels_cu/lost_rows.cu) put the sink into each lost row's sum and
-    give its exact probability to dsinks, on every backward path."""
+    give its exact probability to dsinks, on every backward path; in the forward, fwd_lost_rows
+    joins the sink to the rows it recomputes (float16 "scale": every row of the tensor-core
+    forwards), as their kernels joined it to the others."""
     import cupy
     if (dtype, how) == ("float64", "scale"):
         pytest.skip("gradients of 1e8 against the float64 floor: the bias case covers float64")
@@ -415,3 +418,125 @@ def test_cuda_bnhd_layout(dtype, rng, override):
     dout = to_array(cupy, rng.standard_normal((B, Nq, H, D)), dt).transpose(0, 2, 1, 3)
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
     check_backward(grads, dout, q, k, v, out, lse, **opts)
+
+
+# ---- the forward kernels that join the sinks themselves (SINKS) --------------------------------
+
+def test_catalog_has_the_sinks_twin_of_every_fused_forward():
+    """The paths whose kernels join the sinks (SINKS) list, for each forward instantiation, its
+    twin with the last template argument SINKS = true (and only those): what their forwards
+    request with sinks, which CI compiles."""
+    from cuflash import _gpu
+
+    def arguments(expr):  # the top-level template arguments of a name expression
+        args, depth, start = [], 0, expr.index("<") + 1
+        for i, c in enumerate(expr[start:-1], start):
+            depth += (c == "<") - (c == ">")
+            if c == "," and depth == 0:
+                args.append(expr[start:i].strip())
+                start = i + 1
+        return tuple(args + [expr[start:-1].strip()])
+
+    fused = [p for p in _gpu.FORWARD if p.SINKS]
+    assert sorted(p.NAME for p in fused) == ["mma", "wgmma", "wide"]
+    with_sinks = {"fwd_mma": 12, "fwd_wide": 11, "fwd_wgmma": 11}  # arguments, SINKS last
+    for path in fused:
+        kernel = f"fwd_{path.NAME}"
+        exprs = {arguments(e) for k, *_, e in path.instantiations() if k == kernel}
+        twins = {a for a in exprs if len(a) == with_sinks[kernel]}
+        assert twins and all(a[-1] == "true" for a in twins), path.NAME
+        bare = {a[:-1][:-1] if a[-2] == "NoTransform" else a[:-1] for a in twins}
+        assert bare == exprs - twins, path.NAME
+
+
+# (forced path, dtype): the kernels of each path that join the sink in their finalize
+FUSED = [("wgmma", "float16"), ("wgmma", "bfloat16"), ("mma", "float16"), ("mma", "bfloat16"),
+         ("wide", "float32"), ("wide", "float64")]
+FUSED = [(p, d) for p, d in FUSED if d != "bfloat16" or BFLOAT16 is not None]
+
+
+def _no_join(*args):
+    raise AssertionError("cuflash._sinks.join ran after a path whose kernels take the sinks")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path, dtype", FUSED, ids=[f"{p}-{d}" for p, d in FUSED])
+def test_cuda_fused_paths_join_no_pass(path, dtype, rng, override, monkeypatch):
+    """The forward with sinks on the paths whose kernels join them runs no join pass (a path that
+    fell back to the generic kernels would: cuflash._gpu.forward joins after those), and agrees
+    with the reference; plain, causal and with a mask and bias."""
+    import cupy
+    from cuflash import _sinks as sinks_module
+    override(poison=True, path=path)
+    monkeypatch.setattr(sinks_module, "join", _no_join)
+    for name, (lq, Nq, Nk, D) in (("plain", ((2, 3), 77, 130, 64)),
+                                  ("causal", ((1, 4), 150, 150, 128)),
+                                  ("mask-bias", ((2,), 80, 96, 64))):
+        q, k, v = _inputs(rng, lq, lq, Nq, Nk, D, D, dtype, cupy)
+        opts = dict(_options(name, rng, lq, Nq, Nk, cupy), sinks=_sinks(rng, lq, dtype, True, cupy))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+        check_forward(out, lse, q, k, v, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path, dtype", FUSED, ids=[f"{p}-{d}" for p, d in FUSED])
+def test_cuda_fused_edge_rows(path, dtype, rng, override):
+    """The sink in the kernels' finalize keeps every rule of README "Attention sinks": rows that
+    see no key by position (causal with Nq > Nk, kv_lens = 0) and rows whose keys a mask hides
+    all (settled by fwd_lost_rows, which must join the sink too) give out 0 and lse = t exactly;
+    a -inf sink is bitwise no sink; NaN and +inf sinks make every row of their head NaN, empty
+    rows included, and leave the other heads bitwise as they were."""
+    import cupy
+    override(poison=True, path=path)
+    B, H, Nq, Nk, D = 2, 4, 50, 30, 64
+    q, k, v = _inputs(rng, (B, H), (B, H), Nq, Nk, D, D, dtype, cupy)
+    acc = _config.accumulator_dtype(_dtype(dtype))
+    t = (rng.standard_normal((B, H)) + 2.0).astype(acc)
+    t[:, 0] = -np.inf
+    mask = rng.random((B, H, Nq, Nk)) < 0.7
+    mask[:, :, 7] = False  # rows every key of which the mask hides
+    for opts, empty in ((dict(causal=True, kv_lens=np.array([Nk, 0]).reshape(B, 1)),
+                         lambda b, i: b == 1 or i < Nq - Nk),
+                        (dict(mask=cupy.asarray(mask)), lambda b, i: i == 7)):
+        out0, lse0 = (to_host(x) for x in cuflash.attention(q, k, v, return_lse=True, **opts))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, sinks=cupy.asarray(t), **opts)
+        check_forward(out, lse, q, k, v, sinks=t, **opts)
+        out, lse = to_host(out), to_host(lse)
+        rows = np.array([[empty(b, i) for i in range(Nq)] for b in range(B)])  # (B, Nq)
+        assert rows.any()
+        for b, h in np.ndindex(B, H):
+            np.testing.assert_array_equal(out[b, h][rows[b]].astype(np.float64), 0)
+            np.testing.assert_array_equal(lse[b, h][rows[b]], t[b, h])
+        # -inf: bitwise the call without sinks (16-bit outputs compared as their bits)
+        np.testing.assert_array_equal(out[:, 0].view(np.uint8), out0[:, 0].view(np.uint8))
+        np.testing.assert_array_equal(lse[:, 0], lse0[:, 0])
+        bad = t.copy()
+        bad[:, 1], bad[:, 2] = np.nan, np.inf
+        out_b, lse_b = (to_host(x) for x in cuflash.attention(
+            q, k, v, return_lse=True, sinks=cupy.asarray(bad), **opts))
+        assert np.isnan(out_b[:, 1:3].astype(np.float64)).all() and np.isnan(lse_b[:, 1:3]).all()
+        for h in (0, 3):
+            np.testing.assert_array_equal(out_b[:, h].view(np.uint8), out[:, h].view(np.uint8))
+            np.testing.assert_array_equal(lse_b[:, h], lse[:, h])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path, dtype", [(p, d) for p, d in FUSED if d in ("bfloat16", "float32")],
+                         ids=[f"{p}-{d}" for p, d in FUSED if d in ("bfloat16", "float32")])
+def test_cuda_fused_overflowed_row_stays_nan(path, dtype, rng, override):
+    """A row whose visible logits all overflow to -inf in float32 (q ~ 1e20 against k ~ -1e20) is
+    NaN with a sink as without (not an empty row, which the sink would give lse = t); the rows
+    with finite logits stay finite (their huge |lse| goes to fwd_lost_rows)."""
+    import cupy
+    override(poison=True, path=path)
+    D = 64
+    q = np.ones((2, 16, D))
+    q[:, 0] = 1e20
+    k = np.full((2, 24, D), -1e20)
+    v = rng.standard_normal((2, 24, D))
+    q, k, v = (to_array(cupy, x, _dtype(dtype)) for x in (q, k, v))
+    out, lse = cuflash.attention(q, k, v, scale=1.0, sinks=cupy.asarray([0.5, -1.0]),
+                                 return_lse=True)
+    out, lse = to_f64(out), to_f64(lse)
+    assert np.isnan(out[:, 0]).all() and np.isnan(lse[:, 0]).all()
+    assert np.isfinite(out[:, 1:]).all() and np.isfinite(lse[:, 1:]).all()
