@@ -40,7 +40,7 @@ from . import _config, _generic, _mask_tiles, _memo, _mma_fwd, _modifiers, _runt
 from ._broadcast import _padded
 
 NAME = "mma"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
@@ -234,7 +234,7 @@ def instantiations():
                 for atomic, mb in itertools.product((True, False), (False, True)):
                     exprs.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
             # with score transforms: the mask / bias tiles, with or without a mask / bias
-            for tf, mb, atomic in itertools.product(_modifiers.CHAINS[1:], (False, True),
+            for tf, mb, atomic in itertools.product(TRANSFORMS[1:], (False, True),
                                                     (True, False)):
                 if d in NO_TRANSFORM_DIMS:
                     continue
@@ -246,7 +246,7 @@ def instantiations():
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]
         # the lost-row fix, with dk / dv in the inputs' dtype (no sum follows) or in float32
-        for tf in _modifiers.CHAINS:
+        for tf in TRANSFORMS:
             rows, keys16 = _generic.lost_name_expressions(dt, True, tf)
             keys32 = _generic.lost_name_expressions(dt, False, tf)[1]
             out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows)]

@@ -10,7 +10,7 @@ from collections import namedtuple
 from . import _config, _generic, _memo, _modifiers, _runtime
 
 NAME = "mma"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SOURCE = "fwd_mma.cu"
 
 # FwdTile: block_m = 16 * MF * warps query rows per block (MF m-fragments of 16 rows per warp: 2
@@ -83,7 +83,7 @@ def instantiations():
     """Every (kernel, dtype name, head dim or None, source file, name expression) of this path."""
     out = []
     for dt in _config.MMA_DTYPES:
-        for tf in _modifiers.CHAINS:
+        for tf in TRANSFORMS:
             exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf), tf)
                      for d, mb in TILES for cc in (80, 90)}
             out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
@@ -95,9 +95,9 @@ def instantiations():
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
     return {name_expression(dt, d, mb, pick_tile(d, mb, 90, tf), tf)
-            for dt in _config.MMA_DTYPES for d, mb in TILES for tf in _modifiers.CHAINS} - \
+            for dt in _config.MMA_DTYPES for d, mb in TILES for tf in TRANSFORMS} - \
         {name_expression(dt, d, mb, pick_tile(d, mb, 80, tf), tf)
-         for dt in _config.MMA_DTYPES for d, mb in TILES for tf in _modifiers.CHAINS}
+         for dt in _config.MMA_DTYPES for d, mb in TILES for tf in TRANSFORMS}
 
 
 def tensor_core_layout(p, same_dims=True):

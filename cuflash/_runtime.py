@@ -313,14 +313,16 @@ def offset_table(p):
 
 
 # The kernels' AttnArgs (kernels_cu/args.cuh), field by field in its order and C types: the
-# strides (int64), the sizes (int32), the scale (double), the window (int32).
+# strides (int64), the sizes (int32), the scale (double), the window (int32), the transforms'
+# scalars (double) and per-head table (a device pointer, 0: null).
 ARGS_FIELDS = (tuple((f"{x}_{s}", "<i8") for x, s in (("q", "rs"), ("k", "rs"), ("v", "rs"),
                                                     ("mask", "rs"), ("mask", "cs"),
                                                     ("bias", "rs"), ("bias", "cs")))
                + tuple((x, "<i4") for x in ("BH", "Nq", "Nk", "Dk", "Dv"))
                + (("scale", "<f8"),)
                + tuple((x, "<i4") for x in ("left", "right", "bottom_right"))
-               + tuple((f"mod{k}", "<f8") for k in range(_modifiers.MOD_ARGS)))
+               + tuple((f"mod{k}", "<f8") for k in range(_modifiers.MOD_ARGS))
+               + (("mod_table", "<u8"),))
 ARGS_DTYPE = np.dtype(list(ARGS_FIELDS), align=True)  # C's layout: fields on natural alignment
 
 
@@ -337,6 +339,11 @@ class Args:
             p.key, lambda: _args_layout(p))
         if p.lens_device is not None:  # a CuPy kv_lens: this call's, clamped on the device
             self.kv_lens = p.lens_device
+        table = _modifiers.table(p)
+        if table:  # this call's per-head table (ALiBi's slopes) in a copy of the layout's AttnArgs
+            a = np.array(a)
+            a["mod_table"] = table
+            a = a[()]
         self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a)
 
     def flat_tail(self, scale_type):

@@ -13,7 +13,7 @@ from . import _broadcast, _config, _generic, _mask_tiles, _memo, _modifiers, _ru
 from ._validate import element_strides, key_range
 
 NAME = "wgmma"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SOURCE = "fwd_wgmma.cu"
 ARCH = "sm_90a"
 
@@ -98,7 +98,7 @@ def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     main = [("fwd_wgmma", dt, dims[0], SOURCE,
              name_expression(dt, dims, pick_tile(dims, mb, tf), mb, tf))
-            for dt in _config.MMA_DTYPES for dims in DIMS for tf in _modifiers.CHAINS
+            for dt in _config.MMA_DTYPES for dims in DIMS for tf in TRANSFORMS
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
@@ -282,7 +282,8 @@ def forward(p):
                         i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
                         _runtime.ptr(p.bias), i32(p.BH))
          + tuple(np.int64(x) for x in args.strides[3:]) + (classes,)
-         + tuple(np.float64(x) for x in _modifiers.scalars(p)), shared_mem=smem)
+         + tuple(np.float64(x) for x in _modifiers.scalars(p))
+         + (np.uint64(_modifiers.table(p)),), shared_mem=smem)
     has_mb = launch.mb != MB_NONE or bool(p.transforms)
     # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, bm, np.inf if has_mb else None)

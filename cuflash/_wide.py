@@ -16,7 +16,7 @@ import numpy as np
 from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")
 # Head-dim buckets: the kernel is compiled for DK = DV = the smallest >= max(Dk, Dv) and zeroes
@@ -149,7 +149,7 @@ def _variants(tiles, transforms_with_mb=False):
     transforms_with_mb (the backward) they take the mask / bias tiles, with or without one."""
     for (dt, b, mb), t in tiles.items():
         for passes in (PASSES.values() if dt == "float32" else (1,)):
-            for tf in _modifiers.CHAINS:
+            for tf in TRANSFORMS:
                 if tf and transforms_with_mb and dt in NO_BWD_TRANSFORMS:
                     continue
                 for has_mb in ((mb,) if not tf or not transforms_with_mb else
@@ -170,7 +170,7 @@ def instantiations():
     for dt in DTYPES:
         out.append(("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
                     _generic.name_expression("bwd_preprocess", dt)))
-        for tf in _modifiers.CHAINS:
+        for tf in TRANSFORMS:
             rows, keys = _generic.lost_name_expressions(dt, False, tf)
             out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows),
                     ("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, keys),
