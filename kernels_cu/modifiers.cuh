@@ -112,11 +112,11 @@ struct Softcap {
 // ALiBi (Press et al.; FlashAttention's convention): F(x) = x - slope |p_i - j|, the linear bias
 // by distance between query i's aligned position p_i = i + shift + d (the causal mask's, with
 // d = q_start - k_start of `positions`, the transform's scalar) and key j, with the (batch, head)'s
-// slope from m.table, in the kernel's units (slope * units). dF/dx = 1. The distance is formed in
-// Acc from i and j as int32 (the host keeps Nq, Nk below 2^31): Acc(i) + p0 - Acc(j), exact while
-// the positions stay below 2^24 in float (2^53 in double); the two conversions are per row and
-// per column, shared by a fragment's entries. A head index bh < 0 (a decode padding row) reads no
-// slope.
+// slope from m.table, in the kernel's units (slope * units). dF/dx = 1. The distance is the int32
+// i - j (Nq, Nk < 2^31) converted to Acc, plus p0: one conversion per entry, as FlashAttention's
+// (converting i and j apart, shared by a fragment's rows and columns, kept 2 NF column values
+// live and spilled the 128-key tiles); exact while the positions stay below 2^24 in float (2^53
+// in double). A head index bh < 0 (a decode padding row) reads no slope.
 template <typename Acc>
 struct Alibi {
   static constexpr int SLOTS = 1;
@@ -129,7 +129,7 @@ struct Alibi {
     return f;
   }
   __device__ __forceinline__ Acc operator()(Acc x, long long i, long long j) const {
-    const Acc d = (static_cast<Acc>(static_cast<int>(i)) + p0) - static_cast<Acc>(static_cast<int>(j));
+    const Acc d = static_cast<Acc>(static_cast<int>(i) - static_cast<int>(j)) + p0;
     return x - slope * abs_acc(d);
   }
   __device__ __forceinline__ Acc apply(Acc x, long long i, long long j, Acc&) const {
