@@ -136,6 +136,15 @@ def prep_expr(dtype_name, dims):
     return f"bwd_mma_prep<{_CTYPE[dtype_name]}, {dims[1]}>"
 
 
+# With a mask / bias and a transform that reads positions (ALiBi), the dims whose dQ tile spills
+# (D=256: 8 bytes on sm_80 and sm_90a): the generic kernels take those backward calls.
+POSITIONAL_MB_DECLINED = ((256, 256),)
+
+
+def _positional_mb_declined(names):
+    return POSITIONAL_MB_DECLINED if _modifiers.positional(names) else ()
+
+
 def dkdv_expr(dtype_name, dims, tile, dq_atomic, has_mb, transforms=()):
     """bwd_mma_dkdv<..., opt>, or the warp-grid kernel bwd_mma_dkdv_grid for an OPT_GRID tile.
     has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py)."""
@@ -236,7 +245,7 @@ def instantiations():
             # with score transforms: the mask / bias tiles, with or without a mask / bias
             for tf, mb, atomic in itertools.product(TRANSFORMS[1:], (False, True),
                                                     (True, False)):
-                if d in NO_TRANSFORM_DIMS:
+                if d in NO_TRANSFORM_DIMS or (mb and d in _positional_mb_declined(tf)):
                     continue
                 exprs.append(dkdv_expr(dt, d, DKDV_TILES_TF[d], atomic, mb, tf))
                 if not atomic:
@@ -273,6 +282,9 @@ def takes_backward(p):
     if p.bias is not None and p.bias.dtype != np.float32:
         return False
     if p.transforms and (p.Dk, p.Dv) in NO_TRANSFORM_DIMS:
+        return False
+    if (p.mask is not None or p.bias is not None) and \
+            (p.Dk, p.Dv) in _positional_mb_declined(_modifiers.names(p)):
         return False
     if not _mma_fwd.tensor_core_layout(p, same_dims=False):
         return False

@@ -53,8 +53,19 @@ TRANSFORM_TILES = {
 }
 
 
+# With a transform that reads positions (ALiBi: an int-to-float conversion per score), where the
+# tile above spills: D=32 128 x 128 with 8 warps (sm_80: 68 bytes with 4 warps), D=192 with a
+# mask / bias 64 x 32 keys (sm_90a: 20 bytes with 64); their shared memory fits smem_bytes'.
+POSITIONAL_TILES = {
+    (32, False): FwdTile(128, 128, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+    (192, True): FwdTile(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+}
+
+
 def pick_tile(head_dim, has_mb, cc=80, transforms=()):
     """The forward tile for a device of compute capability `cc` (an int, e.g. 90)."""
+    if _modifiers.positional(transforms) and (head_dim, has_mb) in POSITIONAL_TILES:
+        return POSITIONAL_TILES[(head_dim, has_mb)]
     if transforms and (head_dim, has_mb) in TRANSFORM_TILES:
         return TRANSFORM_TILES[(head_dim, has_mb)]
     if cc >= 90 and (head_dim, has_mb) in TILES_CC90:

@@ -85,6 +85,11 @@ BWD_TILES_CC90 = _table([
 del _T, _P
 
 
+# (dtype, bucket, has_mb) whose tiles spill with a transform that reads positions (ALiBi;
+# float32 D=256 with a mask / bias, sm_90a: 4 bytes): the generic kernels take those calls.
+POSITIONAL_DECLINED = (("float32", 256, True),)
+
+
 def pick_tile(dtype_name, bucket, has_mb, cc=80):
     """The tile for a device of compute capability `cc`, or None where this path has none."""
     key = (dtype_name, bucket, has_mb)
@@ -152,6 +157,8 @@ def _variants(tiles, transforms_with_mb=False):
             for tf in TRANSFORMS:
                 if tf and transforms_with_mb and dt in NO_BWD_TRANSFORMS:
                     continue
+                if _modifiers.positional(tf) and (dt, b, True) in POSITIONAL_DECLINED:
+                    continue
                 for has_mb in ((mb,) if not tf or not transforms_with_mb else
                                (False, True) if mb else ()):
                     yield dt, b, has_mb, passes, t, tf
@@ -204,6 +211,9 @@ def takes(p):
         return False
     info = _runtime.device_info()
     has_mb = p.mask is not None or p.bias is not None
+    if _modifiers.positional(_modifiers.names(p)) and (p.dtype.name, b, has_mb) in \
+            POSITIONAL_DECLINED:
+        return False
     tile = pick_tile(p.dtype.name, b, has_mb, info.cc) if info.cc >= 80 else None
     if tile is None or smem_bytes(p.dtype.name, tile, b) > info.smem_optin:
         return False
