@@ -2,7 +2,8 @@
 (B = 4, H = 8), N = 4096, D = 128 and D = 64, causal and not; the ratio is time without / time
 with (1.0: free; the target is >= 0.9). CUDA events around each call on one stream, after
 warm-up (compilation included), median of RUNS, the two variants interleaved run by run so that
-clock drift affects both alike. Prints one line per case and the path each variant ran on.
+clock drift affects both alike (no L2 flush: each of q, k, v, dout is 32 MiB at D = 128, beyond
+the H200's 50 MiB L2 together). Prints one line per case and the path each variant ran on.
 
     PYTHONPATH=. python benchmarks/alibi_speed.py [--runs 15]
 """
@@ -64,9 +65,11 @@ def main():
             }
             for pas, fns in calls.items():
                 times = {n: [] for n in fns}
-                for _ in range(args.runs):  # interleaved, a few runs each time
+                for fn in fns.values():
+                    _time(cp, fn, 0, warmup=3)
+                for _ in range(args.runs):  # interleaved, one run each in turn
                     for n, fn in fns.items():
-                        times[n] += _time(cp, fn, 1, warmup=1)
+                        times[n] += _time(cp, fn, 1, warmup=0)
                 med = {n: statistics.median(t) for n, t in times.items()}
                 name = f"D{D} {'causal' if causal else 'full'}"
                 print(f"{name:<16} {pas:<4} {med['plain']:9.3f} {med['alibi']:9.3f} "

@@ -35,7 +35,7 @@ _OPTIONS_DOC = """\
         Where query row i sits among the keys when Nq != Nk: at the aligned position
         p = i + L - Nq with "bottom-right" (FlashAttention >= 2.1: the last query lines up with
         the last key; L is the sequence's kv_lens, else Nk), at p = i with "top-left" (torch
-        SDPA's ``is_causal``). It only matters with causal or window.
+        SDPA's ``is_causal``). It only matters with causal, window or alibi_slopes.
     window : (left, right) or None, default None
         A sliding window: key j is visible from aligned position p iff
         p - left <= j <= p + right. A tuple or list of two non-negative ints; None on a side
@@ -96,7 +96,7 @@ _OPTIONS_DOC = """\
         window then compare these positions: the aligned position p moves by
         q_start - k_start. For blocks of one sequence computed apart and combined with
         :func:`merge` (``cuflash.ring`` does this across devices). It only matters with causal
-        or window. None means (0, 0).
+        or window or alibi_slopes. None means (0, 0).
     precision : {None, "highest", "high"}, default None
         How float32 inputs multiply on the GPU's tensor cores. None or "highest": as exact as
         float32 (each product of q·kᵀ and P·v as three TensorFloat-32 products of split
