@@ -48,7 +48,7 @@ from . import _config, _modifiers, _runtime
 from ._validate import element_strides, key_range
 
 NAME = "split"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = False  # whether its kernels join the sinks themselves (else cuflash/_gpu.py does)
 SOURCE = "decode.cu"
 FORCED_SPLIT_KEYS = 64    # the split of a forced run: many splits, some empty for some rows
@@ -154,8 +154,11 @@ def tc_fits(p):
     scale (-inf * 0 = NaN on masked scores) or a negative one (the max becomes the min) breaks;
     decode_split pre-multiplies q by the scale and takes any). It applies the score transforms in
     log2 units, so their scalars times log2(e) must be finite floats (decode has no fix-up kernel
-    for a cap that overflows there; decode_split keeps them in natural units)."""
+    for a cap that overflows there; decode_split keeps them in natural units). A block's rows span
+    the heads of a GQA group: no transform that reads positions and per-head slopes (ALiBi),
+    which decode_split takes per row."""
     return (p.dtype.name in ("float16", "bfloat16") and p.Dk == p.Dv and p.Dk in TC_HEAD_DIMS
+            and not _modifiers.positional(_modifiers.names(p))
             and p.mask is None and p.bias is None and p.scale > 0 and p.Nk < TC_MAX_KEYS
             and all(abs(x) * _LOG2E < _FLOAT_MAX for x in _modifiers.scalars(p)) and fits(p))
 
@@ -685,14 +688,15 @@ class Plan:
                     self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
                 else:
                     self.grid = self.n_items
-                # the transforms' scalars, both kernels' last parameters (mod0, mod1)
+                # the transforms' scalars, both kernels' last parameters but one (mod0, mod1)
                 self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
                 self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
                                               self.dyn_smem)
             lens = self.lens if p.lens_device is None else p.lens_device
+            # the last one: this call's per-head table of the transforms (mod_table; ALiBi)
             args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
                     self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
-                    _runtime.ptr(p.bias)) + self.scalars
+                    _runtime.ptr(p.bias)) + self.scalars + (_runtime.ptr(_modifiers.table(p)),)
             self.launch(args)
         return out, lse
 
@@ -759,7 +763,7 @@ def instantiations():
     """Every (kernel, dtype name, bucket, source file, name expression) this path can request."""
     out = []
     for dt in _config.supported_dtype_names():
-        for tf in _modifiers.CHAINS:
+        for tf in TRANSFORMS:
             for b in _config.HEAD_DIM_BUCKETS:
                 for has_mb in (False, True):
                     r = 1
@@ -767,7 +771,7 @@ def instantiations():
                         out.append(("decode_split", dt, b, SOURCE,
                                     name_expression(dt, b, r, has_mb, True, tf)))
                         r *= 2
-            if dt in ("float16", "bfloat16"):
+            if dt in ("float16", "bfloat16") and not _modifiers.positional(tf):
                 for b in TC_HEAD_DIMS:
                     out.append(("decode_tc", dt, b, SOURCE, tc_expression(dt, b, tf)))
     return out

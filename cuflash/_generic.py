@@ -13,7 +13,7 @@ import numpy as np
 from . import _config, _memo, _modifiers, _runtime
 
 NAME = "generic"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = False  # whether its forward kernels join the sinks themselves (else cuflash/_gpu.py does)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
 # kernel -> (source file, kernel name)

@@ -6,15 +6,15 @@ whether its kernels join attention sinks themselves (then its forward returns th
 p.sinks; the others' results are joined with them here, cuflash._sinks.join); for the
 backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic, sink_probs)` -> (dq, dk, dv) per
 output (batch, head); and `instantiations()`, the (kernel, dtype name, bucket or head dim or None,
-source file, name expression) tuples it can request; TRANSFORMS: whether its kernels take the
-score transforms (cuflash/_modifiers.py; those that do not are skipped for a Problem that has
-some). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
+source file, name expression) tuples it can request; TRANSFORMS: the chains of score transforms
+its kernels take (cuflash/_modifiers.py CHAINS or SINGLE; a path is skipped for a Problem whose
+chain is not among them). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 """
 import contextlib
 
-from . import (_decode, _generic, _memo, _mma_bwd, _mma_fwd, _runtime, _sinks, _wgmma_fwd,
-               _wide)
+from . import (_decode, _generic, _memo, _mma_bwd, _mma_fwd, _modifiers, _runtime, _sinks,
+               _wgmma_fwd, _wide)
 
 FORWARD = (_decode, _wgmma_fwd, _mma_fwd, _wide, _generic)  # decode, Hopper, tensor cores, generic
 BACKWARD = (_mma_bwd, _wide, _generic)
@@ -37,8 +37,8 @@ def _choose(paths, takes, p):
         candidates = paths
         if ov.path is not None and any(x.NAME == ov.path for x in paths):
             candidates = [x for x in paths if x.NAME in (ov.path, _generic.NAME)]
-        return next(x for x in candidates if (x.TRANSFORMS or not p.transforms)
-                    and getattr(x, takes)(p))
+        names = _modifiers.names(p)
+        return next(x for x in candidates if names in x.TRANSFORMS and getattr(x, takes)(p))
 
     return _chosen.build(key, choose)
 

@@ -40,7 +40,7 @@ from . import _config, _generic, _mask_tiles, _memo, _mma_fwd, _modifiers, _runt
 from ._broadcast import _padded
 
 NAME = "mma"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
@@ -134,6 +134,15 @@ def _b(x):
 def prep_expr(dtype_name, dims):
     """The prep kernel reads dout and out: rows of Dv."""
     return f"bwd_mma_prep<{_CTYPE[dtype_name]}, {dims[1]}>"
+
+
+# With a mask / bias and a transform that reads positions (ALiBi), the dims whose dQ tile spills
+# (D=256: 8 bytes on sm_80 and sm_90a): the generic kernels take those backward calls.
+POSITIONAL_MB_DECLINED = ((256, 256),)
+
+
+def _positional_mb_declined(names):
+    return POSITIONAL_MB_DECLINED if _modifiers.positional(names) else ()
 
 
 def dkdv_expr(dtype_name, dims, tile, dq_atomic, has_mb, transforms=()):
@@ -234,9 +243,9 @@ def instantiations():
                 for atomic, mb in itertools.product((True, False), (False, True)):
                     exprs.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
             # with score transforms: the mask / bias tiles, with or without a mask / bias
-            for tf, mb, atomic in itertools.product(_modifiers.CHAINS[1:], (False, True),
+            for tf, mb, atomic in itertools.product(TRANSFORMS[1:], (False, True),
                                                     (True, False)):
-                if d in NO_TRANSFORM_DIMS:
+                if d in NO_TRANSFORM_DIMS or (mb and d in _positional_mb_declined(tf)):
                     continue
                 exprs.append(dkdv_expr(dt, d, DKDV_TILES_TF[d], atomic, mb, tf))
                 if not atomic:
@@ -246,7 +255,7 @@ def instantiations():
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]
         # the lost-row fix, with dk / dv in the inputs' dtype (no sum follows) or in float32
-        for tf in _modifiers.CHAINS:
+        for tf in TRANSFORMS:
             rows, keys16 = _generic.lost_name_expressions(dt, True, tf)
             keys32 = _generic.lost_name_expressions(dt, False, tf)[1]
             out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows)]
@@ -273,6 +282,9 @@ def takes_backward(p):
     if p.bias is not None and p.bias.dtype != np.float32:
         return False
     if p.transforms and (p.Dk, p.Dv) in NO_TRANSFORM_DIMS:
+        return False
+    if (p.mask is not None or p.bias is not None) and \
+            (p.Dk, p.Dv) in _positional_mb_declined(_modifiers.names(p)):
         return False
     if not _mma_fwd.tensor_core_layout(p, same_dims=False):
         return False

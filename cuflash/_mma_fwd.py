@@ -10,7 +10,7 @@ from collections import namedtuple
 from . import _config, _generic, _memo, _modifiers, _runtime
 
 NAME = "mma"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_mma.cu SINKS)
 SOURCE = "fwd_mma.cu"
 
@@ -54,8 +54,19 @@ TRANSFORM_TILES = {
 }
 
 
+# With a transform that reads positions (ALiBi: an int-to-float conversion per score), where the
+# tile above spills: D=32 128 x 128 with 8 warps (sm_80: 68 bytes with 4 warps), D=192 with a
+# mask / bias 64 x 32 keys (sm_90a: 20 bytes with 64); their shared memory fits smem_bytes'.
+POSITIONAL_TILES = {
+    (32, False): FwdTile(128, 128, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+    (192, True): FwdTile(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
+}
+
+
 def pick_tile(head_dim, has_mb, cc=80, transforms=()):
     """The forward tile for a device of compute capability `cc` (an int, e.g. 90)."""
+    if _modifiers.positional(transforms) and (head_dim, has_mb) in POSITIONAL_TILES:
+        return POSITIONAL_TILES[(head_dim, has_mb)]
     if transforms and (head_dim, has_mb) in TRANSFORM_TILES:
         return TRANSFORM_TILES[(head_dim, has_mb)]
     if cc >= 90 and (head_dim, has_mb) in TILES_CC90:
@@ -85,7 +96,7 @@ def instantiations():
     """Every (kernel, dtype name, head dim or None, source file, name expression) of this path."""
     out = []
     for dt in _config.MMA_DTYPES:
-        for tf in _modifiers.CHAINS:
+        for tf in TRANSFORMS:
             exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf), tf, sk)
                      for d, mb in TILES for cc in (80, 90) for sk in (False, True)}
             out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
@@ -97,7 +108,7 @@ def instantiations():
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
     every = [(dt, d, mb, tf, sk) for dt in _config.MMA_DTYPES for d, mb in TILES
-             for tf in _modifiers.CHAINS for sk in (False, True)]
+             for tf in TRANSFORMS for sk in (False, True)]
     return {name_expression(dt, d, mb, pick_tile(d, mb, 90, tf), tf, sk)
             for dt, d, mb, tf, sk in every} - \
         {name_expression(dt, d, mb, pick_tile(d, mb, 80, tf), tf, sk)

@@ -11,6 +11,13 @@ definition with its derivative (the CPU path; tests/ hold their own dense defini
 cuflash/reference.py). The kernels' score-modifier type for a problem (`score_mod`) and the
 transform type of the kernels that take one (`transform`) are named here and nowhere else.
 
+A transform may read where it is applied (`At`: the query's aligned position, the key, its head's
+entry of a per-(batch, head) table): ALiBi. Its table is an array option that _validate checks
+(`alibi_slopes`, Problem.alibi) and the kernels read through AttnArgs' mod_table (`table`).
+Chains: the generic kernels and the lost-row kernels take every chain (`CHAINS`); the tensor-core
+paths and decode_split one transform at most (`SINGLE`: their catalog stays one instantiation per
+transform), so a call with softcap and ALiBi together runs on the generic kernels.
+
 A leaf module: NumPy only.
 """
 import itertools
@@ -38,27 +45,53 @@ def _check_softcap(fn, value):
     return (cap,)
 
 
-def _softcap(x, cap):
+def _softcap(x, at, cap):
     return cap * np.tanh(x / cap)
 
 
-def _softcap_grad(x, cap):
+def _softcap_grad(x, at, cap):
     return 1 - np.tanh(x / cap) ** 2
+
+
+def _checked(fn, value):
+    """An array option's scalars, which _validate checked (None: off)."""
+    return value
+
+
+# Where a NumPy block of logits (heads, rows, keys) sits: `pos` (heads or 1, rows, 1) the rows'
+# aligned positions (_validate.aligned_position, without the positions' offset), `keys` (keys,)
+# the key indices, `table` (heads or 1, 1, 1) the heads' entries of Problem.alibi (None without).
+At = namedtuple("At", "pos keys table")
+
+
+def _alibi(x, at, d):
+    """ALiBi: x - slope * |p_i + d - j| (d: the positions' offset q_start - k_start)."""
+    return x - (at.table * np.abs(at.pos + d - at.keys)).astype(x.dtype)
+
+
+def _alibi_grad(x, at, d):
+    return np.ones_like(x)
 
 
 # name: the keyword; cxx: the C++ type ({acc}: the accumulator C type; {natural}: true / false,
 # natural units or log2 units; {arith}: how precisely, by the inputs' dtype, modifiers.cuh ARITH_*);
-# check(fn, value) -> its scalars (a tuple) or None when off; forward(x, *scalars) -> F(x) and
-# grad(x, *scalars) -> dF/dx on NumPy arrays of natural-unit logits.
+# check(fn, value) -> its scalars (a tuple) or None when off; forward(x, at, *scalars) -> F(x)
+# and grad(x, at, *scalars) -> dF/dx on NumPy arrays of natural-unit logits (at: `At`).
 Transform = namedtuple("Transform", "name cxx check forward grad")
 TRANSFORMS = (
     Transform("softcap", "Softcap<{acc}, {natural}, {arith}>", _check_softcap, _softcap,
               _softcap_grad),
+    # alibi_slopes: _validate._check_alibi; the scalar is the positions' offset q_start - k_start
+    Transform("alibi", "Alibi<{acc}>", _checked, _alibi, _alibi_grad),
 )
 NAMES = tuple(t.name for t in TRANSFORMS)
 _BY_NAME = {t.name: t for t in TRANSFORMS}
-# Every chain of transforms a call can ask for (each subset, in table order): the catalog's.
+# Every chain of transforms a call can ask for (each subset, in table order): the generic and
+# lost-row kernels' catalog; SINGLE, the chains of one transform at most: the other paths'.
 CHAINS = tuple(c for r in range(len(NAMES) + 1) for c in itertools.combinations(NAMES, r))
+SINGLE = tuple(c for c in CHAINS if len(c) <= 1)
+# Transforms that read the position (i, j) of a logit (modifiers.cuh POSITIONAL)
+POSITIONAL = ("alibi",)
 
 
 def check(fn, **values):
@@ -78,6 +111,17 @@ def scalars(p):
     flat = [x for _, s in p.transforms for x in s]
     assert len(flat) <= MOD_ARGS, flat
     return flat + [0.0] * (MOD_ARGS - len(flat))
+
+
+def table(p):
+    """The per-head table of a problem's transforms (AttnArgs' mod_table): its (BH,) float64
+    ALiBi slopes on the device, None without."""
+    return p.alibi
+
+
+def positional(names):
+    """Whether the chain reads positions (kernels whose rows span several heads take none)."""
+    return any(n in POSITIONAL for n in names)
 
 
 def modified(p):
@@ -130,18 +174,18 @@ def score_mod(has_mb, names=(), acc="float", natural=None, dtype_name="float32")
             f"{transform(names, acc, natural, dtype_name)}>")
 
 
-def forward(p, x):
-    """F(x) on NumPy natural-unit logits (the CPU path)."""
+def forward(p, x, at):
+    """F(x) on NumPy natural-unit logits (the CPU path) at `at` (`At`)."""
     for name, s in p.transforms:
-        x = _BY_NAME[name].forward(x, *s)
+        x = _BY_NAME[name].forward(x, at, *s)
     return x
 
 
-def forward_and_grad(p, x):
-    """(F(x), dF/dx) on NumPy natural-unit logits (the CPU path's backward)."""
+def forward_and_grad(p, x, at):
+    """(F(x), dF/dx) on NumPy natural-unit logits (the CPU path's backward) at `at`."""
     g = np.ones_like(x)
     for name, s in p.transforms:
         t = _BY_NAME[name]
-        g = g * t.grad(x, *s)
-        x = t.forward(x, *s)
+        g = g * t.grad(x, at, *s)
+        x = t.forward(x, at, *s)
     return x, g

@@ -26,7 +26,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import _config, _modifiers
-from ._validate import key_range
+from ._validate import aligned_position, key_range
 
 # Read at call time, so that tests can shrink them: keys per tile, query rows per block (None:
 # as many as TILE allows), and the most scores one step holds (heads x rows x keys).
@@ -80,8 +80,11 @@ class _Tiles:
             past = np.arange(p.Nk).reshape(1, p.Nk) >= lengths.reshape(bh, 1)
             self.k[past] = 0
             self.v[past] = 0
-        self.lo, self.hi = key_range(np.arange(p.Nq).reshape(1, p.Nq), lengths.reshape(bh, 1),
-                                     p.Nq, p.left, p.right, p.bottom_right)  # (BH, Nq) each
+        rows, lens = np.arange(p.Nq).reshape(1, p.Nq), lengths.reshape(bh, 1)
+        self.lo, self.hi = key_range(rows, lens, p.Nq, p.left, p.right,
+                                     p.bottom_right)  # (BH, Nq) each
+        # the rows' aligned positions (BH, Nq), for a transform that reads them (ALiBi)
+        self.pos = aligned_position(rows, lens, p.Nq, p.bottom_right)
         # q carries the scale when that cannot overflow (|scale| <= 1); else the scores take it.
         self.scale = acc.type(p.scale)
         self.prescaled = abs(p.scale) <= 1
@@ -127,6 +130,11 @@ class _Tiles:
         return tile[tuple(h[hs] for h in self.heads)]
 
     # -- scores ----------------------------------------------------------------------------
+    def at(self, hs, rs, j0, j1):
+        """Where block (hs, rs) x keys [j0, j1) sits, for the transforms (_modifiers.At)."""
+        table = None if self.p.alibi is None else self.p.alibi[hs].reshape(-1, 1, 1)
+        return _modifiers.At(self.pos[hs, rs, None], np.arange(j0, j1, dtype=np.int64), table)
+
     def scores(self, hs, rs, j0, j1, whole, grad=False):
         """Scaled, transformed (cuflash/_modifiers.py), biased scores of block (hs, rs) against
         keys [j0, j1), hidden ones at -inf, and ``hidden`` (heads, rows, keys), or None where
@@ -138,7 +146,9 @@ class _Tiles:
             s *= self.scale
         g = None
         if p.transforms:
-            s, g = _modifiers.forward_and_grad(p, s) if grad else (_modifiers.forward(p, s), None)
+            at = self.at(hs, rs, j0, j1)
+            s, g = (_modifiers.forward_and_grad(p, s, at) if grad else
+                    (_modifiers.forward(p, s, at), None))
         hidden = None
         if not whole:
             keys = np.arange(j0, j1, dtype=np.int64)
@@ -166,7 +176,8 @@ class _Tiles:
         keys = np.arange(j0, j1, dtype=np.int64)
         s = np.einsum("nd,njd->nj", self.q[b, i].astype(f64), self.k[b, j0:j1].astype(f64))
         s *= f64(p.scale)
-        s, g = _modifiers.forward_and_grad(p, s)
+        table = None if p.alibi is None else p.alibi[b].reshape(-1, 1)
+        s, g = _modifiers.forward_and_grad(p, s, _modifiers.At(self.pos[b, i, None], keys, table))
         visible = (self.lo[b, i, None] <= keys) & (keys <= self.hi[b, i, None])
         pick = tuple(h[b] for h in self.heads) + (i,)
         if p.mask is not None:

@@ -313,14 +313,16 @@ def offset_table(p):
 
 
 # The kernels' AttnArgs (kernels_cu/args.cuh), field by field in its order and C types: the
-# strides (int64), the sizes (int32), the scale (double), the window (int32).
+# strides (int64), the sizes (int32), the scale (double), the window (int32), the transforms'
+# scalars (double) and per-head table (a device pointer, 0: null).
 ARGS_FIELDS = (tuple((f"{x}_{s}", "<i8") for x, s in (("q", "rs"), ("k", "rs"), ("v", "rs"),
                                                     ("mask", "rs"), ("mask", "cs"),
                                                     ("bias", "rs"), ("bias", "cs")))
                + tuple((x, "<i4") for x in ("BH", "Nq", "Nk", "Dk", "Dv"))
                + (("scale", "<f8"),)
                + tuple((x, "<i4") for x in ("left", "right", "bottom_right"))
-               + tuple((f"mod{k}", "<f8") for k in range(_modifiers.MOD_ARGS)))
+               + tuple((f"mod{k}", "<f8") for k in range(_modifiers.MOD_ARGS))
+               + (("mod_table", "<u8"),))
 ARGS_DTYPE = np.dtype(list(ARGS_FIELDS), align=True)  # C's layout: fields on natural alignment
 
 
@@ -337,6 +339,11 @@ class Args:
             p.key, lambda: _args_layout(p))
         if p.lens_device is not None:  # a CuPy kv_lens: this call's, clamped on the device
             self.kv_lens = p.lens_device
+        table = _modifiers.table(p)
+        if table is not None:  # this call's per-head table (ALiBi's slopes) in a copy of the
+            a = np.array(a)      # layout's AttnArgs
+            a["mod_table"] = table.data.ptr
+            a = a[()]
         self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a)
 
     def flat_tail(self, scale_type):
@@ -393,9 +400,9 @@ class Launch:
     argument on every call: about 0.35 us each on the H200's host, beside the launch's own 5.)
 
     The arguments are CuPy arrays or memory pointers (the call's: their addresses are written
-    each call) and NumPy scalars, structured ones too (AttnArgs, tensor maps), which belong to
-    the layout: the first call's are kept. ``CHECK_LAUNCHES`` checks that every later call's are
-    the same."""
+    each call), structured NumPy scalars (AttnArgs, which may hold a call's table address, and
+    tensor maps: also written each call), and NumPy numbers, which belong to the layout: the
+    first call's are kept. ``CHECK_LAUNCHES`` checks that every later call's are the same."""
 
     def __init__(self, kern, grid, block, shared_mem=0):
         self.kern = kern
@@ -404,10 +411,12 @@ class Launch:
         self.shared_mem = int(shared_mem)
         self.lock = threading.Lock()
         self.slots = None  # (argument index, word of the buffer, is a MemoryPointer)
+        self.structs = ()  # (argument index, byte offset, bytes) of the structured scalars
 
     @staticmethod
     def _layout(args):
-        """(parameter bytes, [(index, byte offset, is a MemoryPointer)] of the addresses)."""
+        """(parameter bytes, [(index, byte offset, kind)]), kind: False / True for an array's /
+        memory pointer's address, "struct" for a structured scalar, None for a number."""
         import cupy
 
         buf, slots = bytearray(), []
@@ -417,9 +426,9 @@ class Launch:
                 slots.append((i, len(buf), not isinstance(x, cupy.ndarray)))
                 buf += bytes(8)
             elif isinstance(x, np.generic):
-                align = 16 if isinstance(x, np.void) else x.dtype.alignment
-                buf += bytes(-len(buf) % align)
-                slots.append((i, len(buf), None))
+                struct = isinstance(x, np.void)
+                buf += bytes(-len(buf) % (16 if struct else x.dtype.alignment))
+                slots.append((i, len(buf), "struct" if struct else None))
                 buf += x.tobytes()
             else:
                 raise TypeError(f"cuflash: kernel argument {i} of type {type(x).__name__}: a "
@@ -432,14 +441,19 @@ class Launch:
                                  dtype=np.uint64)
         base = self.buf.ctypes.data
         self.pointers = np.array([base + off for _, off, _ in self.layout], dtype=np.uint64)
-        self.slots = tuple((i, off // 8, mp) for i, off, mp in self.layout if mp is not None)
+        self.slots = tuple((i, off // 8, mp) for i, off, mp in self.layout
+                           if mp is not None and mp != "struct")
+        self.bytes = self.buf.view(np.uint8)
+        self.structs = tuple((i, off, off + args[i].dtype.itemsize)
+                             for i, off, mp in self.layout if mp == "struct")
+        self.written = [args[i] for i, *_ in self.structs]  # the structs in the buffer
         self.func = self.kern.kernel.ptr
 
     def _check(self, args):
         packed, layout = self._layout(args)
         ends = [off for _, off, _ in layout[1:]] + [len(packed)]
         if (len(packed) != len(self.packed)
-                or [mp is None for *_, mp in layout] != [mp is None for *_, mp in self.layout]
+                or [mp for *_, mp in layout] != [mp for *_, mp in self.layout]
                 or any(packed[off:end] != self.packed[off:end]
                        for (_, off, mp), end in zip(layout, ends) if mp is None)):
             raise AssertionError(f"cuflash: a layout parameter of {self.kern.name} changed "
@@ -457,6 +471,10 @@ class Launch:
             words = self.buf
             for i, w, mp in self.slots:
                 words[w] = args[i].ptr if mp else args[i].data.ptr
+            for n, (i, start, end) in enumerate(self.structs):
+                if args[i] is not self.written[n]:  # (a layout's AttnArgs is one object)
+                    self.bytes[start:end] = np.frombuffer(args[i].tobytes(), dtype=np.uint8)
+                    self.written[n] = args[i]
             cupy.cuda.driver.launchKernel(self.func, *self.grid, *self.block, self.shared_mem,
                                           stream, self.pointers.ctypes.data, 0)
 

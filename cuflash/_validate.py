@@ -71,10 +71,13 @@ class Problem:
     sinks: Optional[Any] = None
     sinks_shape: Optional[tuple] = None
     sinks_dtype: Optional[np.dtype] = None
+    # ALiBi (the "alibi" transform): alibi (BH,) float64, of q's library, each (batch, head)'s
+    # slope; None: no ALiBi.
+    alibi: Optional[Any] = None
 
-    def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None):
+    def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
-        kv_lens', and the sinks), the rest shared."""
+        kv_lens', the sinks and the ALiBi slopes), the rest shared."""
         xp = self.xp
         if self.copied:
             q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
@@ -88,6 +91,7 @@ class Problem:
         if self.lens_map is not None:
             new.lens_device = _device_lens(kv_lens, self.lead, self.Nk)
         new.sinks = _sinks_per_head(xp, q, sinks, self.lead)
+        new.alibi = _sinks_per_head(xp, q, alibi_slopes, self.lead)
         return new
 
     @property
@@ -106,14 +110,23 @@ class Problem:
 # ---------------------------------------------------------------------------------------------
 # array kinds
 
+def aligned_position(i, L, Nq, bottom_right):
+    """Query row(s) i's aligned position p for L valid keys: i + (L - Nq) bottom-right, i
+    top-left (mask.cuh Window::shift on the device); i and L broadcast as NumPy arrays. The
+    positions' offset q_start - k_start is not in it: the window bounds carry it (left - d,
+    right + d), ALiBi its scalar."""
+    i, L = np.asarray(i, dtype=np.int64), np.asarray(L, dtype=np.int64)
+    return i + (L - Nq) if bottom_right else i + 0 * L
+
+
 def key_range(i, L, Nq, left, right, bottom_right):
     """The keys query row(s) i see by position, [lo, hi] (empty when lo > hi), for L valid keys:
-    the visibility rule of DESIGN.md (kernels_cu/mask.cuh key_range on the device). p = i + (L -
-    Nq) bottom-right or i top-left, lo = max(p - left, 0), hi = min(p + right, L - 1); i and L
-    broadcast as NumPy arrays. The host's one copy: the CPU path, the decode schedule and the
-    Hopper forward's dispatch read it."""
-    i, L = np.asarray(i, dtype=np.int64), np.asarray(L, dtype=np.int64)
-    p = i + (L - Nq) if bottom_right else i + 0 * L
+    the visibility rule of DESIGN.md (kernels_cu/mask.cuh key_range on the device). p =
+    aligned_position, lo = max(p - left, 0), hi = min(p + right, L - 1); i and L broadcast as
+    NumPy arrays. The host's one copy: the CPU path, the decode schedule and the Hopper
+    forward's dispatch read it."""
+    p = aligned_position(i, L, Nq, bottom_right)
+    L = np.asarray(L, dtype=np.int64)
     return np.maximum(p - left, 0), np.minimum(p + right, L - 1)
 
 
@@ -311,6 +324,38 @@ def _check_sinks(fn, sinks, lead, lib, device, acc_dtype):
     return tuple(sinks.shape), np.dtype(sinks.dtype) if floating else acc_dtype
 
 
+def _check_alibi(fn, slopes, lead, lib, device):
+    """ALiBi's slopes: a finite real number, or a real array of q's library broadcastable to the
+    leading dims ((H,) per head, (B, H) per batch and head). A host array's values must be
+    finite (a named ValueError); a CuPy array's are not read (no synchronization): NaN or inf
+    there give what the dense formula gives (README "ALiBi")."""
+    if slopes is None:
+        return False
+    if isinstance(slopes, numbers.Real) and not isinstance(slopes, (bool, np.bool_)):
+        if not math.isfinite(float(slopes)):
+            raise ValueError(f"{fn}: alibi_slopes must be finite, got {slopes!r}")
+        return True
+    if _library(slopes) is None:
+        raise TypeError(f"{fn}: alibi_slopes must be a real number or a numpy.ndarray or "
+                        f"cupy.ndarray of real numbers, got {type(slopes).__name__}")
+    _check_same_family(fn, (("alibi_slopes", slopes),), "q", lib, device)
+    floating = _dtype_name(slopes.dtype) in supported_dtype_names()
+    if not floating and (slopes.dtype == np.bool_ or not np.issubdtype(slopes.dtype, np.integer)):
+        raise TypeError(f"{fn}: alibi_slopes must hold real numbers (an integer dtype or "
+                        f"{', '.join(supported_dtype_names())}), got dtype {slopes.dtype}")
+    if not _broadcasts_to(slopes.shape, lead):
+        raise ValueError(f"{fn}: alibi_slopes must broadcast to the leading dims {lead} (one "
+                         f"slope per head: (H,) for (B, H, N, D) inputs, or (B, H)), got "
+                         f"alibi_slopes.shape={slopes.shape}")
+    if isinstance(slopes, np.ndarray) and floating:
+        bad = ~np.isfinite(slopes.astype(np.float64))
+        if bad.any():
+            raise ValueError(f"{fn}: alibi_slopes must be finite, got "
+                             f"{slopes.astype(np.float64)[bad][0]!r} at index "
+                             f"{tuple(int(x) for x in np.argwhere(bad)[0])}")
+    return True
+
+
 def _sinks_per_head(xp, q, sinks, lead):
     """A checked sinks as each output (batch, head) reads it: (BH,) float64 on q's device (one
     fill or copy on the current stream), None without sinks."""
@@ -433,14 +478,15 @@ def _pair_key(pair):
 
 
 def _sinks_key(sinks):
-    """sinks' part of a signature: its type alone for a number (its value is read per call)."""
+    """sinks' (or alibi_slopes') part of a signature: its type alone for a number (its value is
+    read per call)."""
     if sinks is None:
         return None
     return (type(sinks),) if _library(sinks) is None else _array_key(sinks)
 
 
 def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None,
-              precision=None, modifiers=None, sinks=None):
+              precision=None, modifiers=None, sinks=None, alibi_slopes=None):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
@@ -459,12 +505,22 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
                None if mask is None else _array_key(mask),
                None if bias is None else _array_key(bias),
                _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
-               _side_key(precision), _sinks_key(sinks),
+               _side_key(precision), _sinks_key(sinks), _alibi_key(alibi_slopes),
                tuple((n, _side_key(x)) for n, x in sorted((modifiers or {}).items())))
         hash(key)
     except (AttributeError, TypeError, ValueError):
         return None
     return key
+
+
+def _alibi_key(slopes):
+    """alibi_slopes' part of a signature: a host number or NumPy array by value (it is checked),
+    a CuPy array by its layout."""
+    if slopes is None or _library(slopes) == "cupy":
+        return _sinks_key(slopes)
+    if isinstance(slopes, np.ndarray):
+        return _array_key(slopes) + (slopes.tobytes(),)
+    return _side_key(slopes)
 
 
 _problems = _memo.Memo(256)  # signature -> Problem without arrays (Problem.with_arrays)
@@ -475,21 +531,22 @@ _key_numbers = itertools.count(1)
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                  mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                 sinks=None, fn="attention", **modifiers):
+                 sinks=None, alibi_slopes=None, fn="attention", **modifiers):
     """Validate and normalize the arguments of ``fn`` (the public function, named in messages);
     `modifiers`: the score transforms' keywords (cuflash/_modifiers.py, e.g. softcap=).
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
     key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
-                    precision, modifiers, sinks)
+                    precision, modifiers, sinks, alibi_slopes)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
-            return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks)
+            return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                      precision=precision, sinks=sinks, fn=fn, modifiers=modifiers)
+                      precision=precision, sinks=sinks, alibi_slopes=alibi_slopes, fn=fn,
+                      modifiers=modifiers)
     if key is not None:
         p.key = next(_key_numbers)
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
@@ -498,12 +555,13 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None
+        bare.alibi = None
         _problems.build(key, lambda: bare)
     return p
 
 
 def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,
-                  precision, sinks, fn, modifiers):
+                  precision, sinks, alibi_slopes, fn, modifiers):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -570,7 +628,10 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     else:
         kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
     precision = _check_precision(fn, precision)
-    transforms = _modifiers.check(fn, **modifiers)
+    # ALiBi's scalar: the positions' offset of the aligned position (its slopes are per head)
+    alibi = _check_alibi(fn, alibi_slopes, lead, lib, device)
+    transforms = _modifiers.check(fn, alibi=(float(q_start - k_start),) if alibi else None,
+                                  **modifiers)
     sinks_shape, sinks_dtype = _check_sinks(fn, sinks, lead, lib, device, acc_dtype)
 
     given = (q, k, v)
@@ -583,7 +644,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied,
                    precision=precision, lens_device=lens_device, lens_map=lens_map,
                    transforms=transforms, sinks=_sinks_per_head(xp, q, sinks, lead),
-                   sinks_shape=sinks_shape, sinks_dtype=sinks_dtype)
+                   sinks_shape=sinks_shape, sinks_dtype=sinks_dtype,
+                   alibi=_sinks_per_head(xp, q, alibi_slopes, lead))
 
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):

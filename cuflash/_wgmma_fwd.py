@@ -13,7 +13,7 @@ from . import _broadcast, _config, _generic, _mask_tiles, _memo, _modifiers, _ru
 from ._validate import element_strides, key_range
 
 NAME = "wgmma"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wgmma.cu SINKS)
 SOURCE = "fwd_wgmma.cu"
 ARCH = "sm_90a"
@@ -100,7 +100,7 @@ def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     main = [("fwd_wgmma", dt, dims[0], SOURCE,
              name_expression(dt, dims, pick_tile(dims, mb, tf), mb, tf, sk))
-            for dt in _config.MMA_DTYPES for dims in DIMS for tf in _modifiers.CHAINS
+            for dt in _config.MMA_DTYPES for dims in DIMS for tf in TRANSFORMS
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES) for sk in (False, True)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
@@ -116,7 +116,6 @@ def cc90_only():
 # InputHeads, and the rows per staged mask / bias tile (0: absent, 1: one row for every query).
 Launch = namedtuple("Launch", "mb maps heads mask_rows bias_rows")
 _launches = _memo.Memo(256)
-_runs = _memo.Memo(256)  # the same keys -> the kernel's _runtime.Launch
 
 
 def _launch(p, dims):
@@ -125,12 +124,9 @@ def _launch(p, dims):
     fixes the layouts and the bounds, which decide whether the mask / bias may be staged:
     _key_tiles_aligned; a causal call on the arrays of an unbounded one staged them and
     faulted, when the key held the layouts only)."""
-    return _launches.build(_launch_key(p, dims), lambda: _encode(p, dims))
-
-
-def _launch_key(p, dims):
     ptrs = tuple(None if x is None else x.data.ptr for x in (p.q, p.k, p.v, p.mask, p.bias))
-    return None if p.key is None else (dims, p.key) + ptrs
+    key = None if p.key is None else (dims, p.key) + ptrs
+    return _launches.build(key, lambda: _encode(p, dims))
 
 
 def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
@@ -247,7 +243,7 @@ _recipes = _memo.Memo(256)
 
 
 def _recipe(p, dims, mb):
-    """(kernel, shared memory, blocks, threads, block_m, tile, H) of a layout's launch."""
+    """(the kernel's Launch, blocks, block_m, tile, H) of a layout."""
     names = _modifiers.names(p)
     tile = pick_tile(dims, mb, names)
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names,
@@ -258,7 +254,8 @@ def _recipe(p, dims, mb):
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
     _, H = _mask_tiles.grid_shape(p)
-    return kern, smem, blocks, (tile.consumers + 1) * 128, block_m(tile), tile, H
+    return (_runtime.Launch(kern, (blocks,), ((tile.consumers + 1) * 128,), smem), blocks,
+            block_m(tile), tile, H)
 
 
 def forward(p):
@@ -269,11 +266,8 @@ def forward(p):
     dims = padded(p)
     launch = _launch(p, dims)
     key = None if p.key is None else (p.key, launch.mb)
-    kern, smem, blocks, threads, bm, tile, H = _recipes.build(
+    run, blocks, bm, tile, H = _recipes.build(
         key, lambda: _recipe(p, dims, launch.mb))
-    # the kernel's launch with these tensor maps (which hold the inputs' addresses)
-    run = _runs.build(_launch_key(p, dims),
-                      lambda: _runtime.Launch(kern, (blocks,), (threads,), smem))
     args = _runtime.Args(p)
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
@@ -290,7 +284,8 @@ def forward(p):
                        i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
                        _runtime.ptr(p.bias), i32(p.BH))
         + tuple(np.int64(x) for x in args.strides[3:]) + (classes,)
-        + tuple(np.float64(x) for x in _modifiers.scalars(p)) + (_runtime.ptr(p.sinks),))
+        + tuple(np.float64(x) for x in _modifiers.scalars(p))
+        + (_runtime.ptr(_modifiers.table(p)), _runtime.ptr(p.sinks)))
     has_mb = launch.mb != MB_NONE or bool(p.transforms)
     # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, bm, np.inf if has_mb else None)

@@ -16,7 +16,7 @@ import numpy as np
 from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
-TRANSFORMS = True  # whether its kernels take the score transforms (cuflash/_gpu.py)
+TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wide.cu SINKS)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")
@@ -86,6 +86,11 @@ BWD_TILES_CC90 = _table([
 del _T, _P
 
 
+# (dtype, bucket, has_mb) whose tiles spill with a transform that reads positions (ALiBi;
+# float32 D=256 with a mask / bias, sm_90a: 4 bytes): the generic kernels take those calls.
+POSITIONAL_DECLINED = (("float32", 256, True),)
+
+
 def pick_tile(dtype_name, bucket, has_mb, cc=80):
     """The tile for a device of compute capability `cc`, or None where this path has none."""
     key = (dtype_name, bucket, has_mb)
@@ -152,8 +157,10 @@ def _variants(tiles, transforms_with_mb=False):
     transforms_with_mb (the backward) they take the mask / bias tiles, with or without one."""
     for (dt, b, mb), t in tiles.items():
         for passes in (PASSES.values() if dt == "float32" else (1,)):
-            for tf in _modifiers.CHAINS:
+            for tf in TRANSFORMS:
                 if tf and transforms_with_mb and dt in NO_BWD_TRANSFORMS:
+                    continue
+                if _modifiers.positional(tf) and (dt, b, True) in POSITIONAL_DECLINED:
                     continue
                 for has_mb in ((mb,) if not tf or not transforms_with_mb else
                                (False, True) if mb else ()):
@@ -174,7 +181,7 @@ def instantiations():
     for dt in DTYPES:
         out.append(("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
                     _generic.name_expression("bwd_preprocess", dt)))
-        for tf in _modifiers.CHAINS:
+        for tf in TRANSFORMS:
             rows, keys = _generic.lost_name_expressions(dt, False, tf)
             out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows),
                     ("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, keys),
@@ -208,6 +215,9 @@ def takes(p):
         return False
     info = _runtime.device_info()
     has_mb = p.mask is not None or p.bias is not None
+    if _modifiers.positional(_modifiers.names(p)) and (p.dtype.name, b, has_mb) in \
+            POSITIONAL_DECLINED:
+        return False
     tile = pick_tile(p.dtype.name, b, has_mb, info.cc) if info.cc >= 80 else None
     if tile is None or smem_bytes(p.dtype.name, tile, b) > info.smem_optin:
         return False

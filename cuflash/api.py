@@ -35,7 +35,7 @@ _OPTIONS_DOC = """\
         Where query row i sits among the keys when Nq != Nk: at the aligned position
         p = i + L - Nq with "bottom-right" (FlashAttention >= 2.1: the last query lines up with
         the last key; L is the sequence's kv_lens, else Nk), at p = i with "top-left" (torch
-        SDPA's ``is_causal``). It only matters with causal or window.
+        SDPA's ``is_causal``). It only matters with causal, window or alibi_slopes.
     window : (left, right) or None, default None
         A sliding window: key j is visible from aligned position p iff
         p - left <= j <= p + right. A tuple or list of two non-negative ints; None on a side
@@ -69,6 +69,17 @@ _OPTIONS_DOC = """\
         NaN, +inf (a +inf logit) too. The returned lse is L (the sink included); a row that sees
         no key gives out 0 and lse = t. With sinks, :func:`attention_backward` also returns the
         sink's gradient. None means no sinks.
+    alibi_slopes : float or real array or None, default None
+        ALiBi (attention with linear biases): after scale and softcap, the logit of query i and
+        key j gets ``-slope·|p - j|``, p the query's aligned position as causal aligns it (see
+        Notes: bottom-right or top-left, kv_lens, positions' q_start - k_start), slope its
+        head's. A real number, or a real array (an integer or float dtype, of q's library)
+        broadcastable to the output's leading dims ``...``: (H,) one slope per query head, (B, H)
+        per batch and head. Never materialized as an (Nq, Nk) bias. A host slope must be finite
+        (NaN or inf: ValueError); a CuPy array's values are not checked (that would synchronize)
+        and give what the formula gives (NaN and inf slopes make their rows NaN). No gradient
+        with respect to the slopes is computed; dq, dk, dv carry the bias's derivative (1 with
+        respect to the score). None means no ALiBi.
     kv_lens : int, sequence of ints, int array or None, default None
         Per sequence, how many keys exist: only keys j < kv_lens are read (the rest may hold
         anything, NaN included). Broadcastable to the leading dims ``...`` of the output (a
@@ -85,7 +96,7 @@ _OPTIONS_DOC = """\
         window then compare these positions: the aligned position p moves by
         q_start - k_start. For blocks of one sequence computed apart and combined with
         :func:`merge` (``cuflash.ring`` does this across devices). It only matters with causal
-        or window. None means (0, 0).
+        or window or alibi_slopes. None means (0, 0).
     precision : {None, "highest", "high"}, default None
         How float32 inputs multiply on the GPU's tensor cores. None or "highest": as exact as
         float32 (each product of q·kᵀ and P·v as three TensorFloat-32 products of split
@@ -108,6 +119,7 @@ _TYPE_ERRORS_DOC = """\
         - softcap is neither None nor a real number (a bool is refused).
         - sinks is neither None, a real number nor an array of q's library (a bool is refused),
           or its dtype is bool or complex.
+        - alibi_slopes likewise.
         - A keyword the function does not take (Python's own TypeError)."""
 
 _VALUE_ERRORS_DOC = """\
@@ -126,7 +138,9 @@ _VALUE_ERRORS_DOC = """\
         - positions is neither None nor a pair, or a start is not a non-negative int.
         - precision is a string other than "highest" and "high".
         - softcap is negative, NaN or infinite.
-        - sinks does not broadcast to the leading dims ``...``, or is on another device than q."""
+        - sinks does not broadcast to the leading dims ``...``, or is on another device than q.
+        - alibi_slopes likewise, or a host slope (a number or a NumPy array) is NaN or
+          infinite."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
@@ -158,7 +172,7 @@ _NOTES_DOC = """\
 # The options each public function hands to make_problem, named as in its signature (one list,
 # so that a new option is added to the signatures and here, not to every call).
 OPTIONS = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
-           "precision", "softcap", "sinks")
+           "precision", "softcap", "sinks", "alibi_slopes")
 
 
 def _options(names):
@@ -214,7 +228,7 @@ def _backward(problem, dout, out, lse, deterministic=False):
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
               bias=None, kv_lens=None, positions=None, precision=None, softcap=None, sinks=None,
-              return_lse=False):
+              alibi_slopes=None, return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
@@ -351,7 +365,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
-                       precision=None, softcap=None, sinks=None, deterministic=False):
+                       precision=None, softcap=None, sinks=None, alibi_slopes=None,
+                       deterministic=False):
     """Compute the gradients of :func:`attention` with respect to q, k and v.
 
     The score tiles are recomputed from q, k and lse; no probability matrix is stored.
@@ -461,7 +476,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                   mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                  softcap=None, sinks=None, deterministic=False, return_lse=None):
+                  softcap=None, sinks=None, alibi_slopes=None, deterministic=False,
+                  return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
     For training without a framework: ``out, vjp = attention_vjp(q, k, v, ...)``, then

@@ -29,11 +29,11 @@ def _host(x):
 
 
 def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions=None,
-           softcap=None, sinks=None):
+           softcap=None, sinks=None, alibi_slopes=None):
     """Reject bad input with the library's own messages; the Problem itself is not used."""
     _validate.make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                            mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                           softcap=softcap, sinks=sinks)
+                           softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
 
 
 def _lead_shape(q, k, v):
@@ -77,8 +77,9 @@ def _sum_to(grad, shape):
     return grad.reshape(shape)
 
 
-def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens, positions=None):
-    """Dense bool array lead + (Nq, Nk): may query i attend to key j, straight from the definition."""
+def _positions(lead, nq, nk, align, kv_lens, positions=None):
+    """(p, j, length): query i's aligned position p (lead + (Nq, 1)), the keys j (1, Nk) and the
+    valid lengths (lead + (1, 1)), straight from the definition."""
     i = np.arange(nq).reshape(nq, 1)
     j = np.arange(nk).reshape(1, nk)
     if kv_lens is None:
@@ -90,6 +91,12 @@ def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens, positions
     p = i + (length - nq) if align == "bottom-right" else i + 0 * length
     if positions is not None:  # row i is at q_start + i, key j at k_start + j
         p = p + (positions[0] - positions[1])
+    return p, j, length
+
+
+def _visible(lead, nq, nk, causal, align, window, mask, bias, kv_lens, positions=None):
+    """Dense bool array lead + (Nq, Nk): may query i attend to key j, straight from the definition."""
+    p, j, length = _positions(lead, nq, nk, align, kv_lens, positions)
     visible = j < length
     if causal:
         visible = visible & (j <= p)
@@ -118,7 +125,8 @@ class _Dense:
     """
 
     def __init__(self, q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                 positions=None, work=np.float64, storage=None, softcap=None, sinks=None):
+                 positions=None, work=np.float64, storage=None, softcap=None, sinks=None,
+                 alibi_slopes=None):
         self.work = work
         self.softcap = None if not softcap else float(softcap)  # None or 0: none
         self.storage = storage
@@ -138,6 +146,13 @@ class _Dense:
         self.visible = _visible(self.lead, nq, nk, causal, align, window,
                                 None if mask is None else mask.astype(bool), bias, _host(kv_lens),
                                 positions)
+        # ALiBi: -slope * |p - j| (lead + (Nq, Nk)), slope the (batch, head)'s, p the query's
+        # aligned position as the mask has it
+        self.alibi = None
+        if alibi_slopes is not None:
+            p, j, _ = _positions(self.lead, nq, nk, align, _host(kv_lens), positions)
+            slope = np.broadcast_to(_host(alibi_slopes).astype(np.float64), self.lead)
+            self.alibi = -slope[..., None, None] * np.abs(p - j)
         self.values = self.v
         self.sinks = None
         if sinks is not None:
@@ -162,6 +177,8 @@ class _Dense:
             t = self.rnd(np.tanh(self.rnd(s / self.softcap)))
             grad = self.rnd(1 - t * t)
             s = self.rnd(self.softcap * t)
+        if self.alibi is not None:  # after the softcap, before the bias; d/ds = 1
+            s = self.rnd(s + self.rnd(self.alibi.astype(self.work)))
         if self.bias is not None:
             s = self.rnd(s + self.bias.astype(self.work))
         if self.sinks is not None:  # the sink column (its logit does not depend on q or k)
@@ -242,24 +259,28 @@ class _Dense:
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
-              bias=None, kv_lens=None, positions=None, softcap=None, sinks=None, return_lse=False):
+              bias=None, kv_lens=None, positions=None, softcap=None, sinks=None,
+              alibi_slopes=None, return_lse=False):
     """Dense float64 attention with exactly the semantics of ``cuflash.attention``.
 
     Returns ``out`` (``lead + (Nq, Dv)``), or ``(out, lse)`` (``lse``: ``lead + (Nq,)``), as NumPy
     float64 arrays whatever the input dtype or array module. Empty rows give out = 0, lse = -inf.
-    The logits are ``softcap * tanh(scale q k^T / softcap) + bias`` with a softcap. With sinks
+    The logits are ``softcap * tanh(scale q k^T / softcap) + bias`` with a softcap, and with
+    ALiBi ``... - slope * |p_i - j| + bias`` (p_i the query's aligned position). With sinks
     every row's softmax has one more column, of its head's sink logit and value 0 (visible unless
     the sink is -inf): an empty row then gives out = 0, lse = the sink.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks)
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks,
+           alibi_slopes)
     out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                      positions, softcap=softcap, sinks=sinks).forward()
+                      positions, softcap=softcap, sinks=sinks,
+                      alibi_slopes=alibi_slopes).forward()
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
-                       softcap=None, sinks=None):
+                       softcap=None, sinks=None, alibi_slopes=None):
     """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``
     (and ``dsinks``, shaped like ``sinks``, with sinks).
 
@@ -274,9 +295,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     ``dS = P * (dout V^T - D) * (1 - tanh^2(scale q k^T / softcap))``. Empty rows contribute
     nothing. With sinks the sink column joins P and dS (its value 0, so its dP is 0) and
     ``dsinks = sum_i dS[i, sink] = -sum_i P[i, sink] D_i``, summed into sinks' shape; a lost row's
-    max and sum include it. Results are NumPy float64.
+    max and sum include it. ALiBi adds a constant to each logit: dS is unchanged (no gradient
+    with respect to the slopes). Results are NumPy float64.
     """
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks)
+    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks,
+           alibi_slopes)
     dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
-                   softcap=softcap, sinks=sinks)
+                   softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return dense.backward(dout, out, lse)

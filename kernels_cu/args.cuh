@@ -35,6 +35,7 @@ struct AttnArgs {
   double scale;  // rounded to the kernel's arithmetic type by ATTN_ARGS_LOCALS
   int left, right, bottom_right;  // the window (cuflash/_validate.py) and the alignment
   double mod0, mod1;  // the score transforms' scalars (ModArgs, MOD_ARGS of them; cuflash/_modifiers.py)
+  const double* mod_table;  // (BH,) the transforms' per-(batch, head) values (ALiBi's slopes) or null
 };
 
 // The same fields as separate parameters, for the generic CUDA-core kernels: there ptxas kept the
@@ -44,7 +45,7 @@ struct AttnArgs {
 #define ATTN_ARGS_PARAMS(Scale)                                                                \
   long long q_rs, long long k_rs, long long v_rs, long long mask_rs, long long mask_cs,        \
       long long bias_rs, long long bias_cs, int BH, int Nq, int Nk, int Dk, int Dv, Scale scale, \
-      int left, int right, int bottom_right, double mod0, double mod1
+      int left, int right, int bottom_right, double mod0, double mod1, const double* mod_table
 
 // The fields as the const locals a kernel body reads (the names the positional parameters had),
 // the scale rounded to `Scale` as the host rounded it when it passed a scalar of that type.
@@ -55,8 +56,13 @@ struct AttnArgs {
   const int BH = (a).BH, Nq = (a).Nq, Nk = (a).Nk, Dk = (a).Dk, Dv = (a).Dv;                 \
   const Scale scale = static_cast<Scale>((a).scale);                                         \
   const int left = (a).left, right = (a).right, bottom_right = (a).bottom_right;               \
-  const ModArgs mod_args = {{(a).mod0, (a).mod1}}
+  const ModArgs mod_args = {{(a).mod0, (a).mod1}, (a).mod_table, 0, 0}
+
+// The ModArgs of kernels that take the modifier fields as parameters (ATTN_ARGS_PARAMS, decode's
+// mod0, mod1, mod_table), before at_head (modifiers.cuh) places them.
+#define FLAT_MOD_ARGS ModArgs{{mod0, mod1}, mod_table, 0, 0}
 
 // Head bh's mask / bias inputs as ScoreModT::make (attn_core.cuh) takes them, by the names
-// ATTN_INPUTS and ATTN_ARGS_LOCALS give: Mod::make(MOD_INPUTS(bh), scale_units, mod_args).
+// ATTN_INPUTS and ATTN_ARGS_LOCALS give: Mod::make(MOD_INPUTS(bh), scale_units,
+// at_head(mod_args, bh, shift)).
 #define MOD_INPUTS(bh) mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs

@@ -85,9 +85,11 @@ __device__ __forceinline__ KeyTiles key_tiles(const long long* kv_lens, long lon
 // READS_INPUTS: whether it reads per-(query, key) inputs (then it must not be asked about padding
 // query rows, i >= Nq). IDENTITY: no per-element work, so that a kernel templated on the modifier
 // leaves the tiles visible by position alone and folds the scale into exp2. HAS_GRAD: the
-// backward multiplies dS by g. make(...): the modifier of head bh from the kernel's inputs.
+// backward multiplies dS by g. POSITIONAL: its transform reads (i, j) (modifiers.cuh). make(...):
+// the modifier of head bh from the kernel's inputs (m: at_head's, for the transform).
 struct NoMod {
   static constexpr bool READS_INPUTS = false, IDENTITY = true, HAS_GRAD = false;
+  static constexpr bool POSITIONAL = false;
   template <typename X>
   __device__ __forceinline__ X operator()(X x, int, long long) const { return x; }
   template <typename X>
@@ -110,6 +112,7 @@ struct NoMod {
 template <typename Acc, bool NATURAL = false, bool MB = true, typename F = NoTransform>
 struct ScoreModT {
   static constexpr bool READS_INPUTS = MB, IDENTITY = false, HAS_GRAD = !F::IDENTITY;
+  static constexpr bool POSITIONAL = F::POSITIONAL;
   const unsigned char* mask;  // may be null
   const Acc* bias;            // may be null
   long long mask_rs, mask_cs, bias_rs, bias_cs;
@@ -268,14 +271,30 @@ __device__ __forceinline__ void mask_rows(Acc (&s)[NF][4], int i, int j0, int t,
 }
 
 // Every entry of an m-fragment through a modifier that reads no inputs (a score transform alone),
-// in a tile visible by position to every row of it: no position test.
+// in a tile visible by position to every row of it: no position test. The entries' positions are
+// mask_rows' (query i + 8 h, key j0 + 8 nf + 2 t + e), for a POSITIONAL transform (ALiBi); the
+// others ignore them (no code).
 template <int NF, typename Acc, typename Mod>
-__device__ __forceinline__ void modify_all(Acc (&s)[NF][4], const Mod& mod) {
+__device__ __forceinline__ void modify_all(Acc (&s)[NF][4], const Mod& mod, int i, int j0, int t) {
   static_assert(!Mod::READS_INPUTS, "a mask or bias needs the per-element test");
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-    for (int k = 0; k < 4; ++k) s[nf][k] = mod_at(mod, s[nf][k], 0, 0, nf, k);
+    for (int k = 0; k < 4; ++k)
+      s[nf][k] = mod_at(mod, s[nf][k], i + 8 * (k / 2),
+                        static_cast<long long>(j0) + nf * 8 + 2 * t + k % 2, nf, k);
+}
+// The same in the dK / dV orientation (mask_key_rows'): key j + 8 h, query i0 + 8 nf + 2 t + e.
+template <int NF, typename Acc, typename Mod>
+__device__ __forceinline__ void modify_all_keys(Acc (&s)[NF][4], const Mod& mod, int j, int i0,
+                                                int t) {
+  static_assert(!Mod::READS_INPUTS, "a mask or bias needs the per-element test");
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      s[nf][k] = mod_at(mod, s[nf][k], i0 + nf * 8 + 2 * t + k % 2,
+                        static_cast<long long>(j) + 8 * (k / 2), nf, k);
 }
 
 // Rows = keys (the dK / dV orientation): s[nf][2 h + e] of key j + 8 h (h = 0, 1) and query

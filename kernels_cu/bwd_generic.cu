@@ -81,7 +81,7 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const HeadInputs<T, Acc> h =
       head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
                   bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
-  const F f = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
+  const F f = F::make(at_head(FLAT_MOD_ARGS, bh, h.w.shift), 0, Acc(1));  // the score transform, natural units
 
   Acc dk[ROWS][COLS], dv[ROWS][COLS];
   tile_zero(dk);
@@ -193,7 +193,7 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
   const HeadInputs<T, Acc> h =
       head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
                   bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
-  const F f = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
+  const F f = F::make(at_head(FLAT_MOD_ARGS, bh, h.w.shift), 0, Acc(1));  // the score transform, natural units
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);

@@ -430,7 +430,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
-  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, w.shift));
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
 
@@ -486,7 +486,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       if constexpr (Mod::HAS_GRAD) mask_key_rows(s, jw, i0, t, Nq, pr, with_grad(mod, gr));
       else mask_key_rows(s, jw, i0, t, Nq, pr, mod);
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
-      modify_all(s, with_grad(mod, gr));
+      modify_all_keys(s, with_grad(mod, gr), jw, i0, t);
     }
     const float sl = shown ? scale_log2 : sl2;
 
@@ -715,7 +715,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   zero(dq);
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
-  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, w.shift));
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
@@ -764,7 +764,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
       if constexpr (Mod::HAS_GRAD) mask_rows(s, i, j0, t, Nq, pr, with_grad(mod, gr));
       else mask_rows(s, i, j0, t, Nq, pr, mod);
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
-      modify_all(s, with_grad(mod, gr));
+      modify_all(s, with_grad(mod, gr), i0 + warp * 16 + g, j0, t);
     }
 
     // dS = scale * P (dP - delta) (times the modifier's derivative),

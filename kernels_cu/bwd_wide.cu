@@ -161,7 +161,7 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   T dk_acc[MF][DFK][4], dv_acc[MF][DFV][4];
   zero(dk_acc);
   zero(dv_acc);
-  const Mod mod = Mod::make(MOD_INPUTS(bh), scale, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale, at_head(mod_args, bh, w.shift));
   const u32 k_lane = sK + ((warp_row0 + g) * PK + 2 * t) * E;  // A of S^T: this warp's keys
   const u32 v_lane = sV + ((warp_row0 + g) * PV + 2 * t) * E;  // A of dP^T
   const int j_thr = j0 + warp_row0 + g;                         // this lane's key row
@@ -194,7 +194,8 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       }
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], with_grad(mod, gr[mf]));
+      for (int mf = 0; mf < MF; ++mf)
+        modify_all_keys(s[mf], with_grad(mod, gr[mf]), j_thr + mf * 16, i0, t);
     }
     // P^T = exp(S^T - lse[query]); this lane's query columns are i0 + 8 nf + 2t + e
     T dl[NQ][2];
@@ -289,7 +290,7 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
   T dq_acc[MF][DFK][4];
   zero(dq_acc);
-  const Mod mod = Mod::make(MOD_INPUTS(bh), scale, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale, at_head(mod_args, bh, kt.w.shift));
   const int i_thr = i0 + warp_row0 + g;
   T lrow[MF][2], drow[MF][2];  // lse and delta of this lane's rows g, g + 8
 #pragma unroll
@@ -329,7 +330,8 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       }
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], with_grad(mod, gr[mf]));
+      for (int mf = 0; mf < MF; ++mf)
+        modify_all(s[mf], with_grad(mod, gr[mf]), i_thr + mf * 16, j0, t);
     }
     T dp[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDV, PV, PV>(dp, do_lane, vs + (g * PV + 2 * t) * E);

@@ -3,7 +3,8 @@
 // head dims <= 256, masks and bias; its block layout is described here) and decode_tc (tensor
 // cores, float16 / bfloat16, Dk = Dv in {64, 128}, no mask / bias; described at its definition).
 // Both take the score transforms F (modifiers.cuh: logit = F(scale q.k) + bias), a last template
-// argument, their scalars the trailing kernel parameters mod0, mod1.
+// argument, their scalars and per-head table the trailing kernel parameters mod0, mod1, mod_table
+// (decode_tc: no POSITIONAL transform, its rows span several heads).
 //
 // Work decomposition (the host, cuflash/_decode.py, builds every table):
 //   group    the output (batch, head) matrices that read ONE k matrix and ONE v matrix and share
@@ -601,7 +602,7 @@ __device__ __forceinline__ DecodeItem read_item(const long long* __restrict__ it
 template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
           typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1) {
+decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __restrict__ mod_table) {
   __shared__ DecodeRow rows[ROWS];
   __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];
   __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
@@ -614,7 +615,7 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1) {
   constexpr long long STRIDE = static_cast<long long>(WC) * DECODE_WARPS;  // keys per block pass
   // A score modifier (mask, bias or transform): the logits, maxima and partials in natural units.
   constexpr bool NATURAL = HAS_MB || !F::IDENTITY;
-  const F xf = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
+  const F xf = F::make(FLAT_MOD_ARGS, 0, Acc(1));  // the score transform, natural units
 
   const DecodeItem it = read_item(items, tiles, blockIdx.x);
   const long long bh0 = groups[it.g * G];  // every group's first member exists
@@ -622,6 +623,14 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1) {
   setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
   const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
   const long long blo = bk.blo, bhi = bk.bhi, flo = bk.flo, fhi = bk.fhi;
+  // A POSITIONAL transform (ALiBi) per row: a block's rows are the heads of a GQA group, each with
+  // its own slope (a padding row, bh < 0, reads none); the others one for all rows (xf).
+  F xh[F::POSITIONAL ? ROWS : 1];
+  if constexpr (F::POSITIONAL) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      xh[r] = F::make(at_head(FLAT_MOD_ARGS, rows[r].bh, win.shift), 0, Acc(1));
+  }
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -717,7 +726,7 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1) {
           Acc& x = s[u * ROWS + r];
           if (NATURAL) {  // natural units: F applied, the bias added as it is
             Acc g = Acc(1);  // F's derivative: unused (the forward)
-            if (visible_logit(x, rows[r].i, j, kr, mb, xf, g))
+            if (visible_logit(x, rows[r].i, j, kr, mb, F::POSITIONAL ? xh[F::POSITIONAL ? r : 0] : xf, g))
               vis |= 1u << r;
             else
               x = NEG_INF;
@@ -731,7 +740,8 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1) {
       for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          s[u * ROWS + r] = xf(s[u * ROWS + r], rows[r].i, base + u * KPL + slot);
+          s[u * ROWS + r] = (F::POSITIONAL ? xh[F::POSITIONAL ? r : 0] : xf)(s[u * ROWS + r], rows[r].i,
+                                                                         base + u * KPL + slot);
     }
 
     // Online softmax per row (RowSoftmax): new max, rescale BOTH l and acc, add this chunk's
@@ -881,7 +891,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
           const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
           int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
-          int fused, int n_launch, int device_lens, double mod0, double mod1) {
+          int fused, int n_launch, int device_lens, double mod0, double mod1,
+          const double* __restrict__ mod_table) {
   using namespace tc;
   constexpr int ROWS = 16;
   constexpr int BK = KW * DECODE_WARPS;           // keys per stage
@@ -906,8 +917,11 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   const int g = lane / 4, t = lane % 4;
   const float sl2 = scale * LOG2E;
   // The transform's modifier (unused without one): the scale to log2 units, then F.
+  // Its rows may belong to several heads: no POSITIONAL transform (the host sends ALiBi to
+  // decode_split).
+  static_assert(!F::POSITIONAL, "decode_tc takes no positional transform");
   using Mod = ScoreModT<float, false, false, F>;
-  const Mod mod = Mod::make(MOD_INPUTS(0), sl2, ModArgs{{mod0, mod1}});
+  const Mod mod = Mod::make(MOD_INPUTS(0), sl2, FLAT_MOD_ARGS);
 
   // Stage number `gs` of the block's stream sits in slot gs % 2. An item's keys [k0, k1) are a
   // piece of the host's extent of the tile (the union of its rows' visible ranges: no key is read

@@ -37,7 +37,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* vh = v + offsets[2 * BH + bh];
   MaskBias<Acc> mb;
   set_head_mask_bias(mb, mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
-  const F f = F::make(ModArgs{{mod0, mod1}}, 0, Acc(1));  // the score transform, natural units
+  const F f = F::make(at_head(FLAT_MOD_ARGS, bh, w.shift), 0, Acc(1));  // the score transform, natural units
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, qh, q_rs, i0, i_end, Dk);
 

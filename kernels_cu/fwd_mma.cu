@@ -129,7 +129,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // (s * scale * log2e + bias * log2e); otherwise the scale is folded into the exponent's FFMA.
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
-  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, kt.w.shift));
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
@@ -193,8 +193,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
       }
     } else if constexpr (HAS_MB && !READS) {
+      // the rows for a POSITIONAL transform, opaque as above (none without one)
+      const int i_thr = Mod::POSITIONAL ? opaque(i0 + warp_row0 + g) : 0;
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], mod);
+      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], mod, i_thr + mf * 16, j0, t);
     }
 
     sm.step(s, sl2);  // S -> P; m, l rescaled and advanced

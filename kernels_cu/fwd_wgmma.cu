@@ -112,7 +112,8 @@ struct StagedMaskBias {
           const int c = c0 + e;
           const bool keep = c >= cr.lo && c <= cr.hi && ((m >> (8 * e)) & 0xffu) != 0;
           float& x = s[nf][2 * h + e];
-          x = keep ? fmaf(bv[e], LOG2E, F(f)(x * scale_log2, 0, 0)) : neg_inf<float>();
+          x = keep ? fmaf(bv[e], LOG2E, F(f)(x * scale_log2, i + 8 * h, static_cast<long long>(j0) + c))
+                   : neg_inf<float>();
         }
       }
     });
@@ -131,7 +132,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs,
           const TileClasses classes, double mod0, double mod1,
-          const double* __restrict__ sinks) {
+          const double* __restrict__ mod_table, const double* __restrict__ sinks) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
@@ -278,7 +279,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   using Mod = ScoreModT<float, false, true, F>;  // MB_GLOBAL's; its shown() the scale and F
   const Mod mb = Mod::make(global_mb ? mask : nullptr, global_mb ? bias : nullptr, offsets, BH, bh,
                            mask_rs, mask_cs, bias_rs, bias_cs, scale * LOG2E,
-                           ModArgs{{mod0, mod1}});
+                           at_head(FLAT_MOD_ARGS, bh, w.shift));
   float s[1][NF][4];
   u32 p[KN][4];
 
@@ -294,10 +295,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           if (j0 < floor || !tile_all_visible(b32, i0w, i_lastw, j0, BLOCK_N)) {
             mask_rows(s[0], i, j0, t, Nq, b32, to_log2, floor);
           } else {
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) s[0][nf][e] = to_log2(s[0][nf][e], 0, 0);
+            modify_all(s[0], to_log2, i, j0, t);
           }
           return;
         }
@@ -314,7 +312,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
         mask_rows(s[0], i, j0, t, Nq, b32, mb.shown(), floor);
       }
     } else if constexpr (HAS_MB && !READS) {  // a transform alone, in a tile visible by position
-      modify_all(s[0], mb.shown());
+      modify_all(s[0], mb.shown(), i0 + row_w + g, j0, t);
     }
   };
   // K's slot is free once S = Q K^T is done, or with staged tiles once they are read too.

@@ -108,7 +108,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   }
   const T scale_units = NATURAL ? scale : scale * log2e<T>();
   const T fold = HAS_MB ? T(1) : scale_units;
-  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_units, mod_args);
+  const Mod mod = Mod::make(MOD_INPUTS(bh), scale_units, at_head(mod_args, bh, kt.w.shift));
   // This lane's Q rows g, g + 8 of the warp's first m-fragment, at column 2t (a k-step adds 8
   // columns, an m-fragment 16 rows).
   const u32 q_lane = sQ + ((warp_row0 + g) * PITCH_QK + 2 * t) * E;
@@ -138,7 +138,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       for (int mf = 0; mf < MF; ++mf) mask_rows(s[mf], i_thr + mf * 16, j0, t, Nq, kt.b32, mod);
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], mod);
+      for (int mf = 0; mf < MF; ++mf) modify_all(s[mf], mod, i_thr + mf * 16, j0, t);
     }
 
     sm.step(s, fold);  // S -> P; m, l advanced; alpha for acc

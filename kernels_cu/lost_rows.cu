@@ -141,7 +141,11 @@ struct LostHead : HeadInputs<T, Acc> {
   LostHead<T, Acc, F>{head_inputs<T, Acc>(bh, q, k, v, dout, lse, nullptr, offsets, mask, bias, \
                                           kv_lens, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, \
                                           Nk, Dv, left, right, bottom_right),                  \
-                      q_rs, k_rs, v_rs, scale, F::make(mod_args, 0, 1.0)}
+                      q_rs, k_rs, v_rs, scale,                                              \
+                      F::make(at_head(mod_args, bh,                                            \
+                                      head_window(kv_lens, bh, Nq, Nk, left, right,            \
+                                                  bottom_right).shift),                        \
+                              0, 1.0)}
 
 // A warp's 128 rows of the flattened (BH, Nq), as four chunks of 32: lane e < 4 gets the ballot
 // of chunk e (bit l: row row0 + 32 e + l satisfies pred), the other lanes 0.

@@ -7,21 +7,36 @@
 // kernels' mask.cuh visible_logit), so that a transform reaches every path at once. Its interface:
 //   SLOTS                 how many of AttnArgs' modifier scalars (ModArgs) it reads;
 //   IDENTITY              no work (NoTransform), so that kernels keep their unmodified fast paths;
+//   POSITIONAL            it reads the positions i, j (ALiBi): kernels pass the real ones on
+//                         tiles they spare the position test, and kernels whose rows belong to
+//                         several heads (decode_tc) do not take it;
 //   make(m, slot, units)  its values from m.v[slot ..] (the host's cuflash/_modifiers.py puts them
-//                         there), units = log2e in log2-unit kernels, 1 in natural-unit ones;
-//   (x, i, j)             the forward;
+//                         there) and the head's m.table[m.bh], units = log2e in log2-unit kernels,
+//                         1 in natural-unit ones;
+//   (x, i, j)             the forward (i: the query row, j: the key, in the head's own indices);
 //   apply(x, i, j, g)     the forward, multiplying g by dF/dx (the backward's dS = P (dP - D) g).
 #pragma once
 #include "common.cuh"
 
 constexpr int MOD_ARGS = 2;  // cuflash/_modifiers.py MOD_ARGS
+// What make() reads: the scalars (AttnArgs mod0, mod1), the per-(batch, head) table (AttnArgs
+// mod_table: ALiBi's slopes, null without), and where the transform is applied: the head bh and
+// the aligned position of its query 0, p = i + shift (mask.cuh Window::shift: L - Nq bottom-right,
+// else 0). Kernels fill bh and shift once per head (at_head); only a POSITIONAL transform reads them.
 struct ModArgs {
   double v[MOD_ARGS];
+  const double* table;
+  long long bh, shift;
 };
+__device__ __forceinline__ ModArgs at_head(ModArgs m, long long bh, long long shift) {
+  m.bh = bh;
+  m.shift = shift;
+  return m;
+}
 
 struct NoTransform {
   static constexpr int SLOTS = 0;
-  static constexpr bool IDENTITY = true;
+  static constexpr bool IDENTITY = true, POSITIONAL = false;
   template <typename Acc>
   __device__ __forceinline__ static NoTransform make(const ModArgs&, int, Acc) {
     return NoTransform();
@@ -41,6 +56,8 @@ template <bool NATURAL, typename Acc>
 __device__ __forceinline__ Acc exp_units(Acc x) {
   return NATURAL ? acc_exp(x) : exp2_acc(x);
 }
+__device__ __forceinline__ float abs_acc(float x) { return fabsf(x); }
+__device__ __forceinline__ double abs_acc(double x) { return fabs(x); }
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 // tanh on the MUFU unit (sm_75+): one instruction, relative error about 2^-11.
@@ -64,7 +81,7 @@ constexpr int ARITH_ACCURATE = 0, ARITH_EXP = 1, ARITH_MUFU = 2;
 template <typename Acc, bool NATURAL = false, int ARITH = ARITH_ACCURATE>
 struct Softcap {
   static constexpr int SLOTS = 1;
-  static constexpr bool IDENTITY = false;
+  static constexpr bool IDENTITY = false, POSITIONAL = false;
   Acc c, inv_c, k;  // the cap in the kernel's units, its inverse, and 2 / cap (either units)
   __device__ __forceinline__ static Softcap make(const ModArgs& m, int slot, Acc units) {
     Softcap f;
@@ -92,11 +109,40 @@ struct Softcap {
   }
 };
 
+// ALiBi (Press et al.; FlashAttention's convention): F(x) = x - slope |p_i - j|, the linear bias
+// by distance between query i's aligned position p_i = i + shift + d (the causal mask's, with
+// d = q_start - k_start of `positions`, the transform's scalar) and key j, with the (batch, head)'s
+// slope from m.table, in the kernel's units (slope * units). dF/dx = 1. The distance is the int32
+// i - j (Nq, Nk < 2^31) converted to Acc, plus p0: one conversion per entry, as FlashAttention's
+// (converting i and j apart, shared by a fragment's rows and columns, kept 2 NF column values
+// live and spilled the 128-key tiles); exact while the positions stay below 2^24 in float (2^53
+// in double). A head index bh < 0 (a decode padding row) reads no slope.
+template <typename Acc>
+struct Alibi {
+  static constexpr int SLOTS = 1;
+  static constexpr bool IDENTITY = false, POSITIONAL = true;
+  Acc slope, p0;  // the slope in the kernel's units; query 0's aligned position
+  __device__ __forceinline__ static Alibi make(const ModArgs& m, int slot, Acc units) {
+    Alibi f;
+    f.slope = (m.table != nullptr && m.bh >= 0) ? static_cast<Acc>(m.table[m.bh] * units) : Acc(0);
+    f.p0 = static_cast<Acc>(static_cast<double>(m.shift) + m.v[slot]);
+    return f;
+  }
+  __device__ __forceinline__ Acc operator()(Acc x, long long i, long long j) const {
+    const Acc d = static_cast<Acc>(static_cast<int>(i) - static_cast<int>(j)) + p0;
+    return x - slope * abs_acc(d);
+  }
+  __device__ __forceinline__ Acc apply(Acc x, long long i, long long j, Acc&) const {
+    return (*this)(x, i, j);
+  }
+};
+
 // Two transforms in turn (G after F); the host nests them for a chain of three or more.
 template <typename F, typename G>
 struct Then {
   static constexpr int SLOTS = F::SLOTS + G::SLOTS;
   static constexpr bool IDENTITY = F::IDENTITY && G::IDENTITY;
+  static constexpr bool POSITIONAL = F::POSITIONAL || G::POSITIONAL;
   F f;
   G g2;
   template <typename Acc>

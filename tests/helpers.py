@@ -77,9 +77,10 @@ def naive_attention_backward(dout, q, k, v, out, lse, **options):
 
 def _dense_options(options):
     names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
-             "softcap", "sinks")
+             "softcap", "sinks", "alibi_slopes")
     defaults = dict(scale=None, causal=False, align="bottom-right", window=None, mask=None,
-                    bias=None, kv_lens=None, positions=None, softcap=None, sinks=None)
+                    bias=None, kv_lens=None, positions=None, softcap=None, sinks=None,
+                    alibi_slopes=None)
     return {name: options.get(name, defaults[name]) for name in names}
 
 

@@ -106,6 +106,7 @@ def test_kernel_args_struct_matches_its_host_mirror():
     src = (_runtime.kernels_dir() / "args.cuh").read_text()
     body = re.search(r"struct AttnArgs \{(.*?)\};", src, re.S).group(1)
     c_types = {"const long long*": "<u8", "const unsigned char*": "<u8", "const void*": "<u8",
+               "const double*": "<u8",
                "long long": "<i8", "int": "<i4", "double": "<f8"}
     fields = []
     for decl in re.sub(r"//[^\n]*", "", body).split(";"):
