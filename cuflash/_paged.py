@@ -22,18 +22,23 @@ import contextlib
 
 import numpy as np
 
-from . import _broadcast, _decode, _runtime
+from . import _broadcast, _decode, _memo, _runtime
 from ._validate import element_strides
 
 _kernels = {}
+_native = _memo.Memo(256)
 
 
 def native(p):
     """Whether the decode kernels read this paged Problem's pages themselves: CuPy inputs that the
     split-KV path takes (its SUPPORT RULE but for the key count: gathering the cache would cost
-    more than decoding it) and no test switch forcing another path."""
-    return (p.xp is not np and _runtime.overrides().path in (None, _decode.NAME)
-            and _decode.takes(p))
+    more than decoding it) and no test switch forcing another path. Memoized like the
+    dispatcher's choice: by the signature, the switches and the arrays' alignments."""
+    if p.xp is np:
+        return False
+    ov = _runtime.overrides()
+    key = None if p.key is None else (p.key, ov) + tuple(x.data.ptr % 256 for x in (p.q, p.k, p.v))
+    return _native.build(key, lambda: ov.path in (None, _decode.NAME) and _decode.takes(p))
 
 
 def resolve(p):
@@ -96,7 +101,7 @@ def append(a):
     kernel = _kernels.get("append")
     if kernel is None:  # one thread per element of the new rows, moved as raw bits
         kernel = _kernels["append"] = cupy.ElementwiseKernel(
-            "T x, raw int32 table, raw I lens, int64 table_rs, int64 n, int64 hkv, int64 d, "
+            "raw T x, raw int32 table, raw I lens, int64 table_rs, int64 n, int64 hkv, int64 d, "
             "int64 page_size, int64 capacity, int64 last_page, int64 ps, int64 hs, int64 rs",
             "raw T pool",
             """
@@ -106,7 +111,7 @@ def append(a):
             if (pos >= 0 && pos < capacity) {
               long long page = table[b * table_rs + pos / page_size];
               page = page < 0 ? 0 : (page > last_page ? last_page : page);
-              pool[page * ps + h * hs + (pos % page_size) * rs + c] = x;
+              pool[page * ps + h * hs + (pos % page_size) * rs + c] = x[i];
             }
             """, "cuflash_paged_append")
     with a.k_pages.device:
