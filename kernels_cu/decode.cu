@@ -615,14 +615,20 @@ struct PagedKV {
   const int* __restrict__ table;
   long long k_ps, v_ps;  // page strides (elements)
   int page_size, page_shift, last_page;  // page_shift: log2(page_size), or -1
-  // The pools' offsets of key j (< 2^31) of the sequence whose block-table row is `row`.
+  // The page of key j (< 2^31) of the sequence whose block-table row is `row`.
+  __device__ __forceinline__ int page(const int* row, int j) const {
+    const int p = __ldg(row + (page_shift >= 0 ? j >> page_shift : j / page_size));
+    return p < 0 ? 0 : (p > last_page ? last_page : p);
+  }
+  // The pools' offsets of key j on its page.
+  __device__ __forceinline__ KeyAt offsets(int page, int j, long long k_rs,
+                                           long long v_rs) const {
+    const int r = page_shift >= 0 ? j & (page_size - 1) : j % page_size;
+    return KeyAt{page * k_ps + r * k_rs, page * v_ps + r * v_rs};
+  }
   __device__ __forceinline__ KeyAt at(const int* row, int j, long long k_rs,
                                       long long v_rs) const {
-    const int col = page_shift >= 0 ? j >> page_shift : j / page_size;
-    int page = __ldg(row + col);
-    page = page < 0 ? 0 : (page > last_page ? last_page : page);
-    const int r = j - col * page_size;
-    return KeyAt{page * k_ps + r * k_rs, page * v_ps + r * v_rs};
+    return offsets(page(row, j), j, k_rs, v_rs);
   }
 };
 // The paged kernels' trailing parameters, and PagedKV from them.
@@ -920,12 +926,32 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
 
 // cp_keys for K and V of a paged cache at once: key row j's page (one table read per row, shared
 // by K and V) from pg; rows >= limit become zeros and read no table entry.
+// Split in two, so that decode_tc can read the table for its next stage before it waits for the
+// current one (the reads' latency then hides behind that wait): `PageRows::lookup` reads this
+// thread's rows' pages, `cp_keys_paged` issues the copies.
+template <int ROWS, int HEAD_DIM>
+struct PageRows {
+  static constexpr int RPI = DECODE_THREADS / (HEAD_DIM / 8);  // rows per copy instruction
+  static constexpr int N = ROWS / RPI;                         // this thread's rows
+  int page[N];
+  __device__ __forceinline__ void lookup(const PagedKV& pg, const int* __restrict__ trow,
+                                         int row0, int limit) {
+    const int r_thr = threadIdx.x / (HEAD_DIM / 8);
+    const int rem = limit - row0 - r_thr;
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
+      const int j = row0 + r_thr + it * RPI;
+      page[it] = it * RPI < rem ? pg.page(trow, j) : 0;
+    }
+  }
+};
+
 template <int ROWS, int HEAD_DIM, typename T>
 __device__ __forceinline__ void cp_keys_paged(unsigned dst_k, unsigned dst_v,
                                               const T* __restrict__ k, const T* __restrict__ v,
                                               long long k_rs, long long v_rs, int row0,
                                               int limit, const PagedKV& pg,
-                                              const int* __restrict__ trow) {
+                                              const PageRows<ROWS, HEAD_DIM>& pr) {
   constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
   constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
   constexpr int RPI = DECODE_THREADS / CPR;
@@ -933,16 +959,13 @@ __device__ __forceinline__ void cp_keys_paged(unsigned dst_k, unsigned dst_v,
   const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
   const unsigned d = r_thr * ROW_BYTES + c_thr * 16;
   const int rem = limit - row0 - r_thr;  // copy `it` reads a real row iff it * RPI < rem
-  KeyAt at[ROWS / RPI];  // every table read first, then the copies
-#pragma unroll
-  for (int it = 0; it < ROWS / RPI; ++it)
-    at[it] = it * RPI < rem ? pg.at(trow, row0 + r_thr + it * RPI, k_rs, v_rs) : KeyAt{0, 0};
 #pragma unroll
   for (int it = 0; it < ROWS / RPI; ++it) {
     const bool ok = it * RPI < rem;
-    const void* gk = ok ? static_cast<const void*>(k + at[it].k + c_thr * 8)
+    const KeyAt at = pg.offsets(pr.page[it], row0 + r_thr + it * RPI, k_rs, v_rs);
+    const void* gk = ok ? static_cast<const void*>(k + at.k + c_thr * 8)
                         : static_cast<const void*>(k);
-    const void* gv = ok ? static_cast<const void*>(v + at[it].v + c_thr * 8)
+    const void* gv = ok ? static_cast<const void*>(v + at.v + c_thr * 8)
                         : static_cast<const void*>(v);
     const int n = ok ? 16 : 0;
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
@@ -1032,12 +1055,20 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
   // are zero-filled by cp_keys.
   // Paged: `toff` is the sequence's row offset in the block table (items' 7th column).
   constexpr int COLS = Pages::ITEM_COLS;
+  PageRows<BK, HEAD_DIM> pre;  // paged: the next stage's pages, read ahead (see the loop)
+  auto request_paged = [&](int gs, long long koff, long long voff, int key0, int limit) {
+    if constexpr (Pages::PAGED) {
+      const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
+      cp_keys_paged<BK, HEAD_DIM>(slot, slot + TILE_BYTES, k + koff, v + voff, k_rs, v_rs, key0,
+                                  limit, pg, pre);
+    }
+  };
   auto request = [&](int gs, long long koff, long long voff, long long toff, int key0,
                      int limit) {
     const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
     if constexpr (Pages::PAGED) {
-      cp_keys_paged<BK, HEAD_DIM>(slot, slot + TILE_BYTES, k + koff, v + voff, k_rs, v_rs, key0,
-                                  limit, pg, pg.table + toff);
+      pre.lookup(pg, pg.table + toff, key0, limit);
+      request_paged(gs, koff, voff, key0, limit);
     } else {
       cp_keys<BK, HEAD_DIM>(slot, k + koff, k_rs, key0, limit);
       cp_keys<BK, HEAD_DIM>(slot + TILE_BYTES, v + voff, v_rs, key0, limit);
@@ -1130,14 +1161,29 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
     // Stage n of the item: its first key `key` (keys >= k1 are zero-filled).
     int n = 0, key = blo;
     for (bool more = n_own > 0; more; ++n) {
+      if constexpr (Pages::PAGED) {  // the next request's pages, read before the wait below
+        if (n + 1 < n_own)
+          pre.lookup(pg, pg.table + toff, key + BK, k1);
+        else if (has_next && nk1 > nk0)
+          pre.lookup(pg, pg.table + ntoff, static_cast<int>(nk0), static_cast<int>(nk1));
+      }
       cp_async_wait<0>();
       __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
       if (round == 0 && n == 0) DECODE_MARK(2);
       more = n + 1 < n_own;
-      if (more)
-        request(base + n + 1, koff, voff, toff, key + BK, k1);
-      else if (has_next && nk1 > nk0)  // the last stage: the next item's first
-        request(base + n + 1, nkoff, nvoff, ntoff, static_cast<int>(nk0), static_cast<int>(nk1));
+      if constexpr (Pages::PAGED) {
+        if (more)
+          request_paged(base + n + 1, koff, voff, key + BK, k1);
+        else if (has_next && nk1 > nk0)
+          request_paged(base + n + 1, nkoff, nvoff, static_cast<int>(nk0),
+                        static_cast<int>(nk1));
+      } else {
+        if (more)
+          request(base + n + 1, koff, voff, toff, key + BK, k1);
+        else if (has_next && nk1 > nk0)  // the last stage: the next item's first
+          request(base + n + 1, nkoff, nvoff, ntoff, static_cast<int>(nk0),
+                  static_cast<int>(nk1));
+      }
       cp_async_commit();
       const int j0 = key + warp * KW;  // this warp's first key
       if (j0 < k1) {                   // warp-uniform: else nothing of this stage for it
