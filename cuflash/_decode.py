@@ -124,21 +124,25 @@ def rows_per_block(dtype, bucket, group_rows, has_mb=False, transforms=False):
     return r
 
 
-def name_expression(dtype, bucket, rows, has_mb, aligned, transforms=()):
+def name_expression(dtype, bucket, rows, has_mb, aligned, transforms=(), paged=False):
     """Name expression of the decode_split kernel; transforms: the score transforms' names
-    (cuflash/_modifiers.py), a last template argument in natural units when there are any."""
+    (cuflash/_modifiers.py), a last template argument in natural units when there are any;
+    paged: its form on a paged KV cache (decode_split_paged, cuflash/_paged.py)."""
     t, acc = _config.c_types(dtype)
     b = lambda x: "true" if x else "false"  # noqa: E731
     f = (f", {_modifiers.transform(transforms, acc, True, _config.dtype_name(dtype))}"
          if transforms else "")
-    return f"decode_split<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}{f}>"
+    name = "decode_split_paged" if paged else "decode_split"
+    return f"{name}<{t}, {acc}, {bucket}, {rows}, {b(has_mb)}, {b(aligned)}{f}>"
 
 
-def tc_expression(dtype, bucket, transforms=()):
-    """Name expression of the decode_tc kernel; transforms as name_expression's (in log2 units)."""
+def tc_expression(dtype, bucket, transforms=(), paged=False):
+    """Name expression of the decode_tc kernel; transforms as name_expression's (in log2 units),
+    paged too (decode_tc_paged)."""
     f = (f", {_modifiers.transform(transforms, 'float', False, _config.dtype_name(dtype))}"
          if transforms else "")
-    return f"decode_tc<{_config.c_types(dtype)[0]}, {bucket}, {TC_KW}, {TC_MIN_BLOCKS}{f}>"
+    name = "decode_tc_paged" if paged else "decode_tc"
+    return f"{name}<{_config.c_types(dtype)[0]}, {bucket}, {TC_KW}, {TC_MIN_BLOCKS}{f}>"
 
 
 def tc_smem_bytes(bucket):
@@ -212,14 +216,16 @@ def _counter_buffer(n):
 
 # ---- host scheduling (pure NumPy; tested without a GPU) ----------------------------------------
 
-def group_heads(k_map, v_map, lens, max_group=MAX_GROUP):
-    """(groups (n_groups, G) int64 of bh, -1 padded; G). Members of a group share k, v and length.
+def group_heads(k_map, v_map, lens, max_group=MAX_GROUP, seq=None):
+    """(groups (n_groups, G) int64 of bh, -1 padded; G). Members of a group share k, v and length
+    (and `seq`, where given: a paged cache's sequence, whose block-table row picks the pages).
 
     Fast path: consecutive runs of equal keys of one common length (the standard GQA layout).
     """
-    k_map, v_map, lens = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (k_map, v_map, lens))
-    BH = k_map.size
-    keys = np.stack([k_map, v_map, lens], axis=1)
+    cols = (k_map, v_map, lens) + (() if seq is None else (seq,))
+    cols = [np.asarray(x, dtype=np.int64).reshape(-1) for x in cols]
+    BH = cols[0].size
+    keys = np.stack(cols, axis=1)
     change = np.ones(BH, dtype=bool)
     change[1:] = np.any(keys[1:] != keys[:-1], axis=1)
     starts = np.flatnonzero(change)
@@ -481,6 +487,19 @@ def _length_key(p):
     return _lens(p) if p.lens_map is None else p.lens_map
 
 
+def _sequence(p):
+    """A paged Problem's sequence of each (batch, head) (its block-table row; the lead is (B, H)),
+    which a group's members must share too; None unpaged."""
+    return None if p.pages is None else np.arange(p.BH, dtype=np.int64) // p.lead[-1]
+
+
+def _grouping(p):
+    """group_heads' answer for p."""
+    return group_heads(np.asarray(p.k_map, dtype=np.int64).reshape(p.BH),
+                       np.asarray(p.v_map, dtype=np.int64).reshape(p.BH), _length_key(p),
+                       seq=_sequence(p))
+
+
 def _max_extent(p):
     L = int(_lens(p).max()) if p.BH else 0
     shift = L - p.Nq if p.bottom_right else 0
@@ -514,6 +533,9 @@ def _aligned(p):
             return False
         if np.any((np.asarray(mp, dtype=np.int64) * isz) % 16):
             return False
+    if p.pages is not None and (p.pages.k_ps * p.k.dtype.itemsize % 16
+                                or p.pages.v_ps * p.v.dtype.itemsize % 16):
+        return False
     return True
 
 
@@ -533,7 +555,9 @@ class Schedule:
         self.lens = _lens(p)
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
         self.v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
-        self.groups, self.G = grouping or group_heads(self.k_map, self.v_map, _length_key(p))
+        self.groups, self.G = grouping or _grouping(p)
+        self.table_rows = (None if p.pages is None else
+                           np.arange(BH, dtype=np.int64) // p.lead[-1] * p.pages.table_rs)
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         has_mb = p.mask is not None or p.bias is not None
         self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb,
@@ -558,11 +582,14 @@ class Schedule:
         """The kernels' items table (n_items, 6): (tile, k0, k1, workspace slot, k offset,
         v offset), in launch order; the offsets (elements) are those of the tile's kv head, so
         that decode_tc requests its first keys after one table load (kernels_cu/decode.cu
-        ITEM_COLS)."""
+        ITEM_COLS). Paged: a 7th column, the sequence's row offset in the block table
+        (decode.cu PagedKV)."""
         items = self.items[self.launch]
         bh0 = self.groups[self.tiles[items[:, 0], 0], 0]  # every group's first member exists
-        return np.concatenate([items, self.launch[:, None], self.k_map[bh0][:, None],
-                               self.v_map[bh0][:, None]], axis=1)
+        cols = [items, self.launch[:, None], self.k_map[bh0][:, None], self.v_map[bh0][:, None]]
+        if self.table_rows is not None:
+            cols.append(self.table_rows[bh0][:, None])
+        return np.concatenate(cols, axis=1)
 
 
 def _use_tc(p, variant):
@@ -585,6 +612,7 @@ class _Layout:
         self.has_mb = p.mask is not None or p.bias is not None
         self.transforms = _modifiers.names(p)  # the score transforms (a template argument)
         self.aligned = _aligned(p)
+        self.paged = p.pages is not None  # the kernels' paged forms
         self.bucket = _config.head_dim_bucket(p.Dk, p.Dv)
         # decode_tc: 16 rows a block, its stage's keys a pass; decode_split: Schedule's defaults
         self.tc = tc = _use_tc(p, variant)
@@ -608,9 +636,10 @@ class _Layout:
         (forward's cache keys name it), compiled on first use."""
         hit = self._by_rows.get(rows)
         if hit is None:
-            expr = (tc_expression(self.dtype, self.bucket, self.transforms) if self.tc else
+            expr = (tc_expression(self.dtype, self.bucket, self.transforms, self.paged)
+                    if self.tc else
                     name_expression(self.dtype, self.bucket, rows, self.has_mb, self.aligned,
-                                    self.transforms))
+                                    self.transforms, self.paged))
             kernel, per_sm = _kernel(expr, self.dyn_smem)
             capacity = max(1, per_sm * _runtime.device_info().sm_count)  # one wave
             hit = self._by_rows[rows] = (expr, kernel, per_sm, capacity)
@@ -632,9 +661,7 @@ class Plan:
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
-            grouping = group_heads(np.asarray(p.k_map, dtype=np.int64).reshape(p.BH),
-                                   np.asarray(p.v_map, dtype=np.int64).reshape(p.BH),
-                                   _length_key(p))
+            grouping = _grouping(p)
             rows = lay.rows(grouping[1], p.Nq)
             self.expr, self.kernel, self.per_sm, self.capacity = lay.kernels(rows)
         self.tc, self.dyn_smem = lay.tc, lay.dyn_smem
@@ -692,19 +719,30 @@ class Plan:
                 self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
                 self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
                                               self.dyn_smem)
+                if p.pages is not None:  # the paged kernels' trailing parameters
+                    pg = p.pages
+                    shift = pg.page_size.bit_length() - 1
+                    self.page_scalars = (np.int64(pg.k_ps), np.int64(pg.v_ps),
+                                         i32(pg.page_size),
+                                         i32(shift if 1 << shift == pg.page_size else -1),
+                                         i32(pg.num_pages))
             lens = self.lens if p.lens_device is None else p.lens_device
-            # the last one: this call's per-head table of the transforms (mod_table; ALiBi)
+            # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
             args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
                     self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
                     _runtime.ptr(p.bias)) + self.scalars + (_runtime.ptr(_modifiers.table(p)),)
+            if p.pages is not None:  # this call's block table (a host one: its device copy)
+                table = (_runtime.on_device(p.pages.table) if p.pages.host else p.pages.table)
+                args += (table,) + self.page_scalars
             self.launch(args)
         return out, lse
 
 
 def takes(p):
     """Whether this path runs the Problem: the SUPPORT RULE, or wherever the kernels can run
-    (`fits`) when the tests force this path."""
-    return fits(p) if _runtime.overrides().path == NAME else supports(p)
+    (`fits`) when the tests force this path or the keys are paged (cuflash/_paged.py: reading
+    the pages in place beats gathering them at any key count)."""
+    return fits(p) if _runtime.overrides().path == NAME or p.pages is not None else supports(p)
 
 
 def forward(p):
@@ -754,24 +792,29 @@ def _layout_key(p, split):
         return (cupy.cuda.Device().id, split, p.key)
     return (cupy.cuda.Device().id, split, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
             p.scale, p.left, p.right, p.bottom_right, p.transforms,
+            None if p.pages is None else p.pages.layout,
             None if p.lens_map is None else p.lens_map.tobytes(),
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
             p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())
 
 
 def instantiations():
-    """Every (kernel, dtype name, bucket, source file, name expression) this path can request."""
+    """Every (kernel, dtype name, bucket, source file, name expression) this path can request:
+    each kernel also in its paged form (decode_split_paged, decode_tc_paged)."""
     out = []
-    for dt in _config.supported_dtype_names():
-        for tf in TRANSFORMS:
-            for b in _config.HEAD_DIM_BUCKETS:
-                for has_mb in (False, True):
-                    r = 1
-                    while r <= max_rows(dt, b, has_mb, bool(tf)):
-                        out.append(("decode_split", dt, b, SOURCE,
-                                    name_expression(dt, b, r, has_mb, True, tf)))
-                        r *= 2
-            if dt in ("float16", "bfloat16") and not _modifiers.positional(tf):
-                for b in TC_HEAD_DIMS:
-                    out.append(("decode_tc", dt, b, SOURCE, tc_expression(dt, b, tf)))
+    for paged in (False, True):
+        split, tc = ("decode_split_paged", "decode_tc_paged") if paged else ("decode_split",
+                                                                             "decode_tc")
+        for dt in _config.supported_dtype_names():
+            for tf in TRANSFORMS:
+                for b in _config.HEAD_DIM_BUCKETS:
+                    for has_mb in (False, True):
+                        r = 1
+                        while r <= max_rows(dt, b, has_mb, bool(tf)):
+                            out.append((split, dt, b, SOURCE,
+                                        name_expression(dt, b, r, has_mb, True, tf, paged)))
+                            r *= 2
+                if dt in ("float16", "bfloat16") and not _modifiers.positional(tf):
+                    for b in TC_HEAD_DIMS:
+                        out.append((tc, dt, b, SOURCE, tc_expression(dt, b, tf, paged)))
     return out

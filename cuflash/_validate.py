@@ -74,10 +74,15 @@ class Problem:
     # ALiBi (the "alibi" transform): alibi (BH,) float64, of q's library, each (batch, head)'s
     # slope; None: no ALiBi.
     alibi: Optional[Any] = None
+    # a paged KV cache (cuflash/_paged.py): k, v are then the page pools, their k_map / v_map the
+    # kv heads' offsets within a page (the batch axis reads stride 0), Nk = max_pages *
+    # page_size; None: k and v hold the keys themselves
+    pages: Optional["Pages"] = None
 
-    def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None):
+    def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None,
+                    block_table=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
-        kv_lens', the sinks and the ALiBi slopes), the rest shared."""
+        kv_lens', the sinks, the ALiBi slopes and a CuPy block_table), the rest shared."""
         xp = self.xp
         if self.copied:
             q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
@@ -92,6 +97,8 @@ class Problem:
             new.lens_device = _device_lens(kv_lens, self.lead, self.Nk)
         new.sinks = _sinks_per_head(xp, q, sinks, self.lead)
         new.alibi = _sinks_per_head(xp, q, alibi_slopes, self.lead)
+        if self.pages is not None:
+            new.pages = self.pages.with_table(block_table)
         return new
 
     @property
@@ -105,6 +112,42 @@ class Problem:
     @property
     def lse_shape(self):
         return self.lead + (self.Nq,)
+
+
+@dataclass
+class Pages:
+    """A paged KV cache's layout and its block table, as make_problem checked them.
+
+    table: (B, max_pages) int32, the kernels' form: a host NumPy copy (its entries that the host
+    lengths reach checked, `_check_pages`), or on the device the caller's CuPy table when it is
+    int32 with unit column stride, else a converted copy (one elementwise kernel, no
+    synchronization; its values unchecked: every reader clamps an entry to [0, num_pages - 1]).
+    table_rs: the table's row stride (elements); k_ps, v_ps: the pools' page strides (elements).
+    """
+    table: Any
+    page_size: int
+    num_pages: int
+    max_pages: int
+    table_rs: int
+    k_ps: int
+    v_ps: int
+    host: bool  # the caller's table is a NumPy array (then `table` is its checked int32 copy)
+
+    @property
+    def layout(self):
+        """What the per-layout caches key on besides the Problem's own fields."""
+        return (self.page_size, self.num_pages, self.max_pages, self.table_rs, self.k_ps,
+                self.v_ps, self.host)
+
+    def with_table(self, block_table):
+        """These pages with another call's CuPy block table (a host table is part of the call's
+        signature by value: the checked copy stands)."""
+        if self.host:
+            return self
+        new = object.__new__(Pages)
+        new.__dict__.update(self.__dict__)
+        new.table = _device_table(block_table)
+        return new
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,6 +469,273 @@ def _check_kv_lens(fn, kv_lens, lead, Nk, lib):
     return np.ascontiguousarray(np.broadcast_to(arr.astype(np.int64), lead))
 
 
+# ---------------------------------------------------------------------------------------------
+# a paged KV cache
+
+MIN_PAGE_SIZE = 16
+MAX_PAGED_KEYS = 2**31 - 1  # max_pages * page_size: the kernels' key index is 32-bit there
+
+
+def _check_pages(fn, q, k, v, block_table, lib, device):
+    """The checks of a paged call's shapes and block table that need no values: q (B, H, Nq, Dk),
+    k and v page pools (num_pages, Hkv, page_size, D) with one page layout and a contiguous last
+    axis, block_table (B, max_pages) int32 / int64 of q's library (a NumPy table also serves
+    CuPy inputs). Returns Pages with the table not yet set (_checked_table sets it)."""
+    kind = _library(block_table)
+    if kind is None:
+        raise TypeError(f"{fn}: block_table must be a numpy.ndarray or cupy.ndarray of int32 or "
+                        f"int64, got {type(block_table).__name__}")
+    if kind == "cupy" and lib != "cupy":
+        raise TypeError(f"{fn}: block_table must be a numpy.ndarray for NumPy inputs, got a "
+                        "cupy.ndarray")
+    if kind == "cupy" and block_table.device.id != device:
+        raise ValueError(f"{fn}: all arrays must be on one device: q is on cuda device {device} "
+                         f"but block_table is on cuda device {block_table.device.id}")
+    if block_table.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{fn}: block_table must have dtype int32 or int64, got "
+                        f"{block_table.dtype}")
+    if q.ndim != 4:
+        raise ValueError(f"{fn}: with block_table, q must have shape (B, H, Nq, Dk), got "
+                         f"q.shape={q.shape}")
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{fn}: with block_table, {name} must be a page pool of shape "
+                             f"(num_pages, Hkv, page_size, D), got {name}.shape={x.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{fn}: k and v must hold the same pages (num_pages, Hkv, page_size), "
+                         f"got k.shape={k.shape} and v.shape={v.shape}")
+    num_pages, _, page_size = k.shape[:3]
+    if page_size < MIN_PAGE_SIZE:
+        raise ValueError(f"{fn}: the page size (axis 2 of k and v) must be at least "
+                         f"{MIN_PAGE_SIZE}, got k.shape={k.shape}")
+    B = q.shape[0]
+    if block_table.ndim != 2 or block_table.shape[0] != B:
+        raise ValueError(f"{fn}: block_table must have shape (B, max_pages) with B = "
+                         f"q.shape[0] = {B}, got block_table.shape={block_table.shape}")
+    max_pages = block_table.shape[1]
+    if max_pages * page_size > MAX_PAGED_KEYS:
+        raise ValueError(f"{fn}: max_pages * page_size must be below 2**31, got {max_pages} * "
+                         f"{page_size}")
+    if num_pages == 0 and max_pages > 0:
+        raise ValueError(f"{fn}: k and v hold no page (k.shape={k.shape}) but block_table has "
+                         f"{max_pages} columns")
+    for name, x in (("k", k), ("v", v)):
+        item = x.dtype.itemsize
+        if (x.shape[-1] > 1 and x.strides[-1] != item) or any(st % item for st in x.strides):
+            raise ValueError(f"{fn}: with block_table, {name}'s last axis must be contiguous "
+                             f"(a page pool is read in place, never copied), got "
+                             f"{name}.strides={x.strides}")
+    return Pages(table=None, page_size=int(page_size), num_pages=int(num_pages),
+                 max_pages=int(max_pages), table_rs=0, k_ps=element_strides(k)[0],
+                 v_ps=element_strides(v)[0], host=kind == "numpy")
+
+
+def _per_sequence_lens(kv_lens, B):
+    """With a block table kv_lens is per sequence, like block_table's rows: an int or (B,) (also
+    anything that broadcasts to (B, H) the plain way, (B, 1) for one); a (B,) array becomes the
+    (B, 1) that broadcasts to the leading dims (B, H). A view: no copy, no synchronization."""
+    if kv_lens is None or isinstance(kv_lens, numbers.Integral):
+        return kv_lens
+    shape = getattr(kv_lens, "shape", None)
+    if shape is None:
+        try:
+            shape = np.shape(kv_lens)
+        except Exception:  # ragged: _check_kv_lens names it
+            return kv_lens
+    if len(shape) == 1 and shape[0] == B:
+        return kv_lens.reshape(B, 1) if _library(kv_lens) else np.asarray(kv_lens).reshape(B, 1)
+    return kv_lens
+
+
+def _checked_table(fn, pages, block_table, kv_lens, lead):
+    """Pages with its table: a host table's entries that a sequence reads (its columns below
+    ceil(length / page_size), with the host kv_lens; every column with lengths on the device)
+    must lie in [0, num_pages) (ValueError); the others are never read and become 0 in the
+    int32 copy. A CuPy table is taken as it is (`_device_table`)."""
+    if not pages.host:
+        pages.table = _device_table(block_table)
+        pages.table_rs = int(pages.table.strides[0] // 4) if pages.table.shape[0] > 1 else 0
+        return pages
+    table = np.asarray(block_table).astype(np.int64)
+    B, max_pages, ps = table.shape[0], pages.max_pages, pages.page_size
+    if kv_lens is None:  # every column (also with lengths on the device: unknown here)
+        need = np.full(B, max_pages, dtype=np.int64)
+    else:
+        need = -(-np.asarray(kv_lens, dtype=np.int64).reshape(lead).max(axis=-1, initial=0)
+                 // ps)
+    read = np.arange(max_pages)[None, :] < need[:, None]
+    bad = read & ((table < 0) | (table >= pages.num_pages))
+    if bad.any():
+        b, c = (int(x[0]) for x in np.nonzero(bad))
+        raise ValueError(f"{fn}: block_table entries must lie in [0, num_pages) = [0, "
+                         f"{pages.num_pages}) where a sequence reads them, got block_table[{b}, "
+                         f"{c}] = {table[b, c]}")
+    pages.table = np.ascontiguousarray(np.where(read, table, 0).astype(np.int32))
+    pages.table.flags.writeable = False
+    pages.table_rs = max_pages
+    return pages
+
+
+_clamp_table = None
+
+
+def _device_table(block_table):
+    """A CuPy block table as the kernels read it: the caller's array when it is int32 with unit
+    column stride, else an int32 copy with every entry clamped to [0, 2**31 - 1] (one elementwise
+    kernel on the current stream: no synchronization). The readers clamp to the pages there is."""
+    if block_table is None:
+        return None
+    if block_table.dtype == np.int32 and (block_table.shape[1] <= 1
+                                          or block_table.strides[1] == 4) \
+            and block_table.strides[0] % 4 == 0:
+        return block_table
+    import cupy
+
+    global _clamp_table
+    if _clamp_table is None:
+        _clamp_table = cupy.ElementwiseKernel(
+            "T x", "int32 y", "y = x < T(0) ? 0 : (x > T(2147483647) ? 2147483647 : (int)x)",
+            "cuflash_clamp_table")
+    with block_table.device:
+        return _clamp_table(block_table, cupy.empty(block_table.shape, np.int32))
+
+
+@dataclass
+class Append:
+    """A checked paged_append: the pools and new rows as given, the table as the writers read it
+    (host: int64, checked where written; CuPy: `_device_table`), lens (B,) (host int64, or the
+    caller's CuPy values viewed as (B,))."""
+    xp: Any
+    k_pages: Any
+    v_pages: Any
+    k_new: Any
+    v_new: Any
+    table: Any
+    table_rs: int
+    lens: Any
+    B: int
+    n: int
+    hkv: int
+    page_size: int
+    num_pages: int
+    capacity: int
+
+
+def check_append(k_pages, v_pages, block_table, kv_lens, k_new, v_new, fn="paged_append"):
+    """Every check of paged_append's arguments (cuflash/_paged.py append writes them)."""
+    named = (("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new), ("v_new", v_new))
+    for name, x in named:
+        if x is None:
+            raise TypeError(f"{fn}: {name} must be an array, got None")
+    _check_array(fn, "k_pages", k_pages)
+    lib = _library(k_pages)
+    device = k_pages.device.id if lib == "cupy" else None
+    _check_same_family(fn, named[1:], "k_pages", lib, device)
+    names = supported_dtype_names()
+    if _dtype_name(k_pages.dtype) not in names:
+        raise TypeError(f"{fn}: k_pages must have dtype {', '.join(names)}, got "
+                        f"{k_pages.dtype}")
+    for name, x in named[1:]:
+        if x.dtype != k_pages.dtype:
+            raise TypeError(f"{fn}: {name} must have k_pages' dtype {k_pages.dtype}, got "
+                            f"{x.dtype}")
+    for name, x in named[:2]:
+        if x.ndim != 4:
+            raise ValueError(f"{fn}: {name} must be a page pool of shape (num_pages, Hkv, "
+                             f"page_size, D), got {name}.shape={x.shape}")
+    if k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"{fn}: k_pages and v_pages must hold the same pages (num_pages, Hkv, "
+                         f"page_size), got {k_pages.shape} and {v_pages.shape}")
+    num_pages, hkv, page_size = k_pages.shape[:3]
+    if page_size < MIN_PAGE_SIZE:
+        raise ValueError(f"{fn}: the page size (axis 2 of k_pages and v_pages) must be at least "
+                         f"{MIN_PAGE_SIZE}, got k_pages.shape={k_pages.shape}")
+    for name, x, pool in (("k_new", k_new, k_pages), ("v_new", v_new, v_pages)):
+        if x.ndim != 4 or x.shape[1] != hkv or x.shape[3] != pool.shape[3] \
+                or x.shape[:3:2] != k_new.shape[:3:2]:
+            raise ValueError(f"{fn}: {name} must have shape (B, Hkv, n, D) = (B, {hkv}, n, "
+                             f"{pool.shape[3]}) with k_new's B and n, got {name}.shape={x.shape}"
+                             f" (k_new.shape={k_new.shape})")
+    B, n = k_new.shape[0], k_new.shape[2]
+    kind = _library(block_table)
+    if kind is None:
+        raise TypeError(f"{fn}: block_table must be a numpy.ndarray or cupy.ndarray of int32 or "
+                        f"int64, got {type(block_table).__name__}")
+    if kind == "cupy" and lib != "cupy":
+        raise TypeError(f"{fn}: block_table must be a numpy.ndarray for NumPy pages, got a "
+                        "cupy.ndarray")
+    if kind == "cupy" and block_table.device.id != device:
+        raise ValueError(f"{fn}: all arrays must be on one device: k_pages is on cuda device "
+                         f"{device} but block_table is on cuda device {block_table.device.id}")
+    if block_table.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{fn}: block_table must have dtype int32 or int64, got "
+                        f"{block_table.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] != B:
+        raise ValueError(f"{fn}: block_table must have shape (B, max_pages) with B = "
+                         f"k_new.shape[0] = {B}, got block_table.shape={block_table.shape}")
+    capacity = block_table.shape[1] * page_size
+    if num_pages == 0 and capacity > 0:
+        raise ValueError(f"{fn}: k_pages holds no page but block_table has "
+                         f"{block_table.shape[1]} columns")
+    # kv_lens: where each sequence's new rows start; an int or (B,) (or (B, 1))
+    if kv_lens is None:
+        raise TypeError(f"{fn}: kv_lens must be an int or an array of B ints, got None")
+    if _library(kv_lens) == "cupy":
+        if lib != "cupy":
+            raise TypeError(f"{fn}: kv_lens must be an int, a sequence of ints or a "
+                            "numpy.ndarray for NumPy pages, got a cupy.ndarray")
+        if kv_lens.device.id != device:
+            raise ValueError(f"{fn}: all arrays must be on one device: k_pages is on cuda "
+                             f"device {device} but kv_lens is on cuda device "
+                             f"{kv_lens.device.id}")
+        if kv_lens.dtype == np.bool_ or not np.issubdtype(kv_lens.dtype, np.integer):
+            raise TypeError(f"{fn}: kv_lens must hold integers, got dtype {kv_lens.dtype}")
+        if kv_lens.size != B or kv_lens.ndim not in (1, 2) or kv_lens.shape[0] != B:
+            raise ValueError(f"{fn}: kv_lens must have shape (B,) or (B, 1) with B = {B}, got "
+                             f"kv_lens.shape={kv_lens.shape}")
+        lens, host_lens = kv_lens.reshape(B), None
+    else:
+        try:
+            arr = np.asarray(kv_lens)
+        except Exception:
+            raise TypeError(f"{fn}: kv_lens must be an int or an array of ints, got "
+                            f"{type(kv_lens).__name__}")
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{fn}: kv_lens must hold integers, got dtype {arr.dtype}")
+        if arr.ndim and (arr.size != B or arr.shape[0] != B or arr.ndim > 2):
+            raise ValueError(f"{fn}: kv_lens must be an int or have shape (B,) or (B, 1) with "
+                             f"B = {B}, got kv_lens.shape={arr.shape}")
+        host_lens = np.ascontiguousarray(np.broadcast_to(arr.reshape(-1), (B,))).astype(np.int64)
+        if B and (host_lens.min() < 0 or host_lens.max() + n > capacity):
+            raise ValueError(f"{fn}: kv_lens + n must lie in [0, max_pages * page_size] = "
+                             f"[0, {capacity}] (n = {n} new rows), got kv_lens from "
+                             f"{host_lens.min()} to {host_lens.max()}")
+        lens = host_lens
+    if kind == "numpy":
+        table = np.asarray(block_table).astype(np.int64)
+        if host_lens is None:
+            written = np.ones(table.shape, dtype=bool)
+        else:
+            cols = np.arange(table.shape[1])[None, :]
+            first = host_lens[:, None] // page_size
+            written = (cols >= first) & (cols * page_size < host_lens[:, None] + n) & (n > 0)
+        bad = written & ((table < 0) | (table >= num_pages))
+        if bad.any():
+            b, c = (int(x[0]) for x in np.nonzero(bad))
+            raise ValueError(f"{fn}: block_table entries must lie in [0, num_pages) = [0, "
+                             f"{num_pages}) where new rows are written, got block_table[{b}, {c}]"
+                             f" = {table[b, c]}")
+        table_rs = table.shape[1]
+        if lib == "cupy":
+            table = np.ascontiguousarray(np.where(written, table, 0).astype(np.int32))
+    else:
+        table = _device_table(block_table)
+        table_rs = int(table.strides[0] // 4) if table.shape[0] > 1 else 0
+    return Append(xp=_xp_of(lib), k_pages=k_pages, v_pages=v_pages, k_new=k_new, v_new=v_new,
+                  table=table, table_rs=table_rs, lens=lens, B=B, n=n, hkv=hkv,
+                  page_size=page_size, num_pages=num_pages, capacity=capacity)
+
+
 def _broadcasts_to(shape, target):
     if len(shape) > len(target):
         return False
@@ -485,8 +795,19 @@ def _sinks_key(sinks):
     return (type(sinks),) if _library(sinks) is None else _array_key(sinks)
 
 
+def _table_key(block_table):
+    """block_table's part of a signature: a host table by value (its entries are checked), a
+    CuPy one by its layout (its values stay on the device)."""
+    if block_table is None:
+        return None
+    if _library(block_table) == "cupy":
+        return ("cupy",) + _array_key(block_table)
+    arr = np.asarray(block_table)
+    return (type(block_table), arr.dtype, arr.shape, arr.tobytes())
+
+
 def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None,
-              precision=None, modifiers=None, sinks=None, alibi_slopes=None):
+              precision=None, modifiers=None, sinks=None, alibi_slopes=None, block_table=None):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
@@ -506,6 +827,7 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
                None if bias is None else _array_key(bias),
                _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
                _side_key(precision), _sinks_key(sinks), _alibi_key(alibi_slopes),
+               _table_key(block_table),
                tuple((n, _side_key(x)) for n, x in sorted((modifiers or {}).items())))
         hash(key)
     except (AttributeError, TypeError, ValueError):
@@ -531,21 +853,26 @@ _key_numbers = itertools.count(1)
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                  mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                 sinks=None, alibi_slopes=None, fn="attention", **modifiers):
+                 sinks=None, alibi_slopes=None, block_table=None, fn="attention", **modifiers):
     """Validate and normalize the arguments of ``fn`` (the public function, named in messages);
-    `modifiers`: the score transforms' keywords (cuflash/_modifiers.py, e.g. softcap=).
+    `modifiers`: the score transforms' keywords (cuflash/_modifiers.py, e.g. softcap=). With a
+    block_table, k and v are page pools (`_check_pages`) and the Problem says so (`pages`).
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
     key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
-                    precision, modifiers, sinks, alibi_slopes)
+                    precision, modifiers, sinks, alibi_slopes, block_table)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
-            return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes)
+            if known.pages is not None:
+                kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
+            return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes,
+                                     block_table)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                      precision=precision, sinks=sinks, alibi_slopes=alibi_slopes, fn=fn,
+                      precision=precision, sinks=sinks, alibi_slopes=alibi_slopes,
+                      block_table=block_table, fn=fn,
                       modifiers=modifiers)
     if key is not None:
         p.key = next(_key_numbers)
@@ -556,12 +883,14 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None
         bare.alibi = None
+        if p.pages is not None and not p.pages.host:
+            bare.pages = p.pages.with_table(None)  # no device table of the caller's
         _problems.build(key, lambda: bare)
     return p
 
 
 def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,
-                  precision, sinks, alibi_slopes, fn, modifiers):
+                  precision, sinks, alibi_slopes, block_table, fn, modifiers):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -570,6 +899,13 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     _check_same_family(fn, (("k", k), ("v", v), ("mask", mask), ("bias", bias)), "q", lib,
                        device)
     xp = _xp_of(lib)
+    # k's and v's shapes as the checks below read them: with pages, the keys' (B, Hkv, Nk, D)
+    kshape, vshape, pages = k.shape, v.shape, None
+    if block_table is not None:
+        pages = _check_pages(fn, q, k, v, block_table, lib, device)
+        B, Nk = q.shape[0], pages.max_pages * pages.page_size
+        kshape, vshape = (B, k.shape[1], Nk, k.shape[-1]), (B, v.shape[1], Nk, v.shape[-1])
+        kv_lens = _per_sequence_lens(kv_lens, B)
 
     names = supported_dtype_names()
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -593,17 +929,17 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
             f"{fn}: k and v must have the same number of keys (axis -2), got k.shape={k.shape} "
             f"and v.shape={v.shape}")
     Nq, Dk = q.shape[-2:]
-    Nk, Dv = v.shape[-2:]
+    Nk, Dv = vshape[-2:]
     for name, d in (("Dk (q.shape[-1])", Dk), ("Dv (v.shape[-1])", Dv)):
         if not 1 <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{fn}: head dim {name} must be in [1, {MAX_HEAD_DIM}], got {d}")
     # k and v describe the same keys: their leading dims broadcast against each other the plain
     # NumPy way (no grouping between them), and only then meet q's, with GQA on the head axis.
-    if not _plain_broadcast(k.shape[:-2], v.shape[:-2]):
+    if not _plain_broadcast(kshape[:-2], vshape[:-2]):
         raise ValueError(
             f"{fn}: the leading dims of k and v must broadcast against each other (on axis -3: "
             f"the same number of kv heads, or 1), got k.shape={k.shape} and v.shape={v.shape}")
-    lead = _broadcast.broadcast_lead((q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    lead = _broadcast.broadcast_lead((q.shape[:-2], kshape[:-2], vshape[:-2]))
     if lead is None:
         raise ValueError(
             f"{fn}: the leading dims of q, k and v must broadcast (on axis -3 k and v may "
@@ -634,10 +970,17 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                                   **modifiers)
     sinks_shape, sinks_dtype = _check_sinks(fn, sinks, lead, lib, device, acc_dtype)
 
+    if pages is not None:
+        pages = _checked_table(fn, pages, block_table, kv_lens, lead)
     given = (q, k, v)
-    q, k, v = (_innermost_contiguous(xp, x) for x in given)
+    q, k, v = (_innermost_contiguous(xp, x) for x in given)  # (page pools: checked unit stride)
     copied = any(a is not b for a, b in zip((q, k, v), given))
-    maps = [_broadcast.lead_offsets(lead, x.shape[:-2], element_strides(x)[:-2]) for x in (q, k, v)]
+    # with pages, the kv heads' offsets within a page: the batch axis reads stride 0 (the block
+    # table picks each sequence's pages)
+    layouts = [(q.shape[:-2], element_strides(q)[:-2])] + [
+        (shape[:-2], element_strides(x)[:-2] if pages is None else (0, element_strides(x)[1]))
+        for x, shape in ((k, kshape), (v, vshape))]
+    maps = [_broadcast.lead_offsets(lead, shape, strides) for shape, strides in layouts]
     return Problem(xp=xp, q=q, k=k, v=v, lead=lead, Nq=Nq, Nk=Nk, Dk=Dk, Dv=Dv, dtype=dtype,
                    acc_dtype=acc_dtype, scale=scale, causal=causal, bottom_right=bottom_right,
                    left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
@@ -645,7 +988,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    precision=precision, lens_device=lens_device, lens_map=lens_map,
                    transforms=transforms, sinks=_sinks_per_head(xp, q, sinks, lead),
                    sinks_shape=sinks_shape, sinks_dtype=sinks_dtype,
-                   alibi=_sinks_per_head(xp, q, alibi_slopes, lead))
+                   alibi=_sinks_per_head(xp, q, alibi_slopes, lead), pages=pages)
 
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):

@@ -1,8 +1,9 @@
 """The public functions: validate -> normalize -> dispatch (NumPy path or CUDA path)."""
 import numpy as np
 
-from . import _broadcast, _runtime, _sinks
-from ._validate import check_backward_inputs, check_flag, check_merge_inputs, make_problem
+from . import _broadcast, _paged, _runtime, _sinks
+from ._validate import (check_append, check_backward_inputs, check_flag, check_merge_inputs,
+                        make_problem)
 
 # Pieces shared by the docstrings of attention, attention_backward and attention_vjp; the loop at
 # the bottom of this file puts each in at its {name} line.
@@ -196,6 +197,8 @@ def _forward(problem):
         lse = xp.full(problem.lse_shape, -np.inf, dtype=problem.acc_dtype)
         joined = False
     else:
+        if problem.pages is not None:  # the decode kernels read the pages; elsewhere gathered
+            problem = _paged.resolve(problem)
         out, lse = _dispatch(problem).forward(problem)
         out, lse = out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
         joined = xp is not np  # cuflash._gpu.forward gives the softmax with the sinks
@@ -228,7 +231,7 @@ def _backward(problem, dout, out, lse, deterministic=False):
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
               bias=None, kv_lens=None, positions=None, precision=None, softcap=None, sinks=None,
-              alibi_slopes=None, return_lse=False):
+              alibi_slopes=None, block_table=None, return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
@@ -239,6 +242,25 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     ----------
 {qkv}
 {options}
+    block_table : int32 or int64 array of shape (B, max_pages), or None, default None
+        A paged KV cache: k and v are then page pools of shape (num_pages, Hkv, page_size, Dk)
+        and (num_pages, Hkv, page_size, Dv), q is (B, H, Nq, Dk), and key j of sequence b is
+        row j % page_size of page ``block_table[b, j // page_size]``, so the cache holds
+        Nk = max_pages * page_size keys per sequence (pages in any order, shared or not).
+        The pools are in cuflash's axis order, like k: a FlashAttention / vLLM cache of shape
+        (num_pages, page_size, Hkv, D) is passed as ``k_cache.swapaxes(1, 2)`` (and q as
+        ``q.swapaxes(1, 2)``), read in place; their last axis must be contiguous. page_size
+        >= 16, any value. kv_lens is then per sequence, like the table's rows: an int or
+        (B,) (FlashAttention's cache_seqlens; (B, 1) and (B, H) work too), None meaning every
+        page full. A NumPy table serves NumPy and CuPy inputs, and its entries that the lengths
+        reach (columns below ceil(kv_lens / page_size); every column with a CuPy kv_lens) must
+        lie in [0, num_pages); the others are never read. A CuPy table (with CuPy inputs) is
+        read on the device without a check, every entry clamped to [0, num_pages - 1] where it
+        is read, so no page outside the pools is ever read. The split-KV decode kernels
+        (Nq <= 16) read the pages in place; every other case (a longer prefill against the
+        cache, the NumPy path) first gathers the pages into contiguous keys, one copy per
+        call. Forward only: :func:`attention_backward` and :func:`attention_vjp` take no
+        block_table. None means k and v hold the keys themselves.
     return_lse : bool, default False
         Also return the log-sum-exp of each row's visible scaled (biased) logits, which
         :func:`attention_backward` and :func:`merge` take.
@@ -261,13 +283,20 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
 {type_errors}
         - return_lse is not a bool.
+        - block_table is not an int32 or int64 array, or is a cupy.ndarray with NumPy inputs.
     ValueError
         For a shape or value it does not accept, before any work is launched:
 
 {value_errors}
+        - With block_table: q is not 4-D; k or v is not (num_pages, Hkv, page_size, D) with
+          one (num_pages, Hkv, page_size) for both; page_size < 16; block_table is not
+          (B, max_pages) with q's B; max_pages * page_size >= 2**31; k or v has a last axis
+          that is not contiguous; a NumPy block_table holds an entry outside [0, num_pages)
+          where a sequence reads it.
 
     See Also
     --------
+    paged_append : Write new keys and values into a paged cache.
     attention_backward : The gradients, from out and lse.
     attention_vjp : Out and a function that gives the gradients.
     merge : Combine the results of two disjoint sets of keys.
@@ -358,7 +387,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     """
     return_lse = check_flag("return_lse", return_lse, "attention")
     with _runtime.graph_safe(q):
-        problem = make_problem(q, k, v, fn="attention", **_options(locals()))
+        problem = make_problem(q, k, v, fn="attention", block_table=block_table,
+                               **_options(locals()))
         out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
@@ -675,6 +705,75 @@ for _f in (attention, attention_backward, attention_vjp):
         _f.__doc__ = _f.__doc__.format(qkv=_QKV_DOC, options=_OPTIONS_DOC, notes=_NOTES_DOC,
                                        type_errors=_TYPE_ERRORS_DOC,
                                        value_errors=_VALUE_ERRORS_DOC)
+
+
+def paged_append(k_pages, v_pages, block_table, kv_lens, k_new, v_new):
+    """Write new keys and values into a paged KV cache, in place.
+
+    Row t of sequence b goes to the sequence's position p = kv_lens[b] + t: row p % page_size
+    of page ``block_table[b, p // page_size]``, in both pools (the layout of
+    ``attention(..., block_table=...)``). kv_lens is not advanced: add n to it afterwards
+    (``lens += n``) before the next attention call. FlashAttention's
+    ``flash_attn_with_kvcache(k=..., v=...)`` does the same append and leaves cache_seqlens too.
+
+    Parameters
+    ----------
+    k_pages : numpy.ndarray or cupy.ndarray, shape (num_pages, Hkv, page_size, Dk)
+        The key pages, written in place (any strides; page_size >= 16).
+    v_pages : numpy.ndarray or cupy.ndarray, shape (num_pages, Hkv, page_size, Dv)
+        The value pages, the same pages as k_pages.
+    block_table : int32 or int64 array, shape (B, max_pages)
+        Each sequence's pages, as for :func:`attention`. A NumPy table serves CuPy pools too; a
+        CuPy one only CuPy pools.
+    kv_lens : int, sequence of ints, int array, shape (B,) or (B, 1)
+        Where each sequence's new rows start (its current length). Host data is checked:
+        kv_lens >= 0 and kv_lens + n <= max_pages * page_size. A CuPy array (CuPy pools) is
+        read on the device (no synchronization); rows that would land outside
+        [0, max_pages * page_size) are then not written.
+    k_new : array, shape (B, Hkv, n, Dk)
+        The new keys, of k_pages' dtype and library (a (B, n, Hkv, D) array as
+        ``x.swapaxes(1, 2)``).
+    v_new : array, shape (B, Hkv, n, Dv)
+        The new values.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        An argument is not an array of the pools' library (kv_lens: host data or a CuPy array
+        with CuPy pools), the dtypes differ or are not float16, bfloat16, float32, float64,
+        block_table is not int32 / int64, kv_lens does not hold integers.
+    ValueError
+        The shapes do not fit each other (pools (num_pages, Hkv, page_size, D) with
+        page_size >= 16, new rows (B, Hkv, n, D), block_table (B, max_pages), kv_lens B
+        values), arrays on different devices, host kv_lens outside [0, capacity - n], or a
+        NumPy block_table entry outside [0, num_pages) where rows are written.
+
+    Notes
+    -----
+    On CuPy pools it is one elementwise kernel per pool on the current stream, capturable in a
+    CUDA graph with a CuPy block_table and kv_lens. A CuPy table's entries are clamped to
+    [0, num_pages - 1], as attention reads them. Sequences that share a page must not append
+    into it in one call (their writes would race).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> k_pages = np.zeros((4, 1, 16, 2), np.float32)   # 4 pages of 16 rows, 1 kv head, D = 2
+    >>> v_pages = np.zeros((4, 1, 16, 2), np.float32)
+    >>> table = np.array([[2, 0], [3, 1]], np.int32)   # sequence 0: pages 2, 0; 1: pages 3, 1
+    >>> new = np.ones((2, 1, 3, 2), np.float32)        # 3 new rows per sequence
+    >>> cuflash.paged_append(k_pages, v_pages, table, [15, 0], new, new)
+    >>> k_pages[2, 0, 15, 0], k_pages[0, 0, :2, 0], k_pages[3, 0, :3, 0]
+    (np.float32(1.0), array([1., 1.], dtype=float32), array([1., 1., 1.], dtype=float32))
+    """
+    a = check_append(k_pages, v_pages, block_table, kv_lens, k_new, v_new, fn="paged_append")
+    with _runtime.graph_safe(k_pages):
+        _paged.append(a)
 
 
 def release_graph_memory():

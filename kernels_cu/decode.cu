@@ -581,14 +581,15 @@ struct DecodeItem {
   long long tile_id, item, k0, k1, g, tile, first;
   int n_items;
 };
+template <int COLS = ITEM_COLS>
 __device__ __forceinline__ DecodeItem read_item(const long long* __restrict__ items,
                                                 const long long* __restrict__ tiles,
                                                 long long launch_row) {
   DecodeItem it;
-  it.tile_id = items[ITEM_COLS * launch_row];
-  it.k0 = items[ITEM_COLS * launch_row + 1];
-  it.k1 = items[ITEM_COLS * launch_row + 2];
-  it.item = items[ITEM_COLS * launch_row + 3];
+  it.tile_id = items[COLS * launch_row];
+  it.k0 = items[COLS * launch_row + 1];
+  it.k1 = items[COLS * launch_row + 2];
+  it.item = items[COLS * launch_row + 3];
   it.g = tiles[4 * it.tile_id];
   it.tile = tiles[4 * it.tile_id + 1];
   it.first = tiles[4 * it.tile_id + 2];
@@ -596,13 +597,56 @@ __device__ __forceinline__ DecodeItem read_item(const long long* __restrict__ it
   return it;
 }
 
+// Paged K/V (cuflash/_paged.py): the kernels' `Pages` argument. NoPages: k and v hold each kv
+// head's keys as rows of stride k_rs / v_rs (the offsets table gives the head's first row).
+// PagedKV: key j of the block's sequence is row j % page_size of page table[j / page_size] (a
+// shift where page_size is a power of two), the page clamped to [0, last_page] (a CuPy table is
+// never checked on the host); the offsets table then gives the kv head's offset within a page,
+// and the items table carries a 7th column, the sequence's row offset in the block table.
+struct NoPages {
+  static constexpr bool PAGED = false;
+  static constexpr int ITEM_COLS = ::ITEM_COLS;
+};
+struct KeyAt {
+  long long k, v;  // the key row's offsets in the k and v pools (elements)
+};
+struct PagedKV {
+  static constexpr bool PAGED = true;
+  static constexpr int ITEM_COLS = ::ITEM_COLS + 1;
+  const int* __restrict__ table;
+  long long k_ps, v_ps;  // page strides (elements)
+  int page_size, page_shift, last_page;  // page_shift: log2(page_size), or -1
+  // The page of key j (< 2^31) of the sequence whose block-table row is `row`.
+  __device__ __forceinline__ int page(const int* row, int j) const {
+    const int p = __ldg(row + (page_shift >= 0 ? j >> page_shift : j / page_size));
+    return p < 0 ? 0 : (p > last_page ? last_page : p);
+  }
+  // The pools' offsets of key j on its page.
+  __device__ __forceinline__ KeyAt offsets(int page, int j, long long k_rs,
+                                           long long v_rs) const {
+    const int r = page_shift >= 0 ? j & (page_size - 1) : j % page_size;
+    return KeyAt{page * k_ps + r * k_rs, page * v_ps + r * v_rs};
+  }
+  __device__ __forceinline__ KeyAt at(const int* row, int j, long long k_rs,
+                                      long long v_rs) const {
+    return offsets(page(row, j), j, k_rs, v_rs);
+  }
+};
+// The paged kernels' trailing parameters, and PagedKV from them.
+#define DECODE_PAGED_PARAMS                                                                  \
+  const int* __restrict__ page_table, long long k_page_stride, long long v_page_stride,      \
+      int page_size, int page_shift, int num_pages
+#define DECODE_PAGED_ARG                                                                     \
+  PagedKV { page_table, k_page_stride, v_page_stride, page_size, page_shift, num_pages - 1 }
+
 // SIMT split kernel (every dtype, head dims <= 256, masks and bias, the score transform F in
 // natural units): DECODE_WARPS warps stream disjoint warp chunks of keys from global memory into a
-// register double buffer (see the header).
+// register double buffer (see the header). The body of decode_split and decode_split_paged.
 template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
-          typename F = NoTransform>
-__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __restrict__ mod_table) {
+          typename F, typename Pages>
+__device__ __forceinline__ void decode_split_body(DECODE_SPLIT_PARAMS, double mod0, double mod1,
+                                                  const double* __restrict__ mod_table,
+                                                  const Pages pg) {
   __shared__ DecodeRow rows[ROWS];
   __shared__ Acc red_acc[DECODE_WARPS][ROWS][HEAD_DIM];
   __shared__ Acc red_m[DECODE_WARPS][ROWS], red_l[DECODE_WARPS][ROWS];
@@ -617,7 +661,7 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __rest
   constexpr bool NATURAL = HAS_MB || !F::IDENTITY;
   const F xf = F::make(FLAT_MOD_ARGS, 0, Acc(1));  // the score transform, natural units
 
-  const DecodeItem it = read_item(items, tiles, blockIdx.x);
+  const DecodeItem it = read_item<Pages::ITEM_COLS>(items, tiles, blockIdx.x);
   const long long bh0 = groups[it.g * G];  // every group's first member exists
   const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
   setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
@@ -655,6 +699,8 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __rest
   }
   const T* kh = k + offsets[1 * BH + bh0];
   const T* vh = v + offsets[2 * BH + bh0];
+  const int* trow = nullptr;  // paged: the sequence's block-table row
+  if constexpr (Pages::PAGED) trow = pg.table + items[Pages::ITEM_COLS * blockIdx.x + 6];
 
   // Per-row state (DESIGN.md "Empty state"), per key slot: the online softmax (m = -inf, l = 0)
   // and acc = 0; with mask / bias also vis (bit r: row r has seen a visible key; m and l cannot
@@ -675,6 +721,21 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __rest
   // Load the warp chunk starting at key `base`; keys past bhi and columns past Dk / Dv read 0.
   auto load = [&](Frag& f, long long base) {
     const long long j = base + slot;
+    if constexpr (Pages::PAGED) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool ok = j + u * KPL <= bhi;
+        // the key's page and row (no table read past bhi)
+        const KeyAt a = ok ? pg.at(trow, static_cast<int>(j + u * KPL), k_rs, v_rs) : KeyAt{0, 0};
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+          const int col = (n * LK + t) * VEC;
+          f.k[u][n] = load_vec<T, ALIGNED>(kh + a.k, col, Dk, ok);
+          f.v[u][n] = load_vec<T, ALIGNED>(vh + a.v, col, Dv, ok);
+        }
+      }
+      return;
+    }
     const T* krow = kh + j * k_rs;
     const T* vrow = vh + j * v_rs;
 #pragma unroll
@@ -828,6 +889,29 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __rest
                                      it.tile_id, it.first, it.n_items, Nq, Dv, fused);
 }
 
+#define DECODE_SPLIT_ARGS                                                                    \
+  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
+      q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,    \
+      right, bottom_right, fused
+
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
+          typename F = NoTransform>
+__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
+decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __restrict__ mod_table) {
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_SPLIT_ARGS, mod0, mod1,
+                                                                 mod_table, NoPages{});
+}
+
+// decode_split on a paged KV cache (k, v the page pools).
+template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
+          typename F = NoTransform>
+__global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
+decode_split_paged(DECODE_SPLIT_PARAMS, double mod0, double mod1,
+                   const double* __restrict__ mod_table, DECODE_PAGED_PARAMS) {
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_SPLIT_ARGS, mod0, mod1,
+                                                                 mod_table, DECODE_PAGED_ARG);
+}
+
 // decode_tc's stage copy: keys [row0, row0 + ROWS) of a (row stride rs) matrix into padded shared
 // rows (HEAD_DIM + 8 elements), 16 bytes per cp.async with a 128-byte L2 prefetch hint (faster
 // than none or 256 bytes); keys >= limit become zeros.
@@ -849,6 +933,57 @@ __device__ __forceinline__ void cp_keys(unsigned dst, const T* __restrict__ src,
     const int n = ok ? 16 : 0;
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
                  ::"r"(d + it * RPI * ROW_BYTES), "l"(g), "r"(n) : "memory");
+  }
+}
+
+// cp_keys for K and V of a paged cache at once: key row j's page (one table read per row, shared
+// by K and V) from pg; rows >= limit become zeros and read no table entry.
+// Split in two, so that decode_tc can read the table for its next stage before it waits for the
+// current one (the reads' latency then hides behind that wait): `PageRows::lookup` reads this
+// thread's rows' pages, `cp_keys_paged` issues the copies.
+template <int ROWS, int HEAD_DIM>
+struct PageRows {
+  static constexpr int RPI = DECODE_THREADS / (HEAD_DIM / 8);  // rows per copy instruction
+  static constexpr int N = ROWS / RPI;                         // this thread's rows
+  int page[N];
+  __device__ __forceinline__ void lookup(const PagedKV& pg, const int* __restrict__ trow,
+                                         int row0, int limit) {
+    const int r_thr = threadIdx.x / (HEAD_DIM / 8);
+    const int rem = limit - row0 - r_thr;
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
+      const int j = row0 + r_thr + it * RPI;
+      page[it] = it * RPI < rem ? pg.page(trow, j) : 0;
+    }
+  }
+};
+
+template <int ROWS, int HEAD_DIM, typename T>
+__device__ __forceinline__ void cp_keys_paged(unsigned dst_k, unsigned dst_v,
+                                              const T* __restrict__ k, const T* __restrict__ v,
+                                              long long k_rs, long long v_rs, int row0,
+                                              int limit, const PagedKV& pg,
+                                              const PageRows<ROWS, HEAD_DIM>& pr) {
+  constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+  constexpr int ROW_BYTES = (HEAD_DIM + 8) * 2;
+  constexpr int RPI = DECODE_THREADS / CPR;
+  static_assert(DECODE_THREADS % CPR == 0 && ROWS % RPI == 0, "cp_keys: rows must divide the block");
+  const int r_thr = threadIdx.x / CPR, c_thr = threadIdx.x % CPR;
+  const unsigned d = r_thr * ROW_BYTES + c_thr * 16;
+  const int rem = limit - row0 - r_thr;  // copy `it` reads a real row iff it * RPI < rem
+#pragma unroll
+  for (int it = 0; it < ROWS / RPI; ++it) {
+    const bool ok = it * RPI < rem;
+    const KeyAt at = pg.offsets(pr.page[it], row0 + r_thr + it * RPI, k_rs, v_rs);
+    const void* gk = ok ? static_cast<const void*>(k + at.k + c_thr * 8)
+                        : static_cast<const void*>(k);
+    const void* gv = ok ? static_cast<const void*>(v + at.v + c_thr * 8)
+                        : static_cast<const void*>(v);
+    const int n = ok ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
+                 ::"r"(dst_k + d + it * RPI * ROW_BYTES), "l"(gk), "r"(n) : "memory");
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
+                 ::"r"(dst_v + d + it * RPI * ROW_BYTES), "l"(gv), "r"(n) : "memory");
   }
 }
 
@@ -880,19 +1015,26 @@ __device__ __forceinline__ long long snake_row(int round, int b, int grid) {
   return static_cast<long long>(round) * grid + ((round & 1) ? grid - 1 - b : b);
 }
 
-template <typename T, int HEAD_DIM, int KW, int MINB, typename F = NoTransform>
-__global__ void __launch_bounds__(DECODE_THREADS, MINB)
-decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-          T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,
-          float* __restrict__ ws_ml, unsigned* __restrict__ counters,
-          const long long* __restrict__ offsets, const long long* __restrict__ lens,
-          const long long* __restrict__ groups, const long long* __restrict__ tiles,
-          const long long* __restrict__ items, const unsigned char* __restrict__ mask,
-          const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,
-          long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,
-          int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,
-          int fused, int n_launch, int device_lens, double mod0, double mod1,
-          const double* __restrict__ mod_table) {
+#define DECODE_TC_PARAMS                                                                     \
+  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
+      T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,              \
+      float* __restrict__ ws_ml, unsigned* __restrict__ counters,                            \
+      const long long* __restrict__ offsets, const long long* __restrict__ lens,             \
+      const long long* __restrict__ groups, const long long* __restrict__ tiles,             \
+      const long long* __restrict__ items, const unsigned char* __restrict__ mask,           \
+      const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,        \
+      long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
+      int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,     \
+      int fused, int n_launch, int device_lens, double mod0, double mod1,                    \
+      const double* __restrict__ mod_table
+#define DECODE_TC_ARGS                                                                       \
+  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
+      q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,    \
+      right, bottom_right, fused, n_launch, device_lens, mod0, mod1, mod_table
+
+// The body of decode_tc and decode_tc_paged.
+template <typename T, int HEAD_DIM, int KW, int MINB, typename F, typename Pages>
+__device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg) {
   using namespace tc;
   constexpr int ROWS = 16;
   constexpr int BK = KW * DECODE_WARPS;           // keys per stage
@@ -927,10 +1069,30 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   // piece of the host's extent of the tile (the union of its rows' visible ranges: no key is read
   // in vain; one that some row does not see is masked below like any other); keys >= limit (k1)
   // are zero-filled by cp_keys.
-  auto request = [&](int gs, long long koff, long long voff, int key0, int limit) {
+  // Paged: `toff` is the sequence's row offset in the block table (items' 7th column).
+  constexpr int COLS = Pages::ITEM_COLS;
+  PageRows<BK, HEAD_DIM> pre;  // paged: the next stage's pages, read ahead (see the loop)
+  auto request_paged = [&](int gs, long long koff, long long voff, int key0, int limit) {
+    if constexpr (Pages::PAGED) {
+      const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
+      cp_keys_paged<BK, HEAD_DIM>(slot, slot + TILE_BYTES, k + koff, v + voff, k_rs, v_rs, key0,
+                                  limit, pg, pre);
+    }
+  };
+  auto request = [&](int gs, long long koff, long long voff, long long toff, int key0,
+                     int limit) {
     const u32 slot = sRing + (gs & 1) * SLOT_BYTES;
-    cp_keys<BK, HEAD_DIM>(slot, k + koff, k_rs, key0, limit);
-    cp_keys<BK, HEAD_DIM>(slot + TILE_BYTES, v + voff, v_rs, key0, limit);
+    if constexpr (Pages::PAGED) {
+      pre.lookup(pg, pg.table + toff, key0, limit);
+      request_paged(gs, koff, voff, key0, limit);
+    } else {
+      cp_keys<BK, HEAD_DIM>(slot, k + koff, k_rs, key0, limit);
+      cp_keys<BK, HEAD_DIM>(slot + TILE_BYTES, v + voff, v_rs, key0, limit);
+    }
+  };
+  auto table_row = [&](const long long* ir) -> long long {  // 0 unpaged: never read
+    if constexpr (Pages::PAGED) return ir[6];
+    return 0;
   };
   auto stages_of = [](long long k0, long long k1) {
     return k1 > k0 ? static_cast<int>((k1 - k0 - 1) / BK + 1) : 0;
@@ -939,7 +1101,7 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   // the host planned for Nk keys) stops at the row tile's length too, so that no key past it is
   // read (it may hold NaN).
   auto item_end = [&](long long launch_row) -> long long {
-    const long long* ir = items + ITEM_COLS * launch_row;
+    const long long* ir = items + COLS * launch_row;
     return device_lens ? min(ir[2], lens[groups[tiles[4 * ir[0]] * G]]) : ir[2];
   };
 
@@ -949,29 +1111,32 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   // its latency hides the set-up below.
   int base = 0;  // stream number of the current item's first stage
   {
-    const long long* ir = items + ITEM_COLS * row;
+    const long long* ir = items + COLS * row;
     const long long end = item_end(row);
-    if (end > ir[1]) request(0, ir[4], ir[5], static_cast<int>(ir[1]), static_cast<int>(end));
+    if (end > ir[1])
+      request(0, ir[4], ir[5], table_row(ir), static_cast<int>(ir[1]), static_cast<int>(end));
     cp_async_commit();
   }
   DECODE_MARK(1);
 
   for (int round = 0;; ++round) {
-    const DecodeItem it = read_item(items, tiles, row);
-    const long long koff = items[ITEM_COLS * row + 4], voff = items[ITEM_COLS * row + 5];
+    const DecodeItem it = read_item<COLS>(items, tiles, row);
+    const long long koff = items[COLS * row + 4], voff = items[COLS * row + 5];
+    const long long toff = table_row(items + COLS * row);
     const int blo = static_cast<int>(it.k0);
     const int k1 = static_cast<int>(item_end(row));
     const int n_own = stages_of(it.k0, k1);
     // The next item: its first stage is requested in this item's last stage.
     const long long next = snake_row(round + 1, blockIdx.x, gridDim.x);
     const bool has_next = next < n_launch;
-    long long nk0 = 0, nk1 = 0, nkoff = 0, nvoff = 0;
+    long long nk0 = 0, nk1 = 0, nkoff = 0, nvoff = 0, ntoff = 0;
     if (has_next) {
-      const long long* nr = items + ITEM_COLS * next;
+      const long long* nr = items + COLS * next;
       nk0 = nr[1];
       nk1 = item_end(next);
       nkoff = nr[4];
       nvoff = nr[5];
+      ntoff = table_row(nr);
     }
 
     const long long bh0 = groups[it.g * G];
@@ -1012,14 +1177,29 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     // Stage n of the item: its first key `key` (keys >= k1 are zero-filled).
     int n = 0, key = blo;
     for (bool more = n_own > 0; more; ++n) {
+      if constexpr (Pages::PAGED) {  // the next request's pages, read before the wait below
+        if (n + 1 < n_own)
+          pre.lookup(pg, pg.table + toff, key + BK, k1);
+        else if (has_next && nk1 > nk0)
+          pre.lookup(pg, pg.table + ntoff, static_cast<int>(nk0), static_cast<int>(nk1));
+      }
       cp_async_wait<0>();
       __syncthreads();  // stage n landed for everyone; everyone finished stage n - 1
       if (round == 0 && n == 0) DECODE_MARK(2);
       more = n + 1 < n_own;
-      if (more)
-        request(base + n + 1, koff, voff, key + BK, k1);
-      else if (has_next && nk1 > nk0)  // the last stage: the next item's first
-        request(base + n + 1, nkoff, nvoff, static_cast<int>(nk0), static_cast<int>(nk1));
+      if constexpr (Pages::PAGED) {
+        if (more)
+          request_paged(base + n + 1, koff, voff, key + BK, k1);
+        else if (has_next && nk1 > nk0)
+          request_paged(base + n + 1, nkoff, nvoff, static_cast<int>(nk0),
+                        static_cast<int>(nk1));
+      } else {
+        if (more)
+          request(base + n + 1, koff, voff, toff, key + BK, k1);
+        else if (has_next && nk1 > nk0)  // the last stage: the next item's first
+          request(base + n + 1, nkoff, nvoff, ntoff, static_cast<int>(nk0),
+                  static_cast<int>(nk1));
+      }
       cp_async_commit();
       const int j0 = key + warp * KW;  // this warp's first key
       if (j0 < k1) {                   // warp-uniform: else nothing of this stage for it
@@ -1116,7 +1296,8 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
     base += n;
     row = next;
     if (n == 0) {  // nothing requested the next item's first stage yet
-      if (nk1 > nk0) request(base, nkoff, nvoff, static_cast<int>(nk0), static_cast<int>(nk1));
+      if (nk1 > nk0)
+        request(base, nkoff, nvoff, ntoff, static_cast<int>(nk0), static_cast<int>(nk1));
       cp_async_commit();
     }
   }
@@ -1127,4 +1308,16 @@ decode_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict_
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   DECODE_MARK(5, smid);
 #endif
+}
+
+template <typename T, int HEAD_DIM, int KW, int MINB, typename F = NoTransform>
+__global__ void __launch_bounds__(DECODE_THREADS, MINB) decode_tc(DECODE_TC_PARAMS) {
+  decode_tc_body<T, HEAD_DIM, KW, MINB, F>(DECODE_TC_ARGS, NoPages{});
+}
+
+// decode_tc on a paged KV cache (k, v the page pools).
+template <typename T, int HEAD_DIM, int KW, int MINB, typename F = NoTransform>
+__global__ void __launch_bounds__(DECODE_THREADS, MINB)
+decode_tc_paged(DECODE_TC_PARAMS, DECODE_PAGED_PARAMS) {
+  decode_tc_body<T, HEAD_DIM, KW, MINB, F>(DECODE_TC_ARGS, DECODE_PAGED_ARG);
 }
