@@ -76,7 +76,7 @@ def gather(p):
     new.k, new.v, new.pages, new.copied = k, v, None, False
     new.k_map, new.v_map = (_broadcast.lead_offsets(p.lead, x.shape[:-2], element_strides(x)[:-2])
                             for x in (k, v))
-    new.key = None if p.key is None else p.key + ("gathered",)
+    new.key = None if p.key is None else (p.key, "gathered")
     return new
 
 
