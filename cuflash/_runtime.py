@@ -441,6 +441,7 @@ class Launch:
                                  dtype=np.uint64)
         base = self.buf.ctypes.data
         self.pointers = np.array([base + off for _, off, _ in self.layout], dtype=np.uint64)
+        self.params = self.pointers.ctypes.data  # (a ctypes view per access costs a microsecond)
         self.slots = tuple((i, off // 8, mp) for i, off, mp in self.layout
                            if mp is not None and mp != "struct")
         self.bytes = self.buf.view(np.uint8)
@@ -476,7 +477,7 @@ class Launch:
                     self.bytes[start:end] = np.frombuffer(args[i].tobytes(), dtype=np.uint8)
                     self.written[n] = args[i]
             cupy.cuda.driver.launchKernel(self.func, *self.grid, *self.block, self.shared_mem,
-                                          stream, self.pointers.ctypes.data, 0)
+                                          stream, self.params, 0)
 
 
 def bh_grid(tiles, BH):

@@ -102,3 +102,23 @@ def test_no_signature_for_device_lengths_or_odd_arguments(rng):
     assert _validate.signature([1], k, v, *args, None, None, None, None, "attention") is None
     assert _validate.signature(q, k, v, *args, iter([1, 2]), None, None, None, "attention") is None
     assert _validate.signature(q, k, v, *args, ([1], 2), None, None, None, "attention") is None
+
+
+def test_launch_packs_numbers_and_structs_at_their_alignment():
+    """_runtime.Launch's parameter buffer lays each argument out as the kernel's C parameters are
+    (natural alignment; structs on 16 bytes) and refuses what it cannot pass."""
+    from cuflash import _runtime
+
+    a = np.zeros((), dtype=_runtime.ARGS_DTYPE)
+    a["Nq"] = 7
+    args = (np.int32(3), np.float64(2.5), np.int32(-1), a[()], np.uint64(9))
+    packed, layout = _runtime.Launch._layout(args)
+    offsets = [off for _, off, _ in layout]
+    assert offsets[:3] == [0, 8, 16]
+    assert offsets[3] % 16 == 0 and offsets[3] >= 20
+    assert offsets[4] == offsets[3] + _runtime.ARGS_DTYPE.itemsize
+    assert [kind for *_, kind in layout] == [None, None, None, "struct", None]
+    assert np.frombuffer(packed[8:16], np.float64)[0] == 2.5
+    assert packed[offsets[3]:offsets[4]] == a.tobytes()
+    with pytest.raises(TypeError, match="kernel argument 1"):
+        _runtime.Launch._layout((np.int32(1), 5))
