@@ -391,6 +391,9 @@ def ptr(a):
 # Set by the tests (tests/conftest.py): every Launch call re-packs its layout's parameters and
 # checks them against the first call's.
 CHECK_LAUNCHES = os.environ.get("CUFLASH_CHECK_LAUNCHES", "") not in ("", "0")
+# CUFLASH_PACKED_LAUNCH=0: every Launch goes through CuPy's RawKernel call instead (the same
+# arguments, converted on each call)
+PACKED_LAUNCH = os.environ.get("CUFLASH_PACKED_LAUNCH", "1") not in ("", "0")
 
 
 class Launch:
@@ -463,6 +466,9 @@ class Launch:
     def __call__(self, args):
         import cupy
 
+        if not PACKED_LAUNCH:
+            self.kern(self.grid, self.block, args, shared_mem=self.shared_mem)
+            return
         stream = cupy.cuda.get_current_stream().ptr
         with self.lock:
             if self.slots is None:
