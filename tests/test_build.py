@@ -39,7 +39,8 @@ def _usage(filename, arch):
 def test_instantiation_table_is_complete():
     kernels = {k for k, *_ in INSTANTIATIONS}
     assert kernels == {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "fwd_mma", "fwd_wgmma", "fwd_wide", "bwd_wide_dkdv", "bwd_wide_dq",
-                       "decode_split", "fwd_lost_rows", "decode_tc", "bwd_mma_prep", "bwd_mma_dkdv",
+                       "decode_split", "decode_split_paged", "fwd_lost_rows", "decode_tc",
+                       "decode_tc_paged", "bwd_mma_prep", "bwd_mma_dkdv",
                        "bwd_mma_dkdv_grid", "bwd_mma_dq",
                        "bwd_lost_rows", "bwd_lost_keys", "mask_tile_classes",
                        "sink_join_rows", "sink_row_dot"}
