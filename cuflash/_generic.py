@@ -234,10 +234,13 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
                                 threads),
                 np.float64(_config.lost_lse_limit(lse.dtype)))
 
-    key = None if p.key is None else (p.key, dk.dtype, lse.dtype)
+    prewritten = flags is not None  # by the tensor-core preprocess; else written from lse here
+    # (prewritten is in the key: one signature's backward may run on the tensor cores, which
+    # write the flags, and on a path that does not, when its arrays' alignment changes; the
+    # Launch keeps its numbers)
+    key = None if p.key is None else (p.key, dk.dtype, lse.dtype, prewritten)
     rows, keys, lost = _lost_plans.build(key, plan)
     stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
-    prewritten = flags is not None  # by the tensor-core preprocess; else written from lse here
     if flags is None:
         flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
