@@ -353,18 +353,27 @@ def _check_sinks(fn, sinks, lead, lib, device, acc_dtype):
         return None, None
     if isinstance(sinks, numbers.Real) and not isinstance(sinks, (bool, np.bool_)):
         return (), acc_dtype
-    if _library(sinks) is None:
-        raise TypeError(f"{fn}: sinks must be a real number or a numpy.ndarray or cupy.ndarray "
-                        f"of real numbers, got {type(sinks).__name__}")
-    _check_same_family(fn, (("sinks", sinks),), "q", lib, device)
-    floating = _dtype_name(sinks.dtype) in supported_dtype_names()
-    if not floating and (sinks.dtype == np.bool_ or not np.issubdtype(sinks.dtype, np.integer)):
-        raise TypeError(f"{fn}: sinks must hold real numbers (an integer dtype or "
-                        f"{', '.join(supported_dtype_names())}), got dtype {sinks.dtype}")
-    if not _broadcasts_to(sinks.shape, lead):
-        raise ValueError(f"{fn}: sinks must broadcast to the leading dims {lead} (one sink per "
-                         f"head: (H,) for (B, H, N, D) inputs), got sinks.shape={sinks.shape}")
+    floating = _check_per_head(fn, "sinks", sinks, lead, lib, device,
+                               "(one sink per head: (H,) for (B, H, N, D) inputs)")
     return tuple(sinks.shape), np.dtype(sinks.dtype) if floating else acc_dtype
+
+
+def _check_per_head(fn, name, x, lead, lib, device, per_head):
+    """A per-head array option (sinks, alibi_slopes): of q's library, of real numbers,
+    broadcastable to the leading dims (`per_head` says how, in the message); returns whether its
+    dtype is a float one."""
+    if _library(x) is None:
+        raise TypeError(f"{fn}: {name} must be a real number or a numpy.ndarray or cupy.ndarray "
+                        f"of real numbers, got {type(x).__name__}")
+    _check_same_family(fn, ((name, x),), "q", lib, device)
+    floating = _dtype_name(x.dtype) in supported_dtype_names()
+    if not floating and (x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer)):
+        raise TypeError(f"{fn}: {name} must hold real numbers (an integer dtype or "
+                        f"{', '.join(supported_dtype_names())}), got dtype {x.dtype}")
+    if not _broadcasts_to(x.shape, lead):
+        raise ValueError(f"{fn}: {name} must broadcast to the leading dims {lead} {per_head}, "
+                         f"got {name}.shape={x.shape}")
+    return floating
 
 
 def _check_alibi(fn, slopes, lead, lib, device):
@@ -378,18 +387,8 @@ def _check_alibi(fn, slopes, lead, lib, device):
         if not math.isfinite(float(slopes)):
             raise ValueError(f"{fn}: alibi_slopes must be finite, got {slopes!r}")
         return True
-    if _library(slopes) is None:
-        raise TypeError(f"{fn}: alibi_slopes must be a real number or a numpy.ndarray or "
-                        f"cupy.ndarray of real numbers, got {type(slopes).__name__}")
-    _check_same_family(fn, (("alibi_slopes", slopes),), "q", lib, device)
-    floating = _dtype_name(slopes.dtype) in supported_dtype_names()
-    if not floating and (slopes.dtype == np.bool_ or not np.issubdtype(slopes.dtype, np.integer)):
-        raise TypeError(f"{fn}: alibi_slopes must hold real numbers (an integer dtype or "
-                        f"{', '.join(supported_dtype_names())}), got dtype {slopes.dtype}")
-    if not _broadcasts_to(slopes.shape, lead):
-        raise ValueError(f"{fn}: alibi_slopes must broadcast to the leading dims {lead} (one "
-                         f"slope per head: (H,) for (B, H, N, D) inputs, or (B, H)), got "
-                         f"alibi_slopes.shape={slopes.shape}")
+    floating = _check_per_head(fn, "alibi_slopes", slopes, lead, lib, device,
+                               "(one slope per head: (H,) for (B, H, N, D) inputs, or (B, H))")
     if isinstance(slopes, np.ndarray) and floating:
         bad = ~np.isfinite(slopes.astype(np.float64))
         if bad.any():
@@ -476,24 +475,31 @@ MIN_PAGE_SIZE = 16
 MAX_PAGED_KEYS = 2**31 - 1  # max_pages * page_size: the kernels' key index is 32-bit there
 
 
-def _check_pages(fn, q, k, v, block_table, lib, device):
-    """The checks of a paged call's shapes and block table that need no values: q (B, H, Nq, Dk),
-    k and v page pools (num_pages, Hkv, page_size, D) with one page layout and a contiguous last
-    axis, block_table (B, max_pages) int32 / int64 of q's library (a NumPy table also serves
-    CuPy inputs). Returns Pages with the table not yet set (_checked_table sets it)."""
+def _check_table_kind(fn, block_table, lib, device, first, inputs):
+    """block_table's type, library, device and dtype (of the arrays `inputs`, whose device is
+    `first`'s); returns its library."""
     kind = _library(block_table)
     if kind is None:
         raise TypeError(f"{fn}: block_table must be a numpy.ndarray or cupy.ndarray of int32 or "
                         f"int64, got {type(block_table).__name__}")
     if kind == "cupy" and lib != "cupy":
-        raise TypeError(f"{fn}: block_table must be a numpy.ndarray for NumPy inputs, got a "
+        raise TypeError(f"{fn}: block_table must be a numpy.ndarray for NumPy {inputs}, got a "
                         "cupy.ndarray")
     if kind == "cupy" and block_table.device.id != device:
-        raise ValueError(f"{fn}: all arrays must be on one device: q is on cuda device {device} "
-                         f"but block_table is on cuda device {block_table.device.id}")
+        raise ValueError(f"{fn}: all arrays must be on one device: {first} is on cuda device "
+                         f"{device} but block_table is on cuda device {block_table.device.id}")
     if block_table.dtype not in (np.int32, np.int64):
         raise TypeError(f"{fn}: block_table must have dtype int32 or int64, got "
                         f"{block_table.dtype}")
+    return kind
+
+
+def _check_pages(fn, q, k, v, block_table, lib, device):
+    """The checks of a paged call's shapes and block table that need no values: q (B, H, Nq, Dk),
+    k and v page pools (num_pages, Hkv, page_size, D) with one page layout and a contiguous last
+    axis, block_table (B, max_pages) int32 / int64 of q's library (a NumPy table also serves
+    CuPy inputs). Returns Pages with the table not yet set (_checked_table sets it)."""
+    kind = _check_table_kind(fn, block_table, lib, device, "q", "inputs")
     if q.ndim != 4:
         raise ValueError(f"{fn}: with block_table, q must have shape (B, H, Nq, Dk), got "
                          f"q.shape={q.shape}")
@@ -657,19 +663,7 @@ def check_append(k_pages, v_pages, block_table, kv_lens, k_new, v_new, fn="paged
                              f"{pool.shape[3]}) with k_new's B and n, got {name}.shape={x.shape}"
                              f" (k_new.shape={k_new.shape})")
     B, n = k_new.shape[0], k_new.shape[2]
-    kind = _library(block_table)
-    if kind is None:
-        raise TypeError(f"{fn}: block_table must be a numpy.ndarray or cupy.ndarray of int32 or "
-                        f"int64, got {type(block_table).__name__}")
-    if kind == "cupy" and lib != "cupy":
-        raise TypeError(f"{fn}: block_table must be a numpy.ndarray for NumPy pages, got a "
-                        "cupy.ndarray")
-    if kind == "cupy" and block_table.device.id != device:
-        raise ValueError(f"{fn}: all arrays must be on one device: k_pages is on cuda device "
-                         f"{device} but block_table is on cuda device {block_table.device.id}")
-    if block_table.dtype not in (np.int32, np.int64):
-        raise TypeError(f"{fn}: block_table must have dtype int32 or int64, got "
-                        f"{block_table.dtype}")
+    kind = _check_table_kind(fn, block_table, lib, device, "k_pages", "pages")
     if block_table.ndim != 2 or block_table.shape[0] != B:
         raise ValueError(f"{fn}: block_table must have shape (B, max_pages) with B = "
                          f"k_new.shape[0] = {B}, got block_table.shape={block_table.shape}")
