@@ -494,6 +494,23 @@ def _check_table_kind(fn, block_table, lib, device, first, inputs):
     return kind
 
 
+def _check_pools(fn, named_k, named_v, context=""):
+    """Two page pools (num_pages, Hkv, page_size, D) with one page layout and pages of at least
+    MIN_PAGE_SIZE rows; returns (num_pages, Hkv, page_size)."""
+    (kn, k), (vn, v) = named_k, named_v
+    for name, x in (named_k, named_v):
+        if x.ndim != 4:
+            raise ValueError(f"{fn}: {context}{name} must be a page pool of shape (num_pages, "
+                             f"Hkv, page_size, D), got {name}.shape={x.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{fn}: {kn} and {vn} must hold the same pages (num_pages, Hkv, "
+                         f"page_size), got {kn}.shape={k.shape} and {vn}.shape={v.shape}")
+    if k.shape[2] < MIN_PAGE_SIZE:
+        raise ValueError(f"{fn}: the page size (axis 2 of {kn} and {vn}) must be at least "
+                         f"{MIN_PAGE_SIZE}, got {kn}.shape={k.shape}")
+    return k.shape[:3]
+
+
 def _check_pages(fn, q, k, v, block_table, lib, device):
     """The checks of a paged call's shapes and block table that need no values: q (B, H, Nq, Dk),
     k and v page pools (num_pages, Hkv, page_size, D) with one page layout and a contiguous last
@@ -503,17 +520,7 @@ def _check_pages(fn, q, k, v, block_table, lib, device):
     if q.ndim != 4:
         raise ValueError(f"{fn}: with block_table, q must have shape (B, H, Nq, Dk), got "
                          f"q.shape={q.shape}")
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{fn}: with block_table, {name} must be a page pool of shape "
-                             f"(num_pages, Hkv, page_size, D), got {name}.shape={x.shape}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{fn}: k and v must hold the same pages (num_pages, Hkv, page_size), "
-                         f"got k.shape={k.shape} and v.shape={v.shape}")
-    num_pages, _, page_size = k.shape[:3]
-    if page_size < MIN_PAGE_SIZE:
-        raise ValueError(f"{fn}: the page size (axis 2 of k and v) must be at least "
-                         f"{MIN_PAGE_SIZE}, got k.shape={k.shape}")
+    num_pages, _, page_size = _check_pools(fn, ("k", k), ("v", v), "with block_table, ")
     B = q.shape[0]
     if block_table.ndim != 2 or block_table.shape[0] != B:
         raise ValueError(f"{fn}: block_table must have shape (B, max_pages) with B = "
@@ -645,17 +652,7 @@ def check_append(k_pages, v_pages, block_table, kv_lens, k_new, v_new, fn="paged
         if x.dtype != k_pages.dtype:
             raise TypeError(f"{fn}: {name} must have k_pages' dtype {k_pages.dtype}, got "
                             f"{x.dtype}")
-    for name, x in named[:2]:
-        if x.ndim != 4:
-            raise ValueError(f"{fn}: {name} must be a page pool of shape (num_pages, Hkv, "
-                             f"page_size, D), got {name}.shape={x.shape}")
-    if k_pages.shape[:3] != v_pages.shape[:3]:
-        raise ValueError(f"{fn}: k_pages and v_pages must hold the same pages (num_pages, Hkv, "
-                         f"page_size), got {k_pages.shape} and {v_pages.shape}")
-    num_pages, hkv, page_size = k_pages.shape[:3]
-    if page_size < MIN_PAGE_SIZE:
-        raise ValueError(f"{fn}: the page size (axis 2 of k_pages and v_pages) must be at least "
-                         f"{MIN_PAGE_SIZE}, got k_pages.shape={k_pages.shape}")
+    num_pages, hkv, page_size = _check_pools(fn, *named[:2])
     for name, x, pool in (("k_new", k_new, k_pages), ("v_new", v_new, v_pages)):
         if x.ndim != 4 or x.shape[1] != hkv or x.shape[3] != pool.shape[3] \
                 or x.shape[:3:2] != k_new.shape[:3:2]:
