@@ -683,58 +683,53 @@ class Plan:
             self.table = table
             self.split_any = sched.split_any
 
-    def run(self, out=None, lse=None, p=None):
+    def run(self, p=None):
         """Launch the split kernel (its last block per row tile merges the partials); returns
         (out, lse).
 
         ``p`` is a Problem with the same layout as the one planned (see ``forward``'s cache);
-        by default the planned one."""
-        import cupy
-
+        by default the planned one. Under the arrays' device (cuflash._gpu.forward's)."""
         if p is not None:
             self.p = p
         p = self.p
         i32 = np.int32
-        with p.q.device:
-            if out is None:
-                out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-                lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-            # per-call workspace (from CuPy's pool): concurrent calls on other streams never share
-            shape = (self.n_items, self.rows) if self.split_any else (1, 1)
-            ws_out = cupy.empty(shape + (p.Dv,), dtype=p.acc_dtype)
-            ws_ml = cupy.empty(shape + (2,), dtype=p.acc_dtype)  # each partial's (max, sum)
-            counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
-            if self.scalars is None:  # the layout's: the same for every call of the Plan
-                self.scalars = self.strides + (
-                    i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
-                    p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
-                    i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
-                if self.tc:  # persistent blocks, at most one wave (decode_tc); lengths on the
-                    # device: its copies stop at each item's length (decode_split's do anyway)
-                    self.scalars += (i32(self.n_items), i32(p.lens_device is not None))
-                    self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
-                else:
-                    self.grid = self.n_items
-                # the transforms' scalars, both kernels' last parameters but one (mod0, mod1)
-                self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
-                self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
-                                              self.dyn_smem)
-                if p.pages is not None:  # the paged kernels' trailing parameters
-                    pg = p.pages
-                    shift = pg.page_size.bit_length() - 1
-                    self.page_scalars = (np.int64(pg.k_ps), np.int64(pg.v_ps),
-                                         i32(pg.page_size),
-                                         i32(shift if 1 << shift == pg.page_size else -1),
-                                         i32(pg.num_pages))
-            lens = self.lens if p.lens_device is None else p.lens_device
-            # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
-            args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
-                    self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
-                    _runtime.ptr(p.bias)) + self.scalars + (_runtime.ptr(_modifiers.table(p)),)
-            if p.pages is not None:  # this call's block table (a host one: its device copy)
-                table = (_runtime.on_device(p.pages.table) if p.pages.host else p.pages.table)
-                args += (table,) + self.page_scalars
-            self.launch(args)
+        # per-call workspace (from CuPy's pool, with out and lse): concurrent calls on other
+        # streams never share; ws_ml: each partial's (max, sum)
+        partials = self.n_items * self.rows if self.split_any else 1
+        size = p.acc_dtype.itemsize * partials
+        out, lse, ws_out, ws_ml = _runtime.outputs(p, size * p.Dv, size * 2)
+        counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
+        if self.scalars is None:  # the layout's: the same for every call of the Plan
+            self.scalars = self.strides + (
+                i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
+                p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
+                i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
+            if self.tc:  # persistent blocks, at most one wave (decode_tc); lengths on the
+                # device: its copies stop at each item's length (decode_split's do anyway)
+                self.scalars += (i32(self.n_items), i32(p.lens_device is not None))
+                self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
+            else:
+                self.grid = self.n_items
+            # the transforms' scalars, both kernels' last parameters but one (mod0, mod1)
+            self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
+            self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
+                                          self.dyn_smem)
+            if p.pages is not None:  # the paged kernels' trailing parameters
+                pg = p.pages
+                shift = pg.page_size.bit_length() - 1
+                self.page_scalars = (np.int64(pg.k_ps), np.int64(pg.v_ps),
+                                     i32(pg.page_size),
+                                     i32(shift if 1 << shift == pg.page_size else -1),
+                                     i32(pg.num_pages))
+        lens = self.lens if p.lens_device is None else p.lens_device
+        # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
+        args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
+                self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
+                _runtime.ptr(p.bias)) + self.scalars + (_runtime.ptr(_modifiers.table(p)),)
+        if p.pages is not None:  # this call's block table (a host one: its device copy)
+            table = (_runtime.on_device(p.pages.table) if p.pages.host else p.pages.table)
+            args += (table,) + self.page_scalars
+        self.launch(args)
         return out, lse
 
 
@@ -746,7 +741,7 @@ def takes(p):
 
 
 def forward(p):
-    """(out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of p.acc_dtype) on the current stream. When the
+    """(out (p.out_shape, p.dtype), lse (p.lse_shape, p.acc_dtype)) on the current stream. When the
     tests force this path, with FORCED_SPLIT_KEYS keys per split (to exercise the merge) and their
     decode variant ("simt": decode_split where decode_tc would run; see Plan)."""
     ov = _runtime.overrides()

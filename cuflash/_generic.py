@@ -107,10 +107,9 @@ takes_backward = takes
 
 
 def forward(p):
-    """fwd_generic: out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype."""
+    """fwd_generic: out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype)."""
     args = _runtime.Args(p)
-    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
+    out, lse = _runtime.outputs(p)
     kern, (bm, _), smem = _prepare("fwd", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
          (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type), shared_mem=smem)
@@ -164,9 +163,9 @@ _lost_launches = _memo.Memo(256)
 _lost_plans = _memo.Memo(256)
 
 
-def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
-    """fwd_lost_rows: in the blocks of the tensor-core forward flagged in ``fix`` (its launch
-    order), recompute in double out and lse of the rows whose lse came out NaN, +inf or lost
+def launch_fwd_lost(args, out, lse, fix, blocks, block_m, lost=None):
+    """fwd_lost_rows: in the ``blocks`` blocks of the tensor-core forward flagged in ``fix``
+    (int32, its launch order), recompute in double out and lse of the rows whose lse came out NaN, +inf or lost
     (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags.
     With sinks (p.sinks) it joins them to those rows, as the forward kernels (SINKS) did."""
     p = args.p
@@ -175,34 +174,30 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
         fn = _runtime.get_function(LOST_SOURCE,
                                    fwd_lost_name_expression(p.dtype, _modifiers.names(p)))
         per_block = _config.GENERIC_THREADS // 32
-        blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
+        grid = min(-(-blocks // (32 * per_block)), _runtime.device_info().sm_count)
         limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
-        return _runtime.Launch(fn, (blocks,), (_config.GENERIC_THREADS,)), np.float64(limit)
+        return _runtime.Launch(fn, (grid,), (_config.GENERIC_THREADS,)), np.float64(limit)
 
-    key = None if p.key is None else (p.key, fix.size, block_m, lost, lse.dtype)
+    key = None if p.key is None else (p.key, blocks, block_m, lost, lse.dtype)
     run, limit = _lost_launches.build(key, launch)
     run((p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m),
                                                   _runtime.ptr(p.sinks)))
 
 
 def flagged_forward(p, recipe, extra=()):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks joined, from a
+    """out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), with p's sinks joined, from a
     tensor-core forward whose parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra +
     (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks null without
     them, and the kernel instantiated with SINKS where there are), then the lost-row fix of the
     blocks it flags. recipe: (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
-    import cupy
-
     launch, blocks, block_m, has_mb = recipe
     args = _runtime.Args(p)
-    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by the kernel
+    out, lse, fix = _runtime.outputs(p, 4 * blocks)  # fix: int32 per block, all written
     launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra + (_runtime.ptr(p.sinks),))
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
-    launch_fwd_lost(args, out, lse, fix, block_m, np.inf if has_mb else None)
+    launch_fwd_lost(args, out, lse, fix, blocks, block_m, np.inf if has_mb else None)
     return out, lse
 
 

@@ -1,7 +1,8 @@
 """The CUDA dispatcher: ordered registries of paths, the tests' override, the catalog of kernels.
 
 A path is a module with the same small interface: NAME; for the forward `takes(p)` and
-`forward(p)` -> (out (BH, Nq, Dv) of p.dtype, lse (BH, Nq) of the accumulator dtype), and SINKS:
+`forward(p)` -> (out (p.out_shape, C-contiguous, of p.dtype), lse (p.lse_shape, of the
+accumulator dtype)), and SINKS:
 whether its kernels join attention sinks themselves (then its forward returns the softmax with
 p.sinks; the others' results are joined with them here, cuflash._sinks.join); for the
 backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic, sink_probs)` -> (dq, dk, dv) per
@@ -30,8 +31,10 @@ def _choose(paths, takes, p):
     Memoized by the Problem's signature, the test switches and its arrays' alignments (the
     tensor-core paths need 16-byte aligned bases; the rest of what `takes` reads is layout)."""
     ov = _runtime.overrides()
-    key = None if p.key is None else (takes, p.key, ov) + tuple(
-        None if x is None else x.data.ptr % 256 for x in (p.q, p.k, p.v, p.mask, p.bias))
+    key = None if p.key is None else (
+        takes, p.key, ov, p.q.data.ptr % 256, p.k.data.ptr % 256, p.v.data.ptr % 256,
+        None if p.mask is None else p.mask.data.ptr % 256,
+        None if p.bias is None else p.bias.data.ptr % 256)
 
     def choose():
         candidates = paths
@@ -56,7 +59,7 @@ def backward_path(p):
 
 def forward(p):
     """(out, lse) of p by the first path that takes it, with p's sinks if it has any."""
-    with p.q.device:
+    with _runtime.device_of(p.q):
         path = _choose(FORWARD, "takes", p)
         out, lse = path.forward(p)
         if p.sinks is not None and not path.SINKS:  # the sink-free softmax joined with the sinks
@@ -70,7 +73,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     atomics); the tensor-core path adds dq with atomics unless ``deterministic``, which then takes
     its fixed-order dq kernel. ``sink_probs`` (with sinks): each row's sink probability, (BH, Nq)
     float64, which the lost-row fix overwrites on its rows (_generic.launch_lost)."""
-    with p.q.device:
+    with _runtime.device_of(p.q):
         return _choose(BACKWARD, "takes_backward", p).backward(p, dout, out, lse, deterministic,
                                                                sink_probs)
 

@@ -215,17 +215,51 @@ def resource_usage(filename, exprs, arch="sm_90a"):
 
 # ---- buffers and tables ------------------------------------------------------------------------
 
+def _poison(buf):
+    if np.dtype(buf.dtype).name == "bfloat16":  # a quiet NaN, written as bits
+        buf.view(np.uint16).fill(0x7FC0)
+    else:
+        buf.fill(np.nan)
+
+
 def empty(shape, dtype):
     """An uninitialized device buffer; NaN-filled under override(poison=True)."""
     import cupy
 
     buf = cupy.empty(shape, dtype=dtype)
     if _overrides.poison:
-        if np.dtype(dtype).name == "bfloat16":  # a quiet NaN, written as bits
-            buf.view(np.uint16).fill(0x7FC0)
-        else:
-            buf.fill(np.nan)
+        _poison(buf)
     return buf
+
+
+def _aligned(nbytes):
+    return -(-nbytes // 256) * 256
+
+
+def outputs(p, *workspace):
+    """A forward's out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), C-contiguous
+    (the kernels' (BH, Nq, Dv) and (BH, Nq)) and uninitialized (NaN under override(poison=True)),
+    then one MemoryPointer per workspace size in bytes (kernel-only scratch), all carved from one
+    allocation of CuPy's pool: a pool call and an ndarray cost microseconds each on the host, and
+    a small call's host time is what it costs (issue 17)."""
+    import cupy
+
+    out_bytes = _aligned(p.BH * p.Nq * p.Dv * p.dtype.itemsize)
+    lse_bytes = _aligned(p.BH * p.Nq * p.acc_dtype.itemsize)
+    sizes = [_aligned(n) for n in workspace]
+    mem = cupy.cuda.alloc(out_bytes + lse_bytes + sum(sizes))
+    out = cupy.ndarray(p.out_shape, p.dtype, memptr=mem)
+    lse = cupy.ndarray(p.lse_shape, p.acc_dtype, memptr=mem + out_bytes)
+    if _overrides.poison:
+        _poison(out)
+        _poison(lse)
+    if not workspace:
+        return out, lse
+    scratch, at = [], out_bytes + lse_bytes
+    for n in sizes:
+        scratch.append(mem + at)
+        at += n
+    return (out, lse, *scratch)
 
 
 _TABLE_CACHE_SIZE = 256
@@ -261,19 +295,38 @@ def on_device(host):
 _graph_memory = []
 
 
-@contextlib.contextmanager
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
 def graph_safe(x):
-    """The body of a public call on array x: under CUDA stream capture, its allocations are kept
-    for the graph (the calls' device tables must exist already: capture after one call of the same
-    layout, as cupy.cuda.Graph requires of any host-to-device copy)."""
+    """The context of a public call's body on array x: under CUDA stream capture, its
+    allocations are kept for the graph (the calls' device tables must exist already: capture
+    after one call of the same layout, as cupy.cuda.Graph requires of any host-to-device copy).
+    Outside capture a null context (the common case costs no generator: issue 17's host time).
+    The legacy default stream (pointer 0) never captures."""
     if not type(x).__module__.startswith("cupy"):
-        yield
-        return
+        return _NULL_CONTEXT
     import cupy
 
-    if not cupy.cuda.get_current_stream().is_capturing():
-        yield
-        return
+    stream = cupy.cuda.get_current_stream()
+    if stream.ptr == 0 or not stream.is_capturing():
+        return _NULL_CONTEXT
+    return _keeping_allocations()
+
+
+def device_of(x):
+    """The context that makes CuPy array x's device current: a null one when it is already
+    (entering a cupy.cuda.Device costs a microsecond of a small call's host time)."""
+    import cupy
+
+    dev = x.data.device_id
+    return _NULL_CONTEXT if dev == cupy.cuda.runtime.getDevice() else cupy.cuda.Device(dev)
+
+
+@contextlib.contextmanager
+def _keeping_allocations():
+    import cupy
+
     alloc = cupy.cuda.get_allocator()
 
     def keeping(size):
@@ -466,7 +519,9 @@ class Launch:
     def __call__(self, args):
         import cupy
 
-        if not PACKED_LAUNCH:
+        if not PACKED_LAUNCH:  # (a workspace's MemoryPointer passed as its address)
+            args = tuple(np.uint64(x.ptr) if isinstance(x, cupy.cuda.MemoryPointer) else x
+                         for x in args)
             self.kern(self.grid, self.block, args, shared_mem=self.shared_mem)
             return
         stream = cupy.cuda.get_current_stream().ptr

@@ -12,6 +12,7 @@ Every message starts with the public function it is raised for (``fn``: "attenti
 "attention_backward", "attention_vjp", "merge") and names the argument.
 """
 import contextlib
+import functools
 import itertools
 import math
 import numbers
@@ -101,15 +102,17 @@ class Problem:
             new.pages = self.pages.with_table(block_table)
         return new
 
-    @property
+    # (computed once per signature: the Problem of a known signature copies them; lead, Nq and
+    # Dv never change after make_problem)
+    @functools.cached_property
     def BH(self):
         return math.prod(self.lead)
 
-    @property
+    @functools.cached_property
     def out_shape(self):
         return self.lead + (self.Nq, self.Dv)
 
-    @property
+    @functools.cached_property
     def lse_shape(self):
         return self.lead + (self.Nq,)
 
@@ -762,7 +765,7 @@ def element_strides(x):
 
 def _array_key(x):
     key = (type(x), x.shape, x.strides, x.dtype)
-    return key if isinstance(x, np.ndarray) else key + (x.device.id,)
+    return key if isinstance(x, np.ndarray) else key + (x.data.device_id,)
 
 
 def _side_key(value):
@@ -870,6 +873,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
             if x is not None:
                 x.flags.writeable = False
+        p.BH, p.out_shape, p.lse_shape  # computed once, for every call of the signature
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None

@@ -242,8 +242,10 @@ def takes(p):
 _recipes = _memo.Memo(256)
 
 
-def _recipe(p, dims, mb):
-    """(the kernel's Launch, blocks, block_m, tile, H) of a layout."""
+def _recipe(p, dims, launch):
+    """(the kernel's Launch, blocks, block_m, tile, its three runs of numbers) of a layout (and
+    of its staging, `launch`: the numbers of the maps' rows)."""
+    mb = launch.mb
     names = _modifiers.names(p)
     tile = pick_tile(dims, mb, names)
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names,
@@ -254,39 +256,35 @@ def _recipe(p, dims, mb):
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
     _, H = _mask_tiles.grid_shape(p)
+    i32 = np.int32
+    # the kernel's own parameter list (not AttnArgs: the struct's fields cost the generic
+    # kernels registers, and this one is kept as it was measured); its numbers, per layout:
+    numbers = ((i32(H), i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
+                i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
+                i32(launch.bias_rows)),
+               (i32(p.BH),) + tuple(np.int64(x) for x in _runtime.Args(p).strides[3:]),
+               tuple(np.float64(x) for x in _modifiers.scalars(p)))
     return (_runtime.Launch(kern, (blocks,), ((tile.consumers + 1) * 128,), smem), blocks,
-            block_m(tile), tile, H)
+            block_m(tile), tile, numbers)
 
 
 def forward(p):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with p's sinks; every row settled,
+    """out (p.out_shape, p.dtype) and lse (p.lse_shape, float32), with p's sinks; every row settled,
     the ones the kernel flags by the lost-row fix."""
-    import cupy
-
     dims = padded(p)
     launch = _launch(p, dims)
-    key = None if p.key is None else (p.key, launch.mb)
-    run, blocks, bm, tile, H = _recipes.build(
-        key, lambda: _recipe(p, dims, launch.mb))
+    key = None if p.key is None else (p.key, launch.mb, launch.mask_rows, launch.bias_rows)
+    run, blocks, bm, tile, (sizes, strides, scalars) = _recipes.build(
+        key, lambda: _recipe(p, dims, launch))
     args = _runtime.Args(p)
-    out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
-    lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
-    fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by fwd_wgmma
-    i32 = np.int32
+    out, lse, fix = _runtime.outputs(p, 4 * blocks)  # fix: int32 per block, all written
     # the classes table must live until the launch is enqueued
     classes, _table = (_mask_tiles.classify(p, bm, tile.block_n)
                        if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
-    # the kernel's own parameter list (not AttnArgs: the struct's fields cost the generic kernels
-    # registers, and this one is kept as it was measured)
-    run(launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix, i32(H),
-                       i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
-                       i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
-                       i32(launch.bias_rows), args.offsets, _runtime.ptr(p.mask),
-                       _runtime.ptr(p.bias), i32(p.BH))
-        + tuple(np.int64(x) for x in args.strides[3:]) + (classes,)
-        + tuple(np.float64(x) for x in _modifiers.scalars(p))
-        + (_runtime.ptr(_modifiers.table(p)), _runtime.ptr(p.sinks)))
+    run(launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix) + sizes
+        + (args.offsets, _runtime.ptr(p.mask), _runtime.ptr(p.bias)) + strides + (classes,)
+        + scalars + (_runtime.ptr(_modifiers.table(p)), _runtime.ptr(p.sinks)))
     has_mb = launch.mb != MB_NONE or bool(p.transforms)
     # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
-    _generic.launch_fwd_lost(args, out, lse, fix, bm, np.inf if has_mb else None)
+    _generic.launch_fwd_lost(args, out, lse, fix, blocks, bm, np.inf if has_mb else None)
     return out, lse

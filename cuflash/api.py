@@ -200,7 +200,8 @@ def _forward(problem):
         if problem.pages is not None:  # the decode kernels read the pages; elsewhere gathered
             problem = _paged.resolve(problem)
         out, lse = _dispatch(problem).forward(problem)
-        out, lse = out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
+        if out.shape != problem.out_shape:  # (the CUDA paths give the caller's shapes)
+            out, lse = out.reshape(problem.out_shape), lse.reshape(problem.lse_shape)
         joined = xp is not np  # cuflash._gpu.forward gives the softmax with the sinks
     if problem.sinks is not None and not joined:  # the sink-free softmax joined with the sinks
         out, lse = _sinks.join(problem, out, lse)
