@@ -84,4 +84,4 @@ def reduce_to_lead(xp, grad, x_shape):
         else:  # GQA: the query heads of one group sum into their kv head
             shape = grad.shape[:axis] + (xsize, size // xsize) + grad.shape[axis + 1:]
             grad = grad.reshape(shape).sum(axis=axis + 1)
-    return grad.reshape(x_shape)
+    return grad if grad.shape == x_shape else grad.reshape(x_shape)

@@ -121,8 +121,7 @@ def preprocess(p, dout, out, lse):
     rowsum(dout * out); lse_eff = lse, +inf (and delta 0) on lost rows. dout, out contiguous
     (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype."""
     BH, acc = p.BH, p.acc_dtype
-    lse_eff = _runtime.empty((BH, p.Nq), dtype=acc)  # lost rows: +inf (skipped)
-    delta = _runtime.empty((BH, p.Nq), dtype=acc)
+    lse_eff, delta = _runtime.carve(((BH, p.Nq), acc), ((BH, p.Nq), acc))  # lse_eff lost: +inf
     kern = _runtime.get_function(BWD_SOURCE, name_expression("bwd_preprocess", p.dtype))
     rows = BH * p.Nq  # one warp a row; the kernel loops beyond the grid
     blocks = min(-(-rows // (_config.GENERIC_THREADS // 32)), _runtime.MAX_GRID_X)
@@ -145,9 +144,8 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
     lse = cupy.ascontiguousarray(lse.astype(acc, copy=False)).reshape(BH, p.Nq)
     lse_eff, delta = preprocess(p, dout, out, lse)
-    dq = _runtime.empty((BH, p.Nq, p.Dk), dtype=acc)
-    dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
-    dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
+    dq, dk, dv = _runtime.carve(((BH, p.Nq, p.Dk), acc), ((BH, p.Nk, p.Dk), acc),
+                                ((BH, p.Nk, p.Dv), acc))
     kern, (_, bn), smem = _prepare("bwd_dkdv", p)
     kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
          (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type),
@@ -210,8 +208,6 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
     (p.sinks) the sink joins each lost row's max and sum, and the row's exact sink probability is
     written into ``sink_probs`` (BH, Nq) float64. Two small launches that only read flags (and
     lse) when no row is lost."""
-    import cupy
-
     p = args.p
     BH, Nq, Nk = p.BH, p.Nq, p.Nk
 
@@ -235,9 +231,11 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
     # Launch keeps its numbers)
     key = None if p.key is None else (p.key, dk.dtype, lse.dtype, prewritten)
     rows, keys, lost = _lost_plans.build(key, plan)
-    stats = cupy.empty((BH, Nq, 3), dtype=np.float64)
+    # scratch: each row's (max, sum, ...) in double, and the flags where the preprocess wrote none
     if flags is None:
-        flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
+        stats, flags = _runtime.carve(BH * Nq * 3 * 8, BH * -(-Nq // LOST_CHUNK) * 4)
+    else:
+        stats, = _runtime.carve(BH * Nq * 3 * 8)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
     sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
     rows(common + (dq, np.int32(prewritten)) + sinks)

@@ -292,14 +292,15 @@ def takes_backward(p):
     return dkdv_blocks(p, DKDV_TILES[p.Dk, p.Dv]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
-def _contiguous16(x, shape):
-    """x as a C-contiguous array of `shape` whose base is 16-byte aligned (copied only if needed)."""
+def _contiguous16(x):
+    """x, or a copy of it where it is not C-contiguous with a 16-byte aligned base (its shape
+    kept: the kernels read (BH, N, D) from the pointer)."""
+    if x.flags.c_contiguous and not x.data.ptr % 16:
+        return x
     import cupy
 
-    x = cupy.ascontiguousarray(x).reshape(shape)
-    if x.data.ptr % 16:
-        x = x.copy()
-    return x
+    x = cupy.ascontiguousarray(x)
+    return x if not x.data.ptr % 16 else x.copy()
 
 
 _recipes = _memo.Memo(256)
@@ -352,20 +353,19 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     BH, Nq, Nk, Dk, Dv = p.BH, p.Nq, p.Nk, p.Dk, p.Dv
     i32 = np.int32
     tail = args.tail + (i32(r.nq_pad),)
-    dout = _contiguous16(dout, (BH, Nq, Dv))
-    out = _contiguous16(out, (BH, Nq, Dv))
-    lse = cupy.ascontiguousarray(lse.astype(np.float32, copy=False)).reshape(BH, Nq)
-    lse2 = _runtime.empty((BH, r.nq_pad), dtype=np.float32)  # every row written by prep
-    delta = _runtime.empty((BH, r.nq_pad), dtype=np.float32)
-    lost_flags = cupy.empty((BH, -(-Nq // 32)), dtype=np.int32)  # all written by prep
-    # prep: lse2, delta (BH, Nq_pad) and the lost-row flags (BH, ceil(Nq / 32)) for lost_rows.cu
+    dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
+    if lse.dtype != np.float32 or not lse.flags.c_contiguous:
+        lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
+    # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
+    # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq float32 (the
+    # caller casts it)
+    padded = ((BH, r.nq_pad), np.float32)
+    lse2, delta, lost_flags, dq = _runtime.carve(padded, padded, BH * -(-Nq // 32) * 4,
+                                                 ((BH, Nq, Dk), np.float32))
     r.prep((dout, out, lse, lse2, delta, i32(BH), i32(Nq), i32(r.nq_pad), r.lost, lost_flags))
-    if deterministic:
-        dq = _runtime.empty((BH, Nq, Dk), dtype=np.float32)
-    else:
-        dq = cupy.zeros((BH, Nq, Dk), dtype=np.float32)
-    dk = _runtime.empty((BH, Nk, Dk), dtype=r.kv_dtype)
-    dv = _runtime.empty((BH, Nk, Dv), dtype=r.kv_dtype)
+    if not deterministic:  # dQ atomics add into it
+        dq.data.memset_async(0, dq.nbytes)
+    dk, dv = _runtime.carve(((BH, Nk, Dk), r.kv_dtype), ((BH, Nk, Dv), r.kv_dtype))
     # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
     # table must live until the launch is enqueued)
     classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes

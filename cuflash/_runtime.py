@@ -22,6 +22,7 @@ and local (spill) bytes of each kernel the first time it is loaded on a device.
 import contextlib
 import functools
 import io
+import math
 import os
 import re
 import sys
@@ -236,30 +237,37 @@ def _aligned(nbytes):
     return -(-nbytes // 256) * 256
 
 
-def outputs(p, *workspace):
-    """A forward's out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), C-contiguous
-    (the kernels' (BH, Nq, Dv) and (BH, Nq)) and uninitialized (NaN under override(poison=True)),
-    then one MemoryPointer per workspace size in bytes (kernel-only scratch), all carved from one
-    allocation of CuPy's pool: a pool call and an ndarray cost microseconds each on the host, and
-    a small call's host time is what it costs (issue 17)."""
+def carve(*specs):
+    """Uninitialized device buffers carved from one allocation of CuPy's pool (a pool call and
+    an ndarray cost microseconds each, and a small call's host time is what it costs: issue 17):
+    per spec, a (shape, dtype) gives a C-contiguous ndarray, NaN-filled under
+    override(poison=True), a byte count a MemoryPointer (a kernel-only workspace: kernels read
+    pointers; never poisoned, like the flags and partials it holds, which the kernels read only
+    where they wrote them)."""
     import cupy
 
-    out_bytes = _aligned(p.BH * p.Nq * p.Dv * p.dtype.itemsize)
-    lse_bytes = _aligned(p.BH * p.Nq * p.acc_dtype.itemsize)
-    sizes = [_aligned(n) for n in workspace]
-    mem = cupy.cuda.alloc(out_bytes + lse_bytes + sum(sizes))
-    out = cupy.ndarray(p.out_shape, p.dtype, memptr=mem)
-    lse = cupy.ndarray(p.lse_shape, p.acc_dtype, memptr=mem + out_bytes)
-    if _overrides.poison:
-        _poison(out)
-        _poison(lse)
-    if not workspace:
-        return out, lse
-    scratch, at = [], out_bytes + lse_bytes
-    for n in sizes:
-        scratch.append(mem + at)
-        at += n
-    return (out, lse, *scratch)
+    sizes = [_aligned(int(s) if isinstance(s, (int, np.integer)) else
+                      math.prod(s[0]) * np.dtype(s[1]).itemsize) for s in specs]
+    mem = cupy.cuda.alloc(sum(sizes))
+    buffers, at = [], 0
+    for spec, size in zip(specs, sizes):
+        ptr = mem + at if at else mem
+        if isinstance(spec, (int, np.integer)):
+            buffers.append(ptr)
+        else:
+            buf = cupy.ndarray(spec[0], spec[1], memptr=ptr)
+            if _overrides.poison:
+                _poison(buf)
+            buffers.append(buf)
+        at += size
+    return buffers
+
+
+def outputs(p, *workspace):
+    """A forward's out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), C-contiguous
+    (the kernels' (BH, Nq, Dv) and (BH, Nq)), then one MemoryPointer per workspace size in
+    bytes, from one allocation (`carve`)."""
+    return carve((p.out_shape, p.dtype), (p.lse_shape, p.acc_dtype), *workspace)
 
 
 _TABLE_CACHE_SIZE = 256

@@ -312,9 +312,8 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
     lse = cupy.ascontiguousarray(lse.astype(acc, copy=False)).reshape(BH, p.Nq)
     lse_eff, delta = _generic.preprocess(p, dout, out, lse)
-    dq = _runtime.empty((BH, p.Nq, p.Dk), dtype=acc)
-    dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
-    dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
+    dq, dk, dv = _runtime.carve(((BH, p.Nq, p.Dk), acc), ((BH, p.Nk, p.Dk), acc),
+                                ((BH, p.Nk, p.Dv), acc))
     ins = (p.q, p.k, p.v, dout, lse_eff, delta)
     # a mask's tile classes for each kernel's tiles, NO_CLASSES without one (the tables live
     # until the launches)

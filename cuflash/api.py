@@ -1,4 +1,6 @@
 """The public functions: validate -> normalize -> dispatch (NumPy path or CUDA path)."""
+import contextlib
+
 import numpy as np
 
 from . import _broadcast, _paged, _runtime, _sinks
@@ -220,9 +222,11 @@ def _backward(problem, dout, out, lse, deterministic=False):
                                                  deterministic=deterministic, sink_probs=prob)
         # gradients were computed per output (batch, head): sum them back over broadcast/GQA axes
         grads = []
-        for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
-            g = g.reshape(problem.lead + g.shape[-2:])
-            with np.errstate(over="ignore"):  # beyond the dtype's range: inf, as a cast gives
+        # (beyond the dtype's range: inf, as a cast gives; NumPy would warn)
+        with np.errstate(over="ignore") if xp is np else contextlib.nullcontext():
+            for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
+                shape = problem.lead + g.shape[-2:]
+                g = g if g.shape == shape else g.reshape(shape)
                 grads.append(_broadcast.reduce_to_lead(xp, g, x.shape).astype(problem.dtype,
                                                                              copy=False))
     if prob is not None:
