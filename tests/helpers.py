@@ -16,6 +16,15 @@ try:
 except ImportError:  # bfloat16 tests skip themselves
     BFLOAT16 = None
 
+#: The dtypes the parametrized tests run, by name (bfloat16 where ml_dtypes is installed).
+DTYPE_NAMES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
+
+
+def dtype_of(name):
+    """The NumPy dtype of a name of DTYPE_NAMES."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
 #: Absolute error allowed on top of 2x the naive baseline's error, per dtype name. The baseline's
 #: own error is what scales with the dtype; the floor only absorbs the cases where the baseline
 #: happens to be (nearly) exact, e.g. float64 or a single visible key.
@@ -182,3 +191,18 @@ def call_public(fn, q, k, v, **options):
         out, lse = cuflash.attention(q, k, v, return_lse=True)
         return cuflash.attention_backward(out, q, k, v, out, lse, **options)
     return getattr(cuflash, fn)(q, k, v, **options)
+
+
+def check_call(xp, rng, q, k, v, orders=(False,), **options):
+    """attention(q, k, v, **options) against the reference (check_forward), then its backward
+    for a random dout in each dQ order of ``orders`` (deterministic False / True: the atomic
+    and the fixed-order dQ) (check_backward); returns (out, lse, dout, the last order's
+    gradients)."""
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    check_forward(out, lse, q, k, v, **options)
+    dout = to_array(xp, rng.standard_normal(out.shape), np.dtype(q.dtype))
+    for deterministic in orders:
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                           **options)
+        check_backward(grads, dout, q, k, v, out, lse, **options)
+    return out, lse, dout, grads

@@ -12,18 +12,15 @@ import pytest
 
 import cuflash
 from cuflash import _gpu, _validate, reference
-from helpers import BFLOAT16, call_public, check_backward, check_forward, to_array, to_host
+from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_backward, check_call, check_forward, dtype_of,
+                     to_array, to_host)
 
-DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
-
-
-def _dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+DTYPES = DTYPE_NAMES
 
 
 def _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, xp=np):
     shapes = (lq + (Nq, Dk), lkv + (Nk, Dk), lkv + (Nk, Dv))
-    return [to_array(xp, rng.standard_normal(s), _dtype(dtype)) for s in shapes]
+    return [to_array(xp, rng.standard_normal(s), dtype_of(dtype)) for s in shapes]
 
 
 def _slopes(rng, shape, xp=np):
@@ -175,11 +172,7 @@ def test_numpy_path(case, dtype, rng):
     name, lq, lkv, Nq, Nk, Dk, Dv = case
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype)
     opts = _options(name, rng, lq, Nq, Nk)
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
-    check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(np, rng.standard_normal(out.shape), _dtype(dtype))
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
-    check_backward(grads, dout, q, k, v, out, lse, **opts)
+    _, _, dout, grads = check_call(np, rng, q, k, v, **opts)
     _, vjp = cuflash.attention_vjp(q, k, v, **opts)
     for a, b in zip(vjp(dout), grads):
         np.testing.assert_array_equal(a, b)
@@ -261,14 +254,7 @@ def test_cuda_paths(case, dtype, path, rng, override, request):
             "error 2.29e-6 against the bound 2.01e-6 (2 x naive 5.07e-7 + floor 1e-6)")))
     override(poison=True, path=None if path == "auto" else path)
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, cupy)
-    opts = _options(name, rng, lq, Nq, Nk, cupy)
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
-    check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
-    for deterministic in (False, True):
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
-                                           **opts)
-        check_backward(grads, dout, q, k, v, out, lse, **opts)
+    check_call(cupy, rng, q, k, v, orders=(False, True), **_options(name, rng, lq, Nq, Nk, cupy))
 
 
 @pytest.mark.gpu

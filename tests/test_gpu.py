@@ -9,12 +9,12 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from helpers import (BFLOAT16, FLOORS, assert_close_to_reference, check_backward,
-                     check_forward, naive_attention, to_array, to_host)
+from helpers import (BFLOAT16, DTYPE_NAMES, FLOORS, assert_close_to_reference, check_backward,
+                     check_forward, dtype_of, naive_attention, to_array, to_host)
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
+DTYPES = DTYPE_NAMES
 
 
 @pytest.fixture(autouse=True)
@@ -30,10 +30,6 @@ def path(request, override):
     return request.param
 
 
-def _dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
-
-
 def to_device(host, dtype):
     """A CuPy array of ``dtype`` holding ``host`` (bfloat16 goes through its bits)."""
     import cupy
@@ -41,7 +37,7 @@ def to_device(host, dtype):
 
 
 def randn(rng, shape, dtype):
-    return to_device(rng.standard_normal(shape), _dtype(dtype))
+    return to_device(rng.standard_normal(shape), dtype_of(dtype))
 
 
 def check(q, k, v, rng, backward=True, deterministic=False, **options):
@@ -781,7 +777,7 @@ def test_decode_non_finite_rows(force, dtype, rng, override):
     kh[1, 0, :1200] = -3e38                   # batch 1, heads 0-1: every logit -inf
     qh[1, 0:2] = 1.0
     qh[1, 2:4] = 0.0                          # batch 1, heads 2-3: uniform
-    q, k, v = (to_device(x, _dtype(dtype)) for x in (qh, kh, vh))
+    q, k, v = (to_device(x, dtype_of(dtype)) for x in (qh, kh, vh))
     assert _gpu.forward_path(_validate.make_problem(q, k, v, kv_lens=kv_lens)) == "split"
     out, lse = cuflash.attention(q, k, v, kv_lens=kv_lens, return_lse=True)
     nan = np.zeros((B, H, 1), dtype=bool)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from helpers import BFLOAT16, check_backward, check_forward, to_array, to_host
+from helpers import check_backward, check_forward, dtype_of, to_array, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -22,14 +22,10 @@ CASES = [
 ]
 
 
-def _dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
-
-
 def _inputs(case, rng):
     import cupy
     _, _, lq, lkv, Nq, Nk, D, dtype, options = case
-    q, k, v, dout = (to_array(cupy, rng.standard_normal(s), _dtype(dtype))
+    q, k, v, dout = (to_array(cupy, rng.standard_normal(s), dtype_of(dtype))
                      for s in (lq + (Nq, D), lkv + (Nk, D), lkv + (Nk, D), lq + (Nq, D)))
     options = dict(options)
     if options.get("mask"):

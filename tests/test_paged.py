@@ -8,13 +8,9 @@ import numpy as np
 import pytest
 
 import cuflash
-from helpers import BFLOAT16, check_forward, to_array, to_host
+from helpers import BFLOAT16, check_forward, dtype_of, to_array, to_host
 
 PAGE_SIZES = [16, 32, 64, 100, 256]
-
-
-def _dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
 def make_cache(rng, B, Hkv, lens, page_size, Dk, Dv, max_pages=None, spare=3, unread=-1):
@@ -237,7 +233,7 @@ def _device_cache(rng, case, page_size, dtype, **kwargs):
     _, H, Hkv, Nq, lens, Dk, Dv, options = case
     B = len(lens)
     kp, vp, table, K, V = make_cache(rng, B, Hkv, lens, page_size, Dk, Dv, **kwargs)
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     q = to_array(cupy, rng.standard_normal((B, H, Nq, Dk)), dt)
     # the contiguous reference cache of the dtype's values
     K, V = (to_host(to_array(cupy, x, dt)) for x in (K, V))

@@ -11,21 +11,21 @@ import pytest
 
 import cuflash
 from cuflash import _config, reference
-from helpers import (BFLOAT16, call_public, check_backward, check_forward, naive_attention,
+from helpers import (BFLOAT16, call_public, dtype_of, check_backward, check_forward, naive_attention,
                      to_array, to_f64, to_host)
-from test_softcap import CASES, DECODE_CASES, DTYPES, GPU_CASES, _decode_options, _dtype, _options
+from test_softcap import CASES, DECODE_CASES, DTYPES, GPU_CASES, _decode_options, _options
 
 
 def _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, xp=np):
     shapes = (lq + (Nq, Dk), lkv + (Nk, Dk), lkv + (Nk, Dv))
-    return [to_array(xp, rng.standard_normal(s), _dtype(dtype)) for s in shapes]
+    return [to_array(xp, rng.standard_normal(s), dtype_of(dtype)) for s in shapes]
 
 
 def _sinks(rng, lead, dtype, per_batch=False, xp=np):
     """Sink logits near the rows' lse (so that they take a fair share), in the accumulator dtype
     of inputs of ``dtype`` (dsinks has sinks' dtype): one per head, or one per (batch, head)."""
     shape = lead if per_batch else lead[-1:]
-    acc = _config.accumulator_dtype(_dtype(dtype))
+    acc = _config.accumulator_dtype(dtype_of(dtype))
     return xp.asarray((rng.standard_normal(shape) + 2.0).astype(acc))
 
 
@@ -120,7 +120,7 @@ def test_numpy_path(case, dtype, per_batch, softcap, rng):
                 sinks=_sinks(rng, lq, dtype, per_batch))
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(np, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(np, rng.standard_normal(out.shape), dtype_of(dtype))
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
     assert grads[3].shape == opts["sinks"].shape and grads[3].dtype == opts["sinks"].dtype
     check_backward(grads, dout, q, k, v, out, lse, **opts)
@@ -241,7 +241,7 @@ def _huge_logits(rng, dtype, how, xp=np, lq=(2, 2), Nq=40, Nk=60, D=16):
     huge scale (q.k itself) or by one huge bias offset: every row's |lse| is beyond
     cuflash._config.LOST_LSE, so the backward recomputes them all; and sinks as large as the
     rows' lse (one per batch and head), so that they take a fair share of every row."""
-    acc = _config.accumulator_dtype(_dtype(dtype))
+    acc = _config.accumulator_dtype(dtype_of(dtype))
     big = 3e3 if acc == np.float32 else 3e7
     q, k, v = _inputs(rng, lq, lq, Nq, Nk, D, D, dtype, xp)
     if how == "scale":
@@ -280,7 +280,7 @@ def test_lost_rows_take_the_sink(dtype, how, rng):
     _check_huge_forward(out, lse, q, k, v, **opts)
     share = np.exp(opts["sinks"][..., None] - to_f64(lse))
     assert np.median(share) > 0.05  # the sink matters in these rows
-    dout = to_array(np, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(np, rng.standard_normal(out.shape), dtype_of(dtype))
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
     check_backward(grads, dout, q, k, v, out, lse, **opts)
 
@@ -345,7 +345,7 @@ def test_cuda_paths(path, case, options, dtype, rng, override):
                 softcap=2.5 if Dk % 64 == 0 else None)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(cupy, rng.standard_normal(out.shape), dtype_of(dtype))
     for deterministic in (False, True):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                            **opts)
@@ -368,7 +368,7 @@ def test_cuda_lost_rows_take_the_sink(dtype, path, how, rng, override):
     override(poison=True, path=None if path == "auto" else path)
     q, k, v, opts = _huge_logits(rng, dtype, how, cupy, Nq=70, Nk=90, D=64)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
-    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(cupy, rng.standard_normal(out.shape), dtype_of(dtype))
     _check_huge_forward(out, lse, q, k, v, **opts)
     for deterministic in (False, True):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
@@ -409,7 +409,7 @@ def test_cuda_bnhd_layout(dtype, rng, override):
     import cupy
     override(poison=True)
     B, H, Nq, Nk, D = 2, 3, 40, 56, 64
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     q, k, v = (to_array(cupy, rng.standard_normal((B, n, H, D)), dt).transpose(0, 2, 1, 3)
                for n in (Nq, Nk, Nk))
     opts = dict(sinks=cupy.asarray(rng.standard_normal(H)), causal=True)
@@ -491,7 +491,7 @@ def test_cuda_fused_edge_rows(path, dtype, rng, override):
     override(poison=True, path=path)
     B, H, Nq, Nk, D = 2, 4, 50, 30, 64
     q, k, v = _inputs(rng, (B, H), (B, H), Nq, Nk, D, D, dtype, cupy)
-    acc = _config.accumulator_dtype(_dtype(dtype))
+    acc = _config.accumulator_dtype(dtype_of(dtype))
     t = (rng.standard_normal((B, H)) + 2.0).astype(acc)
     t[:, 0] = -np.inf
     mask = rng.random((B, H, Nq, Nk)) < 0.7
@@ -540,7 +540,7 @@ def test_cuda_fused_overflowed_row_stays_nan(path, dtype, rng, override):
     q[:, 0] = 1e20
     k = np.full((2, 24, D), -1e20)
     v = rng.standard_normal((2, 24, D))
-    q, k, v = (to_array(cupy, x, _dtype(dtype)) for x in (q, k, v))
+    q, k, v = (to_array(cupy, x, dtype_of(dtype)) for x in (q, k, v))
     out, lse = cuflash.attention(q, k, v, scale=1.0, sinks=cupy.asarray([0.5, -1.0]),
                                  return_lse=True)
     out, lse = to_f64(out), to_f64(lse)

@@ -9,19 +9,16 @@ import pytest
 
 import cuflash
 from cuflash import _gpu, _validate, reference
-from helpers import BFLOAT16, call_public, check_backward, check_forward, to_array, to_host
+from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_call, check_forward, dtype_of,
+                     to_array, to_host)
 
-DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
-
-
-def _dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+DTYPES = DTYPE_NAMES
 
 
 def _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, xp=np, gain=3.0):
     shapes = (lq + (Nq, Dk), lkv + (Nk, Dk), lkv + (Nk, Dv))
     host = [rng.standard_normal(s) * (gain if i == 0 else 1.0) for i, s in enumerate(shapes)]
-    return [to_array(xp, h, _dtype(dtype)) for h in host]
+    return [to_array(xp, h, dtype_of(dtype)) for h in host]
 
 
 def _options(name, rng, lead, Nq, Nk, xp=np):
@@ -108,11 +105,7 @@ def test_numpy_path(case, dtype, rng):
     name, lq, lkv, Nq, Nk, Dk, Dv = case
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype)
     opts = dict(_options(name, rng, lq, Nq, Nk), softcap=2.5)
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
-    check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(np, rng.standard_normal(out.shape), _dtype(dtype))
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
-    check_backward(grads, dout, q, k, v, out, lse, **opts)
+    _, _, dout, grads = check_call(np, rng, q, k, v, **opts)
     _, vjp = cuflash.attention_vjp(q, k, v, **opts)
     for a, b in zip(vjp(dout), grads):
         np.testing.assert_array_equal(a, b)
@@ -156,14 +149,8 @@ def test_cuda_paths(case, dtype, path, rng, override):
     name, lq, lkv, Nq, Nk, Dk, Dv = case
     override(poison=True, path=None if path == "auto" else path)
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, cupy)
-    opts = dict(_options(name, rng, lq, Nq, Nk, cupy), softcap=2.5)
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
-    check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
-    for deterministic in (False, True):
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
-                                           **opts)
-        check_backward(grads, dout, q, k, v, out, lse, **opts)
+    check_call(cupy, rng, q, k, v, orders=(False, True),
+               **dict(_options(name, rng, lq, Nq, Nk, cupy), softcap=2.5))
 
 
 @pytest.mark.gpu
