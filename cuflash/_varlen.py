@@ -86,8 +86,7 @@ def empty(xp, packed_shape, n, B, dtype):
     """An uninitialized padded buffer for a packed (total, Hx, D...) array: storage (B, n, Hx,
     D...), returned with its (B, Hx, n, D...) view (what the Problem reads: any strides)."""
     shape = (B, n) + tuple(packed_shape[1:])
-    bits = np.dtype(f"u{np.dtype(dtype).itemsize}")
-    buf = (np.empty(shape, bits) if xp is np else _runtime.empty(shape, bits)).view(dtype)
+    buf = np.empty(shape, dtype) if xp is np else _runtime.empty(shape, dtype)  # (poisoned)
     return buf, xp.moveaxis(buf, 2, 1)
 
 
