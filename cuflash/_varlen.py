@@ -105,6 +105,11 @@ def fill(xp, buf, x, rows, value=0):
     xp.copyto(target, value, where=rows.pad)
 
 
+def contiguous(xp, x):
+    """x as a C-contiguous array (a copy of its bits where it is not)."""
+    return xp.ascontiguousarray(_bits(x)).view(x.dtype)
+
+
 def unpad(xp, y, rows):
     """A padded result y (B, Hx, n, D...) back in the packed layout (total, Hx, D...)."""
     B, Hx, n = y.shape[:3]

@@ -303,7 +303,7 @@ def _packed_backward(packed, rows, problem, dout, out, lse, deterministic):
         for x, value in ((dout, 0), (out, 0), (lse, -np.inf)):
             buf, view = _varlen.empty(xp, x.shape, packed.max_q, packed.B, x.dtype)
             _varlen.fill(xp, buf, x, rows[0], value)
-            padded.append(view)
+            padded.append(_varlen.contiguous(xp, view))  # the paths' and the sinks' layout
         grads = _backward(problem, *padded, deterministic)
         return tuple(_varlen.unpad(xp, g, r) for g, r in zip(grads, rows[:1] + rows[1:] * 2)) \
             + grads[3:]
