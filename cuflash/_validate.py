@@ -1213,5 +1213,5 @@ def check_packed_backward(packed, problem, dout, out, lse, fn="attention_backwar
     shapes = object.__new__(Problem)
     shapes.__dict__.update(problem.__dict__)
     shapes.q = packed.q  # (its device)
-    shapes.lead, shapes.Nq = (packed.q.shape[0],), packed.H  # out (total_q, H, Dv), lse (total_q, H)
+    shapes.lead, shapes.Nq = (packed.q.shape[0],), packed.H  # (total_q, H, Dv), (total_q, H)
     check_backward_inputs(shapes, dout, out, lse, fn)
