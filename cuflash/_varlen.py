@@ -52,7 +52,11 @@ def _build_rows(xp, cu, total, n, end_aligned):
     seq = xp.clip(xp.searchsorted(cu, t, side="right") - 1, 0, max(B - 1, 0))
     first = xp.take(cu, seq)
     row = t - first + (n - xp.take(length.reshape(-1), seq)) if end_aligned else t - first
-    return Rows(src, pad, seq, xp.clip(row, 0, max(n - 1, 0)), n)
+    found = Rows(src, pad, seq, xp.clip(row, 0, max(n - 1, 0)), n)
+    if xp is np:  # shared by the calls of a layout (memoized)
+        for x in found[:4]:
+            x.flags.writeable = False
+    return found
 
 
 def rows(packed):

@@ -244,6 +244,26 @@ def test_offsets_forms_and_max_seqlen(rng):
         np.testing.assert_array_equal(got, base)
 
 
+def test_strided_packed_inputs(rng):
+    """q, k, v read out of one packed (total, 3, H, D) qkv array (FlashAttention's packed-qkv
+    layout), and a reversed token axis: the same result as contiguous copies, forward and
+    backward."""
+    lengths = [6, 11, 1]
+    cq = offsets(lengths)
+    qkv = rng.standard_normal((cq[-1], 3, 2, 8))
+    q, k, v = qkv[:, 0], qkv[:, 1][::-1], qkv[:, 2]
+    opts = dict(cu_seqlens_q=cq, cu_seqlens_k=cq, causal=True, window=(4, 0))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    copies = [np.ascontiguousarray(x) for x in (q, k, v)]
+    np.testing.assert_array_equal(out, cuflash.attention(*copies, **opts))
+    dout = rng.standard_normal(out.shape)[::-1]
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
+    for a, b in zip(grads, cuflash.attention_backward(np.ascontiguousarray(dout), *copies, out,
+                                                      lse, **opts)):
+        np.testing.assert_array_equal(a, b)
+    check_packed_backward(grads, dout, q, k, v, out, lse, cq, cq, causal=True, window=(4, 0))
+
+
 def test_new_offsets_of_one_layout(rng):
     """Two calls whose padded Problems share a signature (same totals, longest sequences and key
     lengths) but whose query offsets differ: each gathers its own tokens (the row maps are keyed
