@@ -902,14 +902,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
         kshape, vshape = (B, k.shape[1], Nk, k.shape[-1]), (B, v.shape[1], Nk, v.shape[-1])
         kv_lens = _per_sequence_lens(kv_lens, B)
 
-    names = supported_dtype_names()
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if _dtype_name(x.dtype) not in names:
-            raise TypeError(f"{fn}: {name} must have dtype {', '.join(names)}, got {x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"{fn}: q, k and v must have one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
-            f"v.dtype={v.dtype}")
+    _check_dtypes(fn, q, k, v)
     for name, x, shape in (("q", q, "(..., Nq, Dk)"), ("k", k, "(..., Nk, Dk)"),
                            ("v", v, "(..., Nk, Dv)")):
         if x.ndim < 2:
@@ -986,6 +979,18 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    alibi=_sinks_per_head(xp, q, alibi_slopes, lead), pages=pages)
 
 
+def _check_dtypes(fn, q, k, v):
+    """q, k and v: one dtype among the supported ones."""
+    names = supported_dtype_names()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if _dtype_name(x.dtype) not in names:
+            raise TypeError(f"{fn}: {name} must have dtype {', '.join(names)}, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{fn}: q, k and v must have one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+            f"v.dtype={v.dtype}")
+
+
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):
     """dout and out must have the output's shape and dtype; lse the lse's shape, float dtype."""
     lib = "numpy" if problem.xp is np else "cupy"
@@ -1032,3 +1037,185 @@ def check_merge_inputs(out_a, lse_a, out_b, lse_b, fn="merge"):
             raise ValueError(
                 f"{fn}: {name} must have shape out.shape[:-1] = {out_a.shape[:-1]}, got {x.shape}")
     return _xp_of(lib)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed variable-length batches (cu_seqlens; cuflash/_varlen.py runs them)
+
+# What a packed call refuses: FlashAttention defines none of these for packed sequences, and each
+# sequence is aligned by its own lengths (kv_lens are cu_seqlens_k's, positions would shift every
+# sequence alike, a mask or bias has no (Nq, Nk) matrix to broadcast over).
+PACKED_REFUSED = ("mask", "bias", "kv_lens", "positions", "block_table")
+
+
+@dataclass
+class Packed:
+    """A checked packed call: B sequences, sequence b's queries q[cu_q[b]:cu_q[b + 1]] and keys
+    k[cu_k[b]:cu_k[b + 1]]. cu_q / cu_k: host offsets (B + 1,) int64, checked (a NumPy array or
+    a sequence of ints), or the caller's CuPy array, never read on the host (`q_host` /
+    `k_host` False). max_q / max_k: the padded lengths (the longest sequence with host offsets,
+    max_seqlen_q / max_seqlen_k with device ones)."""
+    xp: Any
+    q: Any
+    k: Any
+    v: Any
+    B: int
+    H: int
+    Hkv: int
+    max_q: int
+    max_k: int
+    bottom_right: bool
+    cu_q: Any
+    cu_k: Any
+    q_host: bool
+    k_host: bool
+
+    @property
+    def kv_lens(self):
+        """The padded Problem's kv_lens: each sequence's key count, (B, 1) (host int64 with host
+        offsets; a CuPy difference, one elementwise kernel, with device ones)."""
+        return (self.cu_k[1:] - self.cu_k[:-1]).reshape(self.B, 1)
+
+    @property
+    def out_shape(self):
+        return (self.q.shape[0], self.H, self.v.shape[-1])
+
+    @property
+    def lse_shape(self):
+        return (self.q.shape[0], self.H)
+
+
+def _check_offsets(fn, name, cu, lib, device):
+    """cu_seqlens' kind, dtype and shape; returns (array, on the host)."""
+    kind = _library(cu)
+    if kind == "cupy":
+        if lib != "cupy":
+            raise TypeError(f"{fn}: {name} must be a sequence of ints or a numpy.ndarray for "
+                            "NumPy inputs, got a cupy.ndarray")
+        if cu.device.id != device:
+            raise ValueError(f"{fn}: all arrays must be on one device: q is on cuda device "
+                             f"{device} but {name} is on cuda device {cu.device.id}")
+        arr = cu
+    else:
+        try:
+            arr = np.asarray(cu)
+        except Exception:  # ragged sequences and the like
+            raise TypeError(f"{fn}: {name} must be an int32 or int64 array of offsets, got "
+                            f"{type(cu).__name__}")
+    if arr.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{fn}: {name} must hold int32 (FlashAttention's) or int64 offsets, got "
+                        f"dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"{fn}: {name} must have shape (B + 1,) (offsets starting at 0), got "
+                         f"{name}.shape={arr.shape}")
+    return arr, kind != "cupy"
+
+
+def _host_offsets(fn, name, arr, tokens, total):
+    """Host offsets' values: 0 first, non-decreasing, the packed token count last."""
+    a = arr.astype(np.int64)
+    if a[0] != 0:
+        raise ValueError(f"{fn}: {name} must start at 0, got {name}[0] = {a[0]}")
+    down = np.nonzero(a[1:] < a[:-1])[0]
+    if down.size:
+        i = int(down[0])
+        raise ValueError(f"{fn}: {name} must be non-decreasing, got {name}[{i}] = {a[i]} > "
+                         f"{name}[{i + 1}] = {a[i + 1]}")
+    if a[-1] != total:
+        raise ValueError(f"{fn}: {name}[-1] must be the number of packed tokens {tokens} = "
+                         f"{total}, got {a[-1]}")
+    a.flags.writeable = False
+    return a
+
+
+def _check_max_seqlen(fn, name, value, cu, host, cu_name, total):
+    """The padded length: the longest sequence with host offsets (max_seqlen, if given, must be
+    at least that), max_seqlen itself with device offsets (required: their values stay there)."""
+    if value is not None and (isinstance(value, (bool, np.bool_))
+                              or not isinstance(value, numbers.Integral)):
+        raise TypeError(f"{fn}: {name} must be a non-negative int or None, got "
+                        f"{type(value).__name__} {value!r}")
+    if value is not None and value < 0:
+        raise ValueError(f"{fn}: {name} must be non-negative, got {value}")
+    if host:
+        longest = int((cu[1:] - cu[:-1]).max(initial=0))
+        if value is not None and value < longest:
+            raise ValueError(f"{fn}: {name} must be at least the longest sequence's length "
+                             f"{longest} (from {cu_name}), got {value}")
+        return longest
+    if value is None:
+        raise TypeError(f"{fn}: {name} must be an int with a cupy.ndarray {cu_name} (its values "
+                        "stay on the device, so the padded length is not read from them), got "
+                        "None")
+    if total and (value == 0 or cu.shape[0] == 1):
+        raise ValueError(f"{fn}: {name} = {value} with {cu.shape[0] - 1} sequences leaves no "
+                         f"room for the {total} packed tokens")
+    return int(value)
+
+
+def check_packed(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, align,
+                 **refused):
+    """A packed call's checks before anything is allocated or launched, or None when the call
+    is not packed (no cu_seqlens). q (total_q, H, Dk), k (total_k, Hkv, Dk), v (total_k, Hkv,
+    Dv); `refused`: the PACKED_REFUSED options' values. make_problem checks the rest (scale,
+    causal, window, softcap, sinks, ALiBi, head dims) on the padded arrays."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"{fn}: {name} is only taken with cu_seqlens_q and "
+                                 f"cu_seqlens_k, got {name}={value!r} without them")
+        return None
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None:
+            raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must be given together, got "
+                             f"{name}=None")
+    for name, value in refused.items():
+        if value is not None:
+            raise ValueError(f"{fn}: {name} is not defined for packed sequences (cu_seqlens_q, "
+                             f"cu_seqlens_k; each sequence is aligned by its own lengths), got "
+                             f"{name} of type {type(value).__name__}")
+    _check_array(fn, "q", q)
+    lib = _library(q)
+    device = q.device.id if lib == "cupy" else None
+    _check_same_family(fn, (("k", k), ("v", v)), "q", lib, device)
+    _check_dtypes(fn, q, k, v)
+    for name, x, shape in (("q", q, "(total_q, H, Dk)"), ("k", k, "(total_k, Hkv, Dk)"),
+                           ("v", v, "(total_k, Hkv, Dv)")):
+        if x.ndim != 3:
+            raise ValueError(f"{fn}: with cu_seqlens, {name} must have shape {shape}, got "
+                             f"{name}.shape={x.shape}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"{fn}: k and v must hold the same tokens and kv heads (total_k, Hkv), "
+                         f"got k.shape={k.shape} and v.shape={v.shape}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{fn}: q and k must have the same head dim (axis -1), got "
+                         f"q.shape={q.shape} and k.shape={k.shape}")
+    H, Hkv = q.shape[1], k.shape[1]
+    if (H == 0) != (Hkv == 0) or (Hkv and H % Hkv):
+        raise ValueError(f"{fn}: q's heads (axis 1) must be a multiple of k's and v's "
+                         f"(grouped-query attention), got q.shape={q.shape} and k.shape={k.shape}")
+    (cq, q_host), (ck, k_host) = (_check_offsets(fn, name, cu, lib, device) for name, cu in
+                                  (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    if cq.shape != ck.shape:
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must have one length B + 1, got "
+                         f"cu_seqlens_q.shape={cq.shape} and cu_seqlens_k.shape={ck.shape}")
+    if q_host:
+        cq = _host_offsets(fn, "cu_seqlens_q", cq, "q.shape[0]", q.shape[0])
+    if k_host:
+        ck = _host_offsets(fn, "cu_seqlens_k", ck, "k.shape[0]", k.shape[0])
+    max_q = _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cq, q_host, "cu_seqlens_q",
+                              q.shape[0])
+    max_k = _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, ck, k_host, "cu_seqlens_k",
+                              k.shape[0])
+    return Packed(xp=_xp_of(lib), q=q, k=k, v=v, B=cq.shape[0] - 1, H=H, Hkv=Hkv, max_q=max_q,
+                  max_k=max_k, bottom_right=_check_align(fn, align), cu_q=cq, cu_k=ck,
+                  q_host=q_host, k_host=k_host)
+
+
+def check_packed_backward(packed, problem, dout, out, lse, fn="attention_backward"):
+    """dout, out and lse of a packed call: out's (total_q, H, Dv), lse (total_q, H)."""
+    shapes = object.__new__(Problem)
+    shapes.__dict__.update(problem.__dict__)
+    shapes.q = packed.q  # (its device)
+    shapes.lead, shapes.Nq = (packed.q.shape[0],), packed.H  # (total_q, H, Dv), (total_q, H)
+    check_backward_inputs(shapes, dout, out, lse, fn)

@@ -3,9 +3,9 @@ import contextlib
 
 import numpy as np
 
-from . import _broadcast, _paged, _runtime, _sinks
-from ._validate import (check_append, check_backward_inputs, check_flag, check_merge_inputs,
-                        make_problem)
+from . import _broadcast, _paged, _runtime, _sinks, _varlen
+from ._validate import (PACKED_REFUSED, check_append, check_backward_inputs, check_flag,
+                        check_merge_inputs, check_packed, check_packed_backward, make_problem)
 
 # Pieces shared by the docstrings of attention, attention_backward and attention_vjp; the loop at
 # the bottom of this file puts each in at its {name} line.
@@ -108,6 +108,31 @@ _OPTIONS_DOC = """\
         faster, with a relative error of the logits around 1e-3·|q|·|k|. Other dtypes, and the
         NumPy path, compute as they always do whatever the value."""
 
+_PACKED_DOC = """\
+    cu_seqlens_q : int array or sequence of ints, shape (B + 1,), or None, default None
+        Packed variable-length batches (FlashAttention's ``flash_attn_varlen_func``): q is then
+        (total_q, H, Dk), k (total_k, Hkv, Dk) and v (total_k, Hkv, Dv), B sequences packed
+        along axis 0, sequence b's queries q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] and its keys
+        k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]. The offsets start at 0, never decrease and end
+        at total_q (total_k); int32 (FlashAttention's) or int64. out is (total_q, H, Dv) and lse
+        (total_q, H) (FlashAttention's (H, total_q) is ``lse.T``); the gradients are packed
+        like q, k and v. Every option applies per sequence, with its lengths Lq, Lk in place of
+        Nq, Nk: causal bottom-right lets query i see the keys j <= i + Lk - Lq, top-left
+        j <= i; window and alibi_slopes align the same way; a sequence with Lk = 0 has empty
+        rows. sinks and alibi_slopes broadcast to (B, H). mask, bias, kv_lens, positions and
+        block_table are refused (ValueError). Host offsets (a NumPy array or a sequence of
+        ints) are checked; a CuPy array (CuPy inputs) stays on the device unchecked (offsets
+        that break these rules give unspecified rows, never an access outside the arrays) and
+        needs max_seqlen_q. Given together with cu_seqlens_k, or not at all. None: not packed.
+    cu_seqlens_k : int array or sequence of ints, shape (B + 1,), or None, default None
+        The keys' offsets, like cu_seqlens_q (and max_seqlen_k with a CuPy array).
+    max_seqlen_q : int or None, default None
+        The longest query sequence: required with a CuPy cu_seqlens_q (the padded length,
+        which is not read from the device); optional with host offsets, and then at least their
+        longest sequence (the work is padded to the longest sequence whatever the value).
+    max_seqlen_k : int or None, default None
+        The same for the keys and cu_seqlens_k."""
+
 _TYPE_ERRORS_DOC = """\
         - q, k or v is not a numpy.ndarray or cupy.ndarray (a list is not accepted), or mask
           or bias is given as something else.
@@ -123,6 +148,8 @@ _TYPE_ERRORS_DOC = """\
         - sinks is neither None, a real number nor an array of q's library (a bool is refused),
           or its dtype is bool or complex.
         - alibi_slopes likewise.
+        - cu_seqlens_q or cu_seqlens_k is not int32 / int64, or is a cupy.ndarray with NumPy
+          inputs; max_seqlen_q / max_seqlen_k is not an int, or is None with CuPy offsets.
         - A keyword the function does not take (Python's own TypeError)."""
 
 _VALUE_ERRORS_DOC = """\
@@ -143,7 +170,12 @@ _VALUE_ERRORS_DOC = """\
         - softcap is negative, NaN or infinite.
         - sinks does not broadcast to the leading dims ``...``, or is on another device than q.
         - alibi_slopes likewise, or a host slope (a number or a NumPy array) is NaN or
-          infinite."""
+          infinite.
+        - With cu_seqlens: only one of the two is given (or max_seqlen without them); they are
+          not (B + 1,) of one length; q, k, v are not (total, heads, D) with k's and v's
+          (total_k, Hkv) equal; host offsets do not start at 0, decrease or do not end at the
+          token count; max_seqlen is below the longest host sequence; mask, bias, kv_lens,
+          positions or block_table is given."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
@@ -176,6 +208,8 @@ _NOTES_DOC = """\
 # so that a new option is added to the signatures and here, not to every call).
 OPTIONS = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
            "precision", "softcap", "sinks", "alibi_slopes")
+# packed variable-length batches' keywords (cuflash/_varlen.py), not make_problem's
+PACKED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 
 def _options(names):
@@ -234,9 +268,56 @@ def _backward(problem, dout, out, lse, deterministic=False):
     return tuple(grads)
 
 
+def _packed(fn, q, k, v, names, block_table=None, **backward_inputs):
+    """A packed call (cu_seqlens; cuflash/_varlen.py) as (Packed, its query and key Rows, the
+    padded Problem), or None when the call is not packed. Every check (the backward's
+    dout / out / lse too) runs before the padded q, k and v are filled."""
+    options = _options(names)
+    packed = check_packed(fn, q, k, v, *(names[name] for name in PACKED), options["align"],
+                          block_table=block_table,
+                          **{name: options[name] for name in PACKED_REFUSED if name in options})
+    if packed is None:
+        return None
+    xp, B = packed.xp, packed.B
+    with _varlen.device(q):
+        bufs = [_varlen.empty(xp, x.shape, n, B, x.dtype)
+                for x, n in ((q, packed.max_q), (k, packed.max_k), (v, packed.max_k))]
+        options["kv_lens"] = packed.kv_lens
+        problem = make_problem(*(view for _, view in bufs), fn=fn, **options)
+        if backward_inputs:
+            check_packed_backward(packed, problem, fn=fn, **backward_inputs)
+        rows = _varlen.rows(packed)
+        for (buf, _), x, r in zip(bufs, (q, k, v), (rows[0], rows[1], rows[1])):
+            _varlen.fill(xp, buf, x, r)
+    return packed, rows, problem
+
+
+def _packed_forward(packed, rows, problem):
+    """out (total_q, H, Dv) and lse (total_q, H) of a packed call."""
+    with _varlen.device(packed.q):
+        out, lse = _forward(problem)  # (B, H, max_q, Dv), (B, H, max_q)
+        return _varlen.unpad(packed.xp, out, rows[0]), _varlen.unpad(packed.xp, lse, rows[0])
+
+
+def _packed_backward(packed, rows, problem, dout, out, lse, deterministic):
+    """The packed gradients: dout, out and lse padded as q is (padding rows: 0, 0 and -inf,
+    i.e. empty rows that add nothing), the padded gradients gathered back."""
+    xp = packed.xp
+    with _varlen.device(packed.q):
+        padded = []
+        for x, value in ((dout, 0), (out, 0), (lse, -np.inf)):
+            buf, view = _varlen.empty(xp, x.shape, packed.max_q, packed.B, x.dtype)
+            _varlen.fill(xp, buf, x, rows[0], value)
+            padded.append(_varlen.contiguous(xp, view))  # the paths' and the sinks' layout
+        grads = _backward(problem, *padded, deterministic)
+        return tuple(_varlen.unpad(xp, g, r) for g, r in zip(grads, rows[:1] + rows[1:] * 2)) \
+            + grads[3:]
+
+
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
               bias=None, kv_lens=None, positions=None, precision=None, softcap=None, sinks=None,
-              alibi_slopes=None, block_table=None, return_lse=False):
+              alibi_slopes=None, block_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=None, max_seqlen_k=None, return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
@@ -247,6 +328,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     ----------
 {qkv}
 {options}
+{packed}
     block_table : int32 or int64 array of shape (B, max_pages), or None, default None
         A paged KV cache: k and v are then page pools of shape (num_pages, Hkv, page_size, Dk)
         and (num_pages, Hkv, page_size, Dv), q is (B, H, Nq, Dk), and key j of sequence b is
@@ -392,16 +474,21 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     """
     return_lse = check_flag("return_lse", return_lse, "attention")
     with _runtime.graph_safe(q):
-        problem = make_problem(q, k, v, fn="attention", block_table=block_table,
-                               **_options(locals()))
-        out, lse = _forward(problem)
+        packed = _packed("attention", q, k, v, locals(), block_table)
+        if packed is not None:
+            out, lse = _packed_forward(*packed)
+        else:
+            problem = make_problem(q, k, v, fn="attention", block_table=block_table,
+                                   **_options(locals()))
+            out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
                        precision=None, softcap=None, sinks=None, alibi_slopes=None,
-                       deterministic=False):
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None, deterministic=False):
     """Compute the gradients of :func:`attention` with respect to q, k and v.
 
     The score tiles are recomputed from q, k and lse; no probability matrix is stored.
@@ -419,6 +506,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
         lse are not checked against q, k and v: from other inputs or options (sinks included)
         they give wrong gradients.
 {options}
+{packed}
     deterministic : bool, default False
         If True, the gradients are bitwise identical run to run on every path. Only the
         tensor-core backward needs it (it otherwise adds dq with atomics, in no fixed order);
@@ -504,6 +592,9 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     """
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
     with _runtime.graph_safe(q):
+        packed = _packed("attention_backward", q, k, v, locals(), dout=dout, out=out, lse=lse)
+        if packed is not None:
+            return _packed_backward(*packed, dout, out, lse, deterministic)
         problem = make_problem(q, k, v, fn="attention_backward", **_options(locals()))
         check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
         return _backward(problem, dout, out, lse, deterministic)
@@ -511,7 +602,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
 
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                   mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                  softcap=None, sinks=None, alibi_slopes=None, deterministic=False,
+                  softcap=None, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
+                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
                   return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
@@ -523,6 +615,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
     ----------
 {qkv}
 {options}
+{packed}
     deterministic : bool, default False
         As for :func:`attention_backward`: bitwise identical gradients run to run.
     return_lse : None
@@ -586,10 +679,18 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
         raise TypeError("attention_vjp: takes no return_lse option (it keeps lse itself)")
     deterministic = check_flag("deterministic", deterministic, "attention_vjp")
     with _runtime.graph_safe(q):
-        problem = make_problem(q, k, v, fn="attention_vjp", **_options(locals()))
-        out, lse = _forward(problem)
+        packed = _packed("attention_vjp", q, k, v, locals())
+        if packed is not None:
+            out, lse = _packed_forward(*packed)
+        else:
+            problem = make_problem(q, k, v, fn="attention_vjp", **_options(locals()))
+            out, lse = _forward(problem)
 
     def vjp(dout):
+        if packed is not None:
+            check_packed_backward(packed[0], packed[2], dout, out, lse, fn="attention_vjp")
+            with _runtime.graph_safe(q):
+                return _packed_backward(*packed, dout, out, lse, deterministic)
         check_backward_inputs(problem, dout, out, lse, fn="attention_vjp")
         with _runtime.graph_safe(q):
             return _backward(problem, dout, out, lse, deterministic)
@@ -707,7 +808,8 @@ def _merge(xp, out_a, lse_a, out_b, lse_b):
 # docstring (3.13 does unless a line starts at column 0) and the pieces, indented as written, fit.
 for _f in (attention, attention_backward, attention_vjp):
     if _f.__doc__:  # None under python -OO
-        _f.__doc__ = _f.__doc__.format(qkv=_QKV_DOC, options=_OPTIONS_DOC, notes=_NOTES_DOC,
+        _f.__doc__ = _f.__doc__.format(qkv=_QKV_DOC, options=_OPTIONS_DOC, packed=_PACKED_DOC,
+                                       notes=_NOTES_DOC,
                                        type_errors=_TYPE_ERRORS_DOC,
                                        value_errors=_VALUE_ERRORS_DOC)
 

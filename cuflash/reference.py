@@ -260,7 +260,8 @@ class _Dense:
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
               bias=None, kv_lens=None, positions=None, softcap=None, sinks=None,
-              alibi_slopes=None, return_lse=False):
+              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, return_lse=False):
     """Dense float64 attention with exactly the semantics of ``cuflash.attention``.
 
     Returns ``out`` (``lead + (Nq, Dv)``), or ``(out, lse)`` (``lse``: ``lead + (Nq,)``), as NumPy
@@ -269,7 +270,23 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     ALiBi ``... - slope * |p_i - j| + bias`` (p_i the query's aligned position). With sinks
     every row's softmax has one more column, of its head's sink logit and value 0 (visible unless
     the sink is -inf): an empty row then gives out = 0, lse = the sink.
+
+    With ``cu_seqlens_q`` / ``cu_seqlens_k`` (packed sequences: q (total_q, H, Dk), ...) it is
+    this function on each sequence alone, its (H, Lq, D) slices of q, k, v and the (H,) rows of
+    sinks and alibi_slopes broadcast to (B, H): out (total_q, H, Dv), lse (total_q, H).
     """
+    packed = _packed("attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, align, mask, bias, kv_lens, positions)
+    if packed is not None:
+        options = dict(scale=scale, causal=causal, align=align, window=window, softcap=softcap)
+        out = np.zeros(packed.out_shape)
+        lse = np.full(packed.lse_shape, -np.inf)
+        for b, rows, keys in _sequences(packed):
+            ob, lb = attention(*_slices(packed, rows, keys), return_lse=True, **options,
+                               sinks=_row(sinks, b, packed), alibi_slopes=_row(alibi_slopes, b,
+                                                                               packed))
+            out[rows], lse[rows] = ob.swapaxes(0, 1), lb.T
+        return (out, lse) if return_lse else out
     _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks,
            alibi_slopes)
     out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
@@ -280,7 +297,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
-                       softcap=None, sinks=None, alibi_slopes=None):
+                       softcap=None, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``
     (and ``dsinks``, shaped like ``sinks``, with sinks).
 
@@ -296,10 +314,63 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     nothing. With sinks the sink column joins P and dS (its value 0, so its dP is 0) and
     ``dsinks = sum_i dS[i, sink] = -sum_i P[i, sink] D_i``, summed into sinks' shape; a lost row's
     max and sum include it. ALiBi adds a constant to each logit: dS is unchanged (no gradient
-    with respect to the slopes). Results are NumPy float64.
+    with respect to the slopes). Results are NumPy float64. Packed sequences (cu_seqlens) as
+    in :func:`attention`: each sequence alone, dsinks summed over them into sinks' shape.
     """
+    packed = _packed("attention_backward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, align, mask, bias, kv_lens, positions)
+    if packed is not None:
+        options = dict(scale=scale, causal=causal, align=align, window=window, softcap=softcap)
+        grads = [np.zeros(x.shape) for x in (packed.q, packed.k, packed.v)]
+        dsinks = np.zeros((packed.B, packed.H))
+        dout, out, lse = (_host(x).astype(np.float64) for x in (dout, out, lse))
+        for b, rows, keys in _sequences(packed):
+            g = attention_backward(dout[rows].swapaxes(0, 1), *_slices(packed, rows, keys),
+                                   out[rows].swapaxes(0, 1), lse[rows].T, **options,
+                                   sinks=_row(sinks, b, packed),
+                                   alibi_slopes=_row(alibi_slopes, b, packed))
+            for grad, part, span in zip(grads, g, (rows, keys, keys)):
+                grad[span] = part.swapaxes(0, 1)
+            if sinks is not None:
+                dsinks[b] = g[3]
+        if sinks is None:
+            return tuple(grads)
+        shape = np.shape(_host(sinks))
+        return tuple(grads) + (_sum_to(dsinks[..., None, None], shape + (1, 1)).reshape(shape),)
     _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks,
            alibi_slopes)
     dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
                    softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return dense.backward(dout, out, lse)
+
+
+# ---- packed sequences (cu_seqlens): the dense reference on each sequence alone --------------
+
+def _packed(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, align, mask,
+            bias, kv_lens, positions):
+    """The library's checks of a packed call, on host copies (None: not packed)."""
+    return _validate.check_packed(fn, *(_host(x) for x in (q, k, v)), _host(cu_seqlens_q),
+                                  _host(cu_seqlens_k), max_seqlen_q, max_seqlen_k, align,
+                                  mask=mask, bias=bias, kv_lens=kv_lens, positions=positions)
+
+
+def _sequences(packed):
+    """(b, its query rows, its key rows) of each sequence that has queries."""
+    for b in range(packed.B):
+        rows = slice(int(packed.cu_q[b]), int(packed.cu_q[b + 1]))
+        keys = slice(int(packed.cu_k[b]), int(packed.cu_k[b + 1]))
+        if rows.stop > rows.start:
+            yield b, rows, keys
+
+
+def _slices(packed, rows, keys):
+    """Sequence b's q (H, Lq, Dk), k (Hkv, Lk, Dk), v (Hkv, Lk, Dv)."""
+    return (packed.q[rows].swapaxes(0, 1), packed.k[keys].swapaxes(0, 1),
+            packed.v[keys].swapaxes(0, 1))
+
+
+def _row(x, b, packed):
+    """Sequence b's (H,) row of a per-head option broadcast to (B, H) (None stays None)."""
+    if x is None:
+        return None
+    return np.broadcast_to(_host(x).astype(np.float64), (packed.B, packed.H))[b]

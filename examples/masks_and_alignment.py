@@ -53,6 +53,21 @@ show([("window=(2, 0)", visible(6, 6, window=(2, 0))),
       ("window=(1, 1)", visible(6, 6, window=(1, 1))),
       ("causal, kv_lens=4", visible(6, 6, causal=True, kv_lens=4))])
 
+# Packed sequences (cu_seqlens): each sequence is its own problem, aligned by its own lengths.
+# Rows are the packed query tokens, columns the packed key tokens; nothing crosses sequences.
+def visible_packed(cu_q, cu_k, **options):
+    nq, nk = cu_q[-1], cu_k[-1]
+    q, k, v = xp.zeros((nq, 1, 1)), xp.zeros((nk, 1, 1)), xp.eye(nk).reshape(nk, 1, nk)
+    packed = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    seen = to_host(cuflash.attention(q, k, v, **packed, **options))[:, 0] > 0
+    assert (seen == (cuflash.reference.attention(q, k, v, **packed, **options)[:, 0] > 0)).all()
+    return seen
+
+
+print("Packed: cu_seqlens_q=[0, 2, 5], cu_seqlens_k=[0, 4, 6] (Lq, Lk = 2, 4 and 3, 2), causal")
+show([(f"align='{a}'", visible_packed([0, 2, 5], [0, 4, 6], causal=True, align=a))
+      for a in ("bottom-right", "top-left")])
+
 # The seed's worked example: N = 4 tokens, d = 2, query row 0. Raw dot products q0·k_j are
 # [1, 0, 1, 0]; the default scale 1/sqrt(d) = 1/sqrt(2) gives the scores [0.707, 0, 0.707, 0].
 q = xp.asarray([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])

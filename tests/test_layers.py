@@ -20,6 +20,7 @@ LAYERS = {
     "_sinks": 3,                                  # (the sinks' join and gradient, for api)
     "_mma_fwd": 4, "_wide": 4,                # paths launch its lost-row kernels, and the
     "_paged": 4,                                  # (paged KV: decode reads pages, else gathers)
+    "_varlen": 3,                                 # (packed sequences: padded, then any path)
     "_mma_bwd": 5, "_wgmma_fwd": 5,               # backward reads the forward's layout rule
     "_gpu": 6,                                    # the dispatcher and the catalog
     "api": 7,
