@@ -991,24 +991,26 @@ def _check_dtypes(fn, q, k, v):
             f"v.dtype={v.dtype}")
 
 
-def check_backward_inputs(problem, dout, out, lse, fn="attention_backward"):
-    """dout and out must have the output's shape and dtype; lse the lse's shape, float dtype."""
+def check_backward_inputs(problem, dout, out, lse, fn="attention_backward", shapes=None):
+    """dout and out must have the output's shape and dtype; lse the lse's shape, float dtype.
+    shapes: (out's, lse's) where they are not the Problem's (a packed call's)."""
+    out_shape, lse_shape = shapes or (problem.out_shape, problem.lse_shape)
     lib = "numpy" if problem.xp is np else "cupy"
     device = problem.q.device.id if lib == "cupy" else None
     _check_same_family(fn, (("dout", dout), ("out", out), ("lse", lse)), "q", lib, device)
     for name, x in (("dout", dout), ("out", out)):
         if x is None:
             raise TypeError(f"{fn}: {name} must be an array, got None")
-        if tuple(x.shape) != problem.out_shape:
+        if tuple(x.shape) != out_shape:
             raise ValueError(
-                f"{fn}: {name} must have the output's shape (..., Nq, Dv) = {problem.out_shape}, "
+                f"{fn}: {name} must have the output's shape (..., Nq, Dv) = {out_shape}, "
                 f"got {name}.shape={x.shape}")
         if x.dtype != problem.dtype:
             raise TypeError(f"{fn}: {name} must have q's dtype {problem.dtype}, got {x.dtype}")
     if lse is None:
         raise TypeError(f"{fn}: lse must be an array, got None")
-    if tuple(lse.shape) != problem.lse_shape:
-        raise ValueError(f"{fn}: lse must have shape (..., Nq) = {problem.lse_shape}, "
+    if tuple(lse.shape) != lse_shape:
+        raise ValueError(f"{fn}: lse must have shape (..., Nq) = {lse_shape}, "
                          f"got lse.shape={lse.shape}")
     if lse.dtype not in (np.float32, np.float64):
         raise TypeError(f"{fn}: lse must be float32 or float64, got {lse.dtype}")
@@ -1214,8 +1216,6 @@ def check_packed(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def check_packed_backward(packed, problem, dout, out, lse, fn="attention_backward"):
     """dout, out and lse of a packed call: out's (total_q, H, Dv), lse (total_q, H)."""
-    shapes = object.__new__(Problem)
-    shapes.__dict__.update(problem.__dict__)
-    shapes.q = packed.q  # (its device)
-    shapes.lead, shapes.Nq = (packed.q.shape[0],), packed.H  # (total_q, H, Dv), (total_q, H)
-    check_backward_inputs(shapes, dout, out, lse, fn)
+    total_q = packed.q.shape[0]
+    check_backward_inputs(problem, dout, out, lse, fn,
+                          shapes=((total_q, packed.H, problem.Dv), (total_q, packed.H)))
