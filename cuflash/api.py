@@ -272,6 +272,9 @@ def _packed(fn, q, k, v, names, block_table=None, **backward_inputs):
     """A packed call (cu_seqlens; cuflash/_varlen.py) as (Packed, its query and key Rows, the
     padded Problem), or None when the call is not packed. Every check (the backward's
     dout / out / lse too) runs before the padded q, k and v are filled."""
+    if (names["cu_seqlens_q"] is None and names["cu_seqlens_k"] is None
+            and names["max_seqlen_q"] is None and names["max_seqlen_k"] is None):
+        return None  # (the common call, which builds nothing here)
     options = _options(names)
     packed = check_packed(fn, q, k, v, *(names[name] for name in PACKED), options["align"],
                           block_table=block_table,
