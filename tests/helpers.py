@@ -206,3 +206,18 @@ def check_call(xp, rng, q, k, v, orders=(False,), **options):
                                            **options)
         check_backward(grads, dout, q, k, v, out, lse, **options)
     return out, lse, dout, grads
+
+
+def numeric_gradient(loss, x, h=1e-6):
+    """The central-difference gradient of the scalar ``loss()`` with respect to the float64
+    NumPy array x, which it perturbs in place (and restores) entry by entry."""
+    num = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        old = x[idx]
+        x[idx] = old + h
+        up = loss()
+        x[idx] = old - h
+        down = loss()
+        x[idx] = old
+        num[idx] = (up - down) / (2 * h)
+    return num

@@ -12,7 +12,7 @@ import pytest
 
 import cuflash
 from cuflash import _gpu, _validate, reference
-from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_backward, check_call, check_forward, dtype_of,
+from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_backward, check_call, check_forward, dtype_of, numeric_gradient,
                      to_array, to_host)
 
 DTYPES = DTYPE_NAMES
@@ -130,17 +130,8 @@ def test_gradients_match_finite_differences(rng):
     dout = rng.standard_normal(out.shape)
     ref_grads = reference.attention_backward(dout, q, k, v, out, lse, **opts)
     got_grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
-    h = 1e-6
     for x, g, g2 in zip((q, k, v), ref_grads, got_grads):
-        num = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            old = x[idx]
-            x[idx] = old + h
-            up = (_dense_masked(q, k, v, **opts) * dout).sum()
-            x[idx] = old - h
-            down = (_dense_masked(q, k, v, **opts) * dout).sum()
-            x[idx] = old
-            num[idx] = (up - down) / (2 * h)
+        num = numeric_gradient(lambda: (_dense_masked(q, k, v, **opts) * dout).sum(), x)
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(g2, num, rtol=1e-6, atol=1e-8)
 

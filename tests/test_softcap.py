@@ -9,7 +9,7 @@ import pytest
 
 import cuflash
 from cuflash import _gpu, _validate, reference
-from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_call, check_forward, dtype_of,
+from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_call, check_forward, dtype_of, numeric_gradient,
                      to_array, to_host)
 
 DTYPES = DTYPE_NAMES
@@ -70,17 +70,8 @@ def test_reference_gradients_match_finite_differences(rng):
     out, lse = reference.attention(q, k, v, return_lse=True, **opts)
     dout = rng.standard_normal(out.shape)
     grads = reference.attention_backward(dout, q, k, v, out, lse, **opts)
-    h = 1e-6
     for x, g in zip((q, k, v), grads):
-        num = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            old = x[idx]
-            x[idx] = old + h
-            up = (reference.attention(q, k, v, **opts) * dout).sum()
-            x[idx] = old - h
-            down = (reference.attention(q, k, v, **opts) * dout).sum()
-            x[idx] = old
-            num[idx] = (up - down) / (2 * h)
+        num = numeric_gradient(lambda: (reference.attention(q, k, v, **opts) * dout).sum(), x)
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
 
 
