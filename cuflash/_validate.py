@@ -412,7 +412,20 @@ def _sinks_per_head(xp, q, sinks, lead):
         return xp.ascontiguousarray(xp.broadcast_to(sinks, lead), dtype=np.float64).reshape(-1)
 
 
-_clamp_lens = None
+_clamp = None
+
+
+def _clamped(x, n, dtype):
+    """A copy of the CuPy integer array x of `dtype` with every entry clamped to [0, n] (one
+    elementwise kernel on the current stream: no synchronization)."""
+    import cupy
+
+    global _clamp
+    if _clamp is None:
+        _clamp = cupy.ElementwiseKernel(
+            "T x, int64 n", "Y y", "y = x < T(0) ? Y(0) : (x > n ? Y(n) : Y(x))",
+            "cuflash_clamp")
+    return _clamp(x, np.int64(n), cupy.empty(x.shape, dtype))
 
 
 def _device_lens(kv_lens, lead, Nk):
@@ -420,13 +433,8 @@ def _device_lens(kv_lens, lead, Nk):
     device (one elementwise kernel on the current stream: no synchronization)."""
     import cupy
 
-    global _clamp_lens
-    if _clamp_lens is None:
-        _clamp_lens = cupy.ElementwiseKernel(
-            "T x, int64 n", "int64 y", "y = x < T(0) ? 0 : (x > n ? n : (long long)x)",
-            "cuflash_clamp_lens")
     with kv_lens.device:
-        return _clamp_lens(cupy.broadcast_to(kv_lens, lead), np.int64(Nk)).reshape(-1)
+        return _clamped(cupy.broadcast_to(kv_lens, lead), Nk, np.int64).reshape(-1)
 
 
 def _check_device_lens(fn, kv_lens, lead, device):
@@ -592,9 +600,6 @@ def _checked_table(fn, pages, block_table, kv_lens, lead):
     return pages
 
 
-_clamp_table = None
-
-
 def _device_table(block_table):
     """A CuPy block table as the kernels read it: the caller's array when it is int32 with unit
     column stride, else an int32 copy with every entry clamped to [0, 2**31 - 1] (one elementwise
@@ -605,15 +610,8 @@ def _device_table(block_table):
                                           or block_table.strides[1] == 4) \
             and block_table.strides[0] % 4 == 0:
         return block_table
-    import cupy
-
-    global _clamp_table
-    if _clamp_table is None:
-        _clamp_table = cupy.ElementwiseKernel(
-            "T x", "int32 y", "y = x < T(0) ? 0 : (x > T(2147483647) ? 2147483647 : (int)x)",
-            "cuflash_clamp_table")
     with block_table.device:
-        return _clamp_table(block_table, cupy.empty(block_table.shape, np.int32))
+        return _clamped(block_table, 2**31 - 1, np.int32)
 
 
 @dataclass
