@@ -15,6 +15,7 @@ from . import _config, _memo, _modifiers, _runtime
 NAME = "generic"
 TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = False  # whether its forward kernels join the sinks themselves (else cuflash/_gpu.py does)
+DBIAS = True  # its backward stores the bias's gradient (p.dbias; cuflash/_gpu.py)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
 # kernel -> (source file, kernel name)
 KERNELS = {"fwd": (FWD_SOURCE, "fwd_generic"), "bwd_preprocess": (BWD_SOURCE, "bwd_preprocess"),
@@ -135,7 +136,8 @@ def preprocess(p, dout, out, lse):
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), every element,
-    in the accumulator dtype. Deterministic by construction (no atomics): bwd_preprocess (delta =
+    in the accumulator dtype, and with p.dbias the logits' gradient (BH, Nq, Nk) (`dbias_buffer`;
+    bwd_dq stores it). Deterministic by construction (no atomics): bwd_preprocess (delta =
     rowsum(dout * out), and lse_eff: +inf, with delta 0, on lost rows), bwd_dkdv over key tiles,
     bwd_dq over query tiles, then the lost rows' exact gradients (launch_lost)."""
     import cupy
@@ -153,11 +155,23 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
          (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type),
          shared_mem=smem)
+    dbias = dbias_buffer(p, acc)
     kern, (bm, _), smem = _prepare("bwd_dq", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type), shared_mem=smem)
-    launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
-    return dq, dk, dv
+         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type)
+         + (_runtime.ptr(dbias),), shared_mem=smem)
+    launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs, dbias=dbias)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
+
+
+def dbias_buffer(p, dtype):
+    """With p.dbias, the zeroed (BH, Nq, Nk) buffer of ``dtype`` (the kernels' accumulator) into
+    which a backward kernel stores the logits' gradient of every pair it walks (the pairs it
+    skips keep 0); else None. Never poisoned: its zeros are part of the result."""
+    if not p.dbias:
+        return None
+    import cupy
+    return cupy.zeros((p.BH, p.Nq, p.Nk), dtype=dtype)
 
 
 _lost_launches = _memo.Memo(256)
@@ -206,15 +220,16 @@ def flagged_forward(p, recipe, extra=()):
     return out, lse
 
 
-def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
+def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None, dbias=None):
     """kernels_cu/lost_rows.cu: add the exact gradients of the lost rows (_config.LOST_LSE) to dq,
     dk, dv, which the main backward kernels wrote without them. dout, out contiguous
     (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype; dq (BH, Nq, Dk) in it too;
     dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. ``flags`` (BH, ceil(Nq / 32)):
     the lost-row flags, if the preprocess wrote them (else made here from lse). With sinks
     (p.sinks) the sink joins each lost row's max and sum, and the row's exact sink probability is
-    written into ``sink_probs`` (BH, Nq) float64. Two small launches that only read flags (and
-    lse) when no row is lost."""
+    written into ``sink_probs`` (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator
+    dtype (dbias_buffer; None: none): the lost rows' logit gradients are written there. Two small
+    launches that only read flags (and lse) when no row is lost."""
     import cupy
 
     p = args.p
@@ -245,5 +260,5 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
         flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
     sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
-    rows(common + (dq, np.int32(prewritten)) + sinks)
+    rows(common + (dq, np.int32(prewritten)) + sinks + (_runtime.ptr(dbias),))
     keys(common + (dk, dv))

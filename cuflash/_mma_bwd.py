@@ -41,6 +41,7 @@ from ._broadcast import _padded
 
 NAME = "mma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DBIAS = True  # its backward stores the bias's gradient (p.dbias; cuflash/_gpu.py)
 SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
@@ -341,7 +342,8 @@ def _recipe(p, deterministic):
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
     dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
-    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype.
+    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype. With
+    p.dbias also the logits' gradient (BH, Nq, Nk) float32, stored by the dK/dV kernel.
     sink_probs (with sinks): the rows' sink probabilities, which the lost-row fix overwrites on
     its rows (_gpu.backward)."""
     import cupy
@@ -370,10 +372,11 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     # table must live until the launch is enqueued)
     classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
                        else (_mask_tiles.NO_CLASSES, None))
+    dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
     r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
-            classes) + tail + (i32(r.out16),))
+            classes) + tail + (i32(r.out16), _runtime.ptr(dbias)))
     if deterministic:
         r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,
-                         sink_probs=sink_probs)
-    return dq, dk, dv
+                         sink_probs=sink_probs, dbias=dbias)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)

@@ -17,6 +17,7 @@ from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DBIAS = True  # its backward stores the bias's gradient (p.dbias; cuflash/_gpu.py)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wide.cu SINKS)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")
@@ -298,7 +299,8 @@ def _bwd_recipe(p):
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), in the
-    accumulator dtype; deterministic whatever ``deterministic`` says (no atomics). sink_probs
+    accumulator dtype (with p.dbias also the logits' gradient (BH, Nq, Nk), stored by the dQ
+    kernel); deterministic whatever ``deterministic`` says (no atomics). sink_probs
     (with sinks): the rows' sink probabilities, which the lost-row fix overwrites on its rows."""
     import cupy
 
@@ -320,7 +322,8 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     # until the launches)
     dkdv_cls, _t1 = _mask_tiles.classify(p, kv_tile.block_n, 16 * kv_tile.mf * kv_tile.warps)
     dq_cls, _t2 = _mask_tiles.classify(p, 16 * dq_tile.mf * dq_tile.warps, dq_tile.block_n)
+    dbias = _generic.dbias_buffer(p, acc)  # with p.dbias: the dQ kernel stores it
     dkdv(ins + (dk, dv) + args.tail + (dkdv_cls,))
-    dq_k(ins + (dq,) + args.tail + (dq_cls,))
-    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
-    return dq, dk, dv
+    dq_k(ins + (dq,) + args.tail + (dq_cls, _runtime.ptr(dbias)))
+    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs, dbias=dbias)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)

@@ -167,13 +167,16 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 }
 
 // Grid: x = query tile (BLOCK_M queries), (y, z) = batch*head. Walks the key tiles the query tile
-// can see (tile_key_range) and writes dq_acc (BH, Nq, Dk) = scale * dS K.
+// can see (tile_key_range) and writes dq_acc (BH, Nq, Dk) = scale * dS K. dbias (null: none):
+// (BH, Nq, Nk), zeroed by the host; the logits' gradient P (dP - delta) is stored there for every
+// pair of the key tiles walked (0 where P is 0), the bias's gradient before its broadcast sum.
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
           typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
        const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
-       Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc)) {
+       Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc),
+       Acc* __restrict__ dbias) {
   using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
   constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
   constexpr int LD = Tile::LD, LDP = Tile::LDP;
@@ -233,7 +236,10 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         if (j < j_end) {
           Acc g;
           const Acc p = recompute_p(s[r][jj], scale, i, j, h.w, lse_r[r], h.mb, f, g);
-          ds = p * (dp[r][jj] - delta_r[r]) * g;
+          const Acc dlogit = p * (dp[r][jj] - delta_r[r]);
+          ds = dlogit * g;
+          if (dbias != nullptr && i < i_end)  // the bias's gradient (before F')
+            dbias[(bh * Nq + i) * Nk + j] = p == Acc(0) ? Acc(0) : dlogit;
         }
         dSs[ir * LDP + lane + LANES_PER_ROW * jj] = ds;
       }

@@ -24,6 +24,8 @@
 //                                            dQ block is added to the float32 dq_acc (BH, Nq, Dk,
 //                                            zeroed by the host) with red.global.add, a few per
 //                                            k-step of this product (tcb::dq_reduction_at).
+//                  With a bias's gradient asked (dbias non-null; mask / bias modifiers only),
+//                  P^T (dP^T - delta) is stored per pair (attn_core.cuh store_dbias).
 //   bwd_mma_dq     deterministic dQ (no atomics): one block per query tile of 16 * NWARPS rows,
 //                  key tiles through a cp.async ring (as fwd_mma.cu), S, P, dP, dS recomputed
 //                  in registers, dQ += dS K, one plain store per element. With bwd_mma_dkdv
@@ -305,7 +307,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const T* __restrict__ dout, const float* __restrict__ lse2,
              const float* __restrict__ delta, float* __restrict__ dq_acc,
              float* __restrict__ dk_acc, float* __restrict__ dv_acc, const TileClasses classes,
-             ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16) {
+             ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16,
+             float* __restrict__ dbias) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
@@ -525,6 +528,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dS^T = scale * P^T (dP^T - delta[query]) (times the modifier's derivative), in dp.
     constexpr bool GR = Mod::HAS_GRAD;
     tcb::with_query_values(dp, des, 0, t, [&](float x, float delta, int nf, int e) {
+      if constexpr (Mod::READS_INPUTS)  // the bias's gradient (dbias: null unless asked; HALVES:
+        if (half == 0)                  // the first block of the two)
+          store_dbias(dbias, bh, Nq, Nk, i0 + nf * 8 + 2 * t + e % 2, jw + 8 * (e / 2), s[nf][e],
+                      s[nf][e] * (x - delta));
       return scale * s[nf][e] * (x - delta) * grad_of<GR>(gr, nf, e);
     });
 
