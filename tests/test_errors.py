@@ -273,13 +273,14 @@ def test_cpu_errors_happen_before_work(monkeypatch, misuse):
 def test_signatures_carry_every_option(fn):
     """api.OPTIONS, which each public function hands to make_problem from its locals(), is
     exactly its keyword-only parameters but its own flags (and attention's block_table, which
-    only the forward takes and passes itself): an option added to a signature and not to
-    OPTIONS (or the reverse) would be dropped or raise."""
+    only the forward takes and passes itself, and the backward's return_dbias, likewise): an
+    option added to a signature and not to OPTIONS (or the reverse) would be dropped or raise."""
     import inspect
 
     from cuflash import api
 
     params = inspect.signature(getattr(cuflash, fn)).parameters
     keywords = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
-    own = {"return_lse", "deterministic"} | ({"block_table"} if fn == "attention" else set())
+    own = {"return_lse", "deterministic"} | ({"block_table"} if fn == "attention" else
+                                              {"return_dbias"})
     assert [n for n in keywords if n not in own] == list(api.OPTIONS)
