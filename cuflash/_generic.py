@@ -10,7 +10,7 @@ scalars of the C parameter's type (cuflash._runtime.Args: `flat_tail` for the ge
 """
 import numpy as np
 
-from . import _config, _memo, _modifiers, _runtime
+from . import _config, _memo, _modifiers, _runtime, _validate
 
 NAME = "generic"
 TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
@@ -165,13 +165,26 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
 
 
 def dbias_buffer(p, dtype):
-    """With p.dbias, the zeroed (BH, Nq, Nk) buffer of ``dtype`` (the kernels' accumulator) into
-    which a backward kernel stores the logits' gradient of every pair it walks (the pairs it
-    skips keep 0); else None. Never poisoned: its zeros are part of the result."""
+    """With p.dbias, the (BH, Nq, Nk) buffer of ``dtype`` (the kernels' accumulator) into which a
+    backward kernel stores the logits' gradient of every pair it walks; else None. Zeroed where
+    a kernel may skip pairs (the mask's tiles, the key ranges of causal, a window, kv_lens: the
+    skipped pairs keep 0); where every query sees every key by position and there is no mask,
+    every pair is walked, so it is not (empty: NaN-poisoned under the tests' override)."""
     if not p.dbias:
         return None
     import cupy
-    return cupy.zeros((p.BH, p.Nq, p.Nk), dtype=dtype)
+    shape = (p.BH, p.Nq, p.Nk)
+    return _runtime.empty(shape, dtype) if walks_every_pair(p) else cupy.zeros(shape, dtype)
+
+
+def walks_every_pair(p):
+    """No mask, no kv_lens, and every query row sees keys [0, Nk - 1] by position (causal and the
+    window, positions' shift included, hide nothing): every backward kernel walks every pair."""
+    if p.mask is not None or p.kv_lens is not None or p.lens_device is not None:
+        return False
+    lo, hi = _validate.key_range(np.array([0, p.Nq - 1]), p.Nk, p.Nq, p.left, p.right,
+                                 p.bottom_right)
+    return int(lo[1]) <= 0 and int(hi[0]) >= p.Nk - 1
 
 
 _lost_launches = _memo.Memo(256)

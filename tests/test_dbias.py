@@ -287,6 +287,31 @@ def test_order_with_sinks_and_signatures(rng):
     assert _validate.make_problem(q, k, v, bias=bias, return_dbias=True).dbias
 
 
+def test_walks_every_pair_is_the_visibility_rule(rng):
+    """The CUDA paths leave the dbias buffer unzeroed only when every query sees every key by
+    position (_generic.walks_every_pair): that must be exactly when the reference's dense
+    visibility is all True (no mask, no kv_lens), over causal, windows, alignments, positions."""
+    from cuflash import _generic
+    seen = set()
+    for _ in range(300):
+        Nq, Nk = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        causal = bool(rng.random() < 0.3)
+        align = ["bottom-right", "top-left"][int(rng.integers(2))]
+        window = None if rng.random() < 0.3 else tuple(
+            None if rng.random() < 0.3 else int(rng.integers(0, 10)) for _ in range(2))
+        positions = None if rng.random() < 0.5 else tuple(int(x) for x in rng.integers(0, 6, 2))
+        q, k, v = (np.zeros((n, 2)) for n in (Nq, Nk, Nk))
+        opts = dict(causal=causal, align=align, window=window, positions=positions)
+        p = _validate.make_problem(q, k, v, bias=np.zeros((Nq, Nk)), return_dbias=True, **opts)
+        dense = reference._visible((), Nq, Nk, causal, align, window, None, None, None, positions)
+        assert _generic.walks_every_pair(p) == bool(dense.all()), opts
+        seen.add(bool(dense.all()))
+    assert seen == {True, False}
+    q, k, v = (np.zeros((2, n, 2)) for n in (4, 6, 6))
+    for extra in (dict(mask=np.ones((4, 6), bool)), dict(kv_lens=6)):
+        assert not _generic.walks_every_pair(_validate.make_problem(q, k, v, **extra))
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fn", ["attention_backward", "attention_vjp"])
@@ -339,10 +364,11 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-d{c[5]}x{c[6]}" for c in GPU_CASES])
 def test_cuda_paths(case, dtype, path, rng, override):
     """Every backward path forced (where it takes the call; the generic kernels elsewhere; on
-    sm_90 "mma" runs the wgmma dK/dV kernels, "mma-sync" the mma.sync ones), both dq orders:
-    dbias against the reference, the path the call without dbias takes, and the other gradients
-    bitwise the call's without dbias."""
+    sm_90 "mma" runs the wgmma dK/dV kernels, "mma-sync" the mma.sync ones), both dq orders,
+    NaN-poisoned buffers: dbias against the reference, the path the call without dbias takes,
+    and the other gradients bitwise the call's without dbias."""
     import cupy
+    override(poison=True)  # (an unzeroed dbias buffer too: every pair must be written)
     if path == "mma-sync":
         override(path="mma", wgmma=False)
     else:
