@@ -526,6 +526,17 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     >>> all(np.allclose(g, r) for g, r in zip((dq, dk, dv), ref))
     True
 
+    A trainable bias's gradient, here of an (H, Nq, Nk) bias that every batch shares (summed
+    over the batch):
+
+    >>> bias = rng.standard_normal((4, 6, 10))
+    >>> out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True)
+    >>> dq, dk, dv, dbias = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias,
+    ...                                                return_dbias=True)
+    >>> dbias.shape
+    (4, 6, 10)
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+
     A NaN lse (a row whose forward saw a NaN) gives NaN gradients, not zeros:
 
     >>> lse[0, 0, 5] = np.nan
