@@ -15,7 +15,7 @@ from . import _config, _memo, _modifiers, _runtime, _validate
 NAME = "generic"
 TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = False  # whether its forward kernels join the sinks themselves (else cuflash/_gpu.py does)
-DBIAS = True  # its backward stores the bias's gradient (p.dbias; cuflash/_gpu.py)
+DBIAS = _modifiers.CHAINS  # the chains whose backward stores the bias's gradient (p.dbias)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
 # kernel -> (source file, kernel name)
 KERNELS = {"fwd": (FWD_SOURCE, "fwd_generic"), "bwd_preprocess": (BWD_SOURCE, "bwd_preprocess"),
@@ -43,15 +43,19 @@ def smem_bytes(kernel, acc_ctype, bucket):
     return n * _config.C_SIZES[acc_ctype]
 
 
-def name_expression(kernel, dtype, bucket=None, transforms=()):
+def name_expression(kernel, dtype, bucket=None, transforms=(), dbias=False):
     """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'
-    (the score transforms in natural units: a last template argument when there are any)."""
+    (the score transforms in natural units: a last template argument when there are any; bwd_dq
+    with dbias: the DBIAS twin, `true` after the transforms or NoTransform)."""
     t, acc = _config.c_types(dtype)
     name = KERNELS[kernel][1]
     if kernel == "bwd_preprocess":
         return f"{name}<{t}, {acc}>"
     bm, bn = _config.GENERIC_TILES[(kernel, acc, bucket)]
     f = _transform_arg(transforms, acc, _config.dtype_name(dtype))
+    if dbias:
+        assert kernel == "bwd_dq"
+        f = f"{f or ', NoTransform'}, true"
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
 
 
@@ -84,16 +88,21 @@ def instantiations():
                     ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
             out += [(kernel, dt, b, KERNELS[kernel][0], name_expression(kernel, dt, b, tf))
                     for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
+            # the bias's gradient: bwd_dq's DBIAS twins (every chain: DBIAS)
+            out += [("bwd_dq", dt, b, BWD_SOURCE, name_expression("bwd_dq", dt, b, tf, True))
+                    for b in _config.HEAD_DIM_BUCKETS]
         out.append(("bwd_preprocess", dt, None, BWD_SOURCE, name_expression("bwd_preprocess", dt)))
     return out
 
 
 def _prepare(kernel, p):
-    """The compiled kernel, its (BLOCK_M, BLOCK_N) and its dynamic shared memory, opted in."""
+    """The compiled kernel, its (BLOCK_M, BLOCK_N) and its dynamic shared memory, opted in (bwd_dq:
+    its DBIAS twin with p.dbias)."""
     acc = _config.c_types(p.dtype)[1]
     bucket = _config.head_dim_bucket(p.Dk, p.Dv)
     kern = _runtime.get_function(KERNELS[kernel][0],
-                                 name_expression(kernel, p.dtype, bucket, _modifiers.names(p)))
+                                 name_expression(kernel, p.dtype, bucket, _modifiers.names(p),
+                                                 p.dbias and kernel == "bwd_dq"))
     smem = smem_bytes(kernel, acc, bucket)
     _runtime.opt_in(kern, smem)
     return kern, _config.GENERIC_TILES[(kernel, acc, bucket)], smem

@@ -8,10 +8,9 @@ backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic, sin
 output (batch, head); and `instantiations()`, the (kernel, dtype name, bucket or head dim or None,
 source file, name expression) tuples it can request; TRANSFORMS: the chains of score transforms
 its kernels take (cuflash/_modifiers.py CHAINS or SINGLE; a path is skipped for a Problem whose
-chain is not among them); a backward path also says DBIAS: whether its kernels store the bias's
-gradient (then, with p.dbias, its backward returns (dq, dk, dv, dbias), dbias (BH, Nq, Nk) in its
-accumulator dtype, 0 on the pairs it skips; a path with DBIAS = False is skipped for such a
-Problem). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
+chain is not among them); a backward path also lists DBIAS, the chains for which its kernels store
+the bias's gradient (with p.dbias its backward returns (dq, dk, dv, dbias), dbias (BH, Nq, Nk) in
+its accumulator dtype; a path is skipped for a p.dbias Problem whose chain is not among them). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 """
 import contextlib
@@ -42,8 +41,8 @@ def _choose(paths, takes, p):
             candidates = [x for x in paths if x.NAME in (ov.path, _generic.NAME)]
         names = _modifiers.names(p)
         dbias = p.dbias and takes == "takes_backward"  # the bias's gradient: DBIAS paths only
-        return next(x for x in candidates if names in x.TRANSFORMS and (not dbias or x.DBIAS)
-                    and getattr(x, takes)(p))
+        return next(x for x in candidates if names in x.TRANSFORMS
+                    and (not dbias or names in x.DBIAS) and getattr(x, takes)(p))
 
     return _chosen.build(key, choose)
 

@@ -17,7 +17,9 @@ from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
-DBIAS = True  # its backward stores the bias's gradient (p.dbias; cuflash/_gpu.py)
+# the chains whose backward stores the bias's gradient (p.dbias; bwd_wide_dq's DBIAS twins of the
+# mask / bias tiles): none with a transform (dbias with softcap or ALiBi: the generic kernels)
+DBIAS = ((),)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wide.cu SINKS)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")
@@ -126,8 +128,9 @@ def pick_bwd_tiles(dtype_name, bucket, has_mb, cc=80):
     return BWD_TILES.get(key)
 
 
-def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles, transforms=()):
-    """(dkdv, dq) name expressions (the modifier in natural units: bwd_wide.cu)."""
+def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles, transforms=(), dbias=False):
+    """(dkdv, dq) name expressions (the modifier in natural units: bwd_wide.cu); dbias: dq's
+    DBIAS twin (a last template argument, true)."""
     c = _config.c_types(dtype_name)[0]
     mod = _modifiers.score_mod(has_mb, transforms, c, natural=True)
     p = passes if dtype_name == "float32" else 1
@@ -136,7 +139,7 @@ def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles, transforms=(
     return (f"bwd_wide_dkdv<{head}, {dkdv.block_n}, {dkdv.warps}, {dkdv.mf}, {dkdv.stages}, "
             f"{mod}, {dkdv.min_blocks}, {dkdv.parts}>",
             f"bwd_wide_dq<{head}, {dq.block_n}, {dq.warps}, {dq.mf}, {dq.stages}, {mod}, "
-            f"{dq.min_blocks}>")
+            f"{dq.min_blocks}{', true' if dbias else ''}>")
 
 
 def bwd_smem_bytes(dtype_name, tiles, bucket):
@@ -179,6 +182,8 @@ def instantiations():
             dt, b = v[:2]
             out += [("bwd_wide_dkdv", dt, b, BWD_SOURCE, dkdv),
                     ("bwd_wide_dq", dt, b, BWD_SOURCE, dq)]
+            if _takes_dbias(*v):  # the bias's gradient: dq's DBIAS twin
+                out.append(("bwd_wide_dq", dt, b, BWD_SOURCE, bwd_name_expressions(*v, True)[1]))
     for dt in DTYPES:
         out.append(("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
                     _generic.name_expression("bwd_preprocess", dt)))
@@ -191,11 +196,24 @@ def instantiations():
     return out
 
 
+# (dtype, bucket) whose dq DBIAS twin spills (the stores' registers): the generic kernels take
+# dbias there
+DBIAS_DECLINED = ()
+
+
+def _takes_dbias(dt, b, has_mb, passes, t, tf):
+    """Whether a backward variant (_variants) has a DBIAS twin: a mask / bias, a chain of DBIAS,
+    not DBIAS_DECLINED."""
+    return has_mb and tf in DBIAS and (dt, b) not in DBIAS_DECLINED
+
+
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
     fwd = {name_expression(*v, sinks=sk) for v in _variants(TILES_CC90) for sk in (False, True)} - {
         name_expression(*v, sinks=sk) for v in _variants(TILES) for sk in (False, True)}
-    return fwd | {e for v in _variants(BWD_TILES_CC90, True) for e in bwd_name_expressions(*v)}
+    return fwd | {e for v in _variants(BWD_TILES_CC90, True) for e in bwd_name_expressions(*v)} | {
+        bwd_name_expressions(*v, True)[1] for v in _variants(BWD_TILES_CC90, True)
+        if _takes_dbias(*v)}
 
 
 def bucket(p):
@@ -273,6 +291,8 @@ def takes_backward(p):
     b, tiles = _bwd_tiles(p)
     if tiles is None or not takes(p) or (p.transforms and p.dtype.name in NO_BWD_TRANSFORMS):
         return False
+    if p.dbias and (p.dtype.name, b) in DBIAS_DECLINED:
+        return False
     return max(bwd_smem_bytes(p.dtype.name, tiles, b)) <= _runtime.device_info().smem_optin
 
 
@@ -285,7 +305,8 @@ def _bwd_recipe(p):
     b, tiles = _bwd_tiles(p)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
     launches = []
-    exprs = bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles, _modifiers.names(p))
+    exprs = bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles, _modifiers.names(p),
+                                 p.dbias)
     for expr, smem, t, n in zip(exprs,
                                 bwd_smem_bytes(p.dtype.name, tiles, b), tiles, (p.Nk, p.Nq)):
         kern = _runtime.get_function(BWD_SOURCE, expr)

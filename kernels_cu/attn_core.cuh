@@ -242,13 +242,13 @@ __device__ __forceinline__ Acc grad_of(const Acc (&g)[NF][4], int nf, int k) {
   return Acc(1);
 }
 
-// The bias's gradient of pair (query i, key j) of head bh into dbias (BH, Nq, Nk), zeroed by the
-// host (null: not asked; only a modifier that reads a bias has one, Mod::READS_INPUTS): the
-// logit's gradient P (dP - delta), exactly 0 where P is 0 (hidden pairs, empty and padding rows).
+// The bias's gradient of pair (query i, key j) of head bh into dbias (BH, Nq, Nk) (the kernels'
+// DBIAS instantiations): the logit's gradient P (dP - delta), exactly 0 where P is 0 (hidden
+// pairs, empty and padding rows); pairs past Nq or Nk are not stored.
 template <typename Acc>
 __device__ __forceinline__ void store_dbias(Acc* __restrict__ dbias, long long bh, int Nq, int Nk,
                                             int i, int j, Acc p, Acc dlogit) {
-  if (dbias != nullptr && i < Nq && j < Nk)
+  if (i < Nq && j < Nk)
     dbias[(bh * Nq + i) * Nk + j] = p == Acc(0) ? Acc(0) : dlogit;
 }
 

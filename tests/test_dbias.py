@@ -312,6 +312,33 @@ def test_walks_every_pair_is_the_visibility_rule(rng):
         assert not _generic.walks_every_pair(_validate.make_problem(q, k, v, **extra))
 
 
+def test_catalog_holds_the_dbias_kernels():
+    """Every DBIAS twin the host can request is in the catalog that CI compiles: the generic dQ
+    kernel's for every chain and bucket, the 16-bit dK/dV kernel's (mma.sync and wgmma tiles,
+    both dq orders) and the wide dQ kernel's for the calls without a transform."""
+    from cuflash import _config, _generic, _mma_bwd, _modifiers, _wide
+    catalog = {e for *_, e in _gpu.instantiations()}
+    for dt in _config.supported_dtype_names():
+        for tf in _modifiers.CHAINS:
+            for b in _config.HEAD_DIM_BUCKETS:
+                assert _generic.name_expression("bwd_dq", dt, b, tf, True) in catalog
+    for dt in _config.MMA_DTYPES:
+        for d in set(_mma_bwd.HEAD_DIMS) - set(_mma_bwd.DBIAS_DECLINED):
+            for atomic in (True, False):
+                for wg in (False, True):
+                    if wg and _mma_bwd.wg_tile(d, True, atomic) is None:
+                        continue
+                    tile = _mma_bwd.dbias_tile(d, atomic, wg)
+                    assert tile.opt & _mma_bwd.OPT_DBIAS
+                    assert _mma_bwd.dkdv_expr(dt, d, tile, atomic, True) in catalog
+    for table in (_wide.BWD_TILES, _wide.BWD_TILES_CC90):
+        for (dt, b, mb), tiles in table.items():
+            if mb and (dt, b) not in _wide.DBIAS_DECLINED:
+                for passes in (_wide.PASSES.values() if dt == "float32" else (1,)):
+                    dq = _wide.bwd_name_expressions(dt, b, True, passes, tiles, (), True)[1]
+                    assert dq.endswith(", true>") and dq in catalog
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fn", ["attention_backward", "attention_vjp"])
@@ -365,8 +392,9 @@ GPU_CASES = [
 def test_cuda_paths(case, dtype, path, rng, override):
     """Every backward path forced (where it takes the call; the generic kernels elsewhere; on
     sm_90 "mma" runs the wgmma dK/dV kernels, "mma-sync" the mma.sync ones), both dq orders,
-    NaN-poisoned buffers: dbias against the reference, the path the call without dbias takes,
-    and the other gradients bitwise the call's without dbias."""
+    NaN-poisoned buffers: dbias against the reference, the path the call without dbias takes
+    (the generic kernels with a transform), and the other gradients bitwise the call's without
+    dbias (where both run on one path)."""
     import cupy
     override(poison=True)  # (an unzeroed dbias buffer too: every pair must be written)
     if path == "mma-sync":
@@ -381,15 +409,19 @@ def test_cuda_paths(case, dtype, path, rng, override):
     dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
     plain = _validate.make_problem(q, k, v, **opts)
     asked = _validate.make_problem(q, k, v, return_dbias=True, **opts)
-    assert _gpu.backward_path(asked) == _gpu.backward_path(plain)
+    # dbias runs where the call without it runs, but with softcap or ALiBi (the tensor-core
+    # backwards store it without a transform only: the generic kernels)
+    without = _gpu.backward_path(plain)
+    assert _gpu.backward_path(asked) == ("generic" if plain.transforms else without)
     for deterministic in (False, True):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                            return_dbias=True, **opts)
         check_dbias(grads[-1], dout, q, k, v, out, lse, **opts)
-        if deterministic:  # (with dq atomics dq may differ in its last bits run to run)
-            without = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True,
-                                                 **opts)
-            for a, b in zip(grads, without):
+        # bitwise where both run on one path (no transform) and in a fixed order
+        if deterministic and not plain.transforms:
+            alone = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True,
+                                               **opts)
+            for a, b in zip(grads, alone):
                 np.testing.assert_array_equal(to_host(a), to_host(b))
 
 
