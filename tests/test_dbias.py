@@ -393,8 +393,8 @@ def test_cuda_paths(case, dtype, path, rng, override):
     """Every backward path forced (where it takes the call; the generic kernels elsewhere; on
     sm_90 "mma" runs the wgmma dK/dV kernels, "mma-sync" the mma.sync ones), both dq orders,
     NaN-poisoned buffers: dbias against the reference, the path the call without dbias takes
-    (the generic kernels with a transform), and the other gradients bitwise the call's without
-    dbias (where both run on one path)."""
+    (the generic kernels with a transform or at a declined head dim), and the other gradients
+    bitwise the call's without dbias (where both run on one path)."""
     import cupy
     override(poison=True)  # (an unzeroed dbias buffer too: every pair must be written)
     if path == "mma-sync":
@@ -410,15 +410,20 @@ def test_cuda_paths(case, dtype, path, rng, override):
     plain = _validate.make_problem(q, k, v, **opts)
     asked = _validate.make_problem(q, k, v, return_dbias=True, **opts)
     # dbias runs where the call without it runs, but with softcap or ALiBi (the tensor-core
-    # backwards store it without a transform only: the generic kernels)
+    # backwards store it without a transform only) and at the declined head dims: the generic
+    # kernels
+    from cuflash import _mma_bwd, _wide
     without = _gpu.backward_path(plain)
-    assert _gpu.backward_path(asked) == ("generic" if plain.transforms else without)
+    declined = bool(plain.transforms) or (
+        without == "mma" and (Dk, Dv) in _mma_bwd.DBIAS_DECLINED) or (
+        without == "wide" and (dtype, _wide.bwd_bucket(plain)) in _wide.DBIAS_DECLINED)
+    assert _gpu.backward_path(asked) == ("generic" if declined else without)
     for deterministic in (False, True):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                            return_dbias=True, **opts)
         check_dbias(grads[-1], dout, q, k, v, out, lse, **opts)
-        # bitwise where both run on one path (no transform) and in a fixed order
-        if deterministic and not plain.transforms:
+        # bitwise where both run on one path, in a fixed order
+        if deterministic and not declined:
             alone = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True,
                                                **opts)
             for a, b in zip(grads, alone):
