@@ -10,7 +10,9 @@ source file, name expression) tuples it can request; TRANSFORMS: the chains of s
 its kernels take (cuflash/_modifiers.py CHAINS or SINGLE; a path is skipped for a Problem whose
 chain is not among them); a backward path also lists DBIAS, the chains for which its kernels store
 the bias's gradient (with p.dbias its backward returns (dq, dk, dv, dbias), dbias (BH, Nq, Nk) in
-its accumulator dtype; a path is skipped for a p.dbias Problem whose chain is not among them). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
+its accumulator dtype; a path is skipped for a p.dbias Problem whose chain is not among them).
+The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on
+the current CuPy stream, never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 """
 import contextlib
@@ -70,10 +72,11 @@ def forward(p):
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq, dk, dv per output (batch, head), in the accumulator dtype (the tensor-core path may give
-    dk, dv in the inputs' dtype already), and with p.dbias the logits' gradient (BH, Nq, Nk). The generic kernels are deterministic by construction (no
-    atomics); the tensor-core path adds dq with atomics unless ``deterministic``, which then takes
-    its fixed-order dq kernel. ``sink_probs`` (with sinks): each row's sink probability, (BH, Nq)
-    float64, which the lost-row fix overwrites on its rows (_generic.launch_lost)."""
+    dk, dv in the inputs' dtype already), and with p.dbias the logits' gradient (BH, Nq, Nk). The
+    generic kernels are deterministic by construction (no atomics); the tensor-core path adds dq
+    with atomics unless ``deterministic``, which then takes its fixed-order dq kernel.
+    ``sink_probs`` (with sinks): each row's sink probability, (BH, Nq) float64, which the lost-row
+    fix overwrites on its rows (_generic.launch_lost)."""
     with p.q.device:
         return _choose(BACKWARD, "takes_backward", p).backward(p, dout, out, lse, deterministic,
                                                                sink_probs)

@@ -25,11 +25,6 @@ def _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, xp=np):
     return [to_array(xp, rng.standard_normal(s), _dtype(dtype)) for s in shapes]
 
 
-def _loss(q, k, v, dout, **opts):
-    """sum(out * dout) in float64, the scalar whose gradient the backward gives."""
-    return float((reference.attention(q, k, v, **opts) * dout).sum())
-
-
 def _numeric_dbias(q, k, v, bias, dout, attention=reference.attention, h=1e-6, **opts):
     """Central differences of sum(attention(...) * dout) with respect to every bias entry."""
     num = np.zeros(bias.shape)
@@ -96,21 +91,23 @@ FD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("api", [reference, cuflash], ids=["reference", "numpy-path"])
 @pytest.mark.parametrize("case", FD_CASES, ids=[c[0] for c in FD_CASES])
-def test_reference_matches_finite_differences(case, rng):
-    """The reference's dbias against central differences of sum(out * dout) in float64, for
-    broadcast biases and with the options that change P (causal, mask, window, kv_lens) or the
-    logit (softcap: its derivative must not enter; sinks; ALiBi)."""
+def test_matches_finite_differences(case, api, rng):
+    """The reference's and the NumPy path's dbias against central differences of their own
+    sum(out * dout) in float64, for broadcast biases (and grouped k, v) and with the options that
+    change P (causal, mask, window, kv_lens) or the logit (softcap: its derivative must not
+    enter; sinks; ALiBi)."""
     _, bshape, opts = case
-    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 5, 3), (2, 2, 7, 3), (2, 2, 7, 2)))
+    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 5, 3), (2, 1, 7, 3), (2, 1, 7, 2)))
     q *= 2
     bias = rng.standard_normal(bshape)
-    out, lse = reference.attention(q, k, v, bias=bias, return_lse=True, **opts)
+    out, lse = api.attention(q, k, v, bias=bias, return_lse=True, **opts)
     dout = rng.standard_normal(out.shape)
-    dbias = reference.attention_backward(dout, q, k, v, out, lse, bias=bias, return_dbias=True,
-                                         **opts)[-1]
-    np.testing.assert_allclose(dbias, _numeric_dbias(q, k, v, bias, dout, **opts),
-                               rtol=1e-6, atol=1e-8)
+    dbias = api.attention_backward(dout, q, k, v, out, lse, bias=bias, return_dbias=True,
+                                   **opts)[-1]
+    num = _numeric_dbias(q, k, v, bias, dout, attention=api.attention, **opts)
+    np.testing.assert_allclose(dbias, num, rtol=1e-6, atol=1e-8)
 
 
 def test_a_row_constant_bias_has_no_gradient(rng):
@@ -183,21 +180,6 @@ def test_numpy_path(case, dtype, rng):
     _, vjp = cuflash.attention_vjp(q, k, v, return_dbias=True, **opts)
     for a, b in zip(vjp(dout), grads):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("case", FD_CASES, ids=[c[0] for c in FD_CASES])
-def test_numpy_path_matches_finite_differences(case, rng):
-    """The NumPy path's dbias against central differences of its own forward, float64."""
-    _, bshape, opts = case
-    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 5, 3), (2, 1, 7, 3), (2, 1, 7, 2)))
-    q *= 2
-    bias = rng.standard_normal(bshape)
-    out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True, **opts)
-    dout = rng.standard_normal(out.shape)
-    dbias = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias, return_dbias=True,
-                                       **opts)[-1]
-    num = _numeric_dbias(q, k, v, bias, dout, attention=cuflash.attention, **opts)
-    np.testing.assert_allclose(dbias, num, rtol=1e-6, atol=1e-8)
 
 
 def test_hidden_pairs_and_empty_rows_are_zero(rng):
