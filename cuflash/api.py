@@ -113,15 +113,16 @@ _DBIAS_DOC = """\
         ``s_ij = F(scale·q_i·k_j) + bias_ij`` (F: softcap, ALiBi; the identity without them),
         ``dbias_ij = dS_ij = P_ij·(dout_i·v_j - D_i)``, ``D_i = sum(dout_i·out_i)``,
         ``P_ij = exp(s_ij - lse_i)``, per (batch, head, query, key), exactly 0 wherever P is 0
-        (every pair the visibility rules hide: causal, window, kv_lens, mask, a -inf bias; the
-        rows of empty and padding queries), and NaN where P is (a NaN lse). A softcap's
+        (every pair the visibility rules hide: causal, window, kv_lens, mask, a -inf bias;
+        empty rows), and NaN where P is (a NaN lse). A softcap's
         derivative does not enter it (the bias is added after the cap); sinks enter through lse.
         It is summed over the axes on which bias broadcasts (a (1, H, Nq, Nk) bias over the batch,
         an (Nq, Nk) one over batch and heads, a (B, 1, 1, Nk) one over heads and queries), and
         returned in bias's own shape and dtype, of q's library; it is computed and summed in the
         accumulator dtype (float32, or float64 for float64 inputs), then cast. On the GPU the
         backward writes dS into a (..., Nq, Nk) accumulator-dtype buffer (4 or 8 bytes per
-        element, batch and heads included) before that sum. Needs a bias (ValueError
+        element, batch and heads included) before that sum, and with softcap or ALiBi runs on
+        the generic CUDA kernels (README "Bias gradient"). Needs a bias (ValueError
         otherwise)."""
 
 _TYPE_ERRORS_DOC = """\
