@@ -182,6 +182,23 @@ def test_numpy_path(case, dtype, rng):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_numpy_path_small_tiles(case, rng, monkeypatch):
+    """The NumPy path with small key tiles and query blocks (tiles skipped by position, partial
+    tiles, several blocks of heads): dbias is the reference's, float64."""
+    from cuflash import _numpy
+    monkeypatch.setattr(_numpy, "BLOCK_N", 8)
+    monkeypatch.setattr(_numpy, "BLOCK_M", 5)
+    monkeypatch.setattr(_numpy, "TILE", 8 * 5 * 2)
+    _, lq, lkv, Nq, Nk, Dk, Dv, _, _ = case
+    q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, "float64")
+    opts = _case_options(case, rng, bias_dtype=np.float64)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    dout = rng.standard_normal(out.shape)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, return_dbias=True, **opts)
+    check_dbias(grads[-1], dout, q, k, v, out, lse, **opts)
+
+
 def test_hidden_pairs_and_empty_rows_are_zero(rng):
     """Exactly 0 where a key is hidden (causal, mask, a -inf bias, past kv_lens, whose v holds
     a NaN that is never read) and on empty rows (causal Nq > Nk, kv_lens = 0); nonzero on the
