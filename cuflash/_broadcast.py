@@ -3,7 +3,8 @@
 The output's leading shape S comes from broadcasting the leading shapes of q, k and v, with one
 exception on the head axis (the last leading axis, axis -3 of the arrays): k and v may carry fewer
 heads, Hx with H % Hx == 0, and query head h then reads head h // (H // Hx) (grouped-query
-attention; Hx == 1 is ordinary broadcasting). Two helpers follow from that rule:
+attention; Hx == 1 is ordinary broadcasting). Two helpers follow from that rule (and
+``sum_to_shape``, the plain rule's adjoint, sums the bias's gradient):
 
 * ``lead_offsets`` gives, for every (batch, head) matrix of the output, the element offset of the
   matrix it reads from an input (the kernels' offset tables), without copying anything;
@@ -85,3 +86,16 @@ def reduce_to_lead(xp, grad, x_shape):
             shape = grad.shape[:axis] + (xsize, size // xsize) + grad.shape[axis + 1:]
             grad = grad.reshape(shape).sum(axis=axis + 1)
     return grad if grad.shape == x_shape else grad.reshape(x_shape)
+
+
+def sum_to_shape(xp, grad, shape):
+    """Sum ``grad`` over the axes on which an array of ``shape`` broadcasts to grad.shape (the
+    plain NumPy rule, no grouped heads): the adjoint of ``xp.broadcast_to(x, grad.shape)``.
+    ``grad`` itself when nothing broadcasts."""
+    shape = tuple(shape)
+    extra = grad.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(
+        extra + a for a, n in enumerate(shape) if n == 1 and grad.shape[extra + a] != 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad.reshape(shape)

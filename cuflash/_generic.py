@@ -10,11 +10,12 @@ scalars of the C parameter's type (cuflash._runtime.Args: `flat_tail` for the ge
 """
 import numpy as np
 
-from . import _config, _memo, _modifiers, _runtime
+from . import _config, _memo, _modifiers, _runtime, _validate
 
 NAME = "generic"
 TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
 SINKS = False  # whether its forward kernels join the sinks themselves (else cuflash/_gpu.py does)
+DBIAS = _modifiers.CHAINS  # the chains whose backward stores the bias's gradient (p.dbias)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
 # kernel -> (source file, kernel name)
 KERNELS = {"fwd": (FWD_SOURCE, "fwd_generic"), "bwd_preprocess": (BWD_SOURCE, "bwd_preprocess"),
@@ -42,15 +43,19 @@ def smem_bytes(kernel, acc_ctype, bucket):
     return n * _config.C_SIZES[acc_ctype]
 
 
-def name_expression(kernel, dtype, bucket=None, transforms=()):
+def name_expression(kernel, dtype, bucket=None, transforms=(), dbias=False):
     """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'
-    (the score transforms in natural units: a last template argument when there are any)."""
+    (the score transforms in natural units: a last template argument when there are any; bwd_dq
+    with dbias: the DBIAS twin, `true` after the transforms or NoTransform)."""
     t, acc = _config.c_types(dtype)
     name = KERNELS[kernel][1]
     if kernel == "bwd_preprocess":
         return f"{name}<{t}, {acc}>"
     bm, bn = _config.GENERIC_TILES[(kernel, acc, bucket)]
     f = _transform_arg(transforms, acc, _config.dtype_name(dtype))
+    if dbias:
+        assert kernel == "bwd_dq"
+        f = f"{f or ', NoTransform'}, true"
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
 
 
@@ -83,16 +88,21 @@ def instantiations():
                     ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
             out += [(kernel, dt, b, KERNELS[kernel][0], name_expression(kernel, dt, b, tf))
                     for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
+            # the bias's gradient: bwd_dq's DBIAS twins (every chain: DBIAS)
+            out += [("bwd_dq", dt, b, BWD_SOURCE, name_expression("bwd_dq", dt, b, tf, True))
+                    for b in _config.HEAD_DIM_BUCKETS]
         out.append(("bwd_preprocess", dt, None, BWD_SOURCE, name_expression("bwd_preprocess", dt)))
     return out
 
 
 def _prepare(kernel, p):
-    """The compiled kernel, its (BLOCK_M, BLOCK_N) and its dynamic shared memory, opted in."""
+    """The compiled kernel, its (BLOCK_M, BLOCK_N) and its dynamic shared memory, opted in (bwd_dq:
+    its DBIAS twin with p.dbias)."""
     acc = _config.c_types(p.dtype)[1]
     bucket = _config.head_dim_bucket(p.Dk, p.Dv)
     kern = _runtime.get_function(KERNELS[kernel][0],
-                                 name_expression(kernel, p.dtype, bucket, _modifiers.names(p)))
+                                 name_expression(kernel, p.dtype, bucket, _modifiers.names(p),
+                                                 p.dbias and kernel == "bwd_dq"))
     smem = smem_bytes(kernel, acc, bucket)
     _runtime.opt_in(kern, smem)
     return kern, _config.GENERIC_TILES[(kernel, acc, bucket)], smem
@@ -133,7 +143,8 @@ def preprocess(p, dout, out, lse):
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), every element,
-    in the accumulator dtype. Deterministic by construction (no atomics): bwd_preprocess (delta =
+    in the accumulator dtype, and with p.dbias the logits' gradient (BH, Nq, Nk) (`dbias_buffer`;
+    bwd_dq stores it). Deterministic by construction (no atomics): bwd_preprocess (delta =
     rowsum(dout * out), and lse_eff: +inf, with delta 0, on lost rows), bwd_dkdv over key tiles,
     bwd_dq over query tiles, then the lost rows' exact gradients (launch_lost)."""
     import cupy
@@ -150,11 +161,36 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
          (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type),
          shared_mem=smem)
+    dbias = dbias_buffer(p, acc)
     kern, (bm, _), smem = _prepare("bwd_dq", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type), shared_mem=smem)
-    launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
-    return dq, dk, dv
+         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type)
+         + (_runtime.ptr(dbias),), shared_mem=smem)
+    launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs, dbias=dbias)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
+
+
+def dbias_buffer(p, dtype):
+    """With p.dbias, the (BH, Nq, Nk) buffer of ``dtype`` (the kernels' accumulator) into which a
+    backward kernel stores the logits' gradient of every pair it walks; else None. Zeroed where
+    a kernel may skip pairs (the mask's tiles, the key ranges of causal, a window, kv_lens: the
+    skipped pairs keep 0); where every query sees every key by position and there is no mask,
+    every pair is walked, so it is not (empty: NaN-poisoned under the tests' override)."""
+    if not p.dbias:
+        return None
+    import cupy
+    shape = (p.BH, p.Nq, p.Nk)
+    return _runtime.empty(shape, dtype) if walks_every_pair(p) else cupy.zeros(shape, dtype)
+
+
+def walks_every_pair(p):
+    """No mask, no kv_lens, and every query row sees keys [0, Nk - 1] by position (causal and the
+    window, positions' shift included, hide nothing): every backward kernel walks every pair."""
+    if p.mask is not None or p.kv_lens is not None or p.lens_device is not None:
+        return False
+    lo, hi = _validate.key_range(np.array([0, p.Nq - 1]), p.Nk, p.Nq, p.left, p.right,
+                                 p.bottom_right)
+    return int(lo[1]) <= 0 and int(hi[0]) >= p.Nk - 1
 
 
 _lost_launches = _memo.Memo(256)
@@ -199,15 +235,16 @@ def flagged_forward(p, recipe, extra=()):
     return out, lse
 
 
-def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
+def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None, dbias=None):
     """kernels_cu/lost_rows.cu: add the exact gradients of the lost rows (_config.LOST_LSE) to dq,
     dk, dv, which the main backward kernels wrote without them. dout, out contiguous
     (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype; dq (BH, Nq, Dk) in it too;
     dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. ``flags`` (BH, ceil(Nq / 32)):
     the lost-row flags, if the preprocess wrote them (else made here from lse). With sinks
     (p.sinks) the sink joins each lost row's max and sum, and the row's exact sink probability is
-    written into ``sink_probs`` (BH, Nq) float64. Two small launches that only read flags (and
-    lse) when no row is lost."""
+    written into ``sink_probs`` (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator
+    dtype (dbias_buffer; None: none): the lost rows' logit gradients are written there. Two small
+    launches that only read flags (and lse) when no row is lost."""
     p = args.p
     BH, Nq, Nk = p.BH, p.Nq, p.Nk
 
@@ -238,5 +275,5 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
         stats, = _runtime.carve(BH * Nq * 3 * 8)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
     sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
-    rows(common + (dq, np.int32(prewritten)) + sinks)
+    rows(common + (dq, np.int32(prewritten)) + sinks + (_runtime.ptr(dbias),))
     keys(common + (dk, dv))

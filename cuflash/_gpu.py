@@ -9,7 +9,11 @@ backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic, sin
 output (batch, head); and `instantiations()`, the (kernel, dtype name, bucket or head dim or None,
 source file, name expression) tuples it can request; TRANSFORMS: the chains of score transforms
 its kernels take (cuflash/_modifiers.py CHAINS or SINGLE; a path is skipped for a Problem whose
-chain is not among them). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
+chain is not among them); a backward path also lists DBIAS, the chains for which its kernels store
+the bias's gradient (with p.dbias its backward returns (dq, dk, dv, dbias), dbias (BH, Nq, Nk) in
+its accumulator dtype; a path is skipped for a p.dbias Problem whose chain is not among them).
+The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on
+the current CuPy stream, never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 """
 import contextlib
@@ -41,7 +45,9 @@ def _choose(paths, takes, p):
         if ov.path is not None and any(x.NAME == ov.path for x in paths):
             candidates = [x for x in paths if x.NAME in (ov.path, _generic.NAME)]
         names = _modifiers.names(p)
-        return next(x for x in candidates if names in x.TRANSFORMS and getattr(x, takes)(p))
+        dbias = p.dbias and takes == "takes_backward"  # the bias's gradient: DBIAS paths only
+        return next(x for x in candidates if names in x.TRANSFORMS
+                    and (not dbias or names in x.DBIAS) and getattr(x, takes)(p))
 
     return _chosen.build(key, choose)
 
@@ -69,10 +75,11 @@ def forward(p):
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq, dk, dv per output (batch, head), in the accumulator dtype (the tensor-core path may give
-    dk, dv in the inputs' dtype already). The generic kernels are deterministic by construction (no
-    atomics); the tensor-core path adds dq with atomics unless ``deterministic``, which then takes
-    its fixed-order dq kernel. ``sink_probs`` (with sinks): each row's sink probability, (BH, Nq)
-    float64, which the lost-row fix overwrites on its rows (_generic.launch_lost)."""
+    dk, dv in the inputs' dtype already), and with p.dbias the logits' gradient (BH, Nq, Nk). The
+    generic kernels are deterministic by construction (no atomics); the tensor-core path adds dq
+    with atomics unless ``deterministic``, which then takes its fixed-order dq kernel.
+    ``sink_probs`` (with sinks): each row's sink probability, (BH, Nq) float64, which the lost-row
+    fix overwrites on its rows (_generic.launch_lost)."""
     with _runtime.device_of(p.q):
         return _choose(BACKWARD, "takes_backward", p).backward(p, dout, out, lse, deterministic,
                                                                sink_probs)

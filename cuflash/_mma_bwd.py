@@ -41,6 +41,9 @@ from ._broadcast import _padded
 
 NAME = "mma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+# the chains whose backward stores the bias's gradient (p.dbias; the dK/dV kernel's OPT_DBIAS
+# twins, dbias_tile): none with a transform (dbias with softcap or ALiBi: the generic kernels)
+DBIAS = ((),)
 SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
@@ -66,6 +69,9 @@ OPT_GRID = 8
 # OPT_HALVES: head dims whose dK + dV do not fit a warp's registers (192, 256): two blocks per key
 # tile, each with half of dK's, dV's and dQ's columns (tcb::DKDV_HALVES; padded tiles).
 OPT_HALVES = 16
+# OPT_DBIAS: the bias's gradient, P^T (dP^T - delta) stored per pair (tcb::DKDV_DBIAS; with a
+# mask / bias modifier, on the tiles of dbias_tile).
+OPT_DBIAS = 64
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -199,15 +205,18 @@ def wg_tile(dims, has_mb, dq_atomic):
     return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(dims)
 
 
-def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=()):
+def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dbias=False):
     """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
     capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
     cuflash._gpu.override(wgmma=False)), else the DKDV_TILES_LARGE_SMEM tile where shared memory
-    allows it, else the table's."""
+    allows it, else the table's. dbias (with a bias, no transform): dbias_tile."""
     info = _runtime.device_info()
     wg = wg_tile(dims, has_mb, dq_atomic)
-    if _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
-            dkdv_smem_bytes(dims, wg) <= info.smem_optin:
+    use_wg = _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
+        dkdv_smem_bytes(dims, wg) <= info.smem_optin
+    if dbias:
+        return dbias_tile(dims, dq_atomic, use_wg)
+    if use_wg:
         return wg
     if not has_mb and dims in DKDV_TILES_LARGE_SMEM:
         big = DKDV_TILES_LARGE_SMEM[dims]
@@ -216,6 +225,21 @@ def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=()):
     if transforms:
         return DKDV_TILES_TF[dims]
     return (DKDV_TILES_MB if has_mb else DKDV_TILES)[dims]
+
+
+# Head dims whose dK/dV DBIAS tiles spill (the stores' registers): the generic kernels take
+# dbias there. D=96: 36-40 bytes on sm_80 (no smaller query step fits its dQ layout, as with
+# NO_TRANSFORM_DIMS; sm_90a compiled it spill-free).
+DBIAS_DECLINED = ((96, 96),)
+
+
+def dbias_tile(dims, dq_atomic, wgmma):
+    """The dK/dV tile of a call with the bias's gradient: the mask / bias tile with OPT_DBIAS, the
+    wgmma one (wg_tile) where ``wgmma`` (dkdv_tile's rule), else the transforms' (DKDV_TILES_TF:
+    smaller query steps where the stores' registers would not fit)."""
+    tile = wg_tile(dims, True, dq_atomic) if wgmma else None
+    tile = tile or DKDV_TILES_TF[dims]
+    return tile._replace(opt=tile.opt | OPT_DBIAS)
 
 
 def dq_smem_bytes(dims, tile):
@@ -242,6 +266,12 @@ def instantiations():
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
                 for atomic, mb in itertools.product((True, False), (False, True)):
                     exprs.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
+            # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
+            if d not in DBIAS_DECLINED:
+                for atomic in (True, False):
+                    exprs.append(dkdv_expr(dt, d, dbias_tile(d, atomic, False), atomic, True))
+                    if d in DKDV_TILES_WG:
+                        exprs.append(dkdv_expr(dt, d, dbias_tile(d, atomic, True), atomic, True))
             # with score transforms: the mask / bias tiles, with or without a mask / bias
             for tf, mb, atomic in itertools.product(TRANSFORMS[1:], (False, True),
                                                     (True, False)):
@@ -283,6 +313,8 @@ def takes_backward(p):
         return False
     if p.transforms and (p.Dk, p.Dv) in NO_TRANSFORM_DIMS:
         return False
+    if p.dbias and (p.Dk, p.Dv) in DBIAS_DECLINED:
+        return False
     if (p.mask is not None or p.bias is not None) and \
             (p.Dk, p.Dv) in _positional_mb_declined(_modifiers.names(p)):
         return False
@@ -318,7 +350,8 @@ def _recipe(p, deterministic):
     nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
-    tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic, names)  # a modifier's
+    tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic, names,  # a modifier's
+                     p.dbias)
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
         _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names), smem,
@@ -342,7 +375,8 @@ def _recipe(p, deterministic):
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
     dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
-    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype.
+    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype. With
+    p.dbias also the logits' gradient (BH, Nq, Nk) float32, stored by the dK/dV kernel.
     sink_probs (with sinks): the rows' sink probabilities, which the lost-row fix overwrites on
     its rows (_gpu.backward)."""
     import cupy
@@ -370,10 +404,11 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     # table must live until the launch is enqueued)
     classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
                        else (_mask_tiles.NO_CLASSES, None))
+    dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
     r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
-            classes) + tail + (i32(r.out16),))
+            classes) + tail + (i32(r.out16), _runtime.ptr(dbias)))
     if deterministic:
         r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,
-                         sink_probs=sink_probs)
-    return dq, dk, dv
+                         sink_probs=sink_probs, dbias=dbias)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)

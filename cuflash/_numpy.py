@@ -237,8 +237,10 @@ def _rows(x, problem, width, dtype):
 
 def backward(problem, dout, out, lse, deterministic=False, sink_probs=None):
     """Gradients per output (batch, head) in acc dtype: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
-    dv (BH, Nk, Dv). P is recomputed per tile from q, k and lse; D = rowsum(dout * out).
-    With sinks, the lost rows' sink probabilities are written into ``sink_probs`` (BH, Nq)."""
+    dv (BH, Nk, Dv), and with ``problem.dbias`` the logits' gradient dbias (BH, Nq, Nk) (0
+    where P is 0; the API sums it into the bias's shape). P is recomputed per tile from q, k
+    and lse; D = rowsum(dout * out). With sinks, the lost rows' sink probabilities are written
+    into ``sink_probs`` (BH, Nq)."""
     p = problem
     t = _Tiles(p)
     acc_t = t.acc
@@ -253,6 +255,7 @@ def backward(problem, dout, out, lse, deterministic=False, sink_probs=None):
     dq = np.zeros((p.BH, p.Nq, p.Dk), dtype=acc_t)
     dk = np.zeros((p.BH, p.Nk, p.Dk), dtype=acc_t)
     dv = np.zeros((p.BH, p.Nk, p.Dv), dtype=acc_t)
+    dbias = np.zeros((p.BH, p.Nq, p.Nk), dtype=acc_t) if p.dbias else None
     with np.errstate(invalid="ignore", over="ignore"):
         for hs, rs in t.blocks():
             do_b, dq_b, q_b = dout[hs, rs], dq[hs, rs], t.qs[hs, rs]
@@ -268,6 +271,8 @@ def backward(problem, dout, out, lse, deterministic=False, sink_probs=None):
                 ds = do_b @ np.swapaxes(t.v[hs, j0:j1], -1, -2)   # dP
                 ds -= delta_b
                 ds *= prob                                          # dS = P (dP - D)
+                if dbias is not None:  # the logits' gradient, before F'(x)
+                    dbias[hs, rs, j0:j1] = np.where(prob == 0, 0, ds)
                 if g is not None:
                     ds *= g                                         # ... F'(x)
                 dq_b += ds @ t.k[hs, j0:j1]
@@ -277,14 +282,15 @@ def backward(problem, dout, out, lse, deterministic=False, sink_probs=None):
             dk *= t.scale
         if lost.any():
             _lost_rows(t, np.nonzero(lost), dout, _rows(out, p, p.Dv, np.float64), dq, dk, dv,
-                       sink_probs)
-    return dq, dk, dv
+                       sink_probs, dbias)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
 
 
-def _lost_rows(t, rows, dout, out, dq, dk, dv, sink_probs=None):
+def _lost_rows(t, rows, dout, out, dq, dk, dv, sink_probs=None, dbias=None):
     """Add the gradients of the lost rows ``rows`` = (bh, i), recomputed in float64 from their
     own max and sum (two passes over the key tiles; the sink, if any, joins the sum), to dq, dk,
-    dv; with sinks, write their exact sink probabilities into sink_probs. ``out``: (BH, Nq, Dv)."""
+    dv; with sinks, write their exact sink probabilities into sink_probs; with dbias (BH, Nq, Nk),
+    write their logits' gradients there. ``out``: (BH, Nq, Dv)."""
     f64 = np.float64
     b, i = rows
     m = np.full(b.size, -np.inf)
@@ -314,7 +320,10 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv, sink_probs=None):
         s, g = t.row_scores(j0, j1, rows)
         prob = np.exp(s - shift) / l               # (n, tile)
         k, v = t.k[b, j0:j1].astype(f64), t.v[b, j0:j1].astype(f64)   # (n, tile, D)
-        ds = prob * (np.einsum("nd,njd->nj", do, v) - d) * g
+        ds = prob * (np.einsum("nd,njd->nj", do, v) - d)
+        if dbias is not None:
+            dbias[b[:, None], i[:, None], np.arange(j0, j1)[None, :]] = np.where(prob == 0, 0, ds)
+        ds *= g
         grad_q += np.einsum("nj,njd->nd", ds, k) * scale
         np.add.at(dk, (b[:, None], np.arange(j0, j1)[None, :]),
                   (ds[..., None] * q[:, None, :] * scale).astype(dk.dtype))

@@ -79,6 +79,13 @@ class Problem:
     # kv heads' offsets within a page (the batch axis reads stride 0), Nk = max_pages *
     # page_size; None: k and v hold the keys themselves
     pages: Optional["Pages"] = None
+    # the bias's gradient (attention_backward / attention_vjp return_dbias=True): dbias says the
+    # backward returns it; bias_shape and bias_dtype are the caller's bias's (the gradient's shape
+    # and dtype: it is summed over the axes on which the bias broadcasts). bias_shape is set
+    # whenever there is a bias.
+    dbias: bool = False
+    bias_shape: Optional[tuple] = None
+    bias_dtype: Optional[np.dtype] = None
 
     def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None,
                     block_table=None):
@@ -346,6 +353,15 @@ def _check_bias(fn, bias, full, lib, acc_dtype):
         raise ValueError(
             f"{fn}: bias must broadcast to (..., Nq, Nk) = {full}, got bias.shape={bias.shape}")
     return _xp_of(lib).broadcast_to(bias.astype(acc_dtype, copy=False), full)
+
+
+def _check_return_dbias(fn, return_dbias, bias):
+    """return_dbias: a bool, True only with a bias (whose gradient it asks for)."""
+    return_dbias = check_flag("return_dbias", return_dbias, fn)
+    if return_dbias and bias is None:
+        raise ValueError(f"{fn}: return_dbias=True asks for the gradient of bias, "
+                         f"but bias is None")
+    return return_dbias
 
 
 def _check_sinks(fn, sinks, lead, lib, device, acc_dtype):
@@ -799,7 +815,8 @@ def _table_key(block_table):
 
 
 def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None,
-              precision=None, modifiers=None, sinks=None, alibi_slopes=None, block_table=None):
+              precision=None, modifiers=None, sinks=None, alibi_slopes=None, block_table=None,
+              return_dbias=False):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
@@ -819,7 +836,7 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
                None if bias is None else _array_key(bias),
                _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
                _side_key(precision), _sinks_key(sinks), _alibi_key(alibi_slopes),
-               _table_key(block_table),
+               _table_key(block_table), _side_key(return_dbias),
                tuple((n, _side_key(x)) for n, x in sorted((modifiers or {}).items())))
         hash(key)
     except (AttributeError, TypeError, ValueError):
@@ -845,15 +862,18 @@ _key_numbers = itertools.count(1)
 
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                  mask=None, bias=None, kv_lens=None, positions=None, precision=None,
-                 sinks=None, alibi_slopes=None, block_table=None, fn="attention", **modifiers):
+                 sinks=None, alibi_slopes=None, block_table=None, return_dbias=False,
+                 fn="attention", **modifiers):
     """Validate and normalize the arguments of ``fn`` (the public function, named in messages);
     `modifiers`: the score transforms' keywords (cuflash/_modifiers.py, e.g. softcap=). With a
     block_table, k and v are page pools (`_check_pages`) and the Problem says so (`pages`).
+    return_dbias (attention_backward, attention_vjp): the backward also gives the bias's
+    gradient (`Problem.dbias`).
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
     key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
-                    precision, modifiers, sinks, alibi_slopes, block_table)
+                    precision, modifiers, sinks, alibi_slopes, block_table, return_dbias)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
@@ -864,7 +884,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
                       precision=precision, sinks=sinks, alibi_slopes=alibi_slopes,
-                      block_table=block_table, fn=fn,
+                      block_table=block_table, return_dbias=return_dbias, fn=fn,
                       modifiers=modifiers)
     if key is not None:
         p.key = next(_key_numbers)
@@ -883,7 +903,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
 
 
 def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,
-                  precision, sinks, alibi_slopes, block_table, fn, modifiers):
+                  precision, sinks, alibi_slopes, block_table, return_dbias, fn, modifiers):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -941,7 +961,9 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     left, right = _check_window(fn, window, causal, Nq + Nk, q_start - k_start)
     full = lead + (Nq, Nk)
     mask = _check_mask(fn, mask, full, lib)
+    bias_shape, bias_dtype = (None, None) if bias is None else (tuple(bias.shape), bias.dtype)
     bias = _check_bias(fn, bias, full, lib, acc_dtype)
+    dbias = _check_return_dbias(fn, return_dbias, bias)
     lens_device = lens_map = None
     if lib == "cupy" and _library(kv_lens) == "cupy":  # read on the device: no synchronization
         lens_map = _check_device_lens(fn, kv_lens, lead, device)
@@ -974,7 +996,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    precision=precision, lens_device=lens_device, lens_map=lens_map,
                    transforms=transforms, sinks=_sinks_per_head(xp, q, sinks, lead),
                    sinks_shape=sinks_shape, sinks_dtype=sinks_dtype,
-                   alibi=_sinks_per_head(xp, q, alibi_slopes, lead), pages=pages)
+                   alibi=_sinks_per_head(xp, q, alibi_slopes, lead), pages=pages, dbias=dbias,
+                   bias_shape=bias_shape, bias_dtype=bias_dtype)
 
 
 def _check_dtypes(fn, q, k, v):

@@ -17,6 +17,9 @@ from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+# the chains whose backward stores the bias's gradient (p.dbias; bwd_wide_dq's DBIAS twins of the
+# mask / bias tiles): none with a transform (dbias with softcap or ALiBi: the generic kernels)
+DBIAS = ((),)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wide.cu SINKS)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")
@@ -125,8 +128,9 @@ def pick_bwd_tiles(dtype_name, bucket, has_mb, cc=80):
     return BWD_TILES.get(key)
 
 
-def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles, transforms=()):
-    """(dkdv, dq) name expressions (the modifier in natural units: bwd_wide.cu)."""
+def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles, transforms=(), dbias=False):
+    """(dkdv, dq) name expressions (the modifier in natural units: bwd_wide.cu); dbias: dq's
+    DBIAS twin (a last template argument, true)."""
     c = _config.c_types(dtype_name)[0]
     mod = _modifiers.score_mod(has_mb, transforms, c, natural=True)
     p = passes if dtype_name == "float32" else 1
@@ -135,7 +139,7 @@ def bwd_name_expressions(dtype_name, bucket, has_mb, passes, tiles, transforms=(
     return (f"bwd_wide_dkdv<{head}, {dkdv.block_n}, {dkdv.warps}, {dkdv.mf}, {dkdv.stages}, "
             f"{mod}, {dkdv.min_blocks}, {dkdv.parts}>",
             f"bwd_wide_dq<{head}, {dq.block_n}, {dq.warps}, {dq.mf}, {dq.stages}, {mod}, "
-            f"{dq.min_blocks}>")
+            f"{dq.min_blocks}{', true' if dbias else ''}>")
 
 
 def bwd_smem_bytes(dtype_name, tiles, bucket):
@@ -178,6 +182,8 @@ def instantiations():
             dt, b = v[:2]
             out += [("bwd_wide_dkdv", dt, b, BWD_SOURCE, dkdv),
                     ("bwd_wide_dq", dt, b, BWD_SOURCE, dq)]
+            if _takes_dbias(*v):  # the bias's gradient: dq's DBIAS twin
+                out.append(("bwd_wide_dq", dt, b, BWD_SOURCE, bwd_name_expressions(*v, True)[1]))
     for dt in DTYPES:
         out.append(("bwd_preprocess", dt, None, _generic.BWD_SOURCE,
                     _generic.name_expression("bwd_preprocess", dt)))
@@ -190,11 +196,25 @@ def instantiations():
     return out
 
 
+# (dtype, bucket) whose dq DBIAS twin spills (the stores' registers): the generic kernels take
+# dbias there. float32 128 (PASSES = 3): 16 bytes on sm_80 and sm_90a; float64 96 / 128: 28 / 20
+# bytes on sm_80.
+DBIAS_DECLINED = (("float32", 128), ("float64", 96), ("float64", 128))
+
+
+def _takes_dbias(dt, b, has_mb, passes, t, tf):
+    """Whether a backward variant (_variants) has a DBIAS twin: a mask / bias, a chain of DBIAS,
+    not DBIAS_DECLINED."""
+    return has_mb and tf in DBIAS and (dt, b) not in DBIAS_DECLINED
+
+
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
     fwd = {name_expression(*v, sinks=sk) for v in _variants(TILES_CC90) for sk in (False, True)} - {
         name_expression(*v, sinks=sk) for v in _variants(TILES) for sk in (False, True)}
-    return fwd | {e for v in _variants(BWD_TILES_CC90, True) for e in bwd_name_expressions(*v)}
+    return fwd | {e for v in _variants(BWD_TILES_CC90, True) for e in bwd_name_expressions(*v)} | {
+        bwd_name_expressions(*v, True)[1] for v in _variants(BWD_TILES_CC90, True)
+        if _takes_dbias(*v)}
 
 
 def bucket(p):
@@ -272,6 +292,8 @@ def takes_backward(p):
     b, tiles = _bwd_tiles(p)
     if tiles is None or not takes(p) or (p.transforms and p.dtype.name in NO_BWD_TRANSFORMS):
         return False
+    if p.dbias and (p.dtype.name, b) in DBIAS_DECLINED:
+        return False
     return max(bwd_smem_bytes(p.dtype.name, tiles, b)) <= _runtime.device_info().smem_optin
 
 
@@ -284,7 +306,8 @@ def _bwd_recipe(p):
     b, tiles = _bwd_tiles(p)
     passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
     launches = []
-    exprs = bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles, _modifiers.names(p))
+    exprs = bwd_name_expressions(p.dtype.name, b, has_mb, passes, tiles, _modifiers.names(p),
+                                 p.dbias)
     for expr, smem, t, n in zip(exprs,
                                 bwd_smem_bytes(p.dtype.name, tiles, b), tiles, (p.Nk, p.Nq)):
         kern = _runtime.get_function(BWD_SOURCE, expr)
@@ -298,7 +321,8 @@ def _bwd_recipe(p):
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     """dq (BH, Nq, Dk), dk (BH, Nk, Dk), dv (BH, Nk, Dv) per output (batch, head), in the
-    accumulator dtype; deterministic whatever ``deterministic`` says (no atomics). sink_probs
+    accumulator dtype (with p.dbias also the logits' gradient (BH, Nq, Nk), stored by the dQ
+    kernel); deterministic whatever ``deterministic`` says (no atomics). sink_probs
     (with sinks): the rows' sink probabilities, which the lost-row fix overwrites on its rows."""
     import cupy
 
@@ -319,7 +343,8 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     # until the launches)
     dkdv_cls, _t1 = _mask_tiles.classify(p, kv_tile.block_n, 16 * kv_tile.mf * kv_tile.warps)
     dq_cls, _t2 = _mask_tiles.classify(p, 16 * dq_tile.mf * dq_tile.warps, dq_tile.block_n)
+    dbias = _generic.dbias_buffer(p, acc)  # with p.dbias: the dQ kernel stores it
     dkdv(ins + (dk, dv) + args.tail + (dkdv_cls,))
-    dq_k(ins + (dq,) + args.tail + (dq_cls,))
-    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
-    return dq, dk, dv
+    dq_k(ins + (dq,) + args.tail + (dq_cls, _runtime.ptr(dbias)))
+    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs, dbias=dbias)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)

@@ -49,11 +49,11 @@ _OPTIONS_DOC = """\
         broadcastable to (..., Nq, Nk) (it may not enlarge the leading dims); never expanded in
         memory. None means no mask.
     bias : float array or None, default None
-        Added to the scaled logits, scale·q·kᵀ + bias, with no gradient. float16, bfloat16,
-        float32 or float64, of q's library, broadcastable to (..., Nq, Nk) like mask. Cast to
-        the accumulator dtype, its values unchecked: a finite float64 entry beyond float32's
-        range becomes +-inf. A -inf entry hides that key; a NaN entry is visible, and a NaN or
-        +inf entry makes its row NaN. A finite padding bias such as finfo(float32).min hides
+        Added to the scaled logits, scale·q·kᵀ + bias (its gradient: return_dbias of
+        attention_backward). float16, bfloat16, float32 or float64, of q's library,
+        broadcastable to (..., Nq, Nk) like mask. Cast to the accumulator dtype, its values
+        unchecked: a finite float64 entry beyond float32's range becomes +-inf. A -inf entry
+        hides that key; a NaN entry is visible, and a NaN or +inf entry makes its row NaN. A finite padding bias such as finfo(float32).min hides
         nothing: a row that only has such logits is a uniform softmax with a finite lse.
         None means no bias.
     softcap : float or None, default None
@@ -132,6 +132,25 @@ _PACKED_DOC = """\
         longest sequence (the work is padded to the longest sequence whatever the value).
     max_seqlen_k : int or None, default None
         The same for the keys and cu_seqlens_k."""
+
+_DBIAS_DOC = """\
+    return_dbias : bool, default False
+        If True, also return dbias, the gradient of the loss with respect to bias (a trainable
+        additive bias, e.g. a pair bias or a learned relative-position table): with the logit
+        ``s_ij = F(scale·q_i·k_j) + bias_ij`` (F: softcap, ALiBi; the identity without them),
+        ``dbias_ij = dS_ij = P_ij·(dout_i·v_j - D_i)``, ``D_i = sum(dout_i·out_i)``,
+        ``P_ij = exp(s_ij - lse_i)``, per (batch, head, query, key), exactly 0 wherever P is 0
+        (every pair the visibility rules hide: causal, window, kv_lens, mask, a -inf bias;
+        empty rows), and NaN where P is (a NaN lse). A softcap's
+        derivative does not enter it (the bias is added after the cap); sinks enter through lse.
+        It is summed over the axes on which bias broadcasts (a (1, H, Nq, Nk) bias over the batch,
+        an (Nq, Nk) one over batch and heads, a (B, 1, 1, Nk) one over heads and queries), and
+        returned in bias's own shape and dtype, of q's library; it is computed and summed in the
+        accumulator dtype (float32, or float64 for float64 inputs), then cast. On the GPU the
+        backward writes dS into a (..., Nq, Nk) accumulator-dtype buffer (4 or 8 bytes per
+        element, batch and heads included) before that sum, and with softcap or ALiBi runs on
+        the generic CUDA kernels (README "Bias gradient"). Needs a bias (ValueError
+        otherwise)."""
 
 _TYPE_ERRORS_DOC = """\
         - q, k or v is not a numpy.ndarray or cupy.ndarray (a list is not accepted), or mask
@@ -245,15 +264,19 @@ def _forward(problem):
 
 
 def _backward(problem, dout, out, lse, deterministic=False):
-    """(dq, dk, dv), and dsinks with sinks."""
+    """(dq, dk, dv), then dsinks with sinks, then dbias with return_dbias."""
     xp = problem.xp
     # with sinks: each row's sink probability, exact on lost rows after the backward's fix
     prob = None if problem.sinks is None else _sinks.probabilities(problem, lse)
+    dbias = None
     if problem.BH == 0 or problem.Nq == 0 or problem.Nk == 0:
         grads = [xp.zeros(x.shape, dtype=problem.dtype) for x in (problem.q, problem.k, problem.v)]
+        if problem.dbias:
+            dbias = xp.zeros(problem.bias_shape, dtype=problem.bias_dtype)
     else:
-        dq, dk, dv = _dispatch(problem).backward(problem, dout, out, lse,
-                                                 deterministic=deterministic, sink_probs=prob)
+        dq, dk, dv, *rest = _dispatch(problem).backward(problem, dout, out, lse,
+                                                        deterministic=deterministic,
+                                                        sink_probs=prob)
         # gradients were computed per output (batch, head): sum them back over broadcast/GQA axes
         grads = []
         # (beyond the dtype's range: inf, as a cast gives; NumPy would warn)
@@ -263,8 +286,15 @@ def _backward(problem, dout, out, lse, deterministic=False):
                 g = g if g.shape == shape else g.reshape(shape)
                 grads.append(_broadcast.reduce_to_lead(xp, g, x.shape).astype(problem.dtype,
                                                                              copy=False))
+        if problem.dbias:  # dS per (batch, head, query, key), summed where the bias broadcasts
+            g = rest[0].reshape(problem.lead + (problem.Nq, problem.Nk))
+            with np.errstate(over="ignore"):
+                dbias = _broadcast.sum_to_shape(xp, g, problem.bias_shape).astype(
+                    problem.bias_dtype, copy=False)
     if prob is not None:
         grads.append(_sinks.gradient(problem, dout, out, prob))
+    if dbias is not None:
+        grads.append(dbias)
     return tuple(grads)
 
 
@@ -286,7 +316,8 @@ def _packed(fn, q, k, v, names, block_table=None, **backward_inputs):
         bufs = [_varlen.empty(xp, x.shape, n, B, x.dtype)
                 for x, n in ((q, packed.max_q), (k, packed.max_k), (v, packed.max_k))]
         options["kv_lens"] = packed.kv_lens
-        problem = make_problem(*(view for _, view in bufs), fn=fn, **options)
+        problem = make_problem(*(view for _, view in bufs), fn=fn,
+                               return_dbias=names.get("return_dbias", False), **options)
         if backward_inputs:
             check_packed_backward(packed, problem, fn=fn, **backward_inputs)
         rows = _varlen.rows(packed)
@@ -491,8 +522,9 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
                        precision=None, softcap=None, sinks=None, alibi_slopes=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None, deterministic=False):
-    """Compute the gradients of :func:`attention` with respect to q, k and v.
+                       max_seqlen_k=None, deterministic=False, return_dbias=False):
+    """Compute the gradients of :func:`attention` with respect to q, k and v (and the bias).
+
 
     The score tiles are recomputed from q, k and lse; no probability matrix is stored.
 
@@ -514,6 +546,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
         If True, the gradients are bitwise identical run to run on every path. Only the
         tensor-core backward needs it (it otherwise adds dq with atomics, in no fixed order);
         the NumPy and generic CUDA paths are deterministic either way.
+{dbias_option}
 
     Returns
     -------
@@ -530,6 +563,9 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
         ``-sum_i exp(t - lse_i)·D_i`` over the rows of each head, summed over the axes on which
         sinks broadcasts; of sinks' dtype if it is a float array, else of the accumulator dtype
         (a 0-d array for a number), of q's library.
+    dbias : array, shape and dtype of bias
+        Only with ``return_dbias=True``, last: ``(dq, dk, dv, dbias)``, or
+        ``(dq, dk, dv, dsinks, dbias)`` with sinks. See return_dbias.
 
     Raises
     ------
@@ -537,7 +573,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
         For a type or dtype it does not accept, before any work is launched:
 
 {type_errors}
-        - deterministic is not a bool.
+        - deterministic or return_dbias is not a bool.
         - dout, out or lse is None or not an array of q's library; dout or out does not have
           q's dtype; lse is not float32 or float64.
     ValueError
@@ -545,6 +581,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
 
 {value_errors}
         - dout or out does not have the output's shape (..., Nq, Dv), or lse not (..., Nq).
+        - return_dbias is True but bias is None.
 
     See Also
     --------
@@ -556,8 +593,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     -----
     With D = rowsum(dout ∘ out) and P = exp(scale·q·kᵀ + bias - lse) on the visible pairs
     (0 elsewhere): dv = Pᵀ·dout, dS = P ∘ (dout·vᵀ - D), dq = scale·dS·k, dk = scale·dSᵀ·q.
-    mask and bias get no gradient. With sinks these formulas stand as they are (lse includes the
-    sink, and its value 0 adds nothing to D), and dsinks = -sum_i exp(t - lse_i)·D_i.
+    mask gets no gradient; bias gets one with ``return_dbias=True``: dbias = P ∘ (dout·vᵀ - D),
+    the gradient of the logit (see return_dbias). With sinks these formulas stand as they are
+    (lse includes the sink, and its value 0 adds nothing to D), and
+    dsinks = -sum_i exp(t - lse_i)·D_i.
 
     A row with lse = -inf is empty and contributes nothing; a NaN lse gives NaN gradients (dq of
     that row, dk and dv of the keys it sees), never silent zeros. A row whose |lse| is at least
@@ -586,6 +625,17 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     >>> all(np.allclose(g, r) for g, r in zip((dq, dk, dv), ref))
     True
 
+    A trainable bias's gradient, here of an (H, Nq, Nk) bias that every batch shares (summed
+    over the batch):
+
+    >>> bias = rng.standard_normal((4, 6, 10))
+    >>> out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True)
+    >>> dq, dk, dv, dbias = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias,
+    ...                                                return_dbias=True)
+    >>> dbias.shape
+    (4, 6, 10)
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+
     A NaN lse (a row whose forward saw a NaN) gives NaN gradients, not zeros:
 
     >>> lse[0, 0, 5] = np.nan
@@ -598,7 +648,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
         packed = _packed("attention_backward", q, k, v, locals(), dout=dout, out=out, lse=lse)
         if packed is not None:
             return _packed_backward(*packed, dout, out, lse, deterministic)
-        problem = make_problem(q, k, v, fn="attention_backward", **_options(locals()))
+        problem = make_problem(q, k, v, fn="attention_backward", return_dbias=return_dbias,
+                               **_options(locals()))
         check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
         return _backward(problem, dout, out, lse, deterministic)
 
@@ -607,7 +658,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
                   mask=None, bias=None, kv_lens=None, positions=None, precision=None,
                   softcap=None, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
-                  return_lse=None):
+                  return_dbias=False, return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
     For training without a framework: ``out, vjp = attention_vjp(q, k, v, ...)``, then
@@ -621,6 +672,9 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
 {packed}
     deterministic : bool, default False
         As for :func:`attention_backward`: bitwise identical gradients run to run.
+    return_dbias : bool, default False
+        If True, ``vjp(dout)`` also returns the gradient with respect to bias, last, as
+        :func:`attention_backward` with ``return_dbias=True`` does (needs a bias).
     return_lse : None
         Refused: any other value is a TypeError (vjp keeps lse itself; call :func:`attention`
         with ``return_lse=True`` for it).
@@ -631,8 +685,9 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
         As :func:`attention` returns it.
     vjp : callable
         ``vjp(dout)``, with dout of out's shape, dtype and library, returns ``(dq, dk, dv)``
-        (``(dq, dk, dv, dsinks)`` with sinks): ``attention_backward(dout, q, k, v, out, lse,
-        ...)`` with this call's inputs, options, out and lse.
+        (``(dq, dk, dv, dsinks)`` with sinks; dbias last with ``return_dbias=True``):
+        ``attention_backward(dout, q, k, v, out, lse, ...)`` with this call's inputs, options,
+        out and lse.
 
     Raises
     ------
@@ -640,7 +695,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
         For a type or dtype it does not accept, before any work is launched:
 
 {type_errors}
-        - deterministic is not a bool, or return_lse is given.
+        - deterministic or return_dbias is not a bool, or return_lse is given.
         - vjp(dout) raises it when dout is None, not an array of q's library, or not of q's
           dtype.
     ValueError
@@ -648,6 +703,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
 
 {value_errors}
         - vjp(dout) raises it when dout does not have out's shape.
+        - return_dbias is True but bias is None.
 
     See Also
     --------
@@ -686,7 +742,8 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
         if packed is not None:
             out, lse = _packed_forward(*packed)
         else:
-            problem = make_problem(q, k, v, fn="attention_vjp", **_options(locals()))
+            problem = make_problem(q, k, v, fn="attention_vjp", return_dbias=return_dbias,
+                                   **_options(locals()))
             out, lse = _forward(problem)
 
     def vjp(dout):
@@ -814,7 +871,8 @@ for _f in (attention, attention_backward, attention_vjp):
         _f.__doc__ = _f.__doc__.format(qkv=_QKV_DOC, options=_OPTIONS_DOC, packed=_PACKED_DOC,
                                        notes=_NOTES_DOC,
                                        type_errors=_TYPE_ERRORS_DOC,
-                                       value_errors=_VALUE_ERRORS_DOC)
+                                       value_errors=_VALUE_ERRORS_DOC,
+                                       dbias_option=_DBIAS_DOC)
 
 
 def paged_append(k_pages, v_pages, block_table, kv_lens, k_new, v_new):

@@ -77,6 +77,17 @@ def _sum_to(grad, shape):
     return grad.reshape(shape)
 
 
+def _unbroadcast(grad, shape):
+    """Adjoint of ``np.broadcast_to(x, grad.shape)`` for an ``x`` of ``shape`` (plain NumPy
+    broadcasting): grad summed over the axes x was repeated along."""
+    extra = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(extra)))
+    for axis, size in enumerate(shape):
+        if size == 1:
+            grad = grad.sum(axis=axis, keepdims=True)
+    return grad
+
+
 def _positions(lead, nq, nk, align, kv_lens, positions=None):
     """(p, j, length): query i's aligned position p (lead + (Nq, 1)), the keys j (1, Nk) and the
     valid lengths (lead + (1, 1)), straight from the definition."""
@@ -139,6 +150,7 @@ class _Dense:
         self.q, self.k, self.v = (self.rnd(_expand(x.astype(work), self.lead)) for x in (q, k, v))
         mask = _host(mask)
         bias = _host(bias)
+        self.bias_shape = None if bias is None else bias.shape  # the shape of its gradient
         if bias is not None:
             bias = np.broadcast_to(bias.astype(np.float64), self.lead + (nq, nk))
         self.bias = bias
@@ -194,9 +206,9 @@ class _Dense:
         with np.errstate(all="ignore"):
             return self._forward()
 
-    def backward(self, dout, out, lse):
+    def backward(self, dout, out, lse, dbias=False):
         with np.errstate(all="ignore"):
-            return self._backward(dout, out, lse)
+            return self._backward(dout, out, lse, dbias)
 
     def _stats(self, s):
         """Per row: whether it sees a key, its max m (NaN if a visible logit is NaN) and sum l."""
@@ -225,7 +237,7 @@ class _Dense:
             out, lse = np.where(dead, np.nan, out), np.where(dead, np.nan, lse)
         return out, lse[..., 0]
 
-    def _backward(self, dout, out, lse):
+    def _backward(self, dout, out, lse, dbias=False):
         s, grad = self.logits(with_grad=True)
         lse = np.broadcast_to(self.rnd(_host(lse).astype(self.work)), s.shape[:-1])[..., None]
         dout = np.broadcast_to(self.rnd(_host(dout).astype(self.work)), self.out_shape)
@@ -244,18 +256,22 @@ class _Dense:
         delta = self.rnd((dout * out).sum(axis=-1, keepdims=True))
         dv = self.rnd(np.swapaxes(p, -1, -2) @ dout)
         dp = self.rnd(dout @ np.swapaxes(self.values, -1, -2))
-        ds = self.rnd(self.rnd(p * self.rnd(dp - delta)) * grad)
+        dlogit = self.rnd(p * self.rnd(dp - delta))  # d(loss) / d(logit): the bias's gradient
+        ds = self.rnd(dlogit * grad)
         nk = self.k.shape[-2]  # the columns past nk: the sink's
         dq = self.rnd(self.scale * self.rnd(ds[..., :nk] @ self.k))
         dk = self.rnd(self.scale * self.rnd(np.swapaxes(ds[..., :nk], -1, -2) @ self.q))
         qs, ks, vs = self.shapes
         grads = (self.rnd(_sum_to(dq, qs)), self.rnd(_sum_to(dk, ks)),
                  self.rnd(_sum_to(dv[..., :nk, :], vs)))
-        if self.sinks is None:
-            return grads
-        dsinks = ds[..., nk].sum(axis=-1)  # lead: d(loss) / d(sink logit), summed over the rows
-        return grads + (self.rnd(_sum_to(dsinks[..., None, None], self.sinks_shape + (1, 1))
-                                 .reshape(self.sinks_shape)),)
+        if self.sinks is not None:
+            dsinks = ds[..., nk].sum(axis=-1)  # lead: d(loss) / d(sink logit), over the rows
+            grads += (self.rnd(_sum_to(dsinks[..., None, None], self.sinks_shape + (1, 1))
+                               .reshape(self.sinks_shape)),)
+        if dbias:  # exactly 0 where P is 0 (hidden pairs, empty rows), summed where bias broadcasts
+            grads += (self.rnd(_unbroadcast(np.where(p == 0, 0, dlogit)[..., :nk],
+                                            self.bias_shape)),)
+        return grads
 
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
@@ -298,7 +314,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
                        softcap=None, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                       return_dbias=False):
     """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``
     (and ``dsinks``, shaped like ``sinks``, with sinks).
 
@@ -314,9 +331,15 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     nothing. With sinks the sink column joins P and dS (its value 0, so its dP is 0) and
     ``dsinks = sum_i dS[i, sink] = -sum_i P[i, sink] D_i``, summed into sinks' shape; a lost row's
     max and sum include it. ALiBi adds a constant to each logit: dS is unchanged (no gradient
-    with respect to the slopes). Results are NumPy float64. Packed sequences (cu_seqlens) as
-    in :func:`attention`: each sequence alone, dsinks summed over them into sinks' shape.
+    with respect to the slopes). With ``return_dbias=True`` the last result is ``dbias``, the
+    gradient of the logit ``P * (dout V^T - D)`` (the softcap's derivative not applied: the bias
+    is added after the cap), 0 where P is 0, summed over the axes on which bias broadcasts into
+    bias's shape. Results are NumPy float64. Packed sequences (cu_seqlens) as in
+    :func:`attention`: each sequence alone, dsinks summed over them into sinks' shape.
     """
+    if return_dbias and bias is None:
+        raise ValueError("attention_backward: return_dbias=True asks for the gradient of bias, "
+                         "but bias is None")
     packed = _packed("attention_backward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, align, mask, bias, kv_lens, positions)
     if packed is not None:
@@ -341,7 +364,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
            alibi_slopes)
     dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
                    softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
-    return dense.backward(dout, out, lse)
+    return dense.backward(dout, out, lse, dbias=bool(return_dbias))
 
 
 # ---- packed sequences (cu_seqlens): the dense reference on each sequence alone --------------

@@ -242,6 +242,16 @@ __device__ __forceinline__ Acc grad_of(const Acc (&g)[NF][4], int nf, int k) {
   return Acc(1);
 }
 
+// The bias's gradient of pair (query i, key j) of head bh into dbias (BH, Nq, Nk) (the kernels'
+// DBIAS instantiations): the logit's gradient P (dP - delta), exactly 0 where P is 0 (hidden
+// pairs, empty and padding rows); pairs past Nq or Nk are not stored.
+template <typename Acc>
+__device__ __forceinline__ void store_dbias(Acc* __restrict__ dbias, long long bh, int Nq, int Nk,
+                                            int i, int j, Acc p, Acc dlogit) {
+  if (i < Nq && j < Nk)
+    dbias[(bh * Nq + i) * Nk + j] = p == Acc(0) ? Acc(0) : dlogit;
+}
+
 // Row h of an m-fragment's scores, key column c = 8 nf + 2 t + e of the tile starting at key j0
 // (t = lane % 4): entries outside [c_lo, c_hi] become -inf, the others go through the modifier
 // (query i).

@@ -167,13 +167,17 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 }
 
 // Grid: x = query tile (BLOCK_M queries), (y, z) = batch*head. Walks the key tiles the query tile
-// can see (tile_key_range) and writes dq_acc (BH, Nq, Dk) = scale * dS K.
+// can see (tile_key_range) and writes dq_acc (BH, Nq, Dk) = scale * dS K. DBIAS: dbias
+// (BH, Nq, Nk) gets the logits' gradient P (dP - delta) of every pair of the key tiles walked
+// (0 where P is 0), the bias's gradient before its broadcast sum (the host zeroes the pairs no
+// tile reaches); without DBIAS dbias is null and unread.
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
-          typename F = NoTransform>
+          typename F = NoTransform, bool DBIAS = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
        const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
-       Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc)) {
+       Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc),
+       Acc* __restrict__ dbias) {
   using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
   constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
   constexpr int LD = Tile::LD, LDP = Tile::LDP;
@@ -226,6 +230,8 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     for (int r = 0; r < ROWS; ++r) {
       const int ir = group + ROW_GROUPS * r;
       const long long i = i0 + ir;
+      // the bias's gradient (before F'), row i from key j0 + lane (null: not asked, or padding)
+      Acc* const db = DBIAS && i < i_end ? dbias + (bh * Nq + i) * Nk + j0 + lane : nullptr;
 #pragma unroll
       for (int jj = 0; jj < KEYS; ++jj) {
         const long long j = j0 + lane + LANES_PER_ROW * jj;
@@ -233,7 +239,9 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         if (j < j_end) {
           Acc g;
           const Acc p = recompute_p(s[r][jj], scale, i, j, h.w, lse_r[r], h.mb, f, g);
-          ds = p * (dp[r][jj] - delta_r[r]) * g;
+          const Acc dlogit = p * (dp[r][jj] - delta_r[r]);
+          ds = dlogit * g;
+          if (DBIAS && db != nullptr) db[LANES_PER_ROW * jj] = p == Acc(0) ? Acc(0) : dlogit;
         }
         dSs[ir * LDP + lane + LANES_PER_ROW * jj] = ds;
       }

@@ -24,6 +24,8 @@
 //                                            dQ block is added to the float32 dq_acc (BH, Nq, Dk,
 //                                            zeroed by the host) with red.global.add, a few per
 //                                            k-step of this product (tcb::dq_reduction_at).
+//                  With tcb::DKDV_DBIAS, P^T (dP^T - delta) is stored per pair (the bias's
+//                  gradient, attn_core.cuh store_dbias).
 //   bwd_mma_dq     deterministic dQ (no atomics): one block per query tile of 16 * NWARPS rows,
 //                  key tiles through a cp.async ring (as fwd_mma.cu), S, P, dP, dS recomputed
 //                  in registers, dQ += dS K, one plain store per element. With bwd_mma_dkdv
@@ -96,7 +98,11 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 // (An enum, not constexpr ints: NVRTC emits namespace-scope constants as globals.)
 // (Host-side, _mma_bwd.OPT_GRID selects the warp-grid kernel bwd_mma_dkdv_grid; the kernels never
 // see it.)
-enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16 };
+// DKDV_DBIAS: the bias's gradient, P^T (dP^T - delta) per pair into dbias (BH, Nq, Nk)
+//                (attn_core.cuh store_dbias; with DKDV_HALVES by the block of half 0). A mask /
+//                bias modifier only; without it dbias is null and unread.
+enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
+                     DKDV_DBIAS = 64 };
 
 // s[mi][nf][e] = f(s[mi][nf][e], value, mi, nf, e) over S^T-shaped fragments (rows = keys,
 // columns = queries q0 + nf * 8 + 2t + e % 2), value = that query's entry of the shared float
@@ -305,7 +311,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const T* __restrict__ dout, const float* __restrict__ lse2,
              const float* __restrict__ delta, float* __restrict__ dq_acc,
              float* __restrict__ dk_acc, float* __restrict__ dv_acc, const TileClasses classes,
-             ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16) {
+             ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16,
+             float* __restrict__ dbias) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
@@ -313,6 +320,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr int BLOCK_N = 16 * NWARPS;  // keys per block, 16 per warp
   constexpr int NQF = BLOCK_M / 8;      // n-fragments of S^T / dP^T (queries)
   constexpr bool HALVES = (OPT & tcb::DKDV_HALVES) != 0;  // half of dK, dV, dQ's columns
+  constexpr bool DBIAS = (OPT & tcb::DKDV_DBIAS) != 0;    // the bias's gradient
+  static_assert(!DBIAS || Mod::READS_INPUTS, "DKDV_DBIAS: a modifier that reads the bias");
   constexpr int DCK = HALVES ? HEAD_DIM / 2 : HEAD_DIM;    // this block's dK / dQ columns
   constexpr int DCV = HALVES ? DV / 2 : DV;                // and dV columns
   constexpr int DFK = DCK / 8;          // n-fragments of dK (head dim)
@@ -525,6 +534,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dS^T = scale * P^T (dP^T - delta[query]) (times the modifier's derivative), in dp.
     constexpr bool GR = Mod::HAS_GRAD;
     tcb::with_query_values(dp, des, 0, t, [&](float x, float delta, int nf, int e) {
+      if constexpr (DBIAS)  // the bias's gradient (HALVES: by the first block of the two)
+        if (half == 0)
+          store_dbias(dbias, bh, Nq, Nk, i0 + nf * 8 + 2 * t + e % 2, jw + 8 * (e / 2), s[nf][e],
+                      s[nf][e] * (x - delta));
       return scale * s[nf][e] * (x - delta) * grad_of<GR>(gr, nf, e);
     });
 

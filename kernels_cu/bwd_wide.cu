@@ -7,6 +7,8 @@
 //                    dV += P^T dO,  dK += dS^T Q        (dK scaled once at the end)
 //   bwd_wide_dq    one block per query tile, over the key tiles it sees (fwd_wide's loop):
 //                    S = Q K^T, P, dP = dO V^T, dS,  dQ += dS K
+//                  (and with DBIAS, P (dP - delta) stored per pair: attn_core.cuh
+//                  store_dbias)
 // Seven products where a kernel with dQ atomics has five; in exchange no dS round trip through
 // shared memory and no atomics. Products: wide.cuh (rows_times_rows for S and dP in both
 // orientations, acc_times_rows for the three accumulating ones).
@@ -234,15 +236,19 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 
 // Grid: 1-D, blockIdx.x = bh * n_mtiles + (reversed query tile), as fwd_wide. BLOCK_N keys per
 // step.
+// DBIAS (a mask / bias modifier only): dbias (BH, Nq, Nk) gets P (dP - delta) per pair
+// (attn_core.cuh store_dbias); without it dbias is null and unread.
 template <typename T, int PASSES, int DK, int DV, int BLOCK_N, int NWARPS, int MF, int STAGES,
-          typename Mod, int MIN_BLOCKS>
+          typename Mod, int MIN_BLOCKS, bool DBIAS = false>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
-            T* __restrict__ dq, ATTN_INPUTS(T), const AttnArgs a, const TileClasses classes) {
+            T* __restrict__ dq, ATTN_INPUTS(T), const AttnArgs a, const TileClasses classes,
+            T* __restrict__ dbias) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, T);
   constexpr bool HAS_MB = !Mod::IDENTITY, GR = Mod::HAS_GRAD;
+  static_assert(!DBIAS || Mod::READS_INPUTS, "DBIAS: a modifier that reads the bias");
   constexpr int THREADS = NWARPS * 32;
   constexpr int BLOCK_M = 16 * MF * NWARPS;
   constexpr int NF = BLOCK_N / 8;  // key fragments = k-steps of dQ
@@ -338,6 +344,9 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // P = exp(S - lse[row]); dS = P (dP - delta[row]), in dp
     for_each_entry(dp, [&](T& x, int mf, int nf, int e) {
       const T p = prob<HAS_MB>(s[mf][nf][e], scale, lrow[mf][e / 2]);
+      if constexpr (DBIAS)  // the bias's gradient
+        store_dbias(dbias, bh, Nq, Nk, i_thr + mf * 16 + 8 * (e / 2), j0 + nf * 8 + 2 * t + e % 2,
+                    p, p * (x - drow[mf][e / 2]));
       x = p * (x - drow[mf][e / 2]) * grad_of<GR>(gr[mf], nf, e);
     });
     // dQ += dS K

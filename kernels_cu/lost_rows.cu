@@ -179,11 +179,12 @@ __device__ __forceinline__ void for_each_row(unsigned bits, long long row0, F&& 
 // one per 32 rows of a (batch, head): read when `prewritten` (the tensor-core preprocess wrote
 // them), else written here from lse. stats: (BH, Nq, 3) = m, l, delta of lost rows only. sinks:
 // (BH,) each (batch, head)'s sink logit (-inf: none), or nullptr without sinks; sink_probs:
-// (BH, Nq), the lost rows' sink probabilities written (nullptr without sinks).
+// (BH, Nq), the lost rows' sink probabilities written (nullptr without sinks). dbias (nullptr:
+// none): (BH, Nq, Nk), the lost rows' logit gradients P (dP - delta) written over the visible keys.
 template <typename T, typename Acc, typename F = NoTransform>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* __restrict__ sinks,
-              double* __restrict__ sink_probs) {
+              double* __restrict__ sink_probs, Acc* __restrict__ dbias) {
   ATTN_ARGS_LOCALS(a, double);
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
   const long long n_items = static_cast<long long>(BH) * ((Nq + LOST_SEG - 1) / LOST_SEG);
@@ -238,7 +239,10 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* _
       const double qk = dot(qi, h.k + j * h.k_rs, Dk);
       if (!h.logit(x, qk, i, j, g)) continue;
       const double p = exp(x - m) / l;
-      const double ds = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta) * g;
+      const double dlogit = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
+      if (dbias != nullptr && lane == 0)  // the bias's gradient (before F')
+        dbias[row * Nk + j] = static_cast<Acc>(p == 0.0 ? 0.0 : dlogit);
+      const double ds = dlogit * g;
       axpy(dqi, ds, h.k + j * h.k_rs, Dk);
     }
     Acc* dq_row = dq + row * Dk;

@@ -272,16 +272,18 @@ def test_cpu_errors_happen_before_work(monkeypatch, misuse):
 @pytest.mark.parametrize("fn", ["attention", "attention_backward", "attention_vjp"])
 def test_signatures_carry_every_option(fn):
     """api.OPTIONS, which each public function hands to make_problem from its locals(), is
-    exactly its keyword-only parameters but its own flags, the packed keywords (api.PACKED) and
-    attention's block_table, which only the forward takes and passes itself: an option added to
-    a signature and not to OPTIONS (or the reverse) would be dropped or raise."""
+    exactly its keyword-only parameters but its own flags, the packed keywords (api.PACKED),
+    attention's block_table, which only the forward takes and passes itself, and the backward's
+    return_dbias, likewise: an option added to a signature and not to OPTIONS (or the reverse)
+    would be dropped or raise."""
     import inspect
 
     from cuflash import api
 
     params = inspect.signature(getattr(cuflash, fn)).parameters
     keywords = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
-    own = {"return_lse", "deterministic"} | ({"block_table"} if fn == "attention" else set())
+    own = {"return_lse", "deterministic"} | ({"block_table"} if fn == "attention" else
+                                              {"return_dbias"})
     own |= set(api.PACKED)  # packed sequences' keywords, which api._packed reads
     assert set(api.PACKED) <= set(keywords)
     assert [n for n in keywords if n not in own] == list(api.OPTIONS)
