@@ -14,6 +14,7 @@ from . import _config, _memo, _modifiers, _runtime
 
 NAME = "generic"
 TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = True  # whether its kernels take dropout (cuflash/_gpu.py skips the paths that do not)
 SINKS = False  # whether its forward kernels join the sinks themselves (else cuflash/_gpu.py does)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
 # kernel -> (source file, kernel name)
@@ -42,28 +43,33 @@ def smem_bytes(kernel, acc_ctype, bucket):
     return n * _config.C_SIZES[acc_ctype]
 
 
-def name_expression(kernel, dtype, bucket=None, transforms=()):
+def name_expression(kernel, dtype, bucket=None, transforms=(), dropout=False):
     """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'
-    (the score transforms in natural units: a last template argument when there are any)."""
+    (the score transforms in natural units: a template argument when there are any; with
+    dropout, NoTransform or the transforms, then `DropoutArgs`: kernels_cu/philox.cuh)."""
     t, acc = _config.c_types(dtype)
     name = KERNELS[kernel][1]
     if kernel == "bwd_preprocess":
         return f"{name}<{t}, {acc}>"
     bm, bn = _config.GENERIC_TILES[(kernel, acc, bucket)]
-    f = _transform_arg(transforms, acc, _config.dtype_name(dtype))
+    f = _transform_arg(transforms, acc, _config.dtype_name(dtype), dropout)
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
 
 
-def _transform_arg(transforms, acc, dtype_name="float64"):
-    """The transforms as a last template argument (natural units), none without any."""
-    return f", {_modifiers.transform(transforms, acc, True, dtype_name)}" if transforms else ""
+def _transform_arg(transforms, acc, dtype_name="float64", dropout=False):
+    """The transforms as a template argument (natural units), none without any; with dropout,
+    the transforms (or NoTransform) and then DropoutArgs, the kernels' trailing parameter pack."""
+    f = _modifiers.transform(transforms, acc, True, dtype_name) if transforms else None
+    if dropout:
+        return f", {f or 'NoTransform'}, DropoutArgs"
+    return f", {f}" if f else ""
 
 
-def lost_name_expressions(dtype, dk_is_input_dtype, transforms=()):
+def lost_name_expressions(dtype, dk_is_input_dtype, transforms=(), dropout=False):
     """The two backward kernels of lost_rows.cu for inputs of ``dtype`` whose dk / dv buffers hold
-    the inputs' dtype (else the accumulator's)."""
+    the inputs' dtype (else the accumulator's); with dropout, their DropoutArgs instantiations."""
     t, acc = _config.c_types(dtype)
-    f = _transform_arg(transforms, "double")
+    f = _transform_arg(transforms, "double", dropout=dropout)
     return (f"bwd_lost_rows<{t}, {acc}{f}>",
             f"bwd_lost_keys<{t}, {acc}, {t if dk_is_input_dtype else acc}{f}>")
 
@@ -74,15 +80,19 @@ def fwd_lost_name_expression(dtype, transforms=()):
 
 
 def instantiations():
-    """Every (kernel, dtype name, bucket or None, source file, name expression) of this path."""
+    """Every (kernel, dtype name, bucket or None, source file, name expression) of this path:
+    each chain of transforms without and with dropout (the one path that takes dropout takes it
+    with every chain; its lost-row kernels then with the accumulator's dk / dv only)."""
     out = []
     for dt in _config.supported_dtype_names():
         for tf in _modifiers.CHAINS:
-            rows, keys = lost_name_expressions(dt, False, tf)
-            out += [("bwd_lost_rows", dt, None, LOST_SOURCE, rows),
-                    ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
-            out += [(kernel, dt, b, KERNELS[kernel][0], name_expression(kernel, dt, b, tf))
-                    for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
+            for dropout in (False, True):
+                rows, keys = lost_name_expressions(dt, False, tf, dropout)
+                out += [("bwd_lost_rows", dt, None, LOST_SOURCE, rows),
+                        ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
+                out += [(kernel, dt, b, KERNELS[kernel][0],
+                         name_expression(kernel, dt, b, tf, dropout))
+                        for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
         out.append(("bwd_preprocess", dt, None, BWD_SOURCE, name_expression("bwd_preprocess", dt)))
     return out
 
@@ -92,7 +102,8 @@ def _prepare(kernel, p):
     acc = _config.c_types(p.dtype)[1]
     bucket = _config.head_dim_bucket(p.Dk, p.Dv)
     kern = _runtime.get_function(KERNELS[kernel][0],
-                                 name_expression(kernel, p.dtype, bucket, _modifiers.names(p)))
+                                 name_expression(kernel, p.dtype, bucket, _modifiers.names(p),
+                                                 bool(p.dropout_p)))
     smem = smem_bytes(kernel, acc, bucket)
     _runtime.opt_in(kern, smem)
     return kern, _config.GENERIC_TILES[(kernel, acc, bucket)], smem
@@ -113,7 +124,8 @@ def forward(p):
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     kern, (bm, _), smem = _prepare("fwd", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
-         (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type), shared_mem=smem)
+         (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type) + _runtime.dropout_args(p),
+         shared_mem=smem)
     return out, lse
 
 
@@ -149,13 +161,15 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     dq = _runtime.empty((BH, p.Nq, p.Dk), dtype=acc)
     dk = _runtime.empty((BH, p.Nk, p.Dk), dtype=acc)
     dv = _runtime.empty((BH, p.Nk, p.Dv), dtype=acc)
+    drop = _runtime.dropout_args(p)  # (DropoutArgs,) or ()
     kern, (_, bn), smem = _prepare("bwd_dkdv", p)
     kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type),
+         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type) + drop,
          shared_mem=smem)
     kern, (bm, _), smem = _prepare("bwd_dq", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type), shared_mem=smem)
+         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type) + drop,
+         shared_mem=smem)
     launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs)
     return dq, dk, dv
 
@@ -222,7 +236,7 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
 
     def plan():
         rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype,
-                                                     _modifiers.names(p))
+                                                     _modifiers.names(p), bool(p.dropout_p))
         warps = _config.GENERIC_THREADS // 32
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
@@ -245,5 +259,6 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None):
         flags = cupy.empty((BH, -(-Nq // LOST_CHUNK)), dtype=np.int32)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
     sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
-    rows(common + (dq, np.int32(prewritten)) + sinks)
-    keys(common + (dk, dv))
+    drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
+    rows(common + (dq, np.int32(prewritten)) + sinks + drop)
+    keys(common + (dk, dv) + drop)

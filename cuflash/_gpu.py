@@ -8,7 +8,8 @@ backward `takes_backward(p)` and `backward(p, dout, out, lse, deterministic, sin
 output (batch, head); and `instantiations()`, the (kernel, dtype name, bucket or head dim or None,
 source file, name expression) tuples it can request; TRANSFORMS: the chains of score transforms
 its kernels take (cuflash/_modifiers.py CHAINS or SINGLE; a path is skipped for a Problem whose
-chain is not among them). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
+chain is not among them); DROPOUT: whether its kernels take dropout (kernels_cu/philox.cuh; a path
+that does not is skipped for a Problem with dropout_p > 0, so the generic kernels take it). The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream, never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 """
 import contextlib
@@ -38,7 +39,8 @@ def _choose(paths, takes, p):
         if ov.path is not None and any(x.NAME == ov.path for x in paths):
             candidates = [x for x in paths if x.NAME in (ov.path, _generic.NAME)]
         names = _modifiers.names(p)
-        return next(x for x in candidates if names in x.TRANSFORMS and getattr(x, takes)(p))
+        return next(x for x in candidates if names in x.TRANSFORMS
+                    and (x.DROPOUT or not p.dropout_p) and getattr(x, takes)(p))
 
     return _chosen.build(key, choose)
 

@@ -41,6 +41,7 @@ from ._broadcast import _padded
 
 NAME = "mma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = False  # its kernels take no dropout: cuflash/_gpu.py skips it for a Problem with dropout
 SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 

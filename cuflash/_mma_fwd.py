@@ -11,6 +11,7 @@ from . import _config, _generic, _memo, _modifiers, _runtime
 
 NAME = "mma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = False  # its kernels take no dropout: cuflash/_gpu.py skips it for a Problem with dropout
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_mma.cu SINKS)
 SOURCE = "fwd_mma.cu"
 

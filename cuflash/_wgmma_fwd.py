@@ -14,6 +14,7 @@ from ._validate import element_strides, key_range
 
 NAME = "wgmma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = False  # its kernels take no dropout: cuflash/_gpu.py skips it for a Problem with dropout
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wgmma.cu SINKS)
 SOURCE = "fwd_wgmma.cu"
 ARCH = "sm_90a"

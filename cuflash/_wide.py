@@ -17,6 +17,7 @@ from . import _config, _generic, _mask_tiles, _memo, _modifiers, _runtime
 
 NAME = "wide"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = False  # its kernels take no dropout: cuflash/_gpu.py skips it for a Problem with dropout
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wide.cu SINKS)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")

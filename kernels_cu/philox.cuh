@@ -1,0 +1,100 @@
+// philox.cuh: dropout, the one home of its random bits and of what a kernel does with them
+// (DESIGN.md "Dropout"). Mirrored bit for bit by cuflash/_dropout.py (the NumPy path and the
+// reference draw the same mask).
+//
+// The keep bit of element (bh, i, j) of a call (bh: the output's flat (batch, head) index, i the
+// query row, j the key, both in the head's own indices) is a pure function of the call's
+// (seed, offset) and of that position, so it does not depend on tiles, path or device:
+//   (r0, r1, r2, r3) = Philox4x32-10(counter = (j >> 2, i, bh, offset),
+//                                    key = (seed & 0xffffffff, seed >> 32))
+//   keep(bh, i, j)   = r[j & 3] >= threshold,   threshold = floor(dropout_p * 2^32)
+// (one Philox call per 4 consecutive keys of a row, word j & 3 for key j). A kept weight is
+// scaled by rscale = 1 / (1 - dropout_p); the softmax's l and lse stay the undropped ones.
+//
+// Kernels take dropout as a trailing parameter pack `const Drop... drop` (empty: no dropout, and
+// then no parameter and no code: the default instantiations are unchanged), made into the per-head
+// object by dropout_at<Acc>(bh, drop...): NoDropout, or Dropout<Acc>, whose
+//   ON                      says whether there is any work;
+//   keep(i, j)              the element's keep bit;
+//   (p, i, j)               p where kept, 0 where dropped (the P of P V and of dV = P^T dO);
+//   scaled(x)               x * rscale, rscale = 1 / (1 - dropout_p) in Acc (x without dropout),
+//                           which a kernel applies once per output (out, dV) and to the kept dP
+//                           (the backward's dS = P (Z dP rscale - D)).
+#pragma once
+#include "common.cuh"
+
+constexpr unsigned PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;  // Random123's multipliers
+constexpr unsigned PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;  // its key increments
+constexpr int PHILOX_ROUNDS = 10;
+
+struct Philox4 {
+  unsigned x, y, z, w;
+};
+
+// Philox4x32-10 (Salmon et al., SC'11; Random123's philox4x32_R with R = 10): counter c, key (k0, k1).
+__device__ __forceinline__ Philox4 philox4x32_10(Philox4 c, unsigned k0, unsigned k1) {
+#pragma unroll
+  for (int r = 0; r < PHILOX_ROUNDS; ++r) {
+    if (r > 0) {  // the key bumps between rounds
+      k0 += PHILOX_W0;
+      k1 += PHILOX_W1;
+    }
+    const unsigned hi0 = __umulhi(PHILOX_M0, c.x), lo0 = PHILOX_M0 * c.x;
+    const unsigned hi1 = __umulhi(PHILOX_M1, c.z), lo1 = PHILOX_M1 * c.z;
+    c = Philox4{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
+  }
+  return c;
+}
+
+// The host's DropoutArgs (cuflash/_runtime.py DROPOUT_FIELDS), passed by value.
+struct DropoutArgs {
+  unsigned long long seed;
+  unsigned offset;     // the counter's last word
+  unsigned threshold;  // floor(dropout_p * 2^32): a word below it drops its key
+  double rscale;       // 1 / (1 - dropout_p), rounded to Acc by the kernel
+};
+
+struct NoDropout {
+  static constexpr bool ON = false;
+  template <typename Acc>
+  __device__ __forceinline__ Acc operator()(Acc p, long long, long long) const { return p; }
+  __device__ __forceinline__ bool keep(long long, long long) const { return true; }
+  template <typename Acc>
+  __device__ __forceinline__ Acc scaled(Acc x) const { return x; }
+};
+
+template <typename Acc>
+struct Dropout {
+  static constexpr bool ON = true;
+  unsigned k0, k1, bh, offset, threshold;
+  Acc rscale;
+
+  __device__ __forceinline__ bool keep(long long i, long long j) const {
+    const Philox4 r = philox4x32_10(
+        Philox4{static_cast<unsigned>(j >> 2), static_cast<unsigned>(i), bh, offset}, k0, k1);
+    const unsigned lane = static_cast<unsigned>(j) & 3u;
+    const unsigned word = lane & 2u ? (lane & 1u ? r.w : r.z) : (lane & 1u ? r.y : r.x);
+    return word >= threshold;
+  }
+  __device__ __forceinline__ Acc operator()(Acc p, long long i, long long j) const {
+    return p != Acc(0) && !keep(i, j) ? Acc(0) : p;  // (no bits drawn where p is 0)
+  }
+  __device__ __forceinline__ Acc scaled(Acc x) const { return x * rscale; }
+};
+
+// Head bh's dropout from a kernel's trailing pack: none, or one DropoutArgs.
+template <typename Acc>
+__device__ __forceinline__ NoDropout dropout_at(long long) {
+  return NoDropout();
+}
+template <typename Acc>
+__device__ __forceinline__ Dropout<Acc> dropout_at(long long bh, const DropoutArgs& a) {
+  Dropout<Acc> d;
+  d.k0 = static_cast<unsigned>(a.seed);
+  d.k1 = static_cast<unsigned>(a.seed >> 32);
+  d.bh = static_cast<unsigned>(bh);
+  d.offset = a.offset;
+  d.threshold = a.threshold;
+  d.rscale = static_cast<Acc>(a.rscale);
+  return d;
+}
