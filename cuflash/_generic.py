@@ -74,9 +74,9 @@ def lost_name_expressions(dtype, dk_is_input_dtype, transforms=(), dropout=False
             f"bwd_lost_keys<{t}, {acc}, {t if dk_is_input_dtype else acc}{f}>")
 
 
-def fwd_lost_name_expression(dtype, transforms=()):
+def fwd_lost_name_expression(dtype, transforms=(), dropout=False):
     t, acc = _config.c_types(dtype)
-    return f"fwd_lost_rows<{t}, {acc}{_transform_arg(transforms, 'double')}>"
+    return f"fwd_lost_rows<{t}, {acc}{_transform_arg(transforms, 'double', dropout=dropout)}>"
 
 
 def instantiations():
@@ -187,7 +187,8 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
 
     def launch():
         fn = _runtime.get_function(LOST_SOURCE,
-                                   fwd_lost_name_expression(p.dtype, _modifiers.names(p)))
+                                   fwd_lost_name_expression(p.dtype, _modifiers.names(p),
+                                                            bool(p.dropout_p)))
         per_block = _config.GENERIC_THREADS // 32
         blocks = min(-(-fix.size // (32 * per_block)), _runtime.device_info().sm_count)
         limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
@@ -196,15 +197,17 @@ def launch_fwd_lost(args, out, lse, fix, block_m, lost=None):
     key = None if p.key is None else (p.key, fix.size, block_m, lost, lse.dtype)
     run, limit = _lost_launches.build(key, launch)
     run((p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m),
-                                                  _runtime.ptr(p.sinks)))
+                                                  _runtime.ptr(p.sinks))
+        + _runtime.dropout_args(p))
 
 
 def flagged_forward(p, recipe, extra=()):
     """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks joined, from a
     tensor-core forward whose parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra +
     (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks null without
-    them, and the kernel instantiated with SINKS where there are), then the lost-row fix of the
-    blocks it flags. recipe: (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
+    them, and the kernel instantiated with SINKS where there are), and with dropout
+    (DropoutArgs,) (fwd_mma), then the lost-row fix of the blocks it flags (with the dropout
+    too). recipe: (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
     import cupy
 
     launch, blocks, block_m, has_mb = recipe
@@ -212,7 +215,8 @@ def flagged_forward(p, recipe, extra=()):
     out = _runtime.empty((p.BH, p.Nq, p.Dv), dtype=p.dtype)
     lse = _runtime.empty((p.BH, p.Nq), dtype=p.acc_dtype)
     fix = cupy.empty(blocks, dtype=np.int32)  # every entry written by the kernel
-    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra + (_runtime.ptr(p.sinks),))
+    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra + (_runtime.ptr(p.sinks),)
+           + _runtime.dropout_args(p))
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.

@@ -336,12 +336,12 @@ template <> __device__ __forceinline__ double in_range<float>(double x) {
 // rows each). A flagged block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T)
 // and lse (Acc) recomputed in double. sinks: (BH,) each (batch, head)'s sink logit, joined to
 // the rows recomputed, or nullptr without sinks.
-template <typename T, typename Acc, typename F = NoTransform>
+template <typename T, typename Acc, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs a,
               double lost, const int* __restrict__ fix, int block_m,
-              const double* __restrict__ sinks) {
+              const double* __restrict__ sinks, const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const int n_mtiles = (Nq + block_m - 1) / block_m;
   const long long n_blocks = static_cast<long long>(BH) * n_mtiles;
@@ -363,6 +363,7 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   for_each_row(bits, row0, [&](long long row) {
     const long long bh = row / Nq, i = row % Nq;
     const LostHead<T, Acc, F> h = LOST_HEAD(static_cast<const T*>(nullptr));
+    const auto dz = dropout_at<double>(bh, drop...);
     double qi[LOST_COLS], acc[LOST_COLS];
     load_row(qi, h.q + i * h.q_rs, Dk);
 #pragma unroll
@@ -387,7 +388,11 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       l = l * alpha + p;
 #pragma unroll
       for (int c = 0; c < LOST_COLS; ++c) acc[c] *= alpha;
-      axpy(acc, p, h.v + j * h.v_rs, Dv);
+      if constexpr (decltype(dz)::ON) {  // dropout: P V only (keep is warp-uniform)
+        if (dz.keep(i, j)) axpy(acc, p, h.v + j * h.v_rs, Dv);
+      } else {
+        axpy(acc, p, h.v + j * h.v_rs, Dv);
+      }
       m = m_new;
       }
     }
@@ -395,6 +400,7 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     // With a sink, joined as the forward kernels join it (an empty row: 0 and the sink).
     const double nan = __longlong_as_double(0x7ff8000000000000LL);
     double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
+    if constexpr (decltype(dz)::ON) inv_l = dz.scaled(inv_l);  // the kept weights' 1 / (1 - p)
     double lse_row = !seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l);
     if (sinks != nullptr) join_sink(in_range<Acc>(sinks[bh]), inv_l, lse_row);  // Acc's range
     T* orow = out + row * Dv;

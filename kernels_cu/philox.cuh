@@ -59,6 +59,9 @@ struct NoDropout {
   template <typename Acc>
   __device__ __forceinline__ Acc operator()(Acc p, long long, long long) const { return p; }
   __device__ __forceinline__ bool keep(long long, long long) const { return true; }
+  __device__ __forceinline__ void keep2(long long, long long, bool& k0, bool& k1) const {
+    k0 = k1 = true;
+  }
   template <typename Acc>
   __device__ __forceinline__ Acc scaled(Acc x) const { return x; }
 };
@@ -66,21 +69,54 @@ struct NoDropout {
 template <typename Acc>
 struct Dropout {
   static constexpr bool ON = true;
-  unsigned k0, k1, bh, offset, threshold;
+  unsigned key0, key1, bh, offset, threshold;
   Acc rscale;
 
   __device__ __forceinline__ bool keep(long long i, long long j) const {
     const Philox4 r = philox4x32_10(
-        Philox4{static_cast<unsigned>(j >> 2), static_cast<unsigned>(i), bh, offset}, k0, k1);
+        Philox4{static_cast<unsigned>(j >> 2), static_cast<unsigned>(i), bh, offset}, key0, key1);
     const unsigned lane = static_cast<unsigned>(j) & 3u;
     const unsigned word = lane & 2u ? (lane & 1u ? r.w : r.z) : (lane & 1u ? r.y : r.x);
     return word >= threshold;
+  }
+  // The keep bits of keys j and j + 1 of query i: one Philox call when j is even (both in one
+  // group of 4; the tensor-core kernels' fragment pairs, whose parity is warp-uniform), else two.
+  __device__ __forceinline__ void keep2(long long i, long long j, bool& k0, bool& k1) const {
+    if ((j & 1) == 0) {
+      const Philox4 r = philox4x32_10(
+          Philox4{static_cast<unsigned>(j >> 2), static_cast<unsigned>(i), bh, offset}, key0,
+          key1);
+      const bool upper = (j & 2) != 0;
+      k0 = (upper ? r.z : r.x) >= threshold;
+      k1 = (upper ? r.w : r.y) >= threshold;
+    } else {
+      k0 = keep(i, j);
+      k1 = keep(i, j + 1);
+    }
   }
   __device__ __forceinline__ Acc operator()(Acc p, long long i, long long j) const {
     return p != Acc(0) && !keep(i, j) ? Acc(0) : p;  // (no bits drawn where p is 0)
   }
   __device__ __forceinline__ Acc scaled(Acc x) const { return x * rscale; }
 };
+
+// Dropout on this lane's part of an mma.sync m16n8 accumulator tile in the rows = queries
+// orientation (attn_core.cuh mask_rows'): s[nf][2 h + e] is query i + 8 h, key j0 + 8 nf + 2 t + e
+// (t = lane % 4); a dropped entry becomes 0. No code without dropout.
+template <int NF, typename Acc, typename D>
+__device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, int j0, int t) {
+  if constexpr (D::ON) {
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        bool k0, k1;
+        dz.keep2(i + 8 * h, static_cast<long long>(j0) + nf * 8 + 2 * t, k0, k1);
+        s[nf][2 * h] = k0 ? s[nf][2 * h] : Acc(0);
+        s[nf][2 * h + 1] = k1 ? s[nf][2 * h + 1] : Acc(0);
+      }
+  }
+}
 
 // Head bh's dropout from a kernel's trailing pack: none, or one DropoutArgs.
 template <typename Acc>
@@ -90,8 +126,8 @@ __device__ __forceinline__ NoDropout dropout_at(long long) {
 template <typename Acc>
 __device__ __forceinline__ Dropout<Acc> dropout_at(long long bh, const DropoutArgs& a) {
   Dropout<Acc> d;
-  d.k0 = static_cast<unsigned>(a.seed);
-  d.k1 = static_cast<unsigned>(a.seed >> 32);
+  d.key0 = static_cast<unsigned>(a.seed);
+  d.key1 = static_cast<unsigned>(a.seed >> 32);
   d.bh = static_cast<unsigned>(bh);
   d.offset = a.offset;
   d.threshold = a.threshold;

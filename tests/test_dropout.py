@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dropout, _generic, _gpu, _numpy, _validate, reference
+from cuflash import _dropout, _generic, _gpu, _mma_fwd, _numpy, _validate, reference
 from helpers import (BFLOAT16, call_public, check_backward, check_forward, to_array, to_host)
 
 DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
@@ -292,16 +292,20 @@ def test_seed_is_data(rng):
     assert _validate.make_problem(q, k, v, dropout_p=0.25, dropout_seed=1).key not in keys
 
 
-def test_only_the_generic_path_takes_dropout():
-    """Every CUDA path says whether it takes dropout; the generic kernels (the fallback) do, so
-    the dispatcher can always place a dropout Problem; its catalog holds each chain of
-    transforms with dropout, and nothing else requests a DropoutArgs kernel."""
+def test_which_paths_take_dropout():
+    """Every CUDA path says whether its kernels take dropout; the generic kernels (the fallback)
+    do, so the dispatcher can always place a dropout Problem. The catalog's DropoutArgs kernels:
+    the generic ones with each chain of transforms (every dtype, bucket; their lost-row kernels)
+    and the mma.sync forward's tiles without transforms or sinks (and fwd_lost_rows)."""
     for path in _gpu.PATHS:
-        assert path.DROPOUT is (path is _generic), path.NAME
+        assert path.DROPOUT is (path in (_generic, _mma_fwd)), path.__name__
     exprs = [e for *_, e in _gpu.instantiations() if "DropoutArgs" in e]
-    assert len(exprs) == 224  # 4 dtypes x 4 buckets x 3 kernels x 4 chains + 4 x 4 x 2 lost-row
-    assert all(e.split("<")[0] in ("fwd_generic", "bwd_dkdv", "bwd_dq", "bwd_lost_rows",
-                                   "bwd_lost_keys") for e in exprs)
+    kinds = {}
+    for e in exprs:
+        kinds[e.split("<")[0]] = kinds.get(e.split("<")[0], 0) + 1
+    assert kinds == {"fwd_generic": 64, "bwd_dkdv": 64, "bwd_dq": 64, "bwd_lost_rows": 16,
+                     "bwd_lost_keys": 16, "fwd_mma": 26, "fwd_lost_rows": 2}
+    assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs if e.startswith("fwd_mma"))
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -348,22 +352,31 @@ def test_a_bad_seed_is_refused_on_a_known_signature(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["generic", "mma", "wgmma", "wide", "split", "auto"])
-def test_cuda_mask_is_numpy_bitwise(path, dtype, override):
+@pytest.mark.parametrize("mask", [False, True], ids=["positions", "mask"])
+def test_cuda_mask_is_numpy_bitwise(mask, path, dtype, override):
     """The GPU's applied mask is the NumPy generator's bit for bit (q = k = 0, v = the identity:
-    out[i, j] > 0 exactly where key j is kept), on a forced path's fallback and the automatic
-    choice, with causal and kv_lens so that key tiles start off multiples of 4."""
+    out[i, j] > 0 exactly where key j is kept), on a forced path (or its fallback) and the
+    automatic choice, with a window and kv_lens so that key tiles start at odd keys (the
+    tensor-core kernels' pairs of keys straddle Philox groups there); the 16-bit inputs take
+    the mma.sync forward."""
     import cupy
     override(poison=True, path=None if path == "auto" else path)
-    Nq, Nk, p = 70, 200, 0.35
-    q = to_array(cupy, np.zeros((2, 3, Nq, 16)), _dtype(dtype))
-    k = to_array(cupy, np.zeros((2, 3, Nk, 16)), _dtype(dtype))
-    v = to_array(cupy, np.broadcast_to(np.eye(Nk), (2, 3, Nk, Nk)), _dtype(dtype))
-    opts = dict(dropout_p=p, dropout_seed=SEED, causal=True, kv_lens=np.array([[Nk], [151]]))
+    Nq, Nk, D, p = 70, 128, 128, 0.35
+    lens = np.array([[Nk], [101]])
+    visible = None if not mask else np.random.default_rng(5).random((2, 3, Nq, Nk)) < 0.9
+    opts = dict(dropout_p=p, dropout_seed=SEED, window=(45, 3), kv_lens=lens,
+                mask=None if visible is None else cupy.asarray(visible))
+    q = to_array(cupy, np.zeros((2, 3, Nq, D)), _dtype(dtype))
+    k = to_array(cupy, np.zeros((2, 3, Nk, D)), _dtype(dtype))
+    v = to_array(cupy, np.broadcast_to(np.eye(Nk), (2, 3, Nk, D)), _dtype(dtype))
+    want = "mma" if dtype in ("float16", "bfloat16") and path in ("mma", "auto") else "generic"
+    assert _gpu.forward_path(_validate.make_problem(q, k, v, **opts)) == want
     out = to_host(cuflash.attention(q, k, v, **opts)).astype(np.float64)
     z = reference.dropout_mask(to_host(q), to_host(k), to_host(v), p, SEED)
     seen = reference.attention(np.zeros((2, 3, Nq, 1)), np.zeros((2, 3, Nk, 1)),
-                               np.broadcast_to(np.eye(Nk), (2, 3, Nk, Nk)), causal=True,
-                               kv_lens=opts["kv_lens"]) > 0
+                               np.broadcast_to(np.eye(Nk), (2, 3, Nk, Nk)), window=(45, 3),
+                               kv_lens=lens, mask=visible) > 0
+    opts["mask"] = visible
     np.testing.assert_array_equal(out > 0, z & seen)
     host = cuflash.attention(to_host(q), to_host(k), to_host(v), **opts)
     np.testing.assert_array_equal(host.astype(np.float64) > 0, z & seen)
@@ -392,7 +405,11 @@ def test_cuda_paths(case, dtype, path, rng, override):
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, cupy)
     opts = dict(_options(name, rng, lq, Nq, Nk, cupy), dropout_p=0.2, dropout_seed=SEED)
     p = _validate.make_problem(q, k, v, **opts)
-    assert _gpu.forward_path(p) == "generic" and _gpu.backward_path(p) == "generic"
+    # the mma.sync forward takes 16-bit dropout without transforms or sinks; the rest: generic
+    mma = (dtype in ("float16", "bfloat16") and Dk == Dv and Dk in _mma_fwd.HEAD_DIMS
+           and name != "softcap-alibi-sinks" and path == "auto")
+    assert _gpu.forward_path(p) == ("mma" if mma else "generic")
+    assert _gpu.backward_path(p) == "generic"
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     check_forward(out, lse, q, k, v, **opts)
     dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
