@@ -102,8 +102,9 @@ struct Dropout {
 
 // Dropout on this lane's part of an mma.sync m16n8 accumulator tile in the rows = queries
 // orientation (attn_core.cuh mask_rows'): s[nf][2 h + e] is query i + 8 h, key j0 + 8 nf + 2 t + e
-// (t = lane % 4); a dropped entry becomes 0. No code without dropout.
-template <int NF, typename Acc, typename D>
+// (t = lane % 4); a dropped entry becomes 0, a kept one stays (SCALED: times rscale, the
+// backward's dP). No code without dropout.
+template <bool SCALED = false, int NF, typename Acc, typename D>
 __device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, int j0, int t) {
   if constexpr (D::ON) {
 #pragma unroll
@@ -112,10 +113,33 @@ __device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, i
       for (int h = 0; h < 2; ++h) {
         bool k0, k1;
         dz.keep2(i + 8 * h, static_cast<long long>(j0) + nf * 8 + 2 * t, k0, k1);
-        s[nf][2 * h] = k0 ? s[nf][2 * h] : Acc(0);
-        s[nf][2 * h + 1] = k1 ? s[nf][2 * h + 1] : Acc(0);
+        const Acc x0 = SCALED ? dz.scaled(s[nf][2 * h]) : s[nf][2 * h];
+        const Acc x1 = SCALED ? dz.scaled(s[nf][2 * h + 1]) : s[nf][2 * h + 1];
+        s[nf][2 * h] = k0 ? x0 : Acc(0);
+        s[nf][2 * h + 1] = k1 ? x1 : Acc(0);
       }
   }
+}
+
+// The dK / dV orientation (attn_core.cuh mask_key_rows'): s[nf][2 h + e] is key j + 8 h, query
+// i0 + 8 nf + 2 t + e. Bit 4 nf + k of the result: entry k of fragment nf is dropped (no bits
+// drawn where s is 0: invisible or empty); 0 without dropout.
+template <int NF, typename Acc, typename D>
+__device__ __forceinline__ unsigned long long dropped_keys(const Acc (&s)[NF][4], const D& dz,
+                                                           int j, int i0, int t) {
+  static_assert(NF * 4 <= 64, "one bit per entry");
+  unsigned long long bits = 0ull;
+  if constexpr (D::ON) {
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const bool drop =
+            s[nf][k] != Acc(0) && !dz.keep(i0 + nf * 8 + 2 * t + k % 2, j + 8 * (k / 2));
+        bits |= static_cast<unsigned long long>(drop) << (4 * nf + k);
+      }
+  }
+  return bits;
 }
 
 // Head bh's dropout from a kernel's trailing pack: none, or one DropoutArgs.

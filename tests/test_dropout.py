@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dropout, _generic, _gpu, _mma_fwd, _numpy, _validate, reference
+from cuflash import _dropout, _generic, _gpu, _mma_bwd, _mma_fwd, _numpy, _validate, reference
 from helpers import (BFLOAT16, call_public, check_backward, check_forward, to_array, to_host)
 
 DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
@@ -295,17 +295,23 @@ def test_seed_is_data(rng):
 def test_which_paths_take_dropout():
     """Every CUDA path says whether its kernels take dropout; the generic kernels (the fallback)
     do, so the dispatcher can always place a dropout Problem. The catalog's DropoutArgs kernels:
-    the generic ones with each chain of transforms (every dtype, bucket; their lost-row kernels)
-    and the mma.sync forward's tiles without transforms or sinks (and fwd_lost_rows)."""
+    the generic ones with each chain of transforms (every dtype, bucket; their lost-row kernels),
+    the mma.sync forward's tiles without transforms or sinks (and fwd_lost_rows) and the mma.sync
+    backward's without transforms (dK/dV with and without dQ atomics, dQ; no wgmma, no grid)."""
     for path in _gpu.PATHS:
-        assert path.DROPOUT is (path in (_generic, _mma_fwd)), path.__name__
+        assert path.DROPOUT is (path in (_generic, _mma_fwd, _mma_bwd)), path.__name__
     exprs = [e for *_, e in _gpu.instantiations() if "DropoutArgs" in e]
     kinds = {}
     for e in exprs:
         kinds[e.split("<")[0]] = kinds.get(e.split("<")[0], 0) + 1
     assert kinds == {"fwd_generic": 64, "bwd_dkdv": 64, "bwd_dq": 64, "bwd_lost_rows": 16,
-                     "bwd_lost_keys": 16, "fwd_mma": 26, "fwd_lost_rows": 2}
-    assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs if e.startswith("fwd_mma"))
+                     "bwd_lost_keys": 18, "fwd_mma": 24, "fwd_lost_rows": 2,
+                     "bwd_mma_dkdv": 56, "bwd_mma_dq": 28}
+    assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs if e.startswith(("fwd_mma",
+                                                                                 "bwd_mma")))
+    assert not any(e.startswith("bwd_mma_dkdv_grid") for e in exprs)
+    assert all(int(e.rsplit(",", 2)[-2]) & _mma_bwd.OPT_WG == 0 for e in exprs
+               if e.startswith("bwd_mma_dkdv"))
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -405,16 +411,20 @@ def test_cuda_paths(case, dtype, path, rng, override):
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, cupy)
     opts = dict(_options(name, rng, lq, Nq, Nk, cupy), dropout_p=0.2, dropout_seed=SEED)
     p = _validate.make_problem(q, k, v, **opts)
-    # the mma.sync forward takes 16-bit dropout without transforms or sinks; the rest: generic
-    mma = (dtype in ("float16", "bfloat16") and Dk == Dv and Dk in _mma_fwd.HEAD_DIMS
-           and name != "softcap-alibi-sinks" and path == "auto")
-    assert _gpu.forward_path(p) == ("mma" if mma else "generic")
-    assert _gpu.backward_path(p) == "generic"
+    # the mma.sync forward takes 16-bit dropout without transforms or sinks, its backward
+    # without transforms; the rest: generic
+    tc = dtype in ("float16", "bfloat16") and name != "softcap-alibi-sinks" and path == "auto"
+    assert _gpu.forward_path(p) == ("mma" if tc and Dk == Dv and Dk in _mma_fwd.HEAD_DIMS
+                                    else "generic")
+    assert _gpu.backward_path(p) == ("mma" if tc and (Dk, Dv) in _mma_bwd.DKDV_TILES
+                                     else "generic")
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     check_forward(out, lse, q, k, v, **opts)
     dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
-    check_backward(grads, dout, q, k, v, out, lse, **opts)
+    for deterministic in (False, True):  # (the mma.sync dQ kernel with True)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                           **opts)
+        check_backward(grads, dout, q, k, v, out, lse, **opts)
     _, vjp = cuflash.attention_vjp(q, k, v, **opts)
     for a, b in zip(vjp(dout), grads):
         np.testing.assert_array_equal(to_host(a), to_host(b))
@@ -436,6 +446,34 @@ def test_cuda_agrees_with_numpy(rng):
     gpu = cuflash.attention_backward(cupy.asarray(dout), gq, gk, gv, gout, glse, **opts)
     for a, b in zip(gpu, cpu):
         np.testing.assert_allclose(to_host(a), b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dims", sorted(_mma_bwd.DKDV_TILES))
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+def test_cuda_tensor_core_backward(masked, dims, dtype, rng, override):
+    """The mma.sync backward with dropout at every head-dim pair it takes (dK/dV with dQ atomics,
+    and deterministic with the dQ kernel; halves at 192 / 256), causal with odd lengths, against
+    the reference with the same mask; on sm_90 it keeps its mma.sync tiles (no wgmma)."""
+    import cupy
+    if dtype == "bfloat16" and BFLOAT16 is None:
+        pytest.skip("ml_dtypes missing")
+    override(poison=True)
+    Dk, Dv = dims
+    q, k, v = _inputs(rng, (2, 2), (2, 1), 97, 113, Dk, Dk, dtype, cupy)
+    v = to_array(cupy, rng.standard_normal((2, 1, 113, Dv)), _dtype(dtype))
+    opts = dict(causal=True, dropout_p=0.3, dropout_seed=SEED)
+    if masked:
+        opts["mask"] = cupy.asarray(rng.random((97, 113)) < 0.85)
+    p = _validate.make_problem(q, k, v, **opts)
+    assert _gpu.backward_path(p) == "mma"
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
+    for deterministic in (False, True):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                           **opts)
+        check_backward(grads, dout, q, k, v, out, lse, **opts)
 
 
 @pytest.mark.gpu
