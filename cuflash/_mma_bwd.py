@@ -203,8 +203,12 @@ def wg_tile(dims, has_mb, dq_atomic):
 
 
 # With dropout (the keep bits of a thread's P^T entries, one Philox call each, in the mma.sync
-# kernel on every device: no wgmma, no warp-grid tile): the transforms' smaller query steps.
-DKDV_TILES_DROPOUT = DKDV_TILES_TF
+# kernel on every device: no wgmma, no warp-grid tile): the transforms' smaller query steps. D=96
+# spills 12-48 bytes with them on sm_80 (no smaller query step fits its dQ layout): the generic
+# kernels take its dropout backward (NO_DROPOUT_DIMS). Dk >= 192 spills 8-28 bytes on sm_80 in
+# some of its tiles (beyond the build check's HEAD_DIM <= 128 rule; not timed).
+NO_DROPOUT_DIMS = ((96, 96),)
+DKDV_TILES_DROPOUT = {d: t for d, t in DKDV_TILES_TF.items() if d not in NO_DROPOUT_DIMS}
 
 
 def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False):
@@ -263,7 +267,7 @@ def instantiations():
                 if d in DKDV_TILES_WG:
                     exprs.append(dkdv_expr(dt, d, wg_tile(d, True, atomic), atomic, mb, tf))
             # with dropout (no transform): its tiles, with and without a mask / bias and dQ atomics
-            for mb in (False, True):
+            for mb in ((False, True) if d in DKDV_TILES_DROPOUT else ()):
                 for atomic in (True, False):
                     exprs.append(dkdv_expr(dt, d, DKDV_TILES_DROPOUT[d], atomic, mb, (), True))
                 exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, (), True))
@@ -303,8 +307,8 @@ def takes_backward(p):
         return False
     if p.transforms and (p.Dk, p.Dv) in NO_TRANSFORM_DIMS:
         return False
-    if p.dropout_p and p.transforms:
-        return False  # dropout with a score transform: the generic kernels
+    if p.dropout_p and (p.transforms or (p.Dk, p.Dv) in NO_DROPOUT_DIMS):
+        return False  # dropout with a score transform, or at D=96: the generic kernels
     if (p.mask is not None or p.bias is not None) and \
             (p.Dk, p.Dv) in _positional_mb_declined(_modifiers.names(p)):
         return False

@@ -195,6 +195,11 @@ class _Dense:
             if self.drop is not None:  # the sink column (value 0) is kept
                 self.drop = np.concatenate([self.drop, np.ones(self.lead + (nq, 1))], axis=-1)
 
+    def _dropped(self, x):
+        """x (lead + (Nq, Nk [+ 1])) times Z / (1 - p): a dropped entry is exactly 0, also where x
+        is NaN or inf (README "Dropout"), a kept one scaled."""
+        return np.where(self.drop != 0, self.rnd(x * self.drop), 0)
+
     def rnd(self, x):
         if self.storage is None:
             return x
@@ -246,7 +251,7 @@ class _Dense:
         # sinks": an overflow, not an empty row), though the sink alone would make l > 0.
         s = self.logits()
         seen, m0, e, l = self._stats(s)
-        num = self.rnd((e if self.drop is None else self.rnd(e * self.drop)) @ self.values)
+        num = self.rnd((e if self.drop is None else self._dropped(e)) @ self.values)
         out = np.where(seen, self.rnd(num / np.where(seen, l, 1)), 0)
         lse = np.where(l == 0, np.nan, m0 + np.log(np.where(l == 0, 1, l)))
         lse = np.where(seen, lse, -np.inf)
@@ -274,11 +279,11 @@ class _Dense:
             p = np.where(lost, e / np.where(l == 0, 1, l), p)
         p = self.rnd(p)
         delta = self.rnd((dout * out).sum(axis=-1, keepdims=True))
-        pz = p if self.drop is None else self.rnd(p * self.drop)  # the dropped, scaled weights
+        pz = p if self.drop is None else self._dropped(p)  # the dropped, scaled weights
         dv = self.rnd(np.swapaxes(pz, -1, -2) @ dout)
         dp = self.rnd(dout @ np.swapaxes(self.values, -1, -2))
         if self.drop is not None:  # d out / d P = Z / (1 - p) * (dout . v)
-            dp = self.rnd(dp * self.drop)
+            dp = self._dropped(dp)
         ds = self.rnd(self.rnd(p * self.rnd(dp - delta)) * grad)
         nk = self.k.shape[-2]  # the columns past nk: the sink's
         dq = self.rnd(self.scale * self.rnd(ds[..., :nk] @ self.k))
