@@ -479,6 +479,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const u32 qs = sQ + slot * QT_BYTES, dos = sdO + slot * QT_BYTES;
     const u32 ls = sL + slot * BLOCK_M * 4, des = sD + slot * BLOCK_M * 4;
 
+    // dropout: the entries the forward dropped (bit 4 nf + k; none without dropout)
+    const unsigned long long zb = dropped_keys<NQF>(dz, jw, i0, t);
+
     // S^T = K Q^T (raw dot products). WG: dP^T = V dO^T is issued with it.
     float s[NQF][4], dp[NQF][4];
     const u32 wg_rows = (warp / 4) * 64 * LROW;  // WG: this warpgroup's K / V rows
@@ -517,8 +520,6 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     tcb::with_query_values(s, ls, 0, t, [&](float x, float l2, int, int) {
       return ex2(fmaf(x, sl, -l2));
     });
-    // dropout: the entries the forward dropped (bit 4 nf + k; none without dropout)
-    const unsigned long long zb = dropped_keys(s, dz, jw, i0, t);
 
     // dV += P^T dO: P^T packed straight from the accumulators (k = queries).
     if constexpr (WG) {

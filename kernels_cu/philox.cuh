@@ -121,12 +121,12 @@ __device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, i
   }
 }
 
-// The dK / dV orientation (attn_core.cuh mask_key_rows'): s[nf][2 h + e] is key j + 8 h, query
-// i0 + 8 nf + 2 t + e. Bit 4 nf + k of the result: entry k of fragment nf is dropped (no bits
-// drawn where s is 0: invisible or empty); 0 without dropout.
-template <int NF, typename Acc, typename D>
-__device__ __forceinline__ unsigned long long dropped_keys(const Acc (&s)[NF][4], const D& dz,
-                                                           int j, int i0, int t) {
+// The dK / dV orientation (attn_core.cuh mask_key_rows'): entry k of a thread's fragment nf is
+// key j + 8 (k / 2), query i0 + 8 nf + 2 t + k % 2. Bit 4 nf + k of the result: that entry is
+// dropped; 0 without dropout. (Drawn before the tile's products, where fewer registers are live:
+// after them the D=128 mask / bias tile spilled.)
+template <int NF, typename D>
+__device__ __forceinline__ unsigned long long dropped_keys(const D& dz, int j, int i0, int t) {
   static_assert(NF * 4 <= 64, "one bit per entry");
   unsigned long long bits = 0ull;
   if constexpr (D::ON) {
@@ -134,8 +134,7 @@ __device__ __forceinline__ unsigned long long dropped_keys(const Acc (&s)[NF][4]
     for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const bool drop =
-            s[nf][k] != Acc(0) && !dz.keep(i0 + nf * 8 + 2 * t + k % 2, j + 8 * (k / 2));
+        const bool drop = !dz.keep(i0 + nf * 8 + 2 * t + k % 2, j + 8 * (k / 2));
         bits |= static_cast<unsigned long long>(drop) << (4 * nf + k);
       }
   }

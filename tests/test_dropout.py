@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dropout, _generic, _gpu, _mma_bwd, _mma_fwd, _numpy, _validate, reference
+from cuflash import (_dropout, _generic, _gpu, _mma_bwd, _mma_fwd, _numpy, _runtime, _validate,
+                     _wgmma_fwd, reference)
 from helpers import (BFLOAT16, call_public, check_backward, check_forward, to_array, to_host)
 
 DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
@@ -176,6 +177,10 @@ def _options(name, rng, lead, Nq, Nk, xp=np):
         bias = rng.standard_normal((Nq, Nk))
         bias[5, ::2] = -np.inf
         return dict(mask=xp.asarray(mask), bias=xp.asarray(bias.astype(np.float32)), causal=True)
+    if name == "mask":  # no bound: the Hopper forward stages (and classifies) the mask's tiles
+        mask = rng.random(lead + (Nq, Nk)) < 0.7
+        mask[..., :, 64:128] = False  # a hidden key block
+        return dict(mask=xp.asarray(mask))
     if name == "softcap-alibi-sinks":
         return dict(softcap=3.0, alibi_slopes=xp.asarray(np.linspace(0.1, 0.5, lead[-1])),
                     sinks=xp.asarray(np.linspace(-1.0, 1.0, lead[-1])))
@@ -317,19 +322,21 @@ def test_which_paths_take_dropout():
     """Every CUDA path says whether its kernels take dropout; the generic kernels (the fallback)
     do, so the dispatcher can always place a dropout Problem. The catalog's DropoutArgs kernels:
     the generic ones with each chain of transforms (every dtype, bucket; their lost-row kernels),
-    the mma.sync forward's tiles without transforms or sinks (and fwd_lost_rows) and the mma.sync
-    backward's without transforms (dK/dV with and without dQ atomics, dQ; no wgmma, no grid)."""
+    the mma.sync and Hopper forwards' tiles without transforms or sinks (and fwd_lost_rows) and
+    the mma.sync backward's without transforms (dK/dV with and without dQ atomics, dQ; no wgmma,
+    no grid, not D=96)."""
     for path in _gpu.PATHS:
-        assert path.DROPOUT is (path in (_generic, _mma_fwd, _mma_bwd)), path.__name__
+        assert path.DROPOUT is (path in (_generic, _mma_fwd, _mma_bwd, _wgmma_fwd)), path.__name__
     exprs = [e for *_, e in _gpu.instantiations() if "DropoutArgs" in e]
     kinds = {}
     for e in exprs:
         kinds[e.split("<")[0]] = kinds.get(e.split("<")[0], 0) + 1
     assert kinds == {"fwd_generic": 64, "bwd_dkdv": 64, "bwd_dq": 64, "bwd_lost_rows": 16,
                      "bwd_lost_keys": 18, "fwd_mma": 24, "fwd_lost_rows": 2,
-                     "bwd_mma_dkdv": 48, "bwd_mma_dq": 24}
+                     "bwd_mma_dkdv": 48, "bwd_mma_dq": 24, "fwd_wgmma": 40}
     assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs if e.startswith(("fwd_mma",
                                                                                  "bwd_mma")))
+    assert all("NoTransform, false, DropoutArgs" in e for e in exprs if e.startswith("fwd_wgmma"))
     assert not any(e.startswith("bwd_mma_dkdv_grid") for e in exprs)
     assert all(int(e.rsplit(",", 2)[-2]) & _mma_bwd.OPT_WG == 0 for e in exprs
                if e.startswith("bwd_mma_dkdv"))
@@ -385,7 +392,7 @@ def test_cuda_mask_is_numpy_bitwise(mask, path, dtype, override):
     out[i, j] > 0 exactly where key j is kept), on a forced path (or its fallback) and the
     automatic choice, with a window and kv_lens so that key tiles start at odd keys (the
     tensor-core kernels' pairs of keys straddle Philox groups there); the 16-bit inputs take
-    the mma.sync forward."""
+    the tensor-core forwards (mma.sync; Hopper's where it runs)."""
     import cupy
     override(poison=True, path=None if path == "auto" else path)
     Nq, Nk, D, p = 70, 128, 128, 0.35
@@ -396,8 +403,11 @@ def test_cuda_mask_is_numpy_bitwise(mask, path, dtype, override):
     q = to_array(cupy, np.zeros((2, 3, Nq, D)), _dtype(dtype))
     k = to_array(cupy, np.zeros((2, 3, Nk, D)), _dtype(dtype))
     v = to_array(cupy, np.broadcast_to(np.eye(Nk), (2, 3, Nk, D)), _dtype(dtype))
-    want = "mma" if dtype in ("float16", "bfloat16") and path in ("mma", "auto") else "generic"
-    assert _gpu.forward_path(_validate.make_problem(q, k, v, **opts)) == want
+    tc = dtype in ("float16", "bfloat16")
+    hopper = _runtime.wgmma_available()
+    want = {"mma": {"mma"}, "wgmma": {"wgmma" if hopper else "generic"},
+            "auto": {"wgmma", "mma"}}.get(path, {"generic"}) if tc else {"generic"}
+    assert _gpu.forward_path(_validate.make_problem(q, k, v, **opts)) in want
     out = to_host(cuflash.attention(q, k, v, **opts)).astype(np.float64)
     z = reference.dropout_mask(to_host(q), to_host(k), to_host(v), p, SEED)
     seen = reference.attention(np.zeros((2, 3, Nq, 1)), np.zeros((2, 3, Nk, 1)),
@@ -413,6 +423,7 @@ GPU_CASES = [("plain", (2, 2), (2, 2), 97, 130, 64, 64),
              ("causal", (1, 4), (1, 2), 150, 150, 128, 128),
              ("window-kv_lens", (2,), (2,), 70, 200, 64, 64),
              ("mask-bias", (2,), (2,), 80, 96, 32, 32),
+             ("mask", (2, 2), (2, 2), 200, 256, 64, 64),
              ("softcap-alibi-sinks", (1, 3), (1, 3), 40, 70, 256, 256),
              ("causal", (2,), (2,), 65, 90, 96, 48),
              ("plain", (1, 8), (1, 2), 2, 1024, 128, 128)]  # a decode shape
@@ -432,11 +443,12 @@ def test_cuda_paths(case, dtype, path, rng, override):
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, cupy)
     opts = dict(_options(name, rng, lq, Nq, Nk, cupy), dropout_p=0.2, dropout_seed=SEED)
     p = _validate.make_problem(q, k, v, **opts)
-    # the mma.sync forward takes 16-bit dropout without transforms or sinks, its backward
-    # without transforms; the rest: generic
+    # the tensor-core forwards take 16-bit dropout without transforms or sinks (Hopper's where
+    # it takes the layout), the mma.sync backward without transforms; the rest: generic
     tc = dtype in ("float16", "bfloat16") and name != "softcap-alibi-sinks" and path == "auto"
-    assert _gpu.forward_path(p) == ("mma" if tc and Dk == Dv and Dk in _mma_fwd.HEAD_DIMS
-                                    else "generic")
+    forward = "wgmma" if tc and _wgmma_fwd.takes(p) else (
+        "mma" if tc and Dk == Dv and Dk in _mma_fwd.HEAD_DIMS else "generic")
+    assert _gpu.forward_path(p) == forward
     assert _gpu.backward_path(p) == ("mma" if tc and (Dk, Dv) in _mma_bwd.DKDV_TILES_DROPOUT
                                      else "generic")
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
