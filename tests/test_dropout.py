@@ -342,6 +342,31 @@ def test_which_paths_take_dropout():
                if e.startswith("bwd_mma_dkdv"))
 
 
+def test_dropout_args_struct_matches_its_host_mirror():
+    """kernels_cu/philox.cuh DropoutArgs and cuflash._runtime.DROPOUT_FIELDS: the same fields in
+    the same order and C types (NumPy's aligned layout is then C's: 24 bytes), and the values the
+    host packs (threshold floor(p 2**32), rscale 1 / (1 - p), the checked seed and offset)."""
+    import re
+    src = (_runtime.kernels_dir() / "philox.cuh").read_text()
+    body = re.search(r"struct DropoutArgs \{(.*?)\};", src, re.S).group(1)
+    c_types = {"unsigned long long": "<u8", "unsigned": "<u4", "double": "<f8"}
+    fields = []
+    for decl in re.sub(r"//[^\n]*", "", body).split(";"):
+        decl = " ".join(decl.split())
+        if decl:
+            ctype = next(t for t in sorted(c_types, key=len, reverse=True)
+                         if decl.startswith(t + " "))
+            fields.append((decl[len(ctype):].strip(), c_types[ctype]))
+    assert fields == list(_runtime.DROPOUT_FIELDS)
+    assert _runtime.DROPOUT_DTYPE.itemsize == 24
+    q, k, v = _inputs(np.random.default_rng(0), (), (), 4, 5, 8, 8, "float32")
+    (a,) = _runtime.dropout_args(_validate.make_problem(q, k, v, dropout_p=0.25,
+                                                        dropout_seed=(2**64 - 1, 7)))
+    assert (int(a["seed"]), int(a["offset"]), int(a["threshold"])) == (2**64 - 1, 7, 2**30)
+    assert float(a["rscale"]) == 1 / 0.75
+    assert _runtime.dropout_args(_validate.make_problem(q, k, v, dropout_p=0.0)) == ()
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fn", ["attention", "attention_backward", "attention_vjp"])
