@@ -203,10 +203,9 @@ def wg_tile(dims, has_mb, dq_atomic):
 
 
 # With dropout (the keep bits of a thread's P^T entries, one Philox call each, in the mma.sync
-# kernel on every device: no wgmma, no warp-grid tile): the transforms' smaller query steps. D=96
-# spills 12-48 bytes with them on sm_80 (no smaller query step fits its dQ layout): the generic
-# kernels take its dropout backward (NO_DROPOUT_DIMS). Dk >= 192 spills 8-28 bytes on sm_80 in
-# some of its tiles (beyond the build check's HEAD_DIM <= 128 rule; not timed).
+# kernel on every device: no wgmma, no warp-grid tile): the transforms' smaller query steps, all
+# spill-free on sm_80 and sm_90a but D=96's (12-40 bytes; no smaller query step fits its dQ
+# layout): the generic kernels take its dropout backward (NO_DROPOUT_DIMS).
 NO_DROPOUT_DIMS = ((96, 96),)
 DKDV_TILES_DROPOUT = {d: t for d, t in DKDV_TILES_TF.items() if d not in NO_DROPOUT_DIMS}
 
