@@ -19,7 +19,11 @@
 //   (p, i, j)               p where kept, 0 where dropped (the P of P V and of dV = P^T dO);
 //   scaled(x)               x * rscale, rscale = 1 / (1 - dropout_p) in Acc (x without dropout),
 //                           which a kernel applies once per output (out, dV) and to the kept dP
-//                           (the backward's dS = P (Z dP rscale - D)).
+//                           (the backward's dS = P (Z dP rscale - D));
+//   keep2(i, j, k0, k1)     the bits of keys j and j + 1 (one Philox call when j is even).
+// The tensor-core kernels apply it on their mma.sync fragments: drop_rows (rows = queries:
+// fwd_mma, fwd_wgmma, and bwd_mma_dq's dP with SCALED) and dropped_keys (rows = keys:
+// bwd_mma_dkdv's bit mask).
 #pragma once
 #include "common.cuh"
 
