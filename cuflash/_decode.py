@@ -49,6 +49,7 @@ from ._validate import element_strides, key_range
 
 NAME = "split"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = False  # its kernels take no dropout: cuflash/_gpu.py skips it for a Problem with dropout
 SINKS = False  # whether its kernels join the sinks themselves (else cuflash/_gpu.py does)
 SOURCE = "decode.cu"
 FORCED_SPLIT_KEYS = 64    # the split of a forced run: many splits, some empty for some rows

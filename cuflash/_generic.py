@@ -14,6 +14,7 @@ from . import _config, _memo, _modifiers, _runtime, _validate
 
 NAME = "generic"
 TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = True  # whether its kernels take dropout (cuflash/_gpu.py skips the paths that do not)
 SINKS = False  # whether its forward kernels join the sinks themselves (else cuflash/_gpu.py does)
 DBIAS = _modifiers.CHAINS  # the chains whose backward stores the bias's gradient (p.dbias)
 FWD_SOURCE, BWD_SOURCE, LOST_SOURCE = "fwd_generic.cu", "bwd_generic.cu", "lost_rows.cu"
@@ -43,53 +44,63 @@ def smem_bytes(kernel, acc_ctype, bucket):
     return n * _config.C_SIZES[acc_ctype]
 
 
-def name_expression(kernel, dtype, bucket=None, transforms=(), dbias=False):
+def name_expression(kernel, dtype, bucket=None, transforms=(), dbias=False, dropout=False):
     """The C++ name expression of one instantiation, e.g. 'fwd_generic<half_t, float, 128, 32, 64>'
-    (the score transforms in natural units: a last template argument when there are any; bwd_dq
-    with dbias: the DBIAS twin, `true` after the transforms or NoTransform)."""
+    (the score transforms in natural units: a template argument when there are any; bwd_dq
+    with dbias: the DBIAS twin, `true` after the transforms or NoTransform (`false` there with
+    dropout alone); with dropout, then `DropoutArgs`: kernels_cu/philox.cuh)."""
     t, acc = _config.c_types(dtype)
     name = KERNELS[kernel][1]
     if kernel == "bwd_preprocess":
         return f"{name}<{t}, {acc}>"
     bm, bn = _config.GENERIC_TILES[(kernel, acc, bucket)]
     f = _transform_arg(transforms, acc, _config.dtype_name(dtype))
-    if dbias:
-        assert kernel == "bwd_dq"
-        f = f"{f or ', NoTransform'}, true"
+    if kernel == "bwd_dq" and (dbias or dropout):
+        f = f"{f or ', NoTransform'}, {'true' if dbias else 'false'}"
+    if dropout:
+        f = f"{f or ', NoTransform'}, DropoutArgs"
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
 
 
-def _transform_arg(transforms, acc, dtype_name="float64"):
-    """The transforms as a last template argument (natural units), none without any."""
-    return f", {_modifiers.transform(transforms, acc, True, dtype_name)}" if transforms else ""
+def _transform_arg(transforms, acc, dtype_name="float64", dropout=False):
+    """The transforms as a template argument (natural units), none without any; with dropout,
+    the transforms (or NoTransform) and then DropoutArgs, the kernels' trailing parameter pack."""
+    f = _modifiers.transform(transforms, acc, True, dtype_name) if transforms else None
+    if dropout:
+        return f", {f or 'NoTransform'}, DropoutArgs"
+    return f", {f}" if f else ""
 
 
-def lost_name_expressions(dtype, dk_is_input_dtype, transforms=()):
+def lost_name_expressions(dtype, dk_is_input_dtype, transforms=(), dropout=False):
     """The two backward kernels of lost_rows.cu for inputs of ``dtype`` whose dk / dv buffers hold
-    the inputs' dtype (else the accumulator's)."""
+    the inputs' dtype (else the accumulator's); with dropout, their DropoutArgs instantiations."""
     t, acc = _config.c_types(dtype)
-    f = _transform_arg(transforms, "double")
+    f = _transform_arg(transforms, "double", dropout=dropout)
     return (f"bwd_lost_rows<{t}, {acc}{f}>",
             f"bwd_lost_keys<{t}, {acc}, {t if dk_is_input_dtype else acc}{f}>")
 
 
-def fwd_lost_name_expression(dtype, transforms=()):
+def fwd_lost_name_expression(dtype, transforms=(), dropout=False):
     t, acc = _config.c_types(dtype)
-    return f"fwd_lost_rows<{t}, {acc}{_transform_arg(transforms, 'double')}>"
+    return f"fwd_lost_rows<{t}, {acc}{_transform_arg(transforms, 'double', dropout=dropout)}>"
 
 
 def instantiations():
-    """Every (kernel, dtype name, bucket or None, source file, name expression) of this path."""
+    """Every (kernel, dtype name, bucket or None, source file, name expression) of this path:
+    each chain of transforms without and with dropout (the one path that takes dropout takes it
+    with every chain; its lost-row kernels then with the accumulator's dk / dv only)."""
     out = []
     for dt in _config.supported_dtype_names():
         for tf in _modifiers.CHAINS:
-            rows, keys = lost_name_expressions(dt, False, tf)
-            out += [("bwd_lost_rows", dt, None, LOST_SOURCE, rows),
-                    ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
-            out += [(kernel, dt, b, KERNELS[kernel][0], name_expression(kernel, dt, b, tf))
-                    for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
-            # the bias's gradient: bwd_dq's DBIAS twins (every chain: DBIAS)
-            out += [("bwd_dq", dt, b, BWD_SOURCE, name_expression("bwd_dq", dt, b, tf, True))
+            for dropout in (False, True):
+                rows, keys = lost_name_expressions(dt, False, tf, dropout)
+                out += [("bwd_lost_rows", dt, None, LOST_SOURCE, rows),
+                        ("bwd_lost_keys", dt, None, LOST_SOURCE, keys)]
+                out += [(kernel, dt, b, KERNELS[kernel][0],
+                         name_expression(kernel, dt, b, tf, dropout=dropout))
+                        for kernel in TILED_KERNELS for b in _config.HEAD_DIM_BUCKETS]
+            # the bias's gradient: bwd_dq's DBIAS twins (every chain: DBIAS; not with dropout)
+            out += [("bwd_dq", dt, b, BWD_SOURCE, name_expression("bwd_dq", dt, b, tf, dbias=True))
                     for b in _config.HEAD_DIM_BUCKETS]
         out.append(("bwd_preprocess", dt, None, BWD_SOURCE, name_expression("bwd_preprocess", dt)))
     return out
@@ -102,7 +113,8 @@ def _prepare(kernel, p):
     bucket = _config.head_dim_bucket(p.Dk, p.Dv)
     kern = _runtime.get_function(KERNELS[kernel][0],
                                  name_expression(kernel, p.dtype, bucket, _modifiers.names(p),
-                                                 p.dbias and kernel == "bwd_dq"))
+                                                 dbias=p.dbias and kernel == "bwd_dq",
+                                                 dropout=bool(p.dropout_p)))
     smem = smem_bytes(kernel, acc, bucket)
     _runtime.opt_in(kern, smem)
     return kern, _config.GENERIC_TILES[(kernel, acc, bucket)], smem
@@ -122,7 +134,8 @@ def forward(p):
     out, lse = _runtime.outputs(p)
     kern, (bm, _), smem = _prepare("fwd", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
-         (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type), shared_mem=smem)
+         (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type) + _runtime.dropout_args(p),
+         shared_mem=smem)
     return out, lse
 
 
@@ -157,15 +170,16 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     lse_eff, delta = preprocess(p, dout, out, lse)
     dq, dk, dv = _runtime.carve(((BH, p.Nq, p.Dk), acc), ((BH, p.Nk, p.Dk), acc),
                                 ((BH, p.Nk, p.Dv), acc))
+    drop = _runtime.dropout_args(p)  # (DropoutArgs,) or ()
     kern, (_, bn), smem = _prepare("bwd_dkdv", p)
     kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type),
+         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type) + drop,
          shared_mem=smem)
     dbias = dbias_buffer(p, acc)
     kern, (bm, _), smem = _prepare("bwd_dq", p)
     kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
          (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type)
-         + (_runtime.ptr(dbias),), shared_mem=smem)
+         + (_runtime.ptr(dbias),) + drop, shared_mem=smem)
     launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs, dbias=dbias)
     return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
 
@@ -206,7 +220,8 @@ def launch_fwd_lost(args, out, lse, fix, blocks, block_m, lost=None):
 
     def launch():
         fn = _runtime.get_function(LOST_SOURCE,
-                                   fwd_lost_name_expression(p.dtype, _modifiers.names(p)))
+                                   fwd_lost_name_expression(p.dtype, _modifiers.names(p),
+                                                            bool(p.dropout_p)))
         per_block = _config.GENERIC_THREADS // 32
         grid = min(-(-blocks // (32 * per_block)), _runtime.device_info().sm_count)
         limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
@@ -215,7 +230,8 @@ def launch_fwd_lost(args, out, lse, fix, blocks, block_m, lost=None):
     key = None if p.key is None else (p.key, blocks, block_m, lost, lse.dtype)
     run, limit = _lost_launches.build(key, launch)
     run((p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m),
-                                                  _runtime.ptr(p.sinks)))
+                                                  _runtime.ptr(p.sinks))
+        + _runtime.dropout_args(p))
 
 
 def flagged_forward(p, recipe, extra=()):
@@ -223,11 +239,13 @@ def flagged_forward(p, recipe, extra=()):
     tensor-core forward whose parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra +
     (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks null without
     them, and the kernel instantiated with SINKS where there are), then the lost-row fix of the
-    blocks it flags. recipe: (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
+    blocks it flags (with the dropout too). With dropout (DropoutArgs,) last (fwd_mma). recipe:
+    (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
     launch, blocks, block_m, has_mb = recipe
     args = _runtime.Args(p)
     out, lse, fix = _runtime.outputs(p, 4 * blocks)  # fix: int32 per block, all written
-    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra + (_runtime.ptr(p.sinks),))
+    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra + (_runtime.ptr(p.sinks),)
+           + _runtime.dropout_args(p))
     # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
     # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
     # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
@@ -250,7 +268,7 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None, d
 
     def plan():
         rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype,
-                                                     _modifiers.names(p))
+                                                     _modifiers.names(p), bool(p.dropout_p))
         warps = _config.GENERIC_THREADS // 32
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
@@ -275,5 +293,6 @@ def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None, d
         stats, = _runtime.carve(BH * Nq * 3 * 8)
     common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
     sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
-    rows(common + (dq, np.int32(prewritten)) + sinks + (_runtime.ptr(dbias),))
-    keys(common + (dk, dv))
+    drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
+    rows(common + (dq, np.int32(prewritten)) + sinks + (_runtime.ptr(dbias),) + drop)
+    keys(common + (dk, dv) + drop)

@@ -11,9 +11,11 @@ source file, name expression) tuples it can request; TRANSFORMS: the chains of s
 its kernels take (cuflash/_modifiers.py CHAINS or SINGLE; a path is skipped for a Problem whose
 chain is not among them); a backward path also lists DBIAS, the chains for which its kernels store
 the bias's gradient (with p.dbias its backward returns (dq, dk, dv, dbias), dbias (BH, Nq, Nk) in
-its accumulator dtype; a path is skipped for a p.dbias Problem whose chain is not among them).
-The first path of FORWARD (BACKWARD) that takes a Problem runs it, under its arrays' device, on
-the current CuPy stream, never synchronizing.
+its accumulator dtype; a path is skipped for a p.dbias Problem whose chain is not among them);
+DROPOUT: whether its kernels take dropout (kernels_cu/philox.cuh; a path that does not is skipped
+for a Problem with dropout_p > 0, so the generic kernels take it). The first path of FORWARD
+(BACKWARD) that takes a Problem runs it, under its arrays' device, on the current CuPy stream,
+never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 """
 import contextlib
@@ -47,7 +49,8 @@ def _choose(paths, takes, p):
         names = _modifiers.names(p)
         dbias = p.dbias and takes == "takes_backward"  # the bias's gradient: DBIAS paths only
         return next(x for x in candidates if names in x.TRANSFORMS
-                    and (not dbias or names in x.DBIAS) and getattr(x, takes)(p))
+                    and (not dbias or names in x.DBIAS)
+                    and (x.DROPOUT or not p.dropout_p) and getattr(x, takes)(p))
 
     return _chosen.build(key, choose)
 

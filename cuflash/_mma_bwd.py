@@ -44,6 +44,7 @@ TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels tak
 # the chains whose backward stores the bias's gradient (p.dbias; the dK/dV kernel's OPT_DBIAS
 # twins, dbias_tile): none with a transform (dbias with softcap or ALiBi: the generic kernels)
 DBIAS = ((),)
+DROPOUT = True  # its kernels take dropout (bwd_mma.cu's Drop), without transforms (takes_backward)
 SOURCE = "bwd_mma.cu"
 _CTYPE = {name: _config.c_types(name)[0] for name in _config.MMA_DTYPES}
 
@@ -151,24 +152,26 @@ def _positional_mb_declined(names):
     return POSITIONAL_MB_DECLINED if _modifiers.positional(names) else ()
 
 
-def dkdv_expr(dtype_name, dims, tile, dq_atomic, has_mb, transforms=()):
+def dkdv_expr(dtype_name, dims, tile, dq_atomic, has_mb, transforms=(), dropout=False):
     """bwd_mma_dkdv<..., opt>, or the warp-grid kernel bwd_mma_dkdv_grid for an OPT_GRID tile.
-    has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py)."""
+    has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py);
+    dropout: the DropoutArgs instantiation (kernels_cu/philox.cuh; never a grid tile)."""
     dk, dv = dims
     if tile.opt & OPT_GRID:
+        assert not dropout, "the warp-grid kernel takes no dropout (DKDV_TILES_DROPOUT)"
         return (f"bwd_mma_dkdv_grid<{_CTYPE[dtype_name]}, {dk}, {tile.block_m}, "
                 f"{_b(dq_atomic)}, {tile.min_blocks}>")
     return (f"bwd_mma_dkdv<{_CTYPE[dtype_name]}, {dk}, {dv}, {tile.block_m}, {tile.warps}, "
             f"{_b(tile.kv_in_regs)}, {_b(dq_atomic)}, "
             f"{_modifiers.score_mod(has_mb, transforms, dtype_name=dtype_name)}, {tile.min_blocks}, "
-            f"{tile.opt}>")
+            f"{tile.opt}{', DropoutArgs' if dropout else ''}>")
 
 
-def dq_expr(dtype_name, dims, tile, has_mb, transforms=()):
+def dq_expr(dtype_name, dims, tile, has_mb, transforms=(), dropout=False):
     return (f"bwd_mma_dq<{_CTYPE[dtype_name]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
             f"{tile.warps}, {tile.stages}, "
             f"{_modifiers.score_mod(has_mb, transforms, dtype_name=dtype_name)}, "
-            f"{tile.min_blocks}>")
+            f"{tile.min_blocks}{', DropoutArgs' if dropout else ''}>")
 
 
 def dkdv_blocks(p, tile):
@@ -205,11 +208,22 @@ def wg_tile(dims, has_mb, dq_atomic):
     return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(dims)
 
 
-def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dbias=False):
-    """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
-    capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
-    cuflash._gpu.override(wgmma=False)), else the DKDV_TILES_LARGE_SMEM tile where shared memory
-    allows it, else the table's. dbias (with a bias, no transform): dbias_tile."""
+# With dropout (the keep bits of a thread's P^T entries, one Philox call each, in the mma.sync
+# kernel on every device: no wgmma, no warp-grid tile): the transforms' smaller query steps, all
+# spill-free on sm_80 and sm_90a but D=96's (12-40 bytes; no smaller query step fits its dQ
+# layout): the generic kernels take its dropout backward (NO_DROPOUT_DIMS).
+NO_DROPOUT_DIMS = ((96, 96),)
+DKDV_TILES_DROPOUT = {d: t for d, t in DKDV_TILES_TF.items() if d not in NO_DROPOUT_DIMS}
+
+
+def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias=False):
+    """The dK/dV tile for a call on the current device: with dropout DKDV_TILES_DROPOUT's; else
+    the wgmma tile (wg_tile) on compute capability 9.0 (sm_90a code runs there only; NVRTC 12.9+
+    builds it; tests turn it off with cuflash._gpu.override(wgmma=False)), else the
+    DKDV_TILES_LARGE_SMEM tile where shared memory allows it, else the table's. dbias (with a
+    bias, no transform, no dropout): dbias_tile."""
+    if dropout:
+        return DKDV_TILES_DROPOUT[dims]
     info = _runtime.device_info()
     wg = wg_tile(dims, has_mb, dq_atomic)
     use_wg = _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
@@ -282,6 +296,11 @@ def instantiations():
                     exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, tf))
                 if d in DKDV_TILES_WG:
                     exprs.append(dkdv_expr(dt, d, wg_tile(d, True, atomic), atomic, mb, tf))
+            # with dropout (no transform): its tiles, with and without a mask / bias and dQ atomics
+            for mb in ((False, True) if d in DKDV_TILES_DROPOUT else ()):
+                for atomic in (True, False):
+                    exprs.append(dkdv_expr(dt, d, DKDV_TILES_DROPOUT[d], atomic, mb, (), True))
+                exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, (), True))
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]
         # the lost-row fix, with dk / dv in the inputs' dtype (no sum follows) or in float32
@@ -291,9 +310,14 @@ def instantiations():
             out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows)]
             out += [("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, k)
                     for k in (keys16, keys32)]
+        # and with dropout (dk / dv in the inputs' dtype; the float32 ones are the generic path's)
+        rows, keys16 = _generic.lost_name_expressions(dt, True, (), True)
+        out += [("bwd_lost_rows", dt, None, _generic.LOST_SOURCE, rows),
+                ("bwd_lost_keys", dt, None, _generic.LOST_SOURCE, keys16)]
     # the masks' tile classes of the dK/dV tiles with a mask
     masked = {(t.block_m, 16 * t.warps) for t in (*DKDV_TILES_MB.values(), *DKDV_TILES_TF.values(),
-                                                  *DKDV_TILES_WG_MB.values())}
+                                                  *DKDV_TILES_WG_MB.values(),
+                                                  *DKDV_TILES_DROPOUT.values())}
     return out + [("mask_tile_classes", None, None, _mask_tiles.SOURCE,
                    _mask_tiles.expression(*shape)) for shape in sorted(masked)]
 
@@ -315,6 +339,8 @@ def takes_backward(p):
         return False
     if p.dbias and (p.Dk, p.Dv) in DBIAS_DECLINED:
         return False
+    if p.dropout_p and (p.transforms or (p.Dk, p.Dv) in NO_DROPOUT_DIMS):
+        return False  # dropout with a score transform, or at D=96: the generic kernels
     if (p.mask is not None or p.bias is not None) and \
             (p.Dk, p.Dv) in _positional_mb_declined(_modifiers.names(p)):
         return False
@@ -350,20 +376,21 @@ def _recipe(p, deterministic):
     nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
+    dropout = bool(p.dropout_p)
     tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic, names,  # a modifier's
-                     p.dbias)
+                     dropout, p.dbias)
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
-        _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names), smem,
-                  dkdv_arch(tile)), (dkdv_blocks(p, tile),), (tile.warps * 32,), smem)
+        _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names, dropout),
+                  smem, dkdv_arch(tile)), (dkdv_blocks(p, tile),), (tile.warps * 32,), smem)
     # the mask's tile classes, for its key blocks of 16 * warps keys
     classes = (tile.block_m, 16 * tile.warps) if has_mb else None
     dq = None
     if deterministic:  # dq every element, without atomics
         dq_tile = DQ_TILES[dims]
         dq_smem = dq_smem_bytes(dims, dq_tile)
-        dq = _runtime.Launch(_function(dq_expr(p.dtype.name, dims, dq_tile, has_mb, names),
-                                       dq_smem),
+        dq = _runtime.Launch(_function(dq_expr(p.dtype.name, dims, dq_tile, has_mb, names,
+                                               dropout), dq_smem),
                              (-(-Nq // (16 * dq_tile.warps)) * BH,), (dq_tile.warps * 32,),
                              dq_smem)
     prep = _runtime.Launch(_function(prep_expr(p.dtype.name, dims), 0),
@@ -405,10 +432,11 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
                        else (_mask_tiles.NO_CLASSES, None))
     dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
+    drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
     r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
-            classes) + tail + (i32(r.out16), _runtime.ptr(dbias)))
+            classes) + tail + (i32(r.out16), _runtime.ptr(dbias)) + drop)
     if deterministic:
-        r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail)
+        r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail + drop)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,
                          sink_probs=sink_probs, dbias=dbias)
     return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)

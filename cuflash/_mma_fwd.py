@@ -11,6 +11,7 @@ from . import _config, _generic, _memo, _modifiers, _runtime
 
 NAME = "mma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = True  # its kernels take dropout (fwd_mma.cu's Drop), without transforms or sinks (takes)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_mma.cu SINKS)
 SOURCE = "fwd_mma.cu"
 
@@ -63,8 +64,19 @@ POSITIONAL_TILES = {
 }
 
 
-def pick_tile(head_dim, has_mb, cc=80, transforms=()):
+# With dropout (no transform, no mask / bias), where the table's tile spills with the Philox
+# draws (sm_80 and sm_90a: D=32 540 bytes, D=128 280 bytes at 255 registers): 8 warps of one
+# m-fragment each, Q in registers (the same block shape, so the same shared memory).
+DROPOUT_TILES = {
+    (32, False): FwdTile(128, 128, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+    (128, False): FwdTile(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+}
+
+
+def pick_tile(head_dim, has_mb, cc=80, transforms=(), dropout=False):
     """The forward tile for a device of compute capability `cc` (an int, e.g. 90)."""
+    if dropout and (head_dim, has_mb) in DROPOUT_TILES:
+        return DROPOUT_TILES[(head_dim, has_mb)]
     if _modifiers.positional(transforms) and (head_dim, has_mb) in POSITIONAL_TILES:
         return POSITIONAL_TILES[(head_dim, has_mb)]
     if transforms and (head_dim, has_mb) in TRANSFORM_TILES:
@@ -80,39 +92,48 @@ def smem_bytes(head_dim, has_mb):
     return (t.block_m + 2 * t.stages * t.block_n) * (head_dim + 8) * 2
 
 
-def name_expression(dtype, head_dim, has_mb, tile=None, transforms=(), sinks=False):
+def name_expression(dtype, head_dim, has_mb, tile=None, transforms=(), sinks=False,
+                    dropout=False):
     """has_mb: a mask or bias; transforms: the score transforms' names (cuflash/_modifiers.py;
     they keep the tiles of the call without them); sinks: whether the kernel joins attention
-    sinks (a last template argument, true, only then: the tiles are the call's without them)."""
+    sinks (a template argument, true, only then: the tiles are the call's without them);
+    dropout: the DropoutArgs instantiation (kernels_cu/philox.cuh; SINKS spelled out before
+    it)."""
     t = TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
+    last = f", {b(sinks)}, DropoutArgs" if dropout else (", true" if sinks else "")
     return (f"fwd_mma<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, "
             f"{_modifiers.score_mod(has_mb, transforms, dtype_name=_config.dtype_name(dtype))}, "
-            f"{t.min_blocks}, {b(t.cheap_addr)}, {b(t.kv_split)}{', true' if sinks else ''}>")
+            f"{t.min_blocks}, {b(t.cheap_addr)}, {b(t.kv_split)}{last}>")
+
+
+def _variants():
+    """The (transforms, sinks, dropout) variants the catalog holds: every transform with and
+    without sinks, and dropout alone (no transform, no sinks: `takes` leaves those to the
+    generic kernels, so the catalog gains one set of tiles, not one per option)."""
+    return [(tf, sk, False) for tf in TRANSFORMS for sk in (False, True)] + [((), False, True)]
 
 
 def instantiations():
     """Every (kernel, dtype name, head dim or None, source file, name expression) of this path."""
     out = []
     for dt in _config.MMA_DTYPES:
-        for tf in TRANSFORMS:
-            exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf), tf, sk)
-                     for d, mb in TILES for cc in (80, 90) for sk in (False, True)}
-            out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
-            out.append(("fwd_lost_rows", dt, None, _generic.LOST_SOURCE,
-                        _generic.fwd_lost_name_expression(dt, tf)))
+        exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf, dr), tf, sk, dr)
+                 for d, mb in TILES for cc in (80, 90) for tf, sk, dr in _variants()}
+        out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
+        lost = {_generic.fwd_lost_name_expression(dt, tf, dr) for tf, _, dr in _variants()}
+        out += [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, e) for e in sorted(lost)]
     return out
 
 
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    every = [(dt, d, mb, tf, sk) for dt in _config.MMA_DTYPES for d, mb in TILES
-             for tf in TRANSFORMS for sk in (False, True)]
-    return {name_expression(dt, d, mb, pick_tile(d, mb, 90, tf), tf, sk)
-            for dt, d, mb, tf, sk in every} - \
-        {name_expression(dt, d, mb, pick_tile(d, mb, 80, tf), tf, sk)
-         for dt, d, mb, tf, sk in every}
+    every = [(dt, d, mb, v) for dt in _config.MMA_DTYPES for d, mb in TILES for v in _variants()]
+    return {name_expression(dt, d, mb, pick_tile(d, mb, 90, v[0], v[2]), *v)
+            for dt, d, mb, v in every} \
+        - {name_expression(dt, d, mb, pick_tile(d, mb, 80, v[0], v[2]), *v)
+           for dt, d, mb, v in every}
 
 
 def tensor_core_layout(p, same_dims=True):
@@ -131,6 +152,8 @@ def takes(p):
     """Whether the tensor-core forward takes this Problem."""
     if p.Dk not in HEAD_DIMS or not tensor_core_layout(p):
         return False
+    if p.dropout_p and (p.transforms or p.sinks is not None):
+        return False  # dropout with a transform or sinks: the generic kernels (_variants)
     has_mb = p.mask is not None or p.bias is not None
     return smem_bytes(p.Dk, has_mb) <= _runtime.device_info().smem_optin
 
@@ -142,9 +165,9 @@ def _recipe(p):
     """(Launch, blocks, block_m, has_mb): the launch of a layout (_generic.flagged_forward)."""
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
-    tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names)
+    tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names, bool(p.dropout_p))
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile, names,
-                                                         p.sinks is not None))
+                                                         p.sinks is not None, bool(p.dropout_p)))
     smem = smem_bytes(p.Dk, has_mb)
     _runtime.opt_in(kern, smem)
     # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2

@@ -25,7 +25,7 @@ acc_dtype, which the API sums back to the inputs' own shapes and casts.
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _config, _modifiers
+from . import _config, _dropout, _modifiers
 from ._validate import aligned_position, key_range
 
 # Read at call time, so that tests can shrink them: keys per tile, query rows per block (None:
@@ -92,6 +92,11 @@ class _Tiles:
         self.kt = np.swapaxes(self.k, -1, -2)
         self.heads = np.unravel_index(np.arange(bh), p.lead) if p.lead else ()
         self.bias_hides = p.bias is not None and bool(np.any(_core(p.bias) == -np.inf))
+        # dropout: the keep bits' threshold and 1 / (1 - p) in acc (cuflash/_dropout.py)
+        self.dropout = bool(p.dropout_p)
+        if self.dropout:
+            self.threshold = _dropout.threshold(p.dropout_p)
+            self.rscale = acc.type(1.0 / (1.0 - p.dropout_p))
 
     # -- blocking --------------------------------------------------------------------------
     def blocks(self):
@@ -128,6 +133,17 @@ class _Tiles:
         if all(s == 0 for s in x.strides[:-2]):  # one matrix for every head: broadcast it
             return tile[(0,) * len(self.p.lead)][None]
         return tile[tuple(h[hs] for h in self.heads)]
+
+    # -- dropout ---------------------------------------------------------------------------
+    def keep(self, bh, rows, j0, j1):
+        """Dropout's keep bits of keys [j0, j1) for the (batch, head)s ``bh`` and rows ``rows``
+        (int arrays that broadcast to S): S + (j1 - j0,) (kernels_cu/philox.cuh's bits)."""
+        seed, offset = self.p.dropout_seed
+        return _dropout.keep(seed, offset, self.threshold, bh, rows, j0, j1)
+
+    def block_keep(self, hs, rs, j0, j1):
+        """The keep bits of block (hs, rs) x keys [j0, j1): (heads, rows, keys)."""
+        return self.keep(np.arange(self.p.BH)[hs, None], np.arange(self.p.Nq)[None, rs], j0, j1)
 
     # -- scores ----------------------------------------------------------------------------
     def at(self, hs, rs, j0, j1):
@@ -218,14 +234,19 @@ def forward(problem):
                 s -= shift[..., None]
                 prob = np.exp(s, out=s)                   # this tile's mass on the new reference
                 l_b *= alpha                              # rescale BOTH l ...
-                l_b += prob.sum(axis=-1)
+                l_b += prob.sum(axis=-1)                  # (l: the undropped sum)
                 acc_b *= alpha[..., None]                 # ... and acc
+                if t.dropout:                             # dropout acts on P V only
+                    np.copyto(prob, 0, where=~t.block_keep(hs, rs, j0, j1))
                 acc_b += prob @ t.v[hs, j0:j1]
                 m_b[...] = m_new
         # Empty rows (no visible key): 0 and -inf. A row that sees keys but has l = 0 (every
         # visible logit -inf) is 0 / 0 = NaN, like a NaN l.
         denom = np.where(l == 0, np.nan, l)
-        out = np.where(seen[..., None], acc / denom[..., None], 0).astype(p.dtype)
+        out = np.where(seen[..., None], acc / denom[..., None], 0)
+        if t.dropout:  # the kept weights' 1 / (1 - p)
+            out *= t.rscale
+        out = out.astype(p.dtype)
         lse = np.where(seen, m + np.log(denom), -np.inf).astype(acc_t)
     return out, lse
 
@@ -267,8 +288,14 @@ def backward(problem, dout, out, lse, deterministic=False, sink_probs=None):
                 prob = np.exp(s, out=s)
                 if nan_lse and hidden is not None:  # a NaN lse - (-inf): hidden keys stay 0
                     np.copyto(prob, 0, where=hidden)
-                dv[hs, j0:j1] += np.swapaxes(prob, -1, -2) @ do_b
                 ds = do_b @ np.swapaxes(t.v[hs, j0:j1], -1, -2)   # dP
+                if t.dropout:  # dV = (Z P r)^T dO (r at the end), dS = P (Z dP r - D)
+                    dropped = ~t.block_keep(hs, rs, j0, j1)
+                    dv[hs, j0:j1] += np.swapaxes(np.where(dropped, 0, prob), -1, -2) @ do_b
+                    ds *= t.rscale
+                    np.copyto(ds, 0, where=dropped)
+                else:
+                    dv[hs, j0:j1] += np.swapaxes(prob, -1, -2) @ do_b
                 ds -= delta_b
                 ds *= prob                                          # dS = P (dP - D)
                 if dbias is not None:  # the logits' gradient, before F'(x)
@@ -280,6 +307,8 @@ def backward(problem, dout, out, lse, deterministic=False, sink_probs=None):
         dq *= t.scale                 # dS / dq = scale k; dk took q's scale already if q has it
         if not t.prescaled:
             dk *= t.scale
+        if t.dropout:
+            dv *= t.rscale
         if lost.any():
             _lost_rows(t, np.nonzero(lost), dout, _rows(out, p, p.Dv, np.float64), dq, dk, dv,
                        sink_probs, dbias)
@@ -320,13 +349,20 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv, sink_probs=None, dbias=None):
         s, g = t.row_scores(j0, j1, rows)
         prob = np.exp(s - shift) / l               # (n, tile)
         k, v = t.k[b, j0:j1].astype(f64), t.v[b, j0:j1].astype(f64)   # (n, tile, D)
-        ds = prob * (np.einsum("nd,njd->nj", do, v) - d)
+        dp = np.einsum("nd,njd->nj", do, v)
+        if t.dropout:  # the rows' keep bits: dS = P (Z dP r - D), dV += (Z P r)^T dO
+            z = t.keep(b[:, None], i[:, None], j0, j1)[:, 0]
+            r = 1.0 / (1.0 - t.p.dropout_p)
+            dp = np.where(z, dp * r, 0)
+        ds = prob * (dp - d)
         if dbias is not None:
             dbias[b[:, None], i[:, None], np.arange(j0, j1)[None, :]] = np.where(prob == 0, 0, ds)
         ds *= g
         grad_q += np.einsum("nj,njd->nd", ds, k) * scale
         np.add.at(dk, (b[:, None], np.arange(j0, j1)[None, :]),
                   (ds[..., None] * q[:, None, :] * scale).astype(dk.dtype))
+        if t.dropout:
+            prob = np.where(z, prob * r, 0)
         np.add.at(dv, (b[:, None], np.arange(j0, j1)[None, :]),
                   (prob[..., None] * do[:, None, :]).astype(dv.dtype))
     np.add.at(dq, (b, i), grad_q.astype(dq.dtype))

@@ -38,7 +38,8 @@ def native(p):
         return False
     ov = _runtime.overrides()
     key = None if p.key is None else (p.key, ov) + tuple(x.data.ptr % 256 for x in (p.q, p.k, p.v))
-    return _native.build(key, lambda: ov.path in (None, _decode.NAME) and _decode.takes(p))
+    return _native.build(key, lambda: ov.path in (None, _decode.NAME) and _decode.takes(p)
+                         and (_decode.DROPOUT or not p.dropout_p))
 
 
 def resolve(p):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _broadcast, _config, _memo, _modifiers
+from . import _broadcast, _config, _dropout, _memo, _modifiers
 from ._validate import element_strides
 
 OPTIONS = ("-std=c++17",)
@@ -385,6 +385,22 @@ ARGS_FIELDS = (tuple((f"{x}_{s}", "<i8") for x, s in (("q", "rs"), ("k", "rs"), 
                + tuple((f"mod{k}", "<f8") for k in range(_modifiers.MOD_ARGS))
                + (("mod_table", "<u8"),))
 ARGS_DTYPE = np.dtype(list(ARGS_FIELDS), align=True)  # C's layout: fields on natural alignment
+# kernels_cu/philox.cuh DropoutArgs: the trailing parameter of the kernels instantiated with
+# dropout (the seed, the counter's offset word, the keep threshold, 1 / (1 - dropout_p)).
+DROPOUT_FIELDS = (("seed", "<u8"), ("offset", "<u4"), ("threshold", "<u4"), ("rscale", "<f8"))
+DROPOUT_DTYPE = np.dtype(list(DROPOUT_FIELDS), align=True)
+
+
+def dropout_args(p):
+    """The trailing kernel parameters of p's dropout: (DropoutArgs,) as a NumPy structured scalar
+    (this call's seed and offset), or () without dropout (the kernels then take none)."""
+    if not p.dropout_p:
+        return ()
+    a = np.zeros((), dtype=DROPOUT_DTYPE)
+    a["seed"], a["offset"] = p.dropout_seed
+    a["threshold"] = _dropout.threshold(p.dropout_p)
+    a["rscale"] = 1.0 / (1.0 - p.dropout_p)
+    return (a[()],)
 
 
 class Args:

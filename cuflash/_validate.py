@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _broadcast, _memo, _modifiers
+from . import _broadcast, _dropout, _memo, _modifiers
 from ._config import MAX_HEAD_DIM, accumulator_dtype, supported_dtype_names
 
 ALIGNS = ("bottom-right", "top-left")
@@ -86,11 +86,17 @@ class Problem:
     dbias: bool = False
     bias_shape: Optional[tuple] = None
     bias_dtype: Optional[np.dtype] = None
+    # dropout (cuflash/_dropout.py, kernels_cu/philox.cuh): its probability in [0, 1), part of the
+    # signature (0.0: none, and every kernel is the one without dropout), and this call's
+    # (seed, offset) as ints, data that is not (None without dropout)
+    dropout_p: float = 0.0
+    dropout_seed: Optional[tuple] = None
 
     def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None,
-                    block_table=None):
+                    block_table=None, dropout_seed=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
-        kv_lens', the sinks, the ALiBi slopes and a CuPy block_table), the rest shared."""
+        kv_lens', the sinks, the ALiBi slopes, a CuPy block_table and the dropout's checked
+        (seed, offset)), the rest shared."""
         xp = self.xp
         if self.copied:
             q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
@@ -107,6 +113,7 @@ class Problem:
         new.alibi = _sinks_per_head(xp, q, alibi_slopes, self.lead)
         if self.pages is not None:
             new.pages = self.pages.with_table(block_table)
+        new.dropout_seed = dropout_seed if self.dropout_p else None
         return new
 
     # (computed once per signature: the Problem of a known signature copies them; lead, Nq and
@@ -324,6 +331,48 @@ def _check_window(fn, window, causal, unbounded, shift=0):
     left = unbounded if left is None else max(-unbounded, min(left - shift, unbounded))
     right = unbounded if right is None else max(-unbounded, min(right + shift, unbounded))
     return left, right
+
+
+def _check_dropout_p(fn, dropout_p):
+    """A real number in [0, 1) (not a bool); 0 is no dropout."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{fn}: dropout_p must be a real number in [0, 1), got "
+                        f"{type(dropout_p).__name__} {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:  # (NaN fails too)
+        raise ValueError(f"{fn}: dropout_p must lie in [0, 1), got {dropout_p!r}")
+    return p
+
+
+def _seed_int(fn, name, value, limit):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{fn}: dropout_seed's {name} must be an int, got "
+                        f"{type(value).__name__} {value!r}")
+    if not 0 <= value <= limit:
+        raise ValueError(f"{fn}: dropout_seed's {name} must lie in [0, {limit}], got {value}")
+    return int(value)
+
+
+def check_dropout_seed(fn, dropout_seed, dropout_p):
+    """(seed, offset) as ints: dropout_seed is an int seed (offset 0) or a pair (seed, offset),
+    seed in [0, 2**64), offset in [0, 2**32); required when dropout_p > 0 (TypeError without),
+    checked and then ignored when it is 0 (returns None). Checked on every call: its values are
+    not part of the signature (data, like an array's contents)."""
+    if dropout_seed is None:
+        if dropout_p:
+            raise TypeError(f"{fn}: dropout_p={dropout_p!r} needs dropout_seed (an int seed, or a "
+                            "pair (seed, offset) of ints), got None")
+        return None
+    if isinstance(dropout_seed, (tuple, list)):
+        if len(dropout_seed) != 2:
+            raise ValueError(f"{fn}: dropout_seed must be an int or a pair (seed, offset), got "
+                             f"{dropout_seed!r}")
+        seed, offset = dropout_seed
+    else:
+        seed, offset = dropout_seed, 0
+    seed = _seed_int(fn, "seed", seed, _dropout.MAX_SEED)
+    offset = _seed_int(fn, "offset", offset, _dropout.MAX_OFFSET)
+    return (seed, offset) if dropout_p else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -814,9 +863,16 @@ def _table_key(block_table):
     return (type(block_table), arr.dtype, arr.shape, arr.tobytes())
 
 
+def _seed_key(dropout_seed):
+    """dropout_seed's part of a signature: its types only (its values are checked per call)."""
+    if isinstance(dropout_seed, (tuple, list)):
+        return (type(dropout_seed),) + tuple(type(x) for x in dropout_seed)
+    return type(dropout_seed)
+
+
 def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions=None,
               precision=None, modifiers=None, sinks=None, alibi_slopes=None, block_table=None,
-              return_dbias=False):
+              return_dbias=False, dropout_p=0.0, dropout_seed=None):
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
@@ -836,7 +892,8 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
                None if bias is None else _array_key(bias),
                _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
                _side_key(precision), _sinks_key(sinks), _alibi_key(alibi_slopes),
-               _table_key(block_table), _side_key(return_dbias),
+               _table_key(block_table), _side_key(return_dbias), _side_key(dropout_p),
+               _seed_key(dropout_seed),
                tuple((n, _side_key(x)) for n, x in sorted((modifiers or {}).items())))
         hash(key)
     except (AttributeError, TypeError, ValueError):
@@ -863,7 +920,7 @@ _key_numbers = itertools.count(1)
 def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                  mask=None, bias=None, kv_lens=None, positions=None, precision=None,
                  sinks=None, alibi_slopes=None, block_table=None, return_dbias=False,
-                 fn="attention", **modifiers):
+                 dropout_p=0.0, dropout_seed=None, fn="attention", **modifiers):
     """Validate and normalize the arguments of ``fn`` (the public function, named in messages);
     `modifiers`: the score transforms' keywords (cuflash/_modifiers.py, e.g. softcap=). With a
     block_table, k and v are page pools (`_check_pages`) and the Problem says so (`pages`).
@@ -873,19 +930,21 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
     key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
-                    precision, modifiers, sinks, alibi_slopes, block_table, return_dbias)
+                    precision, modifiers, sinks, alibi_slopes, block_table, return_dbias,
+                    dropout_p, dropout_seed)
     if key is not None:
         known = _problems.get(key)
         if known is not None:
             if known.pages is not None:
                 kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
+            seed = check_dropout_seed(fn, dropout_seed, known.dropout_p)  # data: every call
             return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes,
-                                     block_table)
+                                     block_table, seed)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
                       precision=precision, sinks=sinks, alibi_slopes=alibi_slopes,
-                      block_table=block_table, return_dbias=return_dbias, fn=fn,
-                      modifiers=modifiers)
+                      block_table=block_table, return_dbias=return_dbias, dropout_p=dropout_p,
+                      dropout_seed=dropout_seed, fn=fn, modifiers=modifiers)
     if key is not None:
         p.key = next(_key_numbers)
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
@@ -895,7 +954,7 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None
-        bare.alibi = None
+        bare.alibi = bare.dropout_seed = None
         if p.pages is not None and not p.pages.host:
             bare.pages = p.pages.with_table(None)  # no device table of the caller's
         _problems.build(key, lambda: bare)
@@ -903,7 +962,8 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
 
 
 def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,
-                  precision, sinks, alibi_slopes, block_table, return_dbias, fn, modifiers):
+                  precision, sinks, alibi_slopes, block_table, return_dbias, dropout_p,
+                  dropout_seed, fn, modifiers):
     _check_array(fn, "q", q)
     lib = _library(q)
     device = q.device.id if lib == "cupy" else None
@@ -977,6 +1037,11 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     transforms = _modifiers.check(fn, alibi=(float(q_start - k_start),) if alibi else None,
                                   **modifiers)
     sinks_shape, sinks_dtype = _check_sinks(fn, sinks, lead, lib, device, acc_dtype)
+    dropout_p = _check_dropout_p(fn, dropout_p)
+    dropout_seed = check_dropout_seed(fn, dropout_seed, dropout_p)
+    if dbias and dropout_p:  # (no kernel stores dS with the dropout's keep bits yet)
+        raise ValueError(f"{fn}: return_dbias=True with dropout_p > 0 is not supported yet, got "
+                         f"dropout_p={dropout_p!r}")
 
     if pages is not None:
         pages = _checked_table(fn, pages, block_table, kv_lens, lead)
@@ -997,7 +1062,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    transforms=transforms, sinks=_sinks_per_head(xp, q, sinks, lead),
                    sinks_shape=sinks_shape, sinks_dtype=sinks_dtype,
                    alibi=_sinks_per_head(xp, q, alibi_slopes, lead), pages=pages, dbias=dbias,
-                   bias_shape=bias_shape, bias_dtype=bias_dtype)
+                   bias_shape=bias_shape, bias_dtype=bias_dtype, dropout_p=dropout_p,
+                   dropout_seed=dropout_seed)
 
 
 def _check_dtypes(fn, q, k, v):

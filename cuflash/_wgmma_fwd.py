@@ -14,6 +14,7 @@ from ._validate import element_strides, key_range
 
 NAME = "wgmma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
+DROPOUT = True  # its kernels take dropout (fwd_wgmma.cu's Drop), without transforms or sinks (takes)
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wgmma.cu SINKS)
 SOURCE = "fwd_wgmma.cu"
 ARCH = "sm_90a"
@@ -85,13 +86,15 @@ def smem_bytes(dims, tile, mb):
         + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
 
-def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False):
+def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=False):
     """transforms: the score transforms' names (cuflash/_modifiers.py), a template argument when
-    there are any or sinks; sinks: whether the kernel joins attention sinks (then a last template
-    argument, true)."""
+    there are any or sinks or dropout; sinks: whether the kernel joins attention sinks (then a
+    template argument, true); dropout: the DropoutArgs instantiation (kernels_cu/philox.cuh)."""
     b = "true" if tile.pingpong else "false"
     f = (f", {_modifiers.transform(transforms, 'float', False, _config.dtype_name(dtype))}"
-         if transforms or sinks else "") + (", true" if sinks else "")
+         if transforms or sinks or dropout else "") + (", true" if sinks else "")
+    if dropout:
+        f += f"{'' if sinks else ', false'}, DropoutArgs"
     return (f"fwd_wgmma<{_config.c_types(dtype)[0]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
             f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}, {mb}{f}>")
 
@@ -102,6 +105,11 @@ def instantiations():
              name_expression(dt, dims, pick_tile(dims, mb, tf), mb, tf, sk))
             for dt in _config.MMA_DTYPES for dims in DIMS for tf in TRANSFORMS
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES) for sk in (False, True)]
+    # with dropout: no transform, no sinks (takes leaves those to fwd_mma or the generic kernels)
+    main += [("fwd_wgmma", dt, dims[0], SOURCE,
+              name_expression(dt, dims, pick_tile(dims, mb), mb, (), False, True))
+             for dt in _config.MMA_DTYPES for dims in DIMS
+             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
     return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
@@ -228,6 +236,8 @@ def takes(p):
         return False
     if p.dtype.name not in _config.MMA_DTYPES or not p.scale > 0:
         return False  # the kernel folds the scale into exp2 and takes maxima of unscaled scores
+    if p.dropout_p and (p.transforms or p.sinks is not None):
+        return False  # dropout with a transform or sinks: fwd_mma or the generic kernels
     if max(p.Nq, p.Nk) > _config.MMA_MAX_LEN or not _runtime.wgmma_available():
         return False
     if short_bounded_rows(p, dims) and _runtime.overrides().path != NAME:
@@ -249,7 +259,8 @@ def _recipe(p, dims, launch):
     names = _modifiers.names(p)
     tile = pick_tile(dims, mb, names)
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names,
-                                                         p.sinks is not None), arch=ARCH)
+                                                         p.sinks is not None,
+                                                         bool(p.dropout_p)), arch=ARCH)
     smem = smem_bytes(dims, tile, mb)
     _runtime.opt_in(kern, smem)
     blocks = -(-p.Nq // block_m(tile)) * p.BH
@@ -283,7 +294,8 @@ def forward(p):
                        if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
     run(launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix) + sizes
         + (args.offsets, _runtime.ptr(p.mask), _runtime.ptr(p.bias)) + strides + (classes,)
-        + scalars + (_runtime.ptr(_modifiers.table(p)), _runtime.ptr(p.sinks)))
+        + scalars + (_runtime.ptr(_modifiers.table(p)), _runtime.ptr(p.sinks))
+        + _runtime.dropout_args(p))
     has_mb = launch.mb != MB_NONE or bool(p.transforms)
     # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
     _generic.launch_fwd_lost(args, out, lse, fix, blocks, bm, np.inf if has_mb else None)

@@ -20,6 +20,7 @@ TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels tak
 # the chains whose backward stores the bias's gradient (p.dbias; bwd_wide_dq's DBIAS twins of the
 # mask / bias tiles): none with a transform (dbias with softcap or ALiBi: the generic kernels)
 DBIAS = ((),)
+DROPOUT = False  # its kernels take no dropout: cuflash/_gpu.py skips it for a Problem with dropout
 SINKS = True  # whether its forward kernels join the sinks themselves (fwd_wide.cu SINKS)
 SOURCE, BWD_SOURCE = "fwd_wide.cu", "bwd_wide.cu"
 DTYPES = ("float32", "float64")

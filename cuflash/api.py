@@ -106,7 +106,23 @@ _OPTIONS_DOC = """\
         operands, error no larger than a plain float32 implementation's). "high": one
         TensorFloat-32 product (10-bit mantissas, like ``torch.backends.cuda.matmul.allow_tf32``):
         faster, with a relative error of the logits around 1e-3·|q|·|k|. Other dtypes, and the
-        NumPy path, compute as they always do whatever the value."""
+        NumPy path, compute as they always do whatever the value.
+    dropout_p : float, default 0.0
+        Attention dropout, as FlashAttention and torch SDPA apply it: each weight of the softmax
+        P (the undropped one: l and lse are unchanged) is kept with probability 1 - dropout_p
+        and then scaled by 1 / (1 - dropout_p), ``out = (Z ∘ P / (1 - dropout_p))·v`` with Z the
+        keep mask. A real number in [0, 1); 0 is no dropout (and then the same kernels, and
+        bitwise the same results, as without the option). Z is a pure function of dropout_seed
+        and of each element's (batch·head, query, key) index (Philox4x32-10, see Notes), so
+        the same seed gives the same mask on every path, tile size and device, on NumPy and CuPy
+        alike, and :func:`attention_backward` redraws it from the same seed.
+    dropout_seed : int or (int, int) or None, default None
+        The dropout mask's key: an int seed in [0, 2**64), or a pair (seed, offset) with offset
+        in [0, 2**32) (a plain int is (seed, 0)); a training loop keeps one seed and moves the
+        offset per step and layer. Required when dropout_p > 0; checked, then ignored, when
+        dropout_p is 0. It is data, not part of what a call plans (a new seed re-plans
+        nothing); a CUDA graph captures it by value. The backward must get the forward's seed
+        (:func:`attention_vjp` keeps it)."""
 
 _PACKED_DOC = """\
     cu_seqlens_q : int array or sequence of ints, shape (B + 1,), or None, default None
@@ -169,6 +185,8 @@ _TYPE_ERRORS_DOC = """\
         - alibi_slopes likewise.
         - cu_seqlens_q or cu_seqlens_k is not int32 / int64, or is a cupy.ndarray with NumPy
           inputs; max_seqlen_q / max_seqlen_k is not an int, or is None with CuPy offsets.
+        - dropout_p is not a real number (a bool is refused); dropout_p > 0 without
+          dropout_seed; dropout_seed, its seed or its offset is not an int (a bool is refused).
         - A keyword the function does not take (Python's own TypeError)."""
 
 _VALUE_ERRORS_DOC = """\
@@ -194,7 +212,9 @@ _VALUE_ERRORS_DOC = """\
           not (B + 1,) of one length; q, k, v are not (total, heads, D) with k's and v's
           (total_k, Hkv) equal; host offsets do not start at 0, decrease or do not end at the
           token count; max_seqlen is below the longest host sequence; mask, bias, kv_lens,
-          positions or block_table is given."""
+          positions or block_table is given.
+        - dropout_p is outside [0, 1) (NaN included); dropout_seed is a sequence of other than
+          two items, its seed is outside [0, 2**64) or its offset outside [0, 2**32)."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq
@@ -220,13 +240,20 @@ _NOTES_DOC = """\
     q ~ 1e20 against k ~ -1e20), give NaN out and lse, not an empty row. Keys past kv_lens are
     never read. Array values (q, k, v, mask, bias, and out, lse and dout in the backward) are
     never checked, because on the GPU that would need a synchronization; only a host kv_lens is
-    (a CuPy one is clamped on the device)."""
+    (a CuPy one is clamped on the device).
+
+    **Dropout.** With ``dropout_seed = (seed, offset)``, key j of query row i of the output's
+    flat (batch, head) index bh is kept iff ``r[j % 4] >= floor(dropout_p · 2**32)``, where
+    ``r = Philox4x32-10(counter=(j // 4, i, bh, offset), key=(seed % 2**32, seed // 2**32))``
+    (one Philox call per 4 consecutive keys; i and j are the indices in q's rows and k's keys,
+    bh counts the output's leading dims in C order). ``cuflash.reference.dropout_mask``
+    materializes it."""
 
 
 # The options each public function hands to make_problem, named as in its signature (one list,
 # so that a new option is added to the signatures and here, not to every call).
 OPTIONS = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
-           "precision", "softcap", "sinks", "alibi_slopes")
+           "precision", "softcap", "sinks", "alibi_slopes", "dropout_p", "dropout_seed")
 # packed variable-length batches' keywords (cuflash/_varlen.py), not make_problem's
 PACKED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
@@ -308,7 +335,8 @@ def _packed(fn, q, k, v, names, block_table=None, **backward_inputs):
     options = _options(names)
     packed = check_packed(fn, q, k, v, *(names[name] for name in PACKED), options["align"],
                           block_table=block_table,
-                          **{name: options[name] for name in PACKED_REFUSED if name in options})
+                          **{name: options[name] for name in PACKED_REFUSED if name in options},
+                          dropout_p=options["dropout_p"] or None)  # (0: none)
     if packed is None:
         return None
     xp, B = packed.xp, packed.B
@@ -350,8 +378,9 @@ def _packed_backward(packed, rows, problem, dout, out, lse, deterministic):
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
               bias=None, kv_lens=None, positions=None, precision=None, softcap=None, sinks=None,
-              alibi_slopes=None, block_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, return_lse=False):
+              alibi_slopes=None, dropout_p=0.0, dropout_seed=None, block_table=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+              return_lse=False):
     """Exact softmax attention, computed tile by tile in O(N) extra memory.
 
     ``softmax(scale·q·kᵀ + bias)·v`` over the keys each query sees, without ever holding the
@@ -522,7 +551,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
                        precision=None, softcap=None, sinks=None, alibi_slopes=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None, deterministic=False, return_dbias=False):
+                       max_seqlen_k=None, dropout_p=0.0, dropout_seed=None, deterministic=False,
+                       return_dbias=False):
     """Compute the gradients of :func:`attention` with respect to q, k and v (and the bias).
 
 
@@ -596,7 +626,9 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     mask gets no gradient; bias gets one with ``return_dbias=True``: dbias = P ∘ (dout·vᵀ - D),
     the gradient of the logit (see return_dbias). With sinks these formulas stand as they are
     (lse includes the sink, and its value 0 adds nothing to D), and
-    dsinks = -sum_i exp(t - lse_i)·D_i.
+    dsinks = -sum_i exp(t - lse_i)·D_i. With dropout (the forward's dropout_p and dropout_seed:
+    the same mask Z is redrawn, r = 1 / (1 - dropout_p)), dv = (r·Z ∘ P)ᵀ·dout and
+    dS = P ∘ (r·Z ∘ (dout·vᵀ) - D), D from the dropped out.
 
     A row with lse = -inf is empty and contributes nothing; a NaN lse gives NaN gradients (dq of
     that row, dk and dv of the keys it sees), never silent zeros. A row whose |lse| is at least
@@ -657,8 +689,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
 def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None,
                   mask=None, bias=None, kv_lens=None, positions=None, precision=None,
                   softcap=None, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
-                  return_dbias=False, return_lse=None):
+                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                  dropout_seed=None, deterministic=False, return_dbias=False, return_lse=None):
     """Forward pass plus a function for its vector-Jacobian product.
 
     For training without a framework: ``out, vjp = attention_vjp(q, k, v, ...)``, then
@@ -686,7 +718,8 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
     vjp : callable
         ``vjp(dout)``, with dout of out's shape, dtype and library, returns ``(dq, dk, dv)``
         (``(dq, dk, dv, dsinks)`` with sinks; dbias last with ``return_dbias=True``):
-        ``attention_backward(dout, q, k, v, out, lse, ...)`` with this call's inputs, options,
+        ``attention_backward(dout, q, k, v, out, lse, ...)`` with this call's inputs, options
+        (the dropout seed included: the same mask),
         out and lse.
 
     Raises

@@ -9,14 +9,19 @@ visibility mask literally from its definition.
 
 Inputs may be NumPy or CuPy arrays (CuPy arrays are copied to the host). Results are always NumPy
 ``float64`` arrays, whatever the input dtype.
+
+One piece is shared with the fast paths on purpose: dropout's keep mask comes from
+``cuflash._dropout`` (Philox4x32-10 in NumPy, the same bits as kernels_cu/philox.cuh), since a
+mask drawn any other way could not agree with theirs; tests/test_dropout.py checks that generator
+against a scalar Philox written from its definition and Random123's known answers.
 """
 import math
 
 import numpy as np
 
-from cuflash import _config, _validate
+from cuflash import _config, _dropout, _validate
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["attention", "attention_backward", "dropout_mask"]
 
 
 def _host(x):
@@ -29,11 +34,29 @@ def _host(x):
 
 
 def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions=None,
-           softcap=None, sinks=None, alibi_slopes=None):
-    """Reject bad input with the library's own messages; the Problem itself is not used."""
-    _validate.make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
-                           mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
-                           softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+           softcap=None, sinks=None, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+    """Reject bad input with the library's own messages; returns the checked dropout
+    (dropout_p, (seed, offset) or None); the Problem itself is not used otherwise."""
+    p = _validate.make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
+                               mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                               softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                               dropout_p=dropout_p, dropout_seed=dropout_seed)
+    return p.dropout_p, p.dropout_seed
+
+
+def dropout_mask(q, k, v, dropout_p, dropout_seed):
+    """The keep mask Z (bool, lead + (Nq, Nk)) that ``cuflash.attention(q, k, v,
+    dropout_p=dropout_p, dropout_seed=dropout_seed)`` applies, lead the output's leading shape
+    (README "Dropout": key j of row i of the flat (batch, head) bh is kept iff word j % 4 of
+    Philox4x32-10(counter=(j // 4, i, bh, offset), key=(seed % 2**32, seed // 2**32)) is at least
+    floor(dropout_p * 2**32)). All True for dropout_p = 0."""
+    dropout_p, seed = _check(q, k, v, None, False, "bottom-right", None, None, None, None,
+                             dropout_p=dropout_p, dropout_seed=dropout_seed)
+    q, k, v = (_host(x) for x in (q, k, v))
+    lead = _lead_shape(q, k, v)
+    if not dropout_p:
+        return np.ones(lead + (q.shape[-2], k.shape[-2]), dtype=bool)
+    return _dropout.dense_keep(lead, q.shape[-2], k.shape[-2], dropout_p, seed)
 
 
 def _lead_shape(q, k, v):
@@ -137,7 +160,7 @@ class _Dense:
 
     def __init__(self, q, k, v, scale, causal, align, window, mask, bias, kv_lens,
                  positions=None, work=np.float64, storage=None, softcap=None, sinks=None,
-                 alibi_slopes=None):
+                 alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
         self.work = work
         self.softcap = None if not softcap else float(softcap)  # None or 0: none
         self.storage = storage
@@ -166,6 +189,13 @@ class _Dense:
             slope = np.broadcast_to(_host(alibi_slopes).astype(np.float64), self.lead)
             self.alibi = -slope[..., None, None] * np.abs(p - j)
         self.values = self.v
+        # dropout: the kept weights' factor Z / (1 - p), lead + (Nq, Nk) (1 without dropout)
+        self.drop = None
+        if dropout_p:  # (a seed alone is (seed, 0), as the public functions read it)
+            if not isinstance(dropout_seed, (tuple, list)):
+                dropout_seed = (dropout_seed, 0)
+            z = _dropout.dense_keep(self.lead, nq, nk, dropout_p, dropout_seed)
+            self.drop = z / (1.0 - dropout_p)
         self.sinks = None
         if sinks is not None:
             self.sinks_shape = np.shape(_host(sinks))
@@ -174,6 +204,13 @@ class _Dense:
             self.visible = np.concatenate([self.visible, self.sinks != -np.inf], axis=-1)
             self.values = np.concatenate([self.v, np.zeros(self.lead + (1, self.v.shape[-1]))],
                                          axis=-2)
+            if self.drop is not None:  # the sink column (value 0) is kept
+                self.drop = np.concatenate([self.drop, np.ones(self.lead + (nq, 1))], axis=-1)
+
+    def _dropped(self, x):
+        """x (lead + (Nq, Nk [+ 1])) times Z / (1 - p): a dropped entry is exactly 0, also where x
+        is NaN or inf (README "Dropout"), a kept one scaled."""
+        return np.where(self.drop != 0, self.rnd(x * self.drop), 0)
 
     def rnd(self, x):
         if self.storage is None:
@@ -226,7 +263,7 @@ class _Dense:
         # sinks": an overflow, not an empty row), though the sink alone would make l > 0.
         s = self.logits()
         seen, m0, e, l = self._stats(s)
-        num = self.rnd(e @ self.values)
+        num = self.rnd((e if self.drop is None else self._dropped(e)) @ self.values)
         out = np.where(seen, self.rnd(num / np.where(seen, l, 1)), 0)
         lse = np.where(l == 0, np.nan, m0 + np.log(np.where(l == 0, 1, l)))
         lse = np.where(seen, lse, -np.inf)
@@ -254,8 +291,11 @@ class _Dense:
             p = np.where(lost, e / np.where(l == 0, 1, l), p)
         p = self.rnd(p)
         delta = self.rnd((dout * out).sum(axis=-1, keepdims=True))
-        dv = self.rnd(np.swapaxes(p, -1, -2) @ dout)
+        pz = p if self.drop is None else self._dropped(p)  # the dropped, scaled weights
+        dv = self.rnd(np.swapaxes(pz, -1, -2) @ dout)
         dp = self.rnd(dout @ np.swapaxes(self.values, -1, -2))
+        if self.drop is not None:  # d out / d P = Z / (1 - p) * (dout . v)
+            dp = self._dropped(dp)
         dlogit = self.rnd(p * self.rnd(dp - delta))  # d(loss) / d(logit): the bias's gradient
         ds = self.rnd(dlogit * grad)
         nk = self.k.shape[-2]  # the columns past nk: the sink's
@@ -276,8 +316,8 @@ class _Dense:
 
 def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=None, mask=None,
               bias=None, kv_lens=None, positions=None, softcap=None, sinks=None,
-              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, return_lse=False):
+              alibi_slopes=None, dropout_p=0.0, dropout_seed=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, return_lse=False):
     """Dense float64 attention with exactly the semantics of ``cuflash.attention``.
 
     Returns ``out`` (``lead + (Nq, Dv)``), or ``(out, lse)`` (``lse``: ``lead + (Nq,)``), as NumPy
@@ -285,14 +325,16 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     The logits are ``softcap * tanh(scale q k^T / softcap) + bias`` with a softcap, and with
     ALiBi ``... - slope * |p_i - j| + bias`` (p_i the query's aligned position). With sinks
     every row's softmax has one more column, of its head's sink logit and value 0 (visible unless
-    the sink is -inf): an empty row then gives out = 0, lse = the sink.
+    the sink is -inf): an empty row then gives out = 0, lse = the sink. With dropout,
+    ``out = (Z * P / (1 - dropout_p)) @ v`` with P the undropped softmax (lse is its) and Z
+    ``dropout_mask(q, k, v, dropout_p, dropout_seed)``.
 
     With ``cu_seqlens_q`` / ``cu_seqlens_k`` (packed sequences: q (total_q, H, Dk), ...) it is
     this function on each sequence alone, its (H, Lq, D) slices of q, k, v and the (H,) rows of
     sinks and alibi_slopes broadcast to (B, H): out (total_q, H, Dv), lse (total_q, H).
     """
     packed = _packed("attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, align, mask, bias, kv_lens, positions)
+                     max_seqlen_k, align, mask, bias, kv_lens, positions, dropout_p)
     if packed is not None:
         options = dict(scale=scale, causal=causal, align=align, window=window, softcap=softcap)
         out = np.zeros(packed.out_shape)
@@ -303,19 +345,19 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
                                                                                packed))
             out[rows], lse[rows] = ob.swapaxes(0, 1), lb.T
         return (out, lse) if return_lse else out
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks,
-           alibi_slopes)
+    dropout_p, seed = _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
+                             positions, softcap, sinks, alibi_slopes, dropout_p, dropout_seed)
     out, lse = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
-                      positions, softcap=softcap, sinks=sinks,
-                      alibi_slopes=alibi_slopes).forward()
+                      positions, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p, dropout_seed=seed).forward()
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, align="bottom-right",
                        window=None, mask=None, bias=None, kv_lens=None, positions=None,
-                       softcap=None, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       return_dbias=False):
+                       softcap=None, sinks=None, alibi_slopes=None, dropout_p=0.0,
+                       dropout_seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q=None, max_seqlen_k=None, return_dbias=False):
     """Dense float64 gradients ``(dq, dk, dv)`` of ``attention``, shaped like ``q``, ``k``, ``v``
     (and ``dsinks``, shaped like ``sinks``, with sinks).
 
@@ -334,14 +376,19 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     with respect to the slopes). With ``return_dbias=True`` the last result is ``dbias``, the
     gradient of the logit ``P * (dout V^T - D)`` (the softcap's derivative not applied: the bias
     is added after the cap), 0 where P is 0, summed over the axes on which bias broadcasts into
-    bias's shape. Results are NumPy float64. Packed sequences (cu_seqlens) as in
+    bias's shape. With dropout (Z the forward's mask, r = 1 / (1 - dropout_p)):
+    ``dV = (r Z * P)^T dout`` and ``dS = P * (r Z * (dout V^T) - D)``, D from the passed
+    (dropped) out. Results are NumPy float64. Packed sequences (cu_seqlens) as in
     :func:`attention`: each sequence alone, dsinks summed over them into sinks' shape.
     """
     if return_dbias and bias is None:
         raise ValueError("attention_backward: return_dbias=True asks for the gradient of bias, "
                          "but bias is None")
+    if return_dbias and dropout_p:
+        raise ValueError("attention_backward: return_dbias=True with dropout_p > 0 is not "
+                         f"supported yet, got dropout_p={dropout_p!r}")
     packed = _packed("attention_backward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, align, mask, bias, kv_lens, positions)
+                     max_seqlen_k, align, mask, bias, kv_lens, positions, dropout_p)
     if packed is not None:
         options = dict(scale=scale, causal=causal, align=align, window=window, softcap=softcap)
         grads = [np.zeros(x.shape) for x in (packed.q, packed.k, packed.v)]
@@ -360,21 +407,23 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
             return tuple(grads)
         shape = np.shape(_host(sinks))
         return tuple(grads) + (_sum_to(dsinks[..., None, None], shape + (1, 1)).reshape(shape),)
-    _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions, softcap, sinks,
-           alibi_slopes)
+    dropout_p, seed = _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens,
+                             positions, softcap, sinks, alibi_slopes, dropout_p, dropout_seed)
     dense = _Dense(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
-                   softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                   softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                   dropout_p=dropout_p, dropout_seed=seed)
     return dense.backward(dout, out, lse, dbias=bool(return_dbias))
 
 
 # ---- packed sequences (cu_seqlens): the dense reference on each sequence alone --------------
 
 def _packed(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, align, mask,
-            bias, kv_lens, positions):
+            bias, kv_lens, positions, dropout_p):
     """The library's checks of a packed call, on host copies (None: not packed)."""
     return _validate.check_packed(fn, *(_host(x) for x in (q, k, v)), _host(cu_seqlens_q),
                                   _host(cu_seqlens_k), max_seqlen_q, max_seqlen_k, align,
-                                  mask=mask, bias=bias, kv_lens=kv_lens, positions=positions)
+                                  mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
+                                  dropout_p=dropout_p or None)
 
 
 def _sequences(packed):

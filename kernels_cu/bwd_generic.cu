@@ -5,7 +5,8 @@
 //   bwd_dkdv        one block per key tile:   dV = P^T dO,  dK = scale * dS^T Q
 //   bwd_dq          one block per query tile: dQ = scale * dS K
 // with P = exp(s - lse) where visible and lse > -inf (else 0; a NaN lse gives NaN),
-// dS = P * (dP - delta), dP = dO V^T. Lost rows (finite |lse| >= lost, cuflash/_config.py
+// dS = P * (dP - delta), dP = dO V^T. With dropout (philox.cuh; Z the keep bits, r = 1 / (1 - p)):
+// dV = (Z P r)^T dO and dS = P * (Z dP r - delta), delta from the dropped out. Lost rows (finite |lse| >= lost, cuflash/_config.py
 // LOST_LSE) get lse_eff = +inf and delta = 0 here, so they contribute nothing; bwd_lost.cu adds
 // their exact gradients afterwards.
 // Every output element is written (zeros where nothing contributes): the host allocates with empty().
@@ -13,6 +14,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "generic_tiles.cuh"
+#include "philox.cuh"
 
 // delta[row] = sum_c dout[row, c] * out[row, c]; one warp per row, both inputs contiguous (rows, Dv).
 template <typename T, typename Acc>
@@ -56,12 +58,12 @@ __device__ __forceinline__ Acc recompute_p(Acc s, Acc scale, long long i, long l
 // Grid: x = key tile (BLOCK_N keys), (y, z) = batch*head. Each block walks only the query tiles
 // that can see its key tile (tile_query_range) and writes dk_acc (BH, Nk, Dk), dv_acc (BH, Nk, Dv).
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
-          typename F = NoTransform>
+          typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
          const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
          Acc* __restrict__ dk_acc, Acc* __restrict__ dv_acc, ATTN_INPUTS(Acc),
-         ATTN_ARGS_PARAMS(Acc)) {
+         ATTN_ARGS_PARAMS(Acc), const Drop... drop) {
   using Tile = GenericTile<HEAD_DIM, BLOCK_N, BLOCK_M>;
   constexpr int ROWS = Tile::ROWS, QUERIES = Tile::OTHER, COLS = Tile::COLS;
   constexpr int LD = Tile::LD, LDP = Tile::LDP;
@@ -82,6 +84,7 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
                   bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
   const F f = F::make(at_head(FLAT_MOD_ARGS, bh, h.w.shift), 0, Acc(1));  // the score transform, natural units
+  const auto dz = dropout_at<Acc>(bh, drop...);  // philox.cuh: none without a DropoutArgs
 
   Acc dk[ROWS][COLS], dv[ROWS][COLS];
   tile_zero(dk);
@@ -121,8 +124,9 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         const long long i = i0 + ir;
         Acc p = Acc(0), g = Acc(1);
         if (j < j_end) p = recompute_p(s[r][ii], scale, i, j, h.w, lse_s[ir], h.mb, f, g);
-        Ps[jr * LDP + ir] = p;
-        dSs[jr * LDP + ir] = p * (dp[r][ii] - delta_s[ir]) * g;
+        const bool kept = p == Acc(0) || dz.keep(i, j);  // (no bits drawn where P is 0)
+        Ps[jr * LDP + ir] = kept ? p : Acc(0);
+        dSs[jr * LDP + ir] = p * ((kept ? dz.scaled(dp[r][ii]) : Acc(0)) - delta_s[ir]) * g;
       }
     }
     __syncthreads();
@@ -161,7 +165,7 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     for (int c = 0; c < COLS; ++c) {
       const int col = lane + LANES_PER_ROW * c;
       if (col < Dk) dk_row[col] = dk[r][c] * scale;
-      if (col < Dv) dv_row[col] = dv[r][c];
+      if (col < Dv) dv_row[col] = dz.scaled(dv[r][c]);
     }
   }
 }
@@ -172,12 +176,12 @@ bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 // (0 where P is 0), the bias's gradient before its broadcast sum (the host zeroes the pairs no
 // tile reaches); without DBIAS dbias is null and unread.
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
-          typename F = NoTransform, bool DBIAS = false>
+          typename F = NoTransform, bool DBIAS = false, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
        const T* __restrict__ dout, const Acc* __restrict__ lse, const Acc* __restrict__ delta,
        Acc* __restrict__ dq_acc, ATTN_INPUTS(Acc), ATTN_ARGS_PARAMS(Acc),
-       Acc* __restrict__ dbias) {
+       Acc* __restrict__ dbias, const Drop... drop) {
   using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
   constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
   constexpr int LD = Tile::LD, LDP = Tile::LDP;
@@ -198,6 +202,7 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
       head_inputs(bh, q, k, v, dout, lse, delta, offsets, mask, bias, kv_lens, mask_rs, mask_cs,
                   bias_rs, bias_cs, BH, Nq, Nk, Dv, left, right, bottom_right);
   const F f = F::make(at_head(FLAT_MOD_ARGS, bh, h.w.shift), 0, Acc(1));  // the score transform, natural units
+  const auto dz = dropout_at<Acc>(bh, drop...);  // philox.cuh: none without a DropoutArgs
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, h.q, q_rs, i0, i_end, Dk);
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(dOs, h.dout, Dv, i0, i_end, Dv);
@@ -239,7 +244,8 @@ bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         if (j < j_end) {
           Acc g;
           const Acc p = recompute_p(s[r][jj], scale, i, j, h.w, lse_r[r], h.mb, f, g);
-          const Acc dlogit = p * (dp[r][jj] - delta_r[r]);
+          const bool kept = p == Acc(0) || dz.keep(i, j);  // (no bits drawn where P is 0)
+          const Acc dlogit = p * ((kept ? dz.scaled(dp[r][jj]) : Acc(0)) - delta_r[r]);
           ds = dlogit * g;
           if (DBIAS && db != nullptr) db[LANES_PER_ROW * jj] = p == Acc(0) ? Acc(0) : dlogit;
         }

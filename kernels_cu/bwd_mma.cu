@@ -44,6 +44,7 @@
 #include "attn_core.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
+#include "philox.cuh"
 
 // Every lse2 / delta buffer has Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head); LSE_PAD is a
 // multiple of every BLOCK_M (the host mirrors it in _mma_bwd.LSE_PAD).
@@ -300,19 +301,39 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
   if (threadIdx.x == 0 && i0 < Nq) lost_flags[bh * ((Nq + 31) / 32) + i0 / 32] = any;
 }
 
+// P^T's fragments 2 kk, 2 kk + 1 as the A operand of dV += P^T dO; with dropout (philox.cuh
+// dropped_keys' bits `zb`) the dropped entries 0 and the kept ones times 1 / (1 - p).
+template <typename T, int NQF, typename DZ>
+__device__ __forceinline__ void p_operand(const float (&s)[NQF][4], int kk, unsigned long long zb,
+                                          const DZ& dz, tc::u32 (&pa)[4]) {
+  if constexpr (DZ::ON) {
+    float a[4], b[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      a[k] = (zb >> (8 * kk + k)) & 1ull ? 0.f : dz.scaled(s[2 * kk][k]);
+      b[k] = (zb >> (8 * kk + 4 + k)) & 1ull ? 0.f : dz.scaled(s[2 * kk + 1][k]);
+    }
+    tc::acc_to_a<T>(a, b, pa);
+  } else {
+    tc::acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
+  }
+}
+
 // Grid: 1-D, blockIdx.x = bh * n_ntiles + key tile (DKDV_HALVES: times 2, + half): the blocks of
 // one (batch, head) run together (its Q and dO stay in L2), the first key tiles (the longest
 // causal ones) first. OPT: tcb::DkdvOpt.
 // HEAD_DIM: Dk (q, k, dq, dk); DV: Dv (v, dout, dv), DV != HEAD_DIM on padded tiles only.
+// Drop: empty, or DropoutArgs (philox.cuh): dV += (Z P^T / (1 - p)) dO and
+// dS^T = scale * P^T (Z dP^T / (1 - p) - delta), Z the forward's keep bits.
 template <typename T, int HEAD_DIM, int DV, int BLOCK_M, int NWARPS, bool KV_IN_REGS,
-          bool DQ_ATOMIC, typename Mod, int MIN_BLOCKS, int OPT>
+          bool DQ_ATOMIC, typename Mod, int MIN_BLOCKS, int OPT, typename... Drop>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              const T* __restrict__ dout, const float* __restrict__ lse2,
              const float* __restrict__ delta, float* __restrict__ dq_acc,
              float* __restrict__ dk_acc, float* __restrict__ dv_acc, const TileClasses classes,
              ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16,
-             float* __restrict__ dbias) {
+             float* __restrict__ dbias, const Drop... drop) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
@@ -442,6 +463,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, w.shift));
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
+  const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
 
   u32 ka[KV_IN_REGS ? KD : 1][4], va[KV_IN_REGS ? KD : 1][4];
 
@@ -465,6 +487,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
     const u32 qs = sQ + slot * QT_BYTES, dos = sdO + slot * QT_BYTES;
     const u32 ls = sL + slot * BLOCK_M * 4, des = sD + slot * BLOCK_M * 4;
+
+    // dropout: the entries the forward dropped (bit 4 nf + k; none without dropout)
+    const unsigned long long zb = dropped_keys<NQF>(dz, jw, i0, t);
 
     // S^T = K Q^T (raw dot products). WG: dP^T = V dO^T is issued with it.
     float s[NQF][4], dp[NQF][4];
@@ -509,7 +534,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     if constexpr (WG) {
       u32 pa[KM][4];
 #pragma unroll
-      for (int kk = 0; kk < KM; ++kk) acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa[kk]);
+      for (int kk = 0; kk < KM; ++kk) p_operand<T>(s, kk, zb, dz, pa[kk]);
       wg::regs_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128>(dv, pa, dos);
       wg::wait<1>();  // dP^T landed (dV may still run)
       wg::fence_acc(dp);
@@ -517,7 +542,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
     for (int kk = 0; kk < (WG ? 0 : KM); ++kk) {
       u32 pa[4];
-      acc_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
+      p_operand<T>(s, kk, zb, dz, pa);
 #pragma unroll
       for (int p = 0; p < DFV / 2; ++p) {
         u32 b[4];
@@ -534,6 +559,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dS^T = scale * P^T (dP^T - delta[query]) (times the modifier's derivative), in dp.
     constexpr bool GR = Mod::HAS_GRAD;
     tcb::with_query_values(dp, des, 0, t, [&](float x, float delta, int nf, int e) {
+      if constexpr (decltype(dz)::ON) x = (zb >> (4 * nf + e)) & 1ull ? 0.f : dz.scaled(x);
       if constexpr (DBIAS)  // the bias's gradient (HALVES: by the first block of the two)
         if (half == 0)
           store_dbias(dbias, bh, Nq, Nk, i0 + nf * 8 + 2 * t + e % 2, jw + 8 * (e / 2), s[nf][e],
@@ -649,13 +675,14 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 // BLOCK_M = 16 * NWARPS query rows, warp w owns rows [16 w, 16 w + 16); key tiles of BLOCK_N start
 // at the first visible key (tile_key_range) and stream through a STAGES-deep ring of K and V.
 // HEAD_DIM: Dk (q, k, dq); DV: Dv (v, dout).
+// Drop: empty, or DropoutArgs (philox.cuh): dS = scale * P (Z dP / (1 - p) - delta).
 template <typename T, int HEAD_DIM, int DV, int BLOCK_N, int NWARPS, int STAGES, typename Mod,
-          int MIN_BLOCKS>
+          int MIN_BLOCKS, typename... Drop>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
            const T* __restrict__ dout, const float* __restrict__ lse2,
            const float* __restrict__ delta, float* __restrict__ dq_acc, ATTN_INPUTS(float),
-           const AttnArgs a, int Nq_pad) {
+           const AttnArgs a, int Nq_pad, const Drop... drop) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
@@ -732,6 +759,7 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
+  const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
 
   for (int n = 0; n < n_tiles; ++n) {
     const int j0 = j_first + n * BLOCK_N;
@@ -779,6 +807,9 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
       modify_all(s, with_grad(mod, gr), i0 + warp * 16 + g, j0, t);
     }
+
+    // dropout: dP's dropped entries 0, the kept ones times 1 / (1 - p) (no code without)
+    drop_rows<true>(dp, dz, i0 + warp * 16 + g, j0, t);
 
     // dS = scale * P (dP - delta) (times the modifier's derivative),
     // P = exp2(S * scale * log2e - lse2[row]).

@@ -8,13 +8,14 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "generic_tiles.cuh"
+#include "philox.cuh"
 
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N,
-          typename F = NoTransform>
+          typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc),
-            ATTN_ARGS_PARAMS(Acc)) {
+            ATTN_ARGS_PARAMS(Acc), const Drop... drop) {
   using Tile = GenericTile<HEAD_DIM, BLOCK_M, BLOCK_N>;
   constexpr int ROWS = Tile::ROWS, KEYS = Tile::OTHER, COLS = Tile::COLS;
   constexpr int LD = Tile::LD, LDP = Tile::LDP;
@@ -38,6 +39,7 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   MaskBias<Acc> mb;
   set_head_mask_bias(mb, mask, bias, offsets, BH, bh, mask_rs, mask_cs, bias_rs, bias_cs);
   const F f = F::make(at_head(FLAT_MOD_ARGS, bh, w.shift), 0, Acc(1));  // the score transform, natural units
+  const auto dz = dropout_at<Acc>(bh, drop...);  // philox.cuh: none without a DropoutArgs
 
   load_tile<T, Acc, HEAD_DIM, BLOCK_M>(Qs, qh, q_rs, i0, i_end, Dk);
 
@@ -117,9 +119,12 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 #pragma unroll
         for (int jj = 0; jj < KEYS; ++jj) s[r][jj] = Acc(0);
       }
+      // dropout acts on P V only: l above is the undropped sum (the kept weights' 1 / (1 - p)
+      // joins the normalization at the end)
 #pragma unroll
       for (int jj = 0; jj < KEYS; ++jj)
-        Ps[(group + ROW_GROUPS * r) * LDP + lane + LANES_PER_ROW * jj] = s[r][jj];
+        Ps[(group + ROW_GROUPS * r) * LDP + lane + LANES_PER_ROW * jj] =
+            dz(s[r][jj], i, j0 + lane + LANES_PER_ROW * jj);
     }
 
     __syncthreads();  // everyone is done reading K and writing P
@@ -138,7 +143,8 @@ fwd_generic(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     const bool empty = has_mb ? !row_any((seen >> r) & 1u) : rows[r].lo > rows[r].hi;
     const long long i = i0 + group + ROW_GROUPS * r;
     if (i >= i_end) continue;
-    const Acc inv_l = empty ? Acc(0) : (l_row == Acc(0) ? quiet_nan<Acc>() : Acc(1) / l_row);
+    const Acc inv_l =
+        dz.scaled(empty ? Acc(0) : (l_row == Acc(0) ? quiet_nan<Acc>() : Acc(1) / l_row));
     T* out_row = out + (bh * Nq + i) * Dv;
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {

@@ -19,6 +19,7 @@
 #include "attn_core.cuh"
 #include "mma.cuh"
 #include "sinks.cuh"
+#include "philox.cuh"
 
 // One K or V tile copy: cp_tile, or cp_tile_inc with CHEAP_ADDR.
 template <bool CHEAP, int ROWS, int HEAD_DIM, int THREADS, typename T>
@@ -33,7 +34,8 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 // Grid: attn_core.cuh's query_tile (1-D, blockIdx.x = bh * n_mtiles + reversed query tile).
 //
 // SINKS: each row's softmax takes its head's sink logit sinks[bh] (sinks.cuh), joined at its end;
-// sinks is not read without.
+// sinks is not read without. Drop: empty, or DropoutArgs (philox.cuh): P's dropped entries are
+// zeroed after the softmax step (l stays the undropped sum), 1 / (1 - p) joins the end's factor.
 //
 // Two measured choices per tile (cuflash/_config.py FwdTile):
 //   CHEAP_ADDR  K/V copies with incremental addresses (cp_tile_inc: one 64-bit add per copy
@@ -43,11 +45,11 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 //               so V's copy overlaps Q K^T.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
           bool Q_IN_REGS, typename Mod, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT,
-          bool SINKS = false>
+          bool SINKS = false, typename... Drop>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         T* __restrict__ out, float* __restrict__ lse, ATTN_INPUTS(float), const AttnArgs a,
-        int* __restrict__ fix, const double* __restrict__ sinks) {
+        int* __restrict__ fix, const double* __restrict__ sinks, const Drop... drop) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   // HAS_MB: the score modifier works on every element; READS: it reads a mask or bias there (a
@@ -130,6 +132,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   const float scale_log2 = scale * LOG2E;
   const float sl2 = HAS_MB ? 1.f : scale_log2;
   const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, kt.w.shift));
+  const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
 
   u32 qreg[Q_IN_REGS ? MF : 1][Q_IN_REGS ? KD : 1][4];
 
@@ -200,6 +203,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
 
     sm.step(s, sl2);  // S -> P; m, l rescaled and advanced
+    if constexpr (decltype(dz)::ON) {  // dropout on P V only (l above is the undropped sum)
+      const int i_thr = opaque(i0 + warp_row0 + g);
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) drop_rows(s[mf], dz, i_thr + mf * 16, j0, t);
+    }
 
     // O += P V with P packed straight from the score accumulators into A fragments; acc's rescale
     // sits next to the first product that consumes it. The V addresses take a data
@@ -250,7 +258,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       const int r = warp_row0 + mf * 16 + g + 8 * h;
       const int i = i0 + r;
       const bool empty = row_empty(i, Nq, kt.b32);  // by position
-      float inv_l = sm.out_scale(l_row, empty);
+      float inv_l = dz.scaled(sm.out_scale(l_row, empty));  // (dropout: times 1 / (1 - p))
       // HAS_MB: l = 0 may be an all-masked row, and l = 0, NaN or inf a bias that overflowed in
       // log2 units (|bias| > FLT_MAX / log2e); else a max beyond the folded FFMA's accuracy
       refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())

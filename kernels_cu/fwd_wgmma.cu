@@ -36,7 +36,8 @@
 // folded FFMA's accuracy).
 //
 // SINKS: each row's softmax takes its head's sink logit sinks[bh] (sinks.cuh), joined at its end;
-// sinks is not read without.
+// sinks is not read without. Drop: empty, or DropoutArgs (philox.cuh), as in fwd_mma.cu: P's
+// dropped entries zeroed after the softmax step, 1 / (1 - p) in the end's factor.
 //
 // Requirements (cuflash/_wgmma_fwd.py): compute capability 9.0, the tensor maps of q, k, v
 // (16-byte aligned bases and strides, unit innermost stride), Dv a multiple of 8, scale > 0.
@@ -47,6 +48,7 @@
 #include "attn_core.cuh"
 #include "mma.cuh"
 #include "sinks.cuh"
+#include "philox.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -121,7 +123,7 @@ struct StagedMaskBias {
 };
 
 template <typename T, int DK, int DV, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS,
-          bool PINGPONG, int MB, typename F = NoTransform, bool SINKS = false>
+          bool PINGPONG, int MB, typename F = NoTransform, bool SINKS = false, typename... Drop>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
@@ -132,7 +134,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs,
           const TileClasses classes, double mod0, double mod1,
-          const double* __restrict__ mod_table, const double* __restrict__ sinks) {
+          const double* __restrict__ mod_table, const double* __restrict__ sinks,
+          const Drop... drop) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
@@ -319,7 +322,10 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   auto release_k = [&](int seq, bool after_mask) {
     if (after_mask == STAGED) tma::arrive(k_empty(seq % STAGES));
   };
-  auto to_p = [&]() {
+  const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
+  // P of tile `it` as P V's A operand (dropout: its dropped entries 0; l is the undropped sum)
+  auto to_p = [&](int it) {
+    drop_rows(s[0], dz, i0 + row_w + g, tile_start(it), t);
 #pragma unroll
     for (int kk = 0; kk < KN; ++kk) acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
   };
@@ -347,7 +353,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     mask_tile(first, 0);
     release_k(0, true);
     sm.step(s, sl2);
-    to_p();
+    to_p(first);
   }
   int k = 0;  // CLASSES: the tiles computed before this one
   for (int it = next_tile(first + 1); it < n_tiles; it = next_tile(it + 1)) {
@@ -370,7 +376,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     tma::arrive(v_empty(prev));
 #pragma unroll
     for (int pf = 0; pf < DF / 2; ++pf) sm.rescale(o[2 * pf], o[2 * pf + 1], 0);  // O *= alpha
-    to_p();
+    to_p(it);
   }
   if (first < n_tiles) {
     const int seq = CLASSES ? k : n_tiles - 1;
@@ -396,7 +402,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     const int r = row_w + g + 8 * hh;
     const int i = i0 + r;
     const bool empty = row_empty(i, Nq, b32);
-    float inv_l = sm.out_scale(l_row, empty);
+    float inv_l = dz.scaled(sm.out_scale(l_row, empty));  // (dropout: times 1 / (1 - p))
     refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())  // fwd_mma.cu's rules
                     : !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);
     if constexpr (SINKS) {  // the sink joins the row's softmax (refix read the keys' l, m)

@@ -26,6 +26,8 @@
 //                  dq += scale * dS K
 //   bwd_lost_keys  one warp per 128 keys of one (batch, head), after bwd_lost_rows: for each key
 //                  and each lost row that sees it, in row order: dv += P^T dO, dk += scale dS^T Q
+// With dropout (a trailing DropoutArgs, philox.cuh) both kernels draw the main kernels' keep bits:
+// dS = P (Z dP / (1 - p) - delta), dV += (Z P / (1 - p))^T dO.
 // Without lost rows a warp reads its rows' lse (or the flags of its keys' query range) and
 // returns. No atomics: each dq row and each dk / dv row has one owner: deterministic.
 //
@@ -35,6 +37,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "sinks.cuh"
+#include "philox.cuh"
 
 constexpr int LOST_CHUNK = 32;   // rows of the flattened (BH, Nq) per flag (one per lane)
 constexpr int LOST_SEG = 128;    // rows a warp checks at once (4 chunks); keys of a key item
@@ -181,10 +184,11 @@ __device__ __forceinline__ void for_each_row(unsigned bits, long long row0, F&& 
 // (BH,) each (batch, head)'s sink logit (-inf: none), or nullptr without sinks; sink_probs:
 // (BH, Nq), the lost rows' sink probabilities written (nullptr without sinks). dbias (nullptr:
 // none): (BH, Nq, Nk), the lost rows' logit gradients P (dP - delta) written over the visible keys.
-template <typename T, typename Acc, typename F = NoTransform>
+template <typename T, typename Acc, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* __restrict__ sinks,
-              double* __restrict__ sink_probs, Acc* __restrict__ dbias) {
+              double* __restrict__ sink_probs, Acc* __restrict__ dbias,
+              const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
   const long long n_items = static_cast<long long>(BH) * ((Nq + LOST_SEG - 1) / LOST_SEG);
@@ -209,6 +213,7 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* _
   for_each_row(bits, row0, [&](long long row) {
     const long long bh = row / Nq, i = row % Nq;
     const LostHead<T, Acc, F> h = LOST_HEAD(dout);
+    const auto dz = dropout_at<double>(bh, drop...);
     double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
     load_row(qi, h.q + i * h.q_rs, Dk);
     load_row(doi, h.dout + i * Dv, Dv);
@@ -239,7 +244,9 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* _
       const double qk = dot(qi, h.k + j * h.k_rs, Dk);
       if (!h.logit(x, qk, i, j, g)) continue;
       const double p = exp(x - m) / l;
-      const double dlogit = p * (dot(doi, h.v + j * h.v_rs, Dv) - delta);
+      const bool kept = dz.keep(i, j);  // warp-uniform
+      const double dlogit =
+          p * ((kept ? dz.scaled(dot(doi, h.v + j * h.v_rs, Dv)) : 0.0) - delta);
       if (dbias != nullptr && lane == 0)  // the bias's gradient (before F')
         dbias[row * Nk + j] = static_cast<Acc>(p == 0.0 ? 0.0 : dlogit);
       const double ds = dlogit * g;
@@ -258,9 +265,9 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* _
 // Grid: ceil(BH * ceil(Nk / LOST_SEG) / LOST_WARPS) blocks, after bwd_lost_rows (stats, flags):
 // warp item = LOST_SEG keys of one (batch, head). dk: (BH, Nk, Dk), dv: (BH, Nk, Dv) of DK (the
 // main kernels' output type), added to.
-template <typename T, typename Acc, typename DK, typename F = NoTransform>
+template <typename T, typename Acc, typename DK, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
-bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
+bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
@@ -269,6 +276,7 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
        item < BH * n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
   const long long bh = item / n_items;
   const LostHead<T, Acc, F> h = LOST_HEAD(dout);
+  const auto dz = dropout_at<double>(bh, drop...);
   const long long j0 = (item % n_items) * LOST_SEG;
   const long long j_last = j0 + LOST_SEG - 1 < Nk - 1 ? j0 + LOST_SEG - 1 : Nk - 1;
   const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
@@ -299,9 +307,10 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv) {
         if (!h.logit(x, qk, i, j, g)) continue;
         const double* st = stats + 3 * r;
         const double p = exp(x - st[0]) / st[1];
-        const double ds = p * (dot(vj, h.dout + i * Dv, Dv) - st[2]) * g;
+        const bool kept = dz.keep(i, j);  // warp-uniform
+        const double ds = p * ((kept ? dz.scaled(dot(vj, h.dout + i * Dv, Dv)) : 0.0) - st[2]) * g;
         axpy(dkj, ds, h.q + i * h.q_rs, Dk);
-        axpy(dvj, p, h.dout + i * Dv, Dv);
+        if (kept) axpy(dvj, dz.scaled(p), h.dout + i * Dv, Dv);
         touched = true;
       }
     }
@@ -333,12 +342,12 @@ template <> __device__ __forceinline__ double in_range<float>(double x) {
 // rows each). A flagged block's rows whose lse is NaN, +inf or lost (|lse| >= lost) get out (T)
 // and lse (Acc) recomputed in double. sinks: (BH,) each (batch, head)'s sink logit, joined to
 // the rows recomputed, or nullptr without sinks.
-template <typename T, typename Acc, typename F = NoTransform>
+template <typename T, typename Acc, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs a,
               double lost, const int* __restrict__ fix, int block_m,
-              const double* __restrict__ sinks) {
+              const double* __restrict__ sinks, const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const int n_mtiles = (Nq + block_m - 1) / block_m;
   const long long n_blocks = static_cast<long long>(BH) * n_mtiles;
@@ -360,6 +369,7 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   for_each_row(bits, row0, [&](long long row) {
     const long long bh = row / Nq, i = row % Nq;
     const LostHead<T, Acc, F> h = LOST_HEAD(static_cast<const T*>(nullptr));
+    const auto dz = dropout_at<double>(bh, drop...);
     double qi[LOST_COLS], acc[LOST_COLS];
     load_row(qi, h.q + i * h.q_rs, Dk);
 #pragma unroll
@@ -384,7 +394,11 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
       l = l * alpha + p;
 #pragma unroll
       for (int c = 0; c < LOST_COLS; ++c) acc[c] *= alpha;
-      axpy(acc, p, h.v + j * h.v_rs, Dv);
+      if constexpr (decltype(dz)::ON) {  // dropout: P V only (keep is warp-uniform)
+        if (dz.keep(i, j)) axpy(acc, p, h.v + j * h.v_rs, Dv);
+      } else {
+        axpy(acc, p, h.v + j * h.v_rs, Dv);
+      }
       m = m_new;
       }
     }
@@ -392,6 +406,7 @@ fwd_lost_rows(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     // With a sink, joined as the forward kernels join it (an empty row: 0 and the sink).
     const double nan = __longlong_as_double(0x7ff8000000000000LL);
     double inv_l = !seen ? 0.0 : (l == 0.0 || m == inf) ? nan : 1.0 / l;
+    if constexpr (decltype(dz)::ON) inv_l = dz.scaled(inv_l);  // the kept weights' 1 / (1 - p)
     double lse_row = !seen ? -inf : (l == 0.0 || m == inf) ? nan : m + log(l);
     if (sinks != nullptr) join_sink(in_range<Acc>(sinks[bh]), inv_l, lse_row);  // Acc's range
     T* orow = out + row * Dv;

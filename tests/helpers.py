@@ -86,10 +86,10 @@ def naive_attention_backward(dout, q, k, v, out, lse, **options):
 
 def _dense_options(options):
     names = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
-             "softcap", "sinks", "alibi_slopes")
+             "softcap", "sinks", "alibi_slopes", "dropout_p", "dropout_seed")
     defaults = dict(scale=None, causal=False, align="bottom-right", window=None, mask=None,
                     bias=None, kv_lens=None, positions=None, softcap=None, sinks=None,
-                    alibi_slopes=None)
+                    alibi_slopes=None, dropout_p=0.0, dropout_seed=None)
     return {name: options.get(name, defaults[name]) for name in names}
 
 

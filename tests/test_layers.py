@@ -12,6 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "cuflash"
 LAYERS = {
     "_config": 0, "_broadcast": 0, "_memo": 0,    # the leaves
     "_modifiers": 0,                              # (the score transforms' table)
+    "_dropout": 0,                                # (dropout's Philox bits on the host)
     "_validate": 1,                               # the Problem
     "_runtime": 2, "_tma": 2,                     # below the CUDA paths
     "_numpy": 2, "reference": 2,                  # the CPU path

@@ -1,0 +1,72 @@
+"""Dropout's random bits on the host: Philox4x32-10 in vectorized uint32 NumPy arithmetic, the
+same bits as kernels_cu/philox.cuh (DESIGN.md "Dropout", README "Dropout").
+
+The keep bit of element (bh, i, j) (bh the output's flat (batch, head) index, i the query row, j
+the key) for a call's ``dropout_seed = (seed, offset)``:
+
+    (r0, r1, r2, r3) = Philox4x32-10(counter = (j >> 2, i, bh, offset),
+                                     key = (seed & 0xffffffff, seed >> 32))
+    keep = r[j & 3] >= threshold,    threshold = floor(dropout_p * 2**32)
+
+one Philox call per 4 consecutive keys of a row. The NumPy path (cuflash/_numpy.py) draws its
+tiles' bits here, and the dense reference (cuflash/reference.py) materializes the whole mask here:
+the one piece of code the reference shares with a fast path (a test checks this generator against
+a scalar Philox written from its definition and Random123's known answers).
+"""
+import numpy as np
+
+M0, M1 = 0xD2511F53, 0xCD9E8D57   # Random123's multipliers
+W0, W1 = 0x9E3779B9, 0xBB67AE85   # its key increments (Weyl sequence)
+ROUNDS = 10
+_MASK32 = 0xFFFFFFFF
+MAX_SEED = 2**64 - 1
+MAX_OFFSET = 2**32 - 1
+
+
+def threshold(p):
+    """The uint32 threshold of dropout probability p in [0, 1): floor(p * 2**32) (exact: p * 2**32
+    is exact in float64); a word below it drops its key, so a key is kept with probability
+    1 - threshold / 2**32, within 2**-32 of 1 - p."""
+    return int(np.floor(float(p) * 2.0**32))
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 of ``counter`` (four uint32 arrays that broadcast together) under ``key``
+    (two ints): the four uint32 output words, arrays of the counters' broadcast shape."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
+    c0, c1, c2, c3 = np.broadcast_arrays(c0, c1, c2, c3)
+    k0, k1 = int(key[0]) & _MASK32, int(key[1]) & _MASK32
+    m0, m1, shift = np.uint64(M0), np.uint64(M1), np.uint64(32)
+    for r in range(ROUNDS):
+        if r > 0:
+            k0, k1 = (k0 + W0) & _MASK32, (k1 + W1) & _MASK32
+        p0 = c0.astype(np.uint64) * m0  # exact: both factors below 2**32
+        p1 = c2.astype(np.uint64) * m1
+        hi0, lo0 = (p0 >> shift).astype(np.uint32), p0.astype(np.uint32)
+        hi1, lo1 = (p1 >> shift).astype(np.uint32), p1.astype(np.uint32)
+        c0, c1, c2, c3 = (hi1 ^ c1 ^ np.uint32(k0), lo1, hi0 ^ c3 ^ np.uint32(k1), lo0)
+    return c0, c1, c2, c3
+
+
+def keep(seed, offset, thresh, bh, rows, j0, j1):
+    """The keep bits, bool, of keys [j0, j1) for the (batch, head)s ``bh`` and query rows
+    ``rows`` (int arrays that broadcast together, to a shape S): an array S + (j1 - j0,)."""
+    bh, rows = np.broadcast_arrays(np.asarray(bh, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+    g0 = j0 >> 2
+    g1 = (((j1 - 1) >> 2) + 1) if j1 > j0 else g0
+    groups = np.arange(g0, g1, dtype=np.int64)
+    words = philox4x32_10((groups, rows[..., None], bh[..., None], np.int64(offset)),
+                          (seed & _MASK32, (seed >> 32) & _MASK32))
+    bits = np.stack(words, axis=-1).reshape(bh.shape + (4 * (g1 - g0),))  # key 4 g + word
+    start = j0 - 4 * g0
+    return bits[..., start:start + (j1 - j0)] >= np.uint32(thresh)
+
+
+def dense_keep(lead, Nq, Nk, dropout_p, dropout_seed):
+    """The whole keep mask, bool lead + (Nq, Nk), of a call's dropout_p and (seed, offset): what
+    cuflash/reference.py applies (and tests may look at)."""
+    seed, offset = dropout_seed
+    BH = int(np.prod(lead, dtype=np.int64))
+    z = keep(seed, offset, threshold(dropout_p), np.arange(BH)[:, None], np.arange(Nq)[None, :],
+             0, Nk)
+    return z.reshape(tuple(lead) + (Nq, Nk))
