@@ -13,14 +13,12 @@ import pytest
 import cuflash
 from cuflash import (_dropout, _generic, _gpu, _mma_bwd, _mma_fwd, _numpy, _runtime, _validate,
                      _wgmma_fwd, reference)
-from helpers import (BFLOAT16, call_public, check_backward, check_forward, to_array, to_host)
+from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_backward, check_forward, dtype_of,
+                     to_array, to_host)
+from test_softcap import _options as _shared_options
 
-DTYPES = ["float64", "float32", "float16"] + (["bfloat16"] if BFLOAT16 is not None else [])
+DTYPES = DTYPE_NAMES
 SEED = (0x0123456789ABCDEF, 17)
-
-
-def _dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
 # ---- a scalar Philox4x32-10, written from its definition (Salmon et al., SC'11) ---------------
@@ -160,23 +158,11 @@ def test_gradients_match_finite_differences(attention, backward, rng):
 
 def _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, xp=np):
     shapes = (lq + (Nq, Dk), lkv + (Nk, Dk), lkv + (Nk, Dv))
-    return [to_array(xp, rng.standard_normal(s), _dtype(dtype)) for s in shapes]
+    return [to_array(xp, rng.standard_normal(s), dtype_of(dtype)) for s in shapes]
 
 
 def _options(name, rng, lead, Nq, Nk, xp=np):
-    if name == "plain":
-        return {}
-    if name == "causal":
-        return dict(causal=True)
-    if name == "window-kv_lens":
-        lens = np.array([Nk, Nk // 3])[: lead[0]]
-        return dict(window=(20, 3), kv_lens=lens.reshape(lead[:1] + (1,) * (len(lead) - 1)))
-    if name == "mask-bias":
-        mask = rng.random(lead + (Nq, Nk)) < 0.8
-        mask[..., 3, :] = False  # an empty row
-        bias = rng.standard_normal((Nq, Nk))
-        bias[5, ::2] = -np.inf
-        return dict(mask=xp.asarray(mask), bias=xp.asarray(bias.astype(np.float32)), causal=True)
+    """test_softcap's cases by name, and two of dropout's own."""
     if name == "mask":  # no bound: the Hopper forward stages (and classifies) the mask's tiles
         mask = rng.random(lead + (Nq, Nk)) < 0.7
         mask[..., :, 64:128] = False  # a hidden key block
@@ -184,7 +170,7 @@ def _options(name, rng, lead, Nq, Nk, xp=np):
     if name == "softcap-alibi-sinks":
         return dict(softcap=3.0, alibi_slopes=xp.asarray(np.linspace(0.1, 0.5, lead[-1])),
                     sinks=xp.asarray(np.linspace(-1.0, 1.0, lead[-1])))
-    raise KeyError(name)
+    return _shared_options(name, rng, lead, Nq, Nk, xp)
 
 
 CASES = [("plain", (2,), (2,), 37, 53, 16, 16), ("causal", (2, 2), (2, 1), 40, 40, 8, 12),
@@ -200,7 +186,7 @@ def test_numpy_path(case, dtype, rng):
     opts = dict(_options(name, rng, lq, Nq, Nk), dropout_p=0.25, dropout_seed=SEED)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(np, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(np, rng.standard_normal(out.shape), dtype_of(dtype))
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
     check_backward(grads, dout, q, k, v, out, lse, **opts)
     out2, vjp = cuflash.attention_vjp(q, k, v, **opts)  # keeps the seed: the same mask
@@ -450,9 +436,9 @@ def test_cuda_mask_is_numpy_bitwise(mask, path, dtype, override):
     visible = None if not mask else np.random.default_rng(5).random((2, 3, Nq, Nk)) < 0.9
     opts = dict(dropout_p=p, dropout_seed=SEED, window=(45, 3), kv_lens=lens,
                 mask=None if visible is None else cupy.asarray(visible))
-    q = to_array(cupy, np.zeros((2, 3, Nq, D)), _dtype(dtype))
-    k = to_array(cupy, np.zeros((2, 3, Nk, D)), _dtype(dtype))
-    v = to_array(cupy, np.broadcast_to(np.eye(Nk), (2, 3, Nk, D)), _dtype(dtype))
+    q = to_array(cupy, np.zeros((2, 3, Nq, D)), dtype_of(dtype))
+    k = to_array(cupy, np.zeros((2, 3, Nk, D)), dtype_of(dtype))
+    v = to_array(cupy, np.broadcast_to(np.eye(Nk), (2, 3, Nk, D)), dtype_of(dtype))
     tc = dtype in ("float16", "bfloat16")
     hopper = _runtime.wgmma_available()
     want = {"mma": {"mma"}, "wgmma": {"wgmma" if hopper else "generic"},
@@ -504,7 +490,7 @@ def test_cuda_paths(case, dtype, path, rng, override):
                                      else "generic")
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(cupy, rng.standard_normal(out.shape), dtype_of(dtype))
     for deterministic in (False, True):  # (the mma.sync dQ kernel with True)
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                            **opts)
@@ -548,14 +534,14 @@ def test_cuda_tensor_core_backward(masked, dims, dtype, rng, override):
     override(poison=True)
     Dk, Dv = dims
     q, k, v = _inputs(rng, (2, 2), (2, 1), 97, 113, Dk, Dk, dtype, cupy)
-    v = to_array(cupy, rng.standard_normal((2, 1, 113, Dv)), _dtype(dtype))
+    v = to_array(cupy, rng.standard_normal((2, 1, 113, Dv)), dtype_of(dtype))
     opts = dict(causal=True, dropout_p=0.3, dropout_seed=SEED)
     if masked:
         opts["mask"] = cupy.asarray(rng.random((97, 113)) < 0.85)
     p = _validate.make_problem(q, k, v, **opts)
     assert _gpu.backward_path(p) == ("generic" if dims in _mma_bwd.NO_DROPOUT_DIMS else "mma")
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
-    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(cupy, rng.standard_normal(out.shape), dtype_of(dtype))
     for deterministic in (False, True):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                            **opts)
@@ -578,7 +564,7 @@ def test_cuda_lost_rows_with_dropout(dtype, rng, override):
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     assert np.abs(to_host(lse)[:, 4]).min() >= 2**12
     check_forward(out, lse, q, k, v, **opts)
-    dout = to_array(cupy, rng.standard_normal(out.shape), _dtype(dtype))
+    dout = to_array(cupy, rng.standard_normal(out.shape), dtype_of(dtype))
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
     check_backward(grads, dout, q, k, v, out, lse, **opts)
 
