@@ -694,11 +694,13 @@ class Plan:
             self.p = p
         p = self.p
         i32 = np.int32
-        # per-call workspace (from CuPy's pool, with out and lse): concurrent calls on other
-        # streams never share; ws_ml: each partial's (max, sum)
+        # per-call workspace (from CuPy's pool): concurrent calls on other streams never share;
+        # ws_ml: each partial's (max, sum). Its own allocation: the caller may keep out and lse
+        # (a token loop's outputs), which would keep a workspace carved with them alive.
         partials = self.n_items * self.rows if self.split_any else 1
         size = p.acc_dtype.itemsize * partials
-        out, lse, ws_out, ws_ml = _runtime.outputs(p, size * p.Dv, size * 2)
+        out, lse = _runtime.outputs(p)
+        ws_out, ws_ml = _runtime.carve(size * p.Dv, size * 2)
         counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
         if self.scalars is None:  # the layout's: the same for every call of the Plan
             self.scalars = self.strides + (

@@ -266,7 +266,8 @@ def carve(*specs):
 def outputs(p, *workspace):
     """A forward's out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), C-contiguous
     (the kernels' (BH, Nq, Dv) and (BH, Nq)), then one MemoryPointer per workspace size in
-    bytes, from one allocation (`carve`)."""
+    bytes, from one allocation (`carve`). Only small workspaces belong here (a forward's flags):
+    the caller's out and lse keep the whole allocation alive."""
     return carve((p.out_shape, p.dtype), (p.lse_shape, p.acc_dtype), *workspace)
 
 
