@@ -213,8 +213,9 @@ _lost_plans = _memo.Memo(256)
 
 def launch_fwd_lost(args, out, lse, fix, blocks, block_m, lost=None):
     """fwd_lost_rows: in the ``blocks`` blocks of the tensor-core forward flagged in ``fix``
-    (int32, its launch order), recompute in double out and lse of the rows whose lse came out NaN, +inf or lost
-    (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only reads the flags.
+    (int32, its launch order), recompute in double out and lse of the rows whose lse came out
+    NaN, +inf or lost (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only
+    reads the flags.
     With sinks (p.sinks) it joins them to those rows, as the forward kernels (SINKS) did."""
     p = args.p
 
