@@ -194,7 +194,11 @@ def dbias_buffer(p, dtype):
         return None
     import cupy
     shape = (p.BH, p.Nq, p.Nk)
-    return _runtime.empty(shape, dtype) if walks_every_pair(p) else cupy.zeros(shape, dtype)
+    every = _walks.build(p.key, lambda: walks_every_pair(p))  # (the layout's: per signature)
+    return _runtime.empty(shape, dtype) if every else cupy.zeros(shape, dtype)
+
+
+_walks = _memo.Memo(256)
 
 
 def walks_every_pair(p):

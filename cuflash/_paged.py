@@ -18,7 +18,6 @@ Entries of the table are clamped to [0, num_pages - 1] wherever they are read (a
 never checked: that would synchronize); a host table's entries that the lengths reach are checked
 by make_problem. The append helper (`append`) writes new keys and values into the pages in place.
 """
-import contextlib
 
 import numpy as np
 
@@ -70,7 +69,7 @@ def gather(p):
         x = x.reshape((B, pg.max_pages) + pool.shape[1:]).transpose(0, 2, 1, 3, 4)
         return xp.ascontiguousarray(x).reshape(B, pool.shape[1], Nk, pool.shape[-1])
 
-    with (contextlib.nullcontext() if xp is np else p.q.device):
+    with _runtime.device_of(p.q):
         k, v = keys(p.k), keys(p.v)
     new = object.__new__(type(p))
     new.__dict__.update(p.__dict__)

@@ -325,7 +325,10 @@ def graph_safe(x):
 
 def device_of(x):
     """The context that makes CuPy array x's device current: a null one when it is already
-    (entering a cupy.cuda.Device costs a microsecond of a small call's host time)."""
+    (entering a cupy.cuda.Device costs a microsecond of a small call's host time) and for a
+    NumPy array."""
+    if isinstance(x, np.ndarray):
+        return _NULL_CONTEXT
     import cupy
 
     dev = x.data.device_id

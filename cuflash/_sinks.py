@@ -11,7 +11,6 @@ P_sink_i = exp(t - L_i) (``probabilities``, then ``gradient``); the lost-row fix
 and overwrites its rows' P_sink with the exact value. Everything here runs in float64, on the
 Problem's library, without a synchronization.
 """
-import contextlib
 
 import numpy as np
 
@@ -68,10 +67,6 @@ def _kernel(name):
     return _kernels[name]
 
 
-def _device(p):
-    return contextlib.nullcontext() if p.xp is np else p.q.device
-
-
 def _join_numpy(a, t):
     """The NumPy form of kernels_cu/sinks.cu sink_join, elementwise: (f, L) of float64 arrays a, t."""
     with np.errstate(all="ignore"):
@@ -96,7 +91,7 @@ def join(p, out, lse):
         with np.errstate(all="ignore"):
             return ((out.astype(np.float64) * f[..., None]).astype(p.dtype),
                     L.astype(lse.dtype))
-    with _device(p):
+    with _runtime.device_of(p.q):
         joined = _runtime.empty(lse.shape, lse.dtype)
         if out.flags.c_contiguous and lse.flags.c_contiguous and out.dtype == p.dtype:
             rows = p.BH * p.Nq
@@ -116,7 +111,7 @@ def probabilities(p, lse):
         lse = np.asarray(lse, dtype=np.float64).reshape(p.BH, p.Nq)
         with np.errstate(all="ignore"):
             return np.where(lse == -np.inf, 0.0, np.exp(p.sinks[:, None] - lse))
-    with _device(p):
+    with _runtime.device_of(p.q):
         prob = p.xp.empty((p.BH, p.Nq), dtype=np.float64)
         _kernel("probabilities")(lse.reshape(p.BH, p.Nq), p.sinks, np.int64(p.Nq), prob)
     return prob
@@ -126,7 +121,7 @@ def gradient(p, dout, out, prob):
     """dsinks = -sum_i P_sink_i D_i, D = rowsum(dout * out) in float64, summed over the rows and
     over the axes on which sinks broadcasts: sinks' shape, p.sinks_dtype."""
     xp = p.xp
-    with _device(p), np.errstate(all="ignore"):  # NaN and inf propagate as the formula says
+    with _runtime.device_of(p.q), np.errstate(all="ignore"):  # NaN and inf propagate as the formula says
         if xp is np:
             delta = np.einsum("...d,...d->...", dout.astype(np.float64), out.astype(np.float64))
         elif (dout.flags.c_contiguous and out.flags.c_contiguous

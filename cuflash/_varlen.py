@@ -24,7 +24,6 @@ host offsets once per layout (memoized; their device copy by `_runtime.on_device
 device offsets at every call (their values are never read on the host; a value that breaks the
 offsets' rules gives unspecified results, but every index is clamped into the arrays).
 """
-import contextlib
 from collections import namedtuple
 
 import numpy as np
@@ -74,11 +73,6 @@ def rows(packed):
         found.append(_rows.build(key, lambda: _build_rows(
             xp, cu if xp is np else _runtime.on_device(cu), total, n, end_aligned)))
     return tuple(found)
-
-
-def device(x):
-    """The device context of a CuPy array (nothing for a NumPy one)."""
-    return contextlib.nullcontext() if isinstance(x, np.ndarray) else x.device
 
 
 def _bits(x):

@@ -317,9 +317,8 @@ def _backward(problem, dout, out, lse, deterministic=False):
                 g = g if g.shape == shape else g.reshape(shape)
                 grads.append(_broadcast.reduce_to_lead(xp, g, x.shape).astype(problem.dtype,
                                                                              copy=False))
-        if problem.dbias:  # dS per (batch, head, query, key), summed where the bias broadcasts
-            g = rest[0].reshape(problem.lead + (problem.Nq, problem.Nk))
-            with np.errstate(over="ignore"):
+            if problem.dbias:  # dS per (batch, head, query, key), summed where bias broadcasts
+                g = rest[0].reshape(problem.lead + (problem.Nq, problem.Nk))
                 dbias = _broadcast.sum_to_shape(xp, g, problem.bias_shape).astype(
                     problem.bias_dtype, copy=False)
     if prob is not None:
@@ -344,7 +343,7 @@ def _packed(fn, q, k, v, names, block_table=None, **backward_inputs):
     if packed is None:
         return None
     xp, B = packed.xp, packed.B
-    with _varlen.device(q):
+    with _runtime.device_of(q):
         bufs = [_varlen.empty(xp, x.shape, n, B, x.dtype)
                 for x, n in ((q, packed.max_q), (k, packed.max_k), (v, packed.max_k))]
         options["kv_lens"] = packed.kv_lens
@@ -360,7 +359,7 @@ def _packed(fn, q, k, v, names, block_table=None, **backward_inputs):
 
 def _packed_forward(packed, rows, problem):
     """out (total_q, H, Dv) and lse (total_q, H) of a packed call."""
-    with _varlen.device(packed.q):
+    with _runtime.device_of(packed.q):
         out, lse = _forward(problem)  # (B, H, max_q, Dv), (B, H, max_q)
         return _varlen.unpad(packed.xp, out, rows[0]), _varlen.unpad(packed.xp, lse, rows[0])
 
@@ -369,7 +368,7 @@ def _packed_backward(packed, rows, problem, dout, out, lse, deterministic):
     """The packed gradients: dout, out and lse padded as q is (padding rows: 0, 0 and -inf,
     i.e. empty rows that add nothing), the padded gradients gathered back."""
     xp = packed.xp
-    with _varlen.device(packed.q):
+    with _runtime.device_of(packed.q):
         padded = []
         for x, value in ((dout, 0), (out, 0), (lse, -np.inf)):
             buf, view = _varlen.empty(xp, x.shape, packed.max_q, packed.B, x.dtype)
