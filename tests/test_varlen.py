@@ -7,6 +7,8 @@ synchronization, CUDA graphs.
 Sequence b holds queries q[cu_q[b]:cu_q[b + 1]] and keys k[cu_k[b]:cu_k[b + 1]]; every mask
 option is aligned per sequence with its own lengths Lq, Lk (bottom-right: query i sees key j iff
 j <= i + Lk - Lq when causal)."""
+import inspect
+
 import numpy as np
 import pytest
 
@@ -466,8 +468,8 @@ def test_cuda_decode(path, dtype, rng, override):
     Lq, Lk = [1, 3, 1, 2], [1500, 700, 0, 2048]
     q, k, v, cq, ck = packed_inputs(rng, Lq, Lk, 8, 2, 128, 128, dtype, cupy)
     opts = dict(causal=True)
-    names = {**{n: None for n in api.OPTIONS}, **opts, "align": "bottom-right",
-             "cu_seqlens_q": cq, "cu_seqlens_k": ck, "max_seqlen_q": None, "max_seqlen_k": None}
+    defaults = {n: a.default for n, a in inspect.signature(cuflash.attention).parameters.items()}
+    names = {**defaults, **opts, "cu_seqlens_q": cq, "cu_seqlens_k": ck}
     assert _gpu.forward_path(api._packed("attention", q, k, v, names)[2]) == "split"
     out, lse = cuflash.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True,
                                  **opts)
