@@ -19,11 +19,6 @@ M0, M1 = 0xD2511F53, 0xCD9E8D57   # Random123's multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85   # its key increments (Weyl sequence)
 ROUNDS = 10
 _MASK32 = 0xFFFFFFFF
-# Dropout on CuPy arrays: its CUDA kernels (kernels_cu/philox.cuh and the paths' Drop packs)
-# compile spill-free but had not run on a GPU when they landed (eighteenth session: no device
-# time left); until tests/test_dropout.py's GPU tests pass on one (they turn this on), CuPy
-# calls with dropout_p > 0 are refused by name (cuflash._validate._check_dropout_enabled).
-CUDA_ENABLED = False
 MAX_SEED = 2**64 - 1
 MAX_OFFSET = 2**32 - 1
 

@@ -353,14 +353,6 @@ def _seed_int(fn, name, value, limit):
     return int(value)
 
 
-def _check_dropout_enabled(fn, dropout_p, on_gpu):
-    """Dropout on CuPy arrays waits for its CUDA kernels' first GPU test run
-    (cuflash._dropout.CUDA_ENABLED): until then a named refusal, never an unverified result."""
-    if dropout_p and on_gpu and not _dropout.CUDA_ENABLED:
-        raise ValueError(f"{fn}: dropout_p > 0 on CuPy arrays is not enabled yet (its CUDA "
-                         "kernels have not passed their GPU tests); NumPy arrays take it")
-
-
 def check_dropout_seed(fn, dropout_seed, dropout_p):
     """(seed, offset) as ints: dropout_seed is an int seed (offset 0) or a pair (seed, offset),
     seed in [0, 2**64), offset in [0, 2**32); required when dropout_p > 0 (TypeError without),
@@ -946,7 +938,6 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
             if known.pages is not None:
                 kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
             seed = check_dropout_seed(fn, dropout_seed, known.dropout_p)  # data: every call
-            _check_dropout_enabled(fn, known.dropout_p, known.xp is not np)
             return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes,
                                      block_table, seed)
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
@@ -1048,7 +1039,6 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     sinks_shape, sinks_dtype = _check_sinks(fn, sinks, lead, lib, device, acc_dtype)
     dropout_p = _check_dropout_p(fn, dropout_p)
     dropout_seed = check_dropout_seed(fn, dropout_seed, dropout_p)
-    _check_dropout_enabled(fn, dropout_p, lib == "cupy")
     if dbias and dropout_p:  # (no kernel stores dS with the dropout's keep bits yet)
         raise ValueError(f"{fn}: return_dbias=True with dropout_p > 0 is not supported yet, got "
                          f"dropout_p={dropout_p!r}")

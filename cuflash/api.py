@@ -116,9 +116,7 @@ _OPTIONS_DOC = """\
         bitwise the same results, as without the option). Z is a pure function of dropout_seed
         and of each element's (batch·head, query, key) index (Philox4x32-10, see Notes), so
         the same seed gives the same mask on every path, tile size and device, on NumPy and CuPy
-        alike, and :func:`attention_backward` redraws it from the same seed. For now NumPy
-        arrays only: CuPy calls with dropout_p > 0 are refused (ValueError) until the CUDA
-        kernels have passed their GPU tests (README "Dropout").
+        alike, and :func:`attention_backward` redraws it from the same seed.
     dropout_seed : int or (int, int) or None, default None
         The dropout mask's key: an int seed in [0, 2**64), or a pair (seed, offset) with offset
         in [0, 2**32) (a plain int is (seed, 0)); a training loop keeps one seed and moves the
@@ -218,7 +216,7 @@ _VALUE_ERRORS_DOC = """\
           positions or block_table is given.
         - dropout_p is outside [0, 1) (NaN included); dropout_seed is a sequence of other than
           two items, its seed is outside [0, 2**64) or its offset outside [0, 2**32);
-          dropout_p > 0 with CuPy arrays (for now), with return_dbias or with cu_seqlens."""
+          dropout_p > 0 with return_dbias or with cu_seqlens."""
 
 _NOTES_DOC = """\
     **Which keys a query sees.** Query row i sits at the aligned position p = i + L - Nq

@@ -393,33 +393,7 @@ def test_a_bad_seed_is_refused_on_a_known_signature(rng):
 
 
 # ---- the CUDA paths ---------------------------------------------------------------------------
-# (CuPy calls with dropout are refused until these pass on a GPU: cuflash._dropout.CUDA_ENABLED;
-# the tests below turn it on, test_cuda_dropout_is_refused_until_enabled checks the refusal)
-
-@pytest.fixture
-def cuda_dropout(monkeypatch):
-    monkeypatch.setattr(_dropout, "CUDA_ENABLED", True)
-
-
 @pytest.mark.gpu
-def test_cuda_dropout_is_refused_until_enabled(rng):
-    """Before its kernels' GPU tests have passed, a CuPy call with dropout is a named refusal
-    (also for a signature that an enabled call validated before); p = 0 runs."""
-    import cupy
-    q, k, v = (cupy.asarray(x) for x in _inputs(rng, (), (), 4, 5, 8, 8, "float32"))
-    cuflash.attention(q, k, v, dropout_p=0.0)
-    for _ in range(2):
-        with pytest.raises(ValueError, match="^attention: dropout_p > 0 on CuPy arrays is not"):
-            cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=3)
-        _dropout.CUDA_ENABLED = True
-        try:
-            cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=3)
-        finally:
-            _dropout.CUDA_ENABLED = False
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_dropout")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["generic", "mma", "wgmma", "wide", "split", "auto"])
 @pytest.mark.parametrize("mask", [False, True], ids=["positions", "mask"])
@@ -466,7 +440,6 @@ GPU_CASES = [("plain", (2, 2), (2, 2), 97, 130, 64, 64),
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_dropout")
 @pytest.mark.parametrize("path", ["generic", "auto"])  # (the forced paths: the mask test above)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-nq{c[3]}-d{c[5]}x{c[6]}"
@@ -502,7 +475,6 @@ def test_cuda_paths(case, dtype, path, rng, override):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_dropout")
 def test_cuda_agrees_with_numpy(rng):
     """float64 on the GPU and on the CPU: the same mask, the same result to rounding."""
     import cupy
@@ -521,7 +493,6 @@ def test_cuda_agrees_with_numpy(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_dropout")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("dims", sorted(_mma_bwd.DKDV_TILES))  # (96, 96): declined
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
@@ -550,7 +521,6 @@ def test_cuda_tensor_core_backward(masked, dims, dtype, rng, override):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_dropout")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cuda_lost_rows_with_dropout(dtype, rng, override):
     """Lost rows (an additive finfo(float32).min padding bias) get their exact gradients from
@@ -571,7 +541,6 @@ def test_cuda_lost_rows_with_dropout(dtype, rng, override):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_dropout")
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_cuda_zero_keeps_the_path(dtype, rng):
     """dropout_p = 0 chooses the paths (and so the kernels) of the call without it, and gives
@@ -589,7 +558,6 @@ def test_cuda_zero_keeps_the_path(dtype, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_dropout")
 def test_cuda_paged_with_dropout(rng):
     """A paged decode call with dropout is gathered and runs on the generic kernels (decode
     declines dropout); it is the contiguous call's result."""

@@ -75,6 +75,10 @@ def option_cases():
     yield "bf16 d192x128 n4096 full", dict(B=4, H=8, Nq=4096, Nk=4096, D=192, Dv=128,
                                            dtype="bfloat16", opts={})
     yield "fp32 d64 n4096 full", dict(B=1, H=16, Nq=4096, Nk=4096, D=64, dtype="float32", opts={})
+    yield "fp32 d128 n4096 causal", dict(B=1, H=16, Nq=4096, Nk=4096, D=128, dtype="float32",
+                                         opts=dict(causal=True))
+    yield "fp32 d64 n4096 bias", dict(B=1, H=16, Nq=4096, Nk=4096, D=64, dtype="float32",
+                                      opts=dict(bias="full"))
     yield "fp64 d64 n2048 full", dict(B=1, H=16, Nq=2048, Nk=2048, D=64, dtype="float64", opts={})
 
 
