@@ -26,13 +26,14 @@ using tc::u32;
 using tc::for_each_entry;
 using tc::zero;
 
-// k-steps per rounding group of rows_times_rows (all of them where rounding is to nearest). Two
-// groups: one group of 8 k-steps measured about 3x a naive float32 product's largest error (dbias
-// at D = 64); two, in an emulation of the rounding, within 2x it at D = 32 ... 128 (RESULTS.md);
-// more groups spilled the D = 128 dK/dV kernel (a group's sum lives beside the result).
+// k-steps per rounding group of rows_times_rows (all of them where rounding is to nearest): at
+// least two groups, of at most 8. One group of 8 k-steps measured about 3x a naive float32
+// product's largest error (dbias at D = 64); two, in tools/tf32_rounding.py's emulation, within
+// 2x it at D = 32 ... 128; groups of 4 spilled the D = 128 dK/dV kernel (a group's sum lives
+// beside the result).
 template <typename Tc, int KD>
 __host__ __device__ constexpr int group_steps() {
-  return !Tc::ROUNDS_TOWARD_ZERO ? KD : KD % 2 == 0 ? KD / 2 : KD;
+  return !Tc::ROUNDS_TOWARD_ZERO ? KD : KD % 2 != 0 ? KD : KD / 2 < 8 ? KD / 2 : 8;
 }
 
 // s = A B^T over KD k-steps of 8 columns. A: this lane's MF m-fragments, a_lane the address of row
