@@ -33,7 +33,13 @@ using tc::zero;
 // beside the result).
 template <typename Tc, int KD>
 __host__ __device__ constexpr int group_steps() {
-  return !Tc::ROUNDS_TOWARD_ZERO ? KD : KD % 2 != 0 ? KD : KD / 2 < 8 ? KD / 2 : 8;
+  return !Tc::ROUNDS_TOWARD_ZERO     ? KD
+         : KD % 2 == 0 && KD / 2 <= 8 ? KD / 2
+         : KD % 8 == 0                ? 8
+         : KD % 6 == 0                ? 6
+         : KD % 4 == 0                ? 4
+         : KD % 2 == 0                ? 2
+                                      : 1;
 }
 
 // s = A B^T over KD k-steps of 8 columns. A: this lane's MF m-fragments, a_lane the address of row
@@ -47,6 +53,7 @@ __device__ __forceinline__ void rows_times_rows(T (&s)[MF][NF][4], u32 a_lane, u
   using tc::after;
   constexpr u32 E = sizeof(T);
   constexpr int G = group_steps<Tc, KD>();
+  static_assert(KD % G == 0, "rows_times_rows: every group ends in s");
   constexpr int PK = NF / 2;
   T c[MF][NF][4];
   zero(c);
