@@ -3,9 +3,14 @@
 Runs in CI (no device): NVRTC assembles for real architectures (sm_80, sm_90a) and its ptxas report
 (`--ptxas-options=-v`) gives registers, stack frame and spill bytes per kernel. The hot kernels
 (forward and backward, HEAD_DIM <= 128) must not spill or use a stack frame. One NVRTC program per
-(source file, architecture) compiles all of its instantiations at once (about 25 s each on a 2-core
-box; about 1 min for the whole file).
+(source file, architecture) compiles all of its instantiations at once; the programs build in
+parallel, one process per CPU (the largest first), when the first test asks for one.
 """
+import atexit
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 
 pytest.importorskip("cupy")
@@ -18,20 +23,44 @@ NO_SPILL_MAX_HEAD_DIM = 128
 INSTANTIATIONS = _gpu.instantiations()  # the catalog: every path's instantiations()
 CC90_ONLY = _gpu.cc90_only_instantiations()
 
-_builds = {}
+_builds = {}  # (filename, arch) -> a future of _build's result
 
 
-def _usage(filename, arch):
-    """{expr: ptxas resource dict} for every instantiation of `filename` (compiled once per arch)."""
-    key = (filename, arch)
-    if key not in _builds:
-        exprs = [e for _, _, _, f, e in INSTANTIATIONS if f == filename]
-        try:
-            _builds[key] = _runtime.resource_usage(filename, exprs, arch)
-        except compiler.CompileException as exc:  # keep the log in the failure message
-            _builds[key] = exc
-    result = _builds[key]
-    if isinstance(result, Exception):
+def _build(filename, exprs, arch):
+    """One NVRTC program's ptxas report, or the compiler's log as a string (an exception raised in
+    a worker process need not survive the trip back)."""
+    try:
+        return _runtime.resource_usage(filename, exprs, arch)
+    except compiler.CompileException as exc:
+        return str(exc)
+
+
+def _start_builds(items):
+    """The (file, arch) programs that the session's selected tests use, submitted at once to a
+    pool of one process per CPU."""
+    wanted = {(i.callspec.params["filename"], i.callspec.params["arch"]) for i in items
+              if getattr(i, "originalname", None) == "test_compiles_without_spills"}
+    by_file = {}
+    for _, _, _, f, e in INSTANTIATIONS:
+        by_file.setdefault(f, []).append(e)
+    pool = ProcessPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))),
+                               mp_context=multiprocessing.get_context("spawn"))
+    atexit.register(pool.shutdown, cancel_futures=True)
+    for f, exprs in sorted(by_file.items(), key=lambda item: -len(item[1])):
+        for arch in ARCHS:
+            if (f, arch) in wanted:
+                _builds[(f, arch)] = pool.submit(_build, f, exprs, arch)
+
+
+def _usage(filename, arch, items):
+    """{expr: ptxas resource dict} for every instantiation of `filename` (compiled once per arch;
+    `items`: the session's tests)."""
+    if not _builds:
+        _start_builds(items)
+    future = _builds.get((filename, arch))
+    result = future.result() if future is not None else _build(  # (not selected: here)
+        filename, [e for *_, f, e in INSTANTIATIONS if f == filename], arch)
+    if isinstance(result, str):
         pytest.fail(f"NVRTC failed for {filename} on {arch}:\n{result}")
     return result
 
@@ -65,8 +94,8 @@ def test_source_is_self_contained():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kernel,dtype,bucket,filename,expr", INSTANTIATIONS,
                          ids=[e for *_, e in INSTANTIATIONS])
-def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch):
-    info = _usage(filename, arch)[expr]
+def test_compiles_without_spills(kernel, dtype, bucket, filename, expr, arch, request):
+    info = _usage(filename, arch, request.session.items)[expr]
     assert "registers" in info, f"{expr}: no ptxas report for {arch}"
     if arch == "sm_80" and expr in CC90_ONLY:
         return  # requested on sm_90+ devices only (the TILES_CC90 of _mma_fwd, _wide)
