@@ -26,6 +26,11 @@ CC90_ONLY = _gpu.cc90_only_instantiations()
 _builds = {}  # (filename, arch) -> a future of _build's result
 
 
+def _exprs(filename):
+    """The catalog's name expressions of one source file."""
+    return [e for *_, f, e in INSTANTIATIONS if f == filename]
+
+
 def _build(filename, exprs, arch):
     """One NVRTC program's ptxas report, or the compiler's log as a string (an exception raised in
     a worker process need not survive the trip back)."""
@@ -40,9 +45,7 @@ def _start_builds(items):
     pool of one process per CPU."""
     wanted = {(i.callspec.params["filename"], i.callspec.params["arch"]) for i in items
               if getattr(i, "originalname", None) == "test_compiles_without_spills"}
-    by_file = {}
-    for _, _, _, f, e in INSTANTIATIONS:
-        by_file.setdefault(f, []).append(e)
+    by_file = {f: _exprs(f) for f in {f for *_, f, _ in INSTANTIATIONS}}
     pool = ProcessPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))),
                                mp_context=multiprocessing.get_context("spawn"))
     atexit.register(pool.shutdown, cancel_futures=True)
@@ -58,8 +61,8 @@ def _usage(filename, arch, items):
     if not _builds:
         _start_builds(items)
     future = _builds.get((filename, arch))
-    result = future.result() if future is not None else _build(  # (not selected: here)
-        filename, [e for *_, f, e in INSTANTIATIONS if f == filename], arch)
+    result = (future.result() if future is not None
+              else _build(filename, _exprs(filename), arch))  # (not selected: here)
     if isinstance(result, str):
         pytest.fail(f"NVRTC failed for {filename} on {arch}:\n{result}")
     return result

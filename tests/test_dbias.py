@@ -384,12 +384,6 @@ GPU_CASES = [
 ]
 
 
-# Failed on the H200 in the eighteenth session (the run that landed dbias: 189 of its GPU tests
-# passed, these 15 failed; the suite hit its time limit before printing why, so the margin is not
-# known). The float64 and 16-bit tensor-core cases of the same shapes pass, and the code is one
-# template across dtypes: suspected the per-element bound (2x a naive same-dtype dbias) at the
-# edge for float32 / generic-kernel accumulation, not confirmed. Strict: each must still fail, so
-# a fix (or a wrong diagnosis) shows. Diagnose first next session.
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["generic", "mma", "mma-sync", "wide", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -399,7 +393,7 @@ def test_cuda_paths(case, dtype, path, rng, override):
     sm_90 "mma" runs the wgmma dK/dV kernels, "mma-sync" the mma.sync ones), both dq orders,
     NaN-poisoned buffers: dbias against the reference, the path the call without dbias takes
     (the generic kernels with a transform or at a declined head dim), and the other gradients
-    bitwise the call's without dbias (where both run on one path)."""
+    against the reference."""
     import cupy
     override(poison=True)  # (an unzeroed dbias buffer too: every pair must be written)
     if path == "mma-sync":
