@@ -4,11 +4,13 @@ same bits as kernels_cu/philox.cuh (DESIGN.md "Dropout", README "Dropout").
 The keep bit of element (bh, i, j) (bh the output's flat (batch, head) index, i the query row, j
 the key) for a call's ``dropout_seed = (seed, offset)``:
 
-    (r0, r1, r2, r3) = Philox4x32-10(counter = (j >> 2, i, bh, offset),
+    (r0, r1, r2, r3) = Philox4x32-10(counter = ((j >> 6) * 4 + ((j >> 1) & 3), i, bh, offset),
                                      key = (seed & 0xffffffff, seed >> 32))
-    keep = r[j & 3] >= threshold,    threshold = floor(dropout_p * 2**32)
+    b = ((j >> 3) & 7) * 2 + (j & 1)             (a byte of the 16: byte b % 4 of word b // 4)
+    keep = byte b >= threshold,    threshold = round(dropout_p * 256)
 
-one Philox call per 4 consecutive keys of a row. The NumPy path (cuflash/_numpy.py) draws its
+one Philox call per 16 keys of a row, laid out as the tensor cores' accumulators hold them; kept
+weights are scaled by 256 / (256 - threshold). The NumPy path (cuflash/_numpy.py) draws its
 tiles' bits here, and the dense reference (cuflash/reference.py) materializes the whole mask here:
 the one piece of code the reference shares with a fast path (a test checks this generator against
 a scalar Philox written from its definition and Random123's known answers).
@@ -24,10 +26,20 @@ MAX_OFFSET = 2**32 - 1
 
 
 def threshold(p):
-    """The uint32 threshold of dropout probability p in [0, 1): floor(p * 2**32) (exact: p * 2**32
-    is exact in float64); a word below it drops its key, so a key is kept with probability
-    1 - threshold / 2**32, within 2**-32 of 1 - p."""
-    return int(np.floor(float(p) * 2.0**32))
+    """The byte threshold of dropout probability p: round(p * 256) (halves up; p * 256 is exact in
+    float64), a key being dropped where its byte is below it, so it is kept with probability
+    1 - threshold / 256: dropout_p's granularity is 1/256. None where p rounds to 1 (p >=
+    255.5 / 256, which the public functions refuse)."""
+    x = float(p) * 256.0
+    t = int(np.floor(x))
+    t += x - t >= 0.5  # (exact)
+    return t if t < 256 else None
+
+
+def rscale(p):
+    """The kept weights' factor: 256 / (256 - threshold(p)), 1 / the keep probability (so the
+    dropped output's expectation is the undropped one)."""
+    return 256.0 / (256 - threshold(p))
 
 
 def philox4x32_10(counter, key):
@@ -52,14 +64,18 @@ def keep(seed, offset, thresh, bh, rows, j0, j1):
     """The keep bits, bool, of keys [j0, j1) for the (batch, head)s ``bh`` and query rows
     ``rows`` (int arrays that broadcast together, to a shape S): an array S + (j1 - j0,)."""
     bh, rows = np.broadcast_arrays(np.asarray(bh, dtype=np.int64), np.asarray(rows, dtype=np.int64))
-    g0 = j0 >> 2
-    g1 = (((j1 - 1) >> 2) + 1) if j1 > j0 else g0
-    groups = np.arange(g0, g1, dtype=np.int64)
-    words = philox4x32_10((groups, rows[..., None], bh[..., None], np.int64(offset)),
+    j = np.arange(j0, max(j0, j1), dtype=np.int64)
+    b0 = j0 >> 6  # the calls of the 64-key blocks the keys touch: counters 4 b0 ...
+    n_ctr = 4 * ((((j1 - 1) >> 6) + 1 - b0) if j1 > j0 else 0)
+    ctr = np.arange(4 * b0, 4 * b0 + n_ctr, dtype=np.int64)
+    words = philox4x32_10((ctr, rows[..., None], bh[..., None], np.int64(offset)),
                           (seed & _MASK32, (seed >> 32) & _MASK32))
-    bits = np.stack(words, axis=-1).reshape(bh.shape + (4 * (g1 - g0),))  # key 4 g + word
-    start = j0 - 4 * g0
-    return bits[..., start:start + (j1 - j0)] >= np.uint32(thresh)
+    shifts = np.arange(0, 32, 8, dtype=np.uint32)
+    byte = np.stack([(w[..., None] >> shifts) & np.uint32(0xFF) for w in words], axis=-2)
+    byte = byte.astype(np.uint8).reshape(bh.shape + (n_ctr, 16))  # byte 4 word + k of a call
+    call = (j >> 6) * 4 + ((j >> 1) & 3) - 4 * b0
+    b = ((j >> 3) & 7) * 2 + (j & 1)
+    return byte[..., call, b] >= np.uint8(thresh)
 
 
 def dense_keep(lead, Nq, Nk, dropout_p, dropout_seed):

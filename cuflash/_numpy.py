@@ -92,11 +92,11 @@ class _Tiles:
         self.kt = np.swapaxes(self.k, -1, -2)
         self.heads = np.unravel_index(np.arange(bh), p.lead) if p.lead else ()
         self.bias_hides = p.bias is not None and bool(np.any(_core(p.bias) == -np.inf))
-        # dropout: the keep bits' threshold and 1 / (1 - p) in acc (cuflash/_dropout.py)
+        # dropout: the keep bits' threshold and the kept weights' factor in acc (cuflash/_dropout.py)
         self.dropout = bool(p.dropout_p)
         if self.dropout:
             self.threshold = _dropout.threshold(p.dropout_p)
-            self.rscale = acc.type(1.0 / (1.0 - p.dropout_p))
+            self.rscale = acc.type(_dropout.rscale(p.dropout_p))
 
     # -- blocking --------------------------------------------------------------------------
     def blocks(self):
@@ -244,7 +244,7 @@ def forward(problem):
         # visible logit -inf) is 0 / 0 = NaN, like a NaN l.
         denom = np.where(l == 0, np.nan, l)
         out = np.where(seen[..., None], acc / denom[..., None], 0)
-        if t.dropout:  # the kept weights' 1 / (1 - p)
+        if t.dropout:  # the kept weights' factor
             out *= t.rscale
         out = out.astype(p.dtype)
         lse = np.where(seen, m + np.log(denom), -np.inf).astype(acc_t)
@@ -352,7 +352,7 @@ def _lost_rows(t, rows, dout, out, dq, dk, dv, sink_probs=None, dbias=None):
         dp = np.einsum("nd,njd->nj", do, v)
         if t.dropout:  # the rows' keep bits: dS = P (Z dP r - D), dV += (Z P r)^T dO
             z = t.keep(b[:, None], i[:, None], j0, j1)[:, 0]
-            r = 1.0 / (1.0 - t.p.dropout_p)
+            r = _dropout.rscale(t.p.dropout_p)
             dp = np.where(z, dp * r, 0)
         ds = prob * (dp - d)
         if dbias is not None:

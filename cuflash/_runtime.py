@@ -390,7 +390,8 @@ ARGS_FIELDS = (tuple((f"{x}_{s}", "<i8") for x, s in (("q", "rs"), ("k", "rs"), 
                + (("mod_table", "<u8"),))
 ARGS_DTYPE = np.dtype(list(ARGS_FIELDS), align=True)  # C's layout: fields on natural alignment
 # kernels_cu/philox.cuh DropoutArgs: the trailing parameter of the kernels instantiated with
-# dropout (the seed, the counter's offset word, the keep threshold, 1 / (1 - dropout_p)).
+# dropout (the seed, the counter's offset word, the keep threshold round(dropout_p 256) and the
+# kept weights' factor 256 / (256 - threshold): cuflash/_dropout.py).
 DROPOUT_FIELDS = (("seed", "<u8"), ("offset", "<u4"), ("threshold", "<u4"), ("rscale", "<f8"))
 DROPOUT_DTYPE = np.dtype(list(DROPOUT_FIELDS), align=True)
 
@@ -403,7 +404,7 @@ def dropout_args(p):
     a = np.zeros((), dtype=DROPOUT_DTYPE)
     a["seed"], a["offset"] = p.dropout_seed
     a["threshold"] = _dropout.threshold(p.dropout_p)
-    a["rscale"] = 1.0 / (1.0 - p.dropout_p)
+    a["rscale"] = _dropout.rscale(p.dropout_p)
     return (a[()],)
 
 

@@ -334,13 +334,17 @@ def _check_window(fn, window, causal, unbounded, shift=0):
 
 
 def _check_dropout_p(fn, dropout_p):
-    """A real number in [0, 1) (not a bool); 0 is no dropout."""
+    """A real number in [0, 1) (not a bool) that does not round to 1 at the granularity 1/256;
+    0 is no dropout."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{fn}: dropout_p must be a real number in [0, 1), got "
                         f"{type(dropout_p).__name__} {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:  # (NaN fails too)
         raise ValueError(f"{fn}: dropout_p must lie in [0, 1), got {dropout_p!r}")
+    if _dropout.threshold(p) is None:
+        raise ValueError(f"{fn}: dropout_p rounds to 1 at dropout's granularity 1/256 (it must "
+                         f"be below 255.5/256 = 0.998046875), got {dropout_p!r}")
     return p
 
 

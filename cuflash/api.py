@@ -110,10 +110,12 @@ _OPTIONS_DOC = """\
         NumPy path, compute as they always do whatever the value.
     dropout_p : float, default 0.0
         Attention dropout, as FlashAttention and torch SDPA apply it: each weight of the softmax
-        P (the undropped one: l and lse are unchanged) is kept with probability 1 - dropout_p
-        and then scaled by 1 / (1 - dropout_p), ``out = (Z ∘ P / (1 - dropout_p))·v`` with Z the
-        keep mask. A real number in [0, 1); 0 is no dropout (and then the same kernels, and
-        bitwise the same results, as without the option). Z is a pure function of dropout_seed
+        P (the undropped one: l and lse are unchanged) is kept with probability 1 - p' and then
+        scaled by 1 / (1 - p'), ``out = (Z ∘ P / (1 - p'))·v`` with Z the keep mask and
+        p' = round(256·dropout_p) / 256 (dropout's granularity is 1/256, as in FlashAttention;
+        the scale follows p', so the expected out is the undropped one). A real number in
+        [0, 1) below 255.5/256; 0 is no dropout (and then the same kernels, and bitwise the same
+        results, as without the option). Z is a pure function of dropout_seed
         and of each element's (batch·head, query, key) index (Philox4x32-10, see Notes), so
         the same seed gives the same mask on every path, tile size and device, on NumPy and CuPy
         alike, and :func:`attention_backward` redraws it from the same seed.
@@ -628,7 +630,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     the gradient of the logit (see return_dbias). With sinks these formulas stand as they are
     (lse includes the sink, and its value 0 adds nothing to D), and
     dsinks = -sum_i exp(t - lse_i)·D_i. With dropout (the forward's dropout_p and dropout_seed:
-    the same mask Z is redrawn, r = 1 / (1 - dropout_p)), dv = (r·Z ∘ P)ᵀ·dout and
+    the same mask Z is redrawn, r = 1 / (1 - p'), p' = round(256·dropout_p) / 256), dv = (r·Z ∘ P)ᵀ·dout and
     dS = P ∘ (r·Z ∘ (dout·vᵀ) - D), D from the dropped out.
 
     A row with lse = -inf is empty and contributes nothing; a NaN lse gives NaN gradients (dq of

@@ -47,9 +47,10 @@ def _check(q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions
 def dropout_mask(q, k, v, dropout_p, dropout_seed):
     """The keep mask Z (bool, lead + (Nq, Nk)) that ``cuflash.attention(q, k, v,
     dropout_p=dropout_p, dropout_seed=dropout_seed)`` applies, lead the output's leading shape
-    (README "Dropout": key j of row i of the flat (batch, head) bh is kept iff word j % 4 of
-    Philox4x32-10(counter=(j // 4, i, bh, offset), key=(seed % 2**32, seed // 2**32)) is at least
-    floor(dropout_p * 2**32)). All True for dropout_p = 0."""
+    (README "Dropout": key j of row i of the flat (batch, head) bh is kept iff byte
+    b = 2 ((j // 8) % 8) + j % 2 (byte b % 4 of word b // 4) of Philox4x32-10(counter=
+    ((j // 64) * 4 + (j // 2) % 4, i, bh, offset), key=(seed % 2**32, seed // 2**32)) is at least
+    round(256 dropout_p)). All True for dropout_p = 0."""
     dropout_p, seed = _check(q, k, v, None, False, "bottom-right", None, None, None, None,
                              dropout_p=dropout_p, dropout_seed=dropout_seed)
     q, k, v = (_host(x) for x in (q, k, v))
@@ -189,13 +190,14 @@ class _Dense:
             slope = np.broadcast_to(_host(alibi_slopes).astype(np.float64), self.lead)
             self.alibi = -slope[..., None, None] * np.abs(p - j)
         self.values = self.v
-        # dropout: the kept weights' factor Z / (1 - p), lead + (Nq, Nk) (1 without dropout)
+        # dropout: the kept weights' factor Z r, r = 1 / (1 - p) at p's granularity 1/256
+        # (cuflash/_dropout.py rscale), lead + (Nq, Nk) (1 without dropout)
         self.drop = None
         if dropout_p:  # (a seed alone is (seed, 0), as the public functions read it)
             if not isinstance(dropout_seed, (tuple, list)):
                 dropout_seed = (dropout_seed, 0)
             z = _dropout.dense_keep(self.lead, nq, nk, dropout_p, dropout_seed)
-            self.drop = z / (1.0 - dropout_p)
+            self.drop = z * _dropout.rscale(dropout_p)
         self.sinks = None
         if sinks is not None:
             self.sinks_shape = np.shape(_host(sinks))
@@ -326,7 +328,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     ALiBi ``... - slope * |p_i - j| + bias`` (p_i the query's aligned position). With sinks
     every row's softmax has one more column, of its head's sink logit and value 0 (visible unless
     the sink is -inf): an empty row then gives out = 0, lse = the sink. With dropout,
-    ``out = (Z * P / (1 - dropout_p)) @ v`` with P the undropped softmax (lse is its) and Z
+    ``out = (Z * P / (1 - p')) @ v`` (p' = round(256 dropout_p) / 256) with P the undropped softmax (lse is its) and Z
     ``dropout_mask(q, k, v, dropout_p, dropout_seed)``.
 
     With ``cu_seqlens_q`` / ``cu_seqlens_k`` (packed sequences: q (total_q, H, Dk), ...) it is
@@ -376,7 +378,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     with respect to the slopes). With ``return_dbias=True`` the last result is ``dbias``, the
     gradient of the logit ``P * (dout V^T - D)`` (the softcap's derivative not applied: the bias
     is added after the cap), 0 where P is 0, summed over the axes on which bias broadcasts into
-    bias's shape. With dropout (Z the forward's mask, r = 1 / (1 - dropout_p)):
+    bias's shape. With dropout (Z the forward's mask, r = 1 / (1 - p'), p' = dropout_p rounded to
+    a multiple of 1/256):
     ``dV = (r Z * P)^T dout`` and ``dS = P * (r Z * (dout V^T) - D)``, D from the passed
     (dropped) out. Results are NumPy float64. Packed sequences (cu_seqlens) as in
     :func:`attention`: each sequence alone, dsinks summed over them into sinks' shape.

@@ -5,22 +5,28 @@
 // The keep bit of element (bh, i, j) of a call (bh: the output's flat (batch, head) index, i the
 // query row, j the key, both in the head's own indices) is a pure function of the call's
 // (seed, offset) and of that position, so it does not depend on tiles, path or device:
-//   (r0, r1, r2, r3) = Philox4x32-10(counter = (j >> 2, i, bh, offset),
+//   (r0, r1, r2, r3) = Philox4x32-10(counter = ((j >> 6) * 4 + ((j >> 1) & 3), i, bh, offset),
 //                                    key = (seed & 0xffffffff, seed >> 32))
-//   keep(bh, i, j)   = r[j & 3] >= threshold,   threshold = floor(dropout_p * 2^32)
-// (one Philox call per 4 consecutive keys of a row, word j & 3 for key j). A kept weight is
-// scaled by rscale = 1 / (1 - dropout_p); the softmax's l and lse stay the undropped ones.
+//   byte b = ((j >> 3) & 7) * 2 + (j & 1) of the call's 16 bytes (byte b & 3 of word r[b >> 2],
+//   the low byte first);   keep(bh, i, j) = byte >= threshold,   threshold = round(dropout_p * 256)
+// One call gives 16 keys of a row: in a 64-key block the keys 8 n + 2 c + {0, 1} (n = 0..7) of
+// the pair class c = (j >> 1) & 3, which are exactly what lane t = c of an mma.sync m16n8 (or
+// wgmma) accumulator holds of that row and block, so the rows = queries kernels draw one call per
+// row and 64 keys (drop_rows) and the rows = keys kernels share each call over a warp through
+// shuffles (dropped_keys). A kept weight is scaled by rscale = 256 / (256 - threshold) (the
+// estimate stays unbiased at dropout_p's granularity 1/256); the softmax's l and lse stay the
+// undropped ones.
 //
 // Kernels take dropout as a trailing parameter pack `const Drop... drop` (empty: no dropout, and
 // then no parameter and no code: the default instantiations are unchanged), made into the per-head
 // object by dropout_at<Acc>(bh, drop...): NoDropout, or Dropout<Acc>, whose
 //   ON                      says whether there is any work;
-//   keep(i, j)              the element's keep bit;
+//   keep(i, j)              the element's keep bit (one call; the generic and lost-row kernels);
+//   kept16(i, ctr)          the keep bits of call ctr of row i (bit b: byte b kept);
 //   (p, i, j)               p where kept, 0 where dropped (the P of P V and of dV = P^T dO);
-//   scaled(x)               x * rscale, rscale = 1 / (1 - dropout_p) in Acc (x without dropout),
-//                           which a kernel applies once per output (out, dV) and to the kept dP
-//                           (the backward's dS = P (Z dP rscale - D));
-//   keep2(i, j, k0, k1)     the bits of keys j and j + 1 (one Philox call when j is even).
+//   scaled(x)               x * rscale in Acc (x without dropout), which a kernel applies once per
+//                           output (out, dV) and to the kept dP (the backward's dS =
+//                           P (Z dP rscale - D)).
 // The tensor-core kernels apply it on their mma.sync fragments: drop_rows (rows = queries:
 // fwd_mma, fwd_wgmma, and bwd_mma_dq's dP with SCALED) and dropped_keys (rows = keys:
 // bwd_mma_dkdv's bit mask).
@@ -54,8 +60,8 @@ __device__ __forceinline__ Philox4 philox4x32_10(Philox4 c, unsigned k0, unsigne
 struct DropoutArgs {
   unsigned long long seed;
   unsigned offset;     // the counter's last word
-  unsigned threshold;  // floor(dropout_p * 2^32): a word below it drops its key
-  double rscale;       // 1 / (1 - dropout_p), rounded to Acc by the kernel
+  unsigned threshold;  // round(dropout_p * 256), 0..255: a byte below it drops its key
+  double rscale;       // 256 / (256 - threshold), rounded to Acc by the kernel
 };
 
 struct NoDropout {
@@ -63,46 +69,74 @@ struct NoDropout {
   template <typename Acc>
   __device__ __forceinline__ Acc operator()(Acc p, long long, long long) const { return p; }
   __device__ __forceinline__ bool keep(long long, long long) const { return true; }
-  __device__ __forceinline__ void keep2(long long, long long, bool& k0, bool& k1) const {
-    k0 = k1 = true;
-  }
   template <typename Acc>
   __device__ __forceinline__ Acc scaled(Acc x) const { return x; }
 };
 
+// The call of element (i, j): its counter's first word.
+__device__ __forceinline__ unsigned dropout_counter(long long j) {
+  return static_cast<unsigned>(j >> 6) * 4u + (static_cast<unsigned>(j >> 1) & 3u);
+}
+
+// Bits 0..3: which of the four bytes of w are >= the threshold (t4: it in each byte).
+__device__ __forceinline__ unsigned kept4(unsigned w, unsigned t4) {
+  const unsigned ge = __vcmpgeu4(w, t4) & 0x01010101u;  // byte k: 1 where kept
+  return (ge * 0x01020408u) >> 24;  // byte k's bit to bit 24 + k (no carries)
+}
+
 template <typename Acc>
 struct Dropout {
   static constexpr bool ON = true;
-  unsigned key0, key1, bh, offset, threshold;
+  unsigned key0, key1, bh, offset, threshold, t4;  // t4: threshold in each byte
   Acc rscale;
 
-  __device__ __forceinline__ bool keep(long long i, long long j) const {
-    const Philox4 r = philox4x32_10(
-        Philox4{static_cast<unsigned>(j >> 2), static_cast<unsigned>(i), bh, offset}, key0, key1);
-    const unsigned lane = static_cast<unsigned>(j) & 3u;
-    const unsigned word = lane & 2u ? (lane & 1u ? r.w : r.z) : (lane & 1u ? r.y : r.x);
-    return word >= threshold;
+  __device__ __forceinline__ Philox4 call(long long i, unsigned ctr) const {
+    return philox4x32_10(Philox4{ctr, static_cast<unsigned>(i), bh, offset}, key0, key1);
   }
-  // The keep bits of keys j and j + 1 of query i: one Philox call when j is even (both in one
-  // group of 4; the tensor-core kernels' fragment pairs, whose parity is warp-uniform), else two.
-  __device__ __forceinline__ void keep2(long long i, long long j, bool& k0, bool& k1) const {
-    if ((j & 1) == 0) {
-      const Philox4 r = philox4x32_10(
-          Philox4{static_cast<unsigned>(j >> 2), static_cast<unsigned>(i), bh, offset}, key0,
-          key1);
-      const bool upper = (j & 2) != 0;
-      k0 = (upper ? r.z : r.x) >= threshold;
-      k1 = (upper ? r.w : r.y) >= threshold;
-    } else {
-      k0 = keep(i, j);
-      k1 = keep(i, j + 1);
-    }
+  __device__ __forceinline__ bool keep(long long i, long long j) const {
+    const Philox4 r = call(i, dropout_counter(j));
+    const unsigned w = static_cast<unsigned>(j >> 4) & 3u;
+    const unsigned word = w & 2u ? (w & 1u ? r.w : r.z) : (w & 1u ? r.y : r.x);
+    const unsigned byte = (word >> (8u * ((static_cast<unsigned>(j >> 2) & 2u) |
+                                          (static_cast<unsigned>(j) & 1u)))) & 0xffu;
+    return byte >= threshold;
+  }
+  // The keep bits of call ctr of row i: bit b set where byte b is kept.
+  __device__ __forceinline__ unsigned kept16(long long i, unsigned ctr) const {
+    const Philox4 r = call(i, ctr);
+    return kept4(r.x, t4) | kept4(r.y, t4) << 4 | kept4(r.z, t4) << 8 | kept4(r.w, t4) << 12;
   }
   __device__ __forceinline__ Acc operator()(Acc p, long long i, long long j) const {
     return p != Acc(0) && !keep(i, j) ? Acc(0) : p;  // (no bits drawn where p is 0)
   }
   __device__ __forceinline__ Acc scaled(Acc x) const { return x * rscale; }
 };
+
+// The keep bits of row i's keys j0 + 8 nf + 2 t + e (nf < NF, e < 2) in this lane's part of an
+// mma.sync m16n8 accumulator tile (t = lane % 4): bit 2 nf + e. With j0 a multiple of 8 (every
+// tile but a forward's unaligned first one) those keys are the bytes 2 n + e of the calls
+// (j >> 6) * 4 + t, n the key's 8-key group in its 64-key block: one call per 64-key block
+// touched; else one call per key (a loop).
+template <int NF, typename D>
+__device__ __forceinline__ unsigned long long kept_row(const D& dz, int i, int j0, int t) {
+  static_assert(2 * NF <= 64, "one bit per key");
+  unsigned long long bits = 0ull;
+  if ((j0 & 7) == 0) {  // warp-uniform
+    constexpr int CALLS = (NF + 14) / 8;  // 64-key blocks a tile of NF groups can touch
+    static_assert(CALLS * 16 <= 64, "the bits fit a u64");
+    const int o = (j0 >> 3) & 7;  // the tile's first group in its block
+    const unsigned ctr0 = static_cast<unsigned>(j0 >> 6) * 4u + static_cast<unsigned>(t);
+#pragma unroll
+    for (int c = 0; c < CALLS; ++c)
+      if (c == 0 || 8 * c < o + NF)  // (warp-uniform)
+        bits |= static_cast<unsigned long long>(dz.kept16(i, ctr0 + 4u * c)) << (16 * c);
+    return bits >> (2 * o);
+  }
+#pragma unroll 1
+  for (int x = 0; x < 2 * NF; ++x)
+    bits |= static_cast<unsigned long long>(dz.keep(i, j0 + 8 * (x >> 1) + 2 * t + (x & 1))) << x;
+  return bits;
+}
 
 // Dropout on this lane's part of an mma.sync m16n8 accumulator tile in the rows = queries
 // orientation (attn_core.cuh mask_rows'): s[nf][2 h + e] is query i + 8 h, key j0 + 8 nf + 2 t + e
@@ -112,35 +146,60 @@ template <bool SCALED = false, int NF, typename Acc, typename D>
 __device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, int j0, int t) {
   if constexpr (D::ON) {
 #pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
+    for (int h = 0; h < 2; ++h) {
+      const unsigned long long bits = kept_row<NF>(dz, i + 8 * h, j0, t);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        bool k0, k1;
-        dz.keep2(i + 8 * h, static_cast<long long>(j0) + nf * 8 + 2 * t, k0, k1);
-        const Acc x0 = SCALED ? dz.scaled(s[nf][2 * h]) : s[nf][2 * h];
-        const Acc x1 = SCALED ? dz.scaled(s[nf][2 * h + 1]) : s[nf][2 * h + 1];
-        s[nf][2 * h] = k0 ? x0 : Acc(0);
-        s[nf][2 * h + 1] = k1 ? x1 : Acc(0);
-      }
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const Acc x = SCALED ? dz.scaled(s[nf][2 * h + e]) : s[nf][2 * h + e];
+          s[nf][2 * h + e] = (bits >> (2 * nf + e)) & 1ull ? x : Acc(0);
+        }
+    }
   }
 }
 
 // The dK / dV orientation (attn_core.cuh mask_key_rows'): entry k of a thread's fragment nf is
 // key j + 8 (k / 2), query i0 + 8 nf + 2 t + k % 2. Bit 4 nf + k of the result: that entry is
-// dropped; 0 without dropout. (Drawn before the tile's products, where fewer registers are live:
-// after them the D=128 mask / bias tile spilled.)
+// dropped; 0 without dropout. With the warp's 16 keys aligned (j - lane / 4 a multiple of 16: the
+// dK / dV tiles), a fragment's 8 queries by those keys are one word of 32 calls (8 queries by the
+// 4 pair classes): lane L draws call (query i0 + 8 nf + L % 8, class L / 8) and the lanes read
+// their bytes from it with two shuffles. (Drawn before the tile's products, where fewer
+// registers are live: after them the D=128 mask / bias tile spilled.)
 template <int NF, typename D>
 __device__ __forceinline__ unsigned long long dropped_keys(const D& dz, int j, int i0, int t) {
   static_assert(NF * 4 <= 64, "one bit per entry");
   unsigned long long bits = 0ull;
   if constexpr (D::ON) {
+    const int lane = static_cast<int>(threadIdx.x & 31u), g = lane >> 2;
+    const int jw = j - g;  // the warp's first key
+    if ((jw & 15) == 0) {  // warp-uniform
+      const unsigned ctr = static_cast<unsigned>(jw >> 6) * 4u + static_cast<unsigned>(lane >> 3);
+      const unsigned wsel = static_cast<unsigned>(jw >> 4) & 3u;  // the word of keys jw..jw+15
+      const int src = 2 * t + 8 * (g >> 1);  // the lane of this thread's query 2 t, class g / 2
+      const unsigned sh = 8u * static_cast<unsigned>(g & 1);  // key j's byte; key j + 8: + 16
 #pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
+      for (int nf = 0; nf < NF; ++nf) {
+        const Philox4 r = dz.call(i0 + nf * 8 + (lane & 7), ctr);
+        const unsigned word = wsel & 2u ? (wsel & 1u ? r.w : r.z) : (wsel & 1u ? r.y : r.x);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const bool drop = !dz.keep(i0 + nf * 8 + 2 * t + k % 2, j + 8 * (k / 2));
-        bits |= static_cast<unsigned long long>(drop) << (4 * nf + k);
+        for (int e = 0; e < 2; ++e) {  // query 2 t + e
+          const unsigned w = __shfl_sync(0xffffffffu, word, src + e);
+#pragma unroll
+          for (int kh = 0; kh < 2; ++kh) {  // key j + 8 kh
+            const bool drop = ((w >> (sh + 16u * kh)) & 0xffu) < dz.threshold;
+            bits |= static_cast<unsigned long long>(drop) << (4 * nf + 2 * kh + e);
+          }
+        }
       }
+    } else {
+#pragma unroll 1
+      for (int x = 0; x < 4 * NF; ++x) {  // entry x % 4 of fragment x / 4
+        const int nf = x >> 2, k = x & 3;
+        const bool drop = !dz.keep(i0 + nf * 8 + 2 * t + k % 2, j + 8 * (k / 2));
+        bits |= static_cast<unsigned long long>(drop) << x;
+      }
+    }
   }
   return bits;
 }
@@ -158,6 +217,7 @@ __device__ __forceinline__ Dropout<Acc> dropout_at(long long bh, const DropoutAr
   d.bh = static_cast<unsigned>(bh);
   d.offset = a.offset;
   d.threshold = a.threshold;
+  d.t4 = a.threshold * 0x01010101u;
   d.rscale = static_cast<Acc>(a.rscale);
   return d;
 }

@@ -4,8 +4,8 @@ against its definition and finite differences, the NumPy path against the refere
 dropout, the seed as data, the validation; on the GPU the mask bitwise NumPy's and every path's
 outputs and gradients against the reference.
 
-out = (Z ∘ P / (1 − p)) V with P the undropped softmax; dV = (Z ∘ P / (1 − p))ᵀ dO,
-dS = P ∘ (Z ∘ dP / (1 − p) − D), D = rowsum(dO ∘ O).
+out = (Z ∘ P / (1 − p')) V with P the undropped softmax; dV = (Z ∘ P / (1 − p'))ᵀ dO,
+dS = P ∘ (Z ∘ dP / (1 − p') − D), D = rowsum(dO ∘ O); p' = round(256 p) / 256.
 """
 import numpy as np
 import pytest
@@ -34,9 +34,12 @@ def _scalar_philox(counter, key):
 
 
 def _scalar_keep(seed, offset, p, bh, i, j):
-    """The README's keep rule for one element, from the scalar Philox."""
-    words = _scalar_philox((j // 4, i, bh, offset), (seed % 2**32, seed // 2**32))
-    return words[j % 4] >= int(np.floor(p * 2**32))
+    """The README's keep rule for one element, from the scalar Philox: call
+    (j // 64) * 4 + (j // 2) % 4, byte 2 ((j // 8) % 8) + j % 2 of its 16 (low byte first)."""
+    words = _scalar_philox(((j // 64) * 4 + (j // 2) % 4, i, bh, offset),
+                           (seed % 2**32, seed // 2**32))
+    b = 2 * ((j // 8) % 8) + j % 2
+    return (words[b // 4] >> (8 * (b % 4))) % 256 >= round(p * 256)
 
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, output).
@@ -65,32 +68,54 @@ def test_numpy_generator_is_the_scalar_one(rng):
         assert [int(x) for x in got[:, n]] == want, n
 
 
-def test_counter_layout(rng):
-    """keep() over odd key ranges of several heads and rows is the per-element rule: counter
-    (j // 4, i, bh, offset), key (seed low, seed high), word j % 4."""
+@pytest.mark.parametrize("j0, j1", [(5, 23), (0, 64), (60, 200), (123, 124), (7, 7)])
+def test_counter_layout(j0, j1):
+    """keep() over odd key ranges (inside a 64-key block and across blocks) of several heads and
+    rows is the per-element rule: call (j // 64) * 4 + (j // 2) % 4, byte 2 ((j // 8) % 8) + j % 2,
+    key (seed low, seed high)."""
     seed, offset, p = 2**64 - 5, 2**32 - 3, 0.37
     t = _dropout.threshold(p)
     bh, rows = np.array([0, 3, 2**31 + 7]), np.array([0, 5, 1000])
-    z = _dropout.keep(seed, offset, t, bh[:, None], rows[None, :], 5, 23)
-    assert z.shape == (3, 3, 18)
+    z = _dropout.keep(seed, offset, t, bh[:, None], rows[None, :], j0, j1)
+    assert z.shape == (3, 3, j1 - j0)
     for a, b in enumerate(bh):
         for c, i in enumerate(rows):
-            want = [_scalar_keep(seed, offset, p, int(b), int(i), j) for j in range(5, 23)]
+            want = [_scalar_keep(seed, offset, p, int(b), int(i), j) for j in range(j0, j1)]
             assert list(z[a, c]) == want
 
 
+def test_one_call_is_a_lanes_sixteen_keys():
+    """The 16 bytes of call 4 b + c of a row are the keys 64 b + 8 n + 2 c + {0, 1}, n = 0..7
+    (what lane c of an mma accumulator holds of that row's 64-key block), in byte order."""
+    seed, offset, i, bh, b, c = 99, 5, 17, 3, 2, 1
+    words = _scalar_philox((4 * b + c, i, bh, offset), (seed, 0))
+    for t in (0, 100, 200, 255):
+        want = [(words[k // 4] >> (8 * (k % 4))) % 256 >= t for k in range(16)]
+        keys = [64 * b + 8 * n + 2 * c + e for n in range(8) for e in range(2)]
+        got = [_dropout.keep(seed, offset, t, bh, i, j, j + 1)[0] for j in keys]
+        assert got == want
+
+
 def test_threshold():
+    """round(p 256), halves up; the kept weights' factor 1 / (1 - threshold / 256); None where p
+    rounds to 1 (refused by the public functions)."""
     assert _dropout.threshold(0.0) == 0
-    assert _dropout.threshold(0.5) == 2**31
-    assert _dropout.threshold(np.nextafter(1.0, 0.0)) == 2**32 - 1
+    assert _dropout.threshold(0.5) == 128
+    assert _dropout.threshold(0.1) == 26  # 25.6
+    assert _dropout.threshold(1 / 512) == 1 and _dropout.threshold(np.nextafter(1 / 512, 0)) == 0
+    assert _dropout.threshold(np.nextafter(255.5 / 256, 0)) == 255
+    assert _dropout.threshold(255.5 / 256) is None
+    assert _dropout.rscale(0.25) == 1 / 0.75 and _dropout.rscale(0.1) == 256 / 230
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate(p):
-    """The kept fraction is 1 - p within 5 standard deviations, per head and overall; two
-    offsets (and two heads) agree as often as independent masks would (p² + (1 - p)²)."""
+    """The kept fraction is 1 - p' (p' = round(256 p) / 256) within 5 standard deviations, per
+    head and overall; two offsets (and two heads) agree as often as independent masks would
+    (p'² + (1 - p')²)."""
     n = 4 * 128 * 512
     z = _dropout.dense_keep((4,), 128, 512, p, (12345, 0))
+    p = _dropout.threshold(p) / 256
     sd = np.sqrt(p * (1 - p) / n)
     assert abs(z.mean() - (1 - p)) < 5 * sd
     for h in range(4):
@@ -99,8 +124,8 @@ def test_keep_rate(p):
     same = p * p + (1 - p) * (1 - p)
     assert abs((z == other).mean() - same) < 5 * np.sqrt(same * (1 - same) / n)
     assert abs((z[0] == z[1]).mean() - same) < 5 * np.sqrt(same * (1 - same) / (n / 4))
-    # neighbouring keys (one Philox call) and rows are not correlated
-    for a, b in ((z[..., :-1], z[..., 1:]), (z[:, :-1], z[:, 1:])):
+    # neighbouring keys (one Philox call, or not) and rows are not correlated
+    for a, b in ((z[..., :-1], z[..., 1:]), (z[..., :-8], z[..., 8:]), (z[:, :-1], z[:, 1:])):
         assert abs((a == b).mean() - same) < 5 * np.sqrt(same * (1 - same) / a.size)
 
 
@@ -119,7 +144,8 @@ def test_reference_is_the_definition(rng):
     s = q @ np.swapaxes(k, -1, -2) / 2.0
     w = np.exp(s - s.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
-    np.testing.assert_allclose(out, (z * w / (1 - p)) @ v, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(out, (z * w * (256 / (256 - round(256 * p)))) @ v, rtol=1e-13,
+                               atol=1e-14)
     np.testing.assert_array_equal(lse, reference.attention(q, k, v, return_lse=True)[1])
     assert not z.all() and z.any()
 
@@ -278,7 +304,7 @@ def test_mask_does_not_depend_on_tiles(rng, monkeypatch):
         monkeypatch.setattr(_numpy, "BLOCK_N", bn)
         out = cuflash.attention(q, k, v, dropout_p=p, dropout_seed=SEED)
         np.testing.assert_array_equal(out > 0, want)
-        np.testing.assert_allclose(out[want], 1 / (Nk * (1 - p)), rtol=1e-14)
+        np.testing.assert_allclose(out[want], _dropout.rscale(p) / Nk, rtol=1e-14)
 
 
 def test_seed_is_data(rng):
@@ -331,7 +357,8 @@ def test_which_paths_take_dropout():
 def test_dropout_args_struct_matches_its_host_mirror():
     """kernels_cu/philox.cuh DropoutArgs and cuflash._runtime.DROPOUT_FIELDS: the same fields in
     the same order and C types (NumPy's aligned layout is then C's: 24 bytes), and the values the
-    host packs (threshold floor(p 2**32), rscale 1 / (1 - p), the checked seed and offset)."""
+    host packs (threshold round(256 p), rscale 256 / (256 - threshold), the checked seed and
+    offset)."""
     import re
     src = (_runtime.kernels_dir() / "philox.cuh").read_text()
     body = re.search(r"struct DropoutArgs \{(.*?)\};", src, re.S).group(1)
@@ -348,7 +375,7 @@ def test_dropout_args_struct_matches_its_host_mirror():
     q, k, v = _inputs(np.random.default_rng(0), (), (), 4, 5, 8, 8, "float32")
     (a,) = _runtime.dropout_args(_validate.make_problem(q, k, v, dropout_p=0.25,
                                                         dropout_seed=(2**64 - 1, 7)))
-    assert (int(a["seed"]), int(a["offset"]), int(a["threshold"])) == (2**64 - 1, 7, 2**30)
+    assert (int(a["seed"]), int(a["offset"]), int(a["threshold"])) == (2**64 - 1, 7, 64)
     assert float(a["rscale"]) == 1 / 0.75
     assert _runtime.dropout_args(_validate.make_problem(q, k, v, dropout_p=0.0)) == ()
 
@@ -360,6 +387,8 @@ def test_dropout_args_struct_matches_its_host_mirror():
     (dict(dropout_p=True, dropout_seed=1), TypeError, "dropout_p must be a real number"),
     (dict(dropout_p="0.1", dropout_seed=1), TypeError, "dropout_p must be a real number"),
     (dict(dropout_p=1.0, dropout_seed=1), ValueError, r"dropout_p must lie in \[0, 1\)"),
+    (dict(dropout_p=0.999, dropout_seed=1), ValueError,
+     r"dropout_p rounds to 1 at dropout's granularity 1/256 .*got 0.999$"),
     (dict(dropout_p=-0.1, dropout_seed=1), ValueError, r"dropout_p must lie in \[0, 1\)"),
     (dict(dropout_p=float("nan"), dropout_seed=1), ValueError, r"dropout_p must lie"),
     (dict(dropout_p=0.1), TypeError, r"dropout_p=0.1 needs dropout_seed"),
