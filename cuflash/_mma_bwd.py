@@ -208,8 +208,8 @@ def wg_tile(dims, has_mb, dq_atomic):
     return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(dims)
 
 
-# With dropout (the keep bits of a thread's P^T entries, one Philox call each, in the mma.sync
-# kernel on every device: no wgmma, no warp-grid tile): the transforms' smaller query steps, all
+# With dropout (the keep bits of a thread's P^T entries, philox.cuh dropped_keys; no warp-grid
+# tile): the wgmma tiles where dkdv_tile takes them, else the transforms' smaller query steps, all
 # spill-free on sm_80 and sm_90a but D=96's (12-40 bytes; no smaller query step fits its dQ
 # layout): the generic kernels take its dropout backward (NO_DROPOUT_DIMS).
 NO_DROPOUT_DIMS = ((96, 96),)
@@ -217,17 +217,18 @@ DKDV_TILES_DROPOUT = {d: t for d, t in DKDV_TILES_TF.items() if d not in NO_DROP
 
 
 def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias=False):
-    """The dK/dV tile for a call on the current device: with dropout DKDV_TILES_DROPOUT's; else
-    the wgmma tile (wg_tile) on compute capability 9.0 (sm_90a code runs there only; NVRTC 12.9+
-    builds it; tests turn it off with cuflash._gpu.override(wgmma=False)), else the
+    """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
+    capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
+    cuflash._gpu.override(wgmma=False)), else with dropout DKDV_TILES_DROPOUT's, else the
     DKDV_TILES_LARGE_SMEM tile where shared memory allows it, else the table's. dbias (with a
     bias, no transform, no dropout): dbias_tile."""
-    if dropout:
-        return DKDV_TILES_DROPOUT[dims]
     info = _runtime.device_info()
-    wg = wg_tile(dims, has_mb, dq_atomic)
+    # (dropout: the mask / bias tiles; D=128's 64 queries per step spilled 8 bytes with dQ atomics)
+    wg = wg_tile(dims, True, False) if dropout else wg_tile(dims, has_mb, dq_atomic)
     use_wg = _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
         dkdv_smem_bytes(dims, wg) <= info.smem_optin
+    if dropout:
+        return wg if use_wg else DKDV_TILES_DROPOUT[dims]
     if dbias:
         return dbias_tile(dims, dq_atomic, use_wg)
     if use_wg:
@@ -300,6 +301,9 @@ def instantiations():
             for mb in ((False, True) if d in DKDV_TILES_DROPOUT else ()):
                 for atomic in (True, False):
                     exprs.append(dkdv_expr(dt, d, DKDV_TILES_DROPOUT[d], atomic, mb, (), True))
+                    if d in DKDV_TILES_WG:
+                        exprs.append(dkdv_expr(dt, d, wg_tile(d, True, False), atomic, mb,
+                                               (), True))
                 exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, (), True))
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]

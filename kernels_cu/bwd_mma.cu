@@ -302,16 +302,17 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
 }
 
 // P^T's fragments 2 kk, 2 kk + 1 as the A operand of dV += P^T dO; with dropout (philox.cuh
-// dropped_keys' bits `zb`) the dropped entries 0 and the kept ones times 1 / (1 - p).
+// dropped_keys' bits `zb`) the dropped entries 0 and the kept ones times rscale.
 template <typename T, int NQF, typename DZ>
-__device__ __forceinline__ void p_operand(const float (&s)[NQF][4], int kk, unsigned long long zb,
-                                          const DZ& dz, tc::u32 (&pa)[4]) {
+__device__ __forceinline__ void p_operand(const float (&s)[NQF][4], int kk,
+                                          decltype(dropped_bits<NQF>()) zb, const DZ& dz,
+                                          tc::u32 (&pa)[4]) {
   if constexpr (DZ::ON) {
     float a[4], b[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      a[k] = (zb >> (8 * kk + k)) & 1ull ? 0.f : dz.scaled(s[2 * kk][k]);
-      b[k] = (zb >> (8 * kk + 4 + k)) & 1ull ? 0.f : dz.scaled(s[2 * kk + 1][k]);
+      a[k] = (zb >> (8 * kk + k)) & 1u ? 0.f : dz.scaled(s[2 * kk][k]);
+      b[k] = (zb >> (8 * kk + 4 + k)) & 1u ? 0.f : dz.scaled(s[2 * kk + 1][k]);
     }
     tc::acc_to_a<T>(a, b, pa);
   } else {
@@ -489,7 +490,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const u32 ls = sL + slot * BLOCK_M * 4, des = sD + slot * BLOCK_M * 4;
 
     // dropout: the entries the forward dropped (bit 4 nf + k; none without dropout)
-    const unsigned long long zb = dropped_keys<NQF>(dz, jw, i0, t);
+    const auto zb = dropped_keys<NQF>(dz, jw, i0, t);
 
     // S^T = K Q^T (raw dot products). WG: dP^T = V dO^T is issued with it.
     float s[NQF][4], dp[NQF][4];
@@ -559,7 +560,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dS^T = scale * P^T (dP^T - delta[query]) (times the modifier's derivative), in dp.
     constexpr bool GR = Mod::HAS_GRAD;
     tcb::with_query_values(dp, des, 0, t, [&](float x, float delta, int nf, int e) {
-      if constexpr (decltype(dz)::ON) x = (zb >> (4 * nf + e)) & 1ull ? 0.f : dz.scaled(x);
+      if constexpr (decltype(dz)::ON) x = (zb >> (4 * nf + e)) & 1u ? 0.f : dz.scaled(x);
       if constexpr (DBIAS)  // the bias's gradient (HALVES: by the first block of the two)
         if (half == 0)
           store_dbias(dbias, bh, Nq, Nk, i0 + nf * 8 + 2 * t + e % 2, jw + 8 * (e / 2), s[nf][e],

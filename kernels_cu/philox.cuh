@@ -160,44 +160,42 @@ __device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, i
 }
 
 // The dK / dV orientation (attn_core.cuh mask_key_rows'): entry k of a thread's fragment nf is
-// key j + 8 (k / 2), query i0 + 8 nf + 2 t + k % 2. Bit 4 nf + k of the result: that entry is
-// dropped; 0 without dropout. With the warp's 16 keys aligned (j - lane / 4 a multiple of 16: the
-// dK / dV tiles), a fragment's 8 queries by those keys are one word of 32 calls (8 queries by the
-// 4 pair classes): lane L draws call (query i0 + 8 nf + L % 8, class L / 8) and the lanes read
-// their bytes from it with two shuffles. (Drawn before the tile's products, where fewer
-// registers are live: after them the D=128 mask / bias tile spilled.)
+// key j + 8 (k / 2), query i0 + 8 nf + 2 t + k % 2, the warp's 16 keys j - lane / 4 + 0..15
+// starting at a multiple of 16 (the dK / dV tiles' key rows). Bit 4 nf + k of the result: that
+// entry is dropped (in 32 bits where they are enough); 0 without dropout. A fragment's 8 queries by the warp's 16 keys are one word
+// of each of 32 calls (8 queries by the 4 pair classes): lane L draws the call of query
+// i0 + 8 nf + L % 8, class L / 8, and each lane reads its bytes from two of them by shuffles.
+// (Drawn before the tile's products, where fewer registers are live: after them the D=128 mask /
+// bias tile spilled.)
+template <int NF>
+__device__ __forceinline__ auto dropped_bits() {  // the type of dropped_keys' bits
+  if constexpr (NF * 4 <= 32) return 0u;
+  else return 0ull;
+}
 template <int NF, typename D>
-__device__ __forceinline__ unsigned long long dropped_keys(const D& dz, int j, int i0, int t) {
+__device__ __forceinline__ auto dropped_keys(const D& dz, int j, int i0, int t) {
   static_assert(NF * 4 <= 64, "one bit per entry");
-  unsigned long long bits = 0ull;
+  using Bits = decltype(dropped_bits<NF>());
+  Bits bits = 0;
   if constexpr (D::ON) {
     const int lane = static_cast<int>(threadIdx.x & 31u), g = lane >> 2;
-    const int jw = j - g;  // the warp's first key
-    if ((jw & 15) == 0) {  // warp-uniform
-      const unsigned ctr = static_cast<unsigned>(jw >> 6) * 4u + static_cast<unsigned>(lane >> 3);
-      const unsigned wsel = static_cast<unsigned>(jw >> 4) & 3u;  // the word of keys jw..jw+15
-      const int src = 2 * t + 8 * (g >> 1);  // the lane of this thread's query 2 t, class g / 2
-      const unsigned sh = 8u * static_cast<unsigned>(g & 1);  // key j's byte; key j + 8: + 16
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf) {
-        const Philox4 r = dz.call(i0 + nf * 8 + (lane & 7), ctr);
-        const unsigned word = wsel & 2u ? (wsel & 1u ? r.w : r.z) : (wsel & 1u ? r.y : r.x);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {  // query 2 t + e
-          const unsigned w = __shfl_sync(0xffffffffu, word, src + e);
-#pragma unroll
-          for (int kh = 0; kh < 2; ++kh) {  // key j + 8 kh
-            const bool drop = ((w >> (sh + 16u * kh)) & 0xffu) < dz.threshold;
-            bits |= static_cast<unsigned long long>(drop) << (4 * nf + 2 * kh + e);
-          }
-        }
-      }
-    } else {
+    const int jw = j - g;  // the warp's first key (a multiple of 16)
+    const unsigned ctr = static_cast<unsigned>(jw >> 6) * 4u + static_cast<unsigned>(lane >> 3);
+    const unsigned wsel = static_cast<unsigned>(jw >> 4) & 3u;  // the word of keys jw..jw+15
+    const int src = 2 * t + 8 * (g >> 1);  // the lane of this thread's query 2 t, class g / 2
+    const unsigned sh = 8u * static_cast<unsigned>(g & 1);  // key j's byte; key j + 8: + 16
 #pragma unroll 1
-      for (int x = 0; x < 4 * NF; ++x) {  // entry x % 4 of fragment x / 4
-        const int nf = x >> 2, k = x & 3;
-        const bool drop = !dz.keep(i0 + nf * 8 + 2 * t + k % 2, j + 8 * (k / 2));
-        bits |= static_cast<unsigned long long>(drop) << x;
+    for (int nf = 0; nf < NF; ++nf) {  // (rolled: unrolled, ptxas spilled D=128's wgmma tiles)
+      const Philox4 r = dz.call(i0 + nf * 8 + (lane & 7), ctr);
+      const unsigned word = wsel & 2u ? (wsel & 1u ? r.w : r.z) : (wsel & 1u ? r.y : r.x);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // query 2 t + e
+        const unsigned w = __shfl_sync(0xffffffffu, word, src + e);
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {  // key j + 8 kh
+          const bool drop = ((w >> (sh + 16u * kh)) & 0xffu) < dz.threshold;
+          bits |= static_cast<Bits>(drop) << (4 * nf + 2 * kh + e);
+        }
       }
     }
   }

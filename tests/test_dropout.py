@@ -335,8 +335,8 @@ def test_which_paths_take_dropout():
     do, so the dispatcher can always place a dropout Problem. The catalog's DropoutArgs kernels:
     the generic ones with each chain of transforms (every dtype, bucket; their lost-row kernels),
     the mma.sync and Hopper forwards' tiles without transforms or sinks (and fwd_lost_rows) and
-    the mma.sync backward's without transforms (dK/dV with and without dQ atomics, dQ; no wgmma,
-    no grid, not D=96)."""
+    the tensor-core backward's without transforms (dK/dV with and without dQ atomics on the
+    mma.sync tiles and, at D = 64 and 128, the wgmma ones; dQ; no grid, not D=96)."""
     for path in _gpu.PATHS:
         assert path.DROPOUT is (path in (_generic, _mma_fwd, _mma_bwd, _wgmma_fwd)), path.__name__
     exprs = [e for *_, e in _gpu.instantiations() if "DropoutArgs" in e]
@@ -345,13 +345,14 @@ def test_which_paths_take_dropout():
         kinds[e.split("<")[0]] = kinds.get(e.split("<")[0], 0) + 1
     assert kinds == {"fwd_generic": 64, "bwd_dkdv": 64, "bwd_dq": 64, "bwd_lost_rows": 16,
                      "bwd_lost_keys": 18, "fwd_mma": 24, "fwd_lost_rows": 2,
-                     "bwd_mma_dkdv": 48, "bwd_mma_dq": 24, "fwd_wgmma": 40}
+                     "bwd_mma_dkdv": 64, "bwd_mma_dq": 24, "fwd_wgmma": 40}
     assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs if e.startswith(("fwd_mma",
                                                                                  "bwd_mma")))
     assert all("NoTransform, false, DropoutArgs" in e for e in exprs if e.startswith("fwd_wgmma"))
     assert not any(e.startswith("bwd_mma_dkdv_grid") for e in exprs)
-    assert all(int(e.rsplit(",", 2)[-2]) & _mma_bwd.OPT_WG == 0 for e in exprs
-               if e.startswith("bwd_mma_dkdv"))
+    wg = {e for e in exprs if e.startswith("bwd_mma_dkdv") and int(e.rsplit(",", 2)[-2]) &
+          _mma_bwd.OPT_WG}
+    assert len(wg) == 16 and all(", 64, 64, " in e or ", 128, 128, " in e for e in wg)
 
 
 def test_dropout_args_struct_matches_its_host_mirror():
@@ -525,14 +526,18 @@ def test_cuda_agrees_with_numpy(rng):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("dims", sorted(_mma_bwd.DKDV_TILES))  # (96, 96): declined
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
-def test_cuda_tensor_core_backward(masked, dims, dtype, rng, override):
-    """The mma.sync backward with dropout at every head-dim pair it takes (dK/dV with dQ atomics,
-    and deterministic with the dQ kernel; halves at 192 / 256), causal with odd lengths, against
-    the reference with the same mask; on sm_90 it keeps its mma.sync tiles (no wgmma)."""
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])
+def test_cuda_tensor_core_backward(wgmma, masked, dims, dtype, rng, override):
+    """The tensor-core backward with dropout at every head-dim pair it takes (dK/dV with dQ
+    atomics, and deterministic with the dQ kernel; halves at 192 / 256), causal with odd lengths,
+    against the reference with the same mask: the mma.sync tiles, and on sm_90 (wgmma=True) the
+    wgmma ones at D = 64 and 128."""
     import cupy
     if dtype == "bfloat16" and BFLOAT16 is None:
         pytest.skip("ml_dtypes missing")
-    override(poison=True)
+    if wgmma and not _runtime.wgmma_available():
+        pytest.skip("wgmma tiles: compute capability 9.0")
+    override(poison=True, wgmma=wgmma)
     Dk, Dv = dims
     q, k, v = _inputs(rng, (2, 2), (2, 1), 97, 113, Dk, Dk, dtype, cupy)
     v = to_array(cupy, rng.standard_normal((2, 1, 113, Dv)), dtype_of(dtype))
@@ -541,6 +546,9 @@ def test_cuda_tensor_core_backward(masked, dims, dtype, rng, override):
         opts["mask"] = cupy.asarray(rng.random((97, 113)) < 0.85)
     p = _validate.make_problem(q, k, v, **opts)
     assert _gpu.backward_path(p) == ("generic" if dims in _mma_bwd.NO_DROPOUT_DIMS else "mma")
+    for atomic in (True, False):
+        tile = _mma_bwd.dkdv_tile(dims, masked, atomic, (), True)
+        assert bool(tile.opt & _mma_bwd.OPT_WG) == (wgmma and dims in _mma_bwd.DKDV_TILES_WG)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     dout = to_array(cupy, rng.standard_normal(out.shape), dtype_of(dtype))
     for deterministic in (False, True):
