@@ -4,13 +4,12 @@ same bits as kernels_cu/philox.cuh (DESIGN.md "Dropout", README "Dropout").
 The keep bit of element (bh, i, j) (bh the output's flat (batch, head) index, i the query row, j
 the key) for a call's ``dropout_seed = (seed, offset)``:
 
-    (r0, r1, r2, r3) = Philox4x32-10(counter = ((j >> 6) * 4 + ((j >> 1) & 3), i, bh, offset),
+    (r0, r1, r2, r3) = Philox4x32-10(counter = (j >> 4, i, bh, offset),
                                      key = (seed & 0xffffffff, seed >> 32))
-    b = ((j >> 3) & 7) * 2 + (j & 1)             (a byte of the 16: byte b % 4 of word b // 4)
-    keep = byte b >= threshold,    threshold = round(dropout_p * 256)
+    keep = byte j & 15 of the 16 (byte j & 3, low first, of word r[(j >> 2) & 3]) >= threshold,
+    threshold = round(dropout_p * 256)
 
-one Philox call per 16 keys of a row, laid out as the tensor cores' accumulators hold them; kept
-weights are scaled by 256 / (256 - threshold). The NumPy path (cuflash/_numpy.py) draws its
+one Philox call per 16 consecutive keys of a row; kept weights are scaled by 256 / (256 - threshold). The NumPy path (cuflash/_numpy.py) draws its
 tiles' bits here, and the dense reference (cuflash/reference.py) materializes the whole mask here:
 the one piece of code the reference shares with a fast path (a test checks this generator against
 a scalar Philox written from its definition and Random123's known answers).
@@ -64,18 +63,15 @@ def keep(seed, offset, thresh, bh, rows, j0, j1):
     """The keep bits, bool, of keys [j0, j1) for the (batch, head)s ``bh`` and query rows
     ``rows`` (int arrays that broadcast together, to a shape S): an array S + (j1 - j0,)."""
     bh, rows = np.broadcast_arrays(np.asarray(bh, dtype=np.int64), np.asarray(rows, dtype=np.int64))
-    j = np.arange(j0, max(j0, j1), dtype=np.int64)
-    b0 = j0 >> 6  # the calls of the 64-key blocks the keys touch: counters 4 b0 ...
-    n_ctr = 4 * ((((j1 - 1) >> 6) + 1 - b0) if j1 > j0 else 0)
-    ctr = np.arange(4 * b0, 4 * b0 + n_ctr, dtype=np.int64)
-    words = philox4x32_10((ctr, rows[..., None], bh[..., None], np.int64(offset)),
+    b0 = j0 >> 4  # the calls of the 16-key blocks the keys touch
+    blocks = np.arange(b0, (((j1 - 1) >> 4) + 1) if j1 > j0 else b0, dtype=np.int64)
+    words = philox4x32_10((blocks, rows[..., None], bh[..., None], np.int64(offset)),
                           (seed & _MASK32, (seed >> 32) & _MASK32))
     shifts = np.arange(0, 32, 8, dtype=np.uint32)
     byte = np.stack([(w[..., None] >> shifts) & np.uint32(0xFF) for w in words], axis=-2)
-    byte = byte.astype(np.uint8).reshape(bh.shape + (n_ctr, 16))  # byte 4 word + k of a call
-    call = (j >> 6) * 4 + ((j >> 1) & 3) - 4 * b0
-    b = ((j >> 3) & 7) * 2 + (j & 1)
-    return byte[..., call, b] >= np.uint8(thresh)
+    byte = byte.astype(np.uint8).reshape(bh.shape + (16 * blocks.size,))  # key 16 b0 + index
+    start = j0 - 16 * b0
+    return byte[..., start:start + max(0, j1 - j0)] >= np.uint8(thresh)
 
 
 def dense_keep(lead, Nq, Nk, dropout_p, dropout_seed):

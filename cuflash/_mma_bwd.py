@@ -200,12 +200,14 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
-def wg_tile(dims, has_mb, dq_atomic):
+def wg_tile(dims, has_mb, dq_atomic, dropout=False):
     """The wgmma dK/dV tile of a call kind, or None: with dQ atomics and no mask / bias the one
-    with dQ on wgmma too where there is one (DKDV_TILES_WG_DQ), else DKDV_TILES_WG / _MB."""
+    with dQ on wgmma too where there is one (DKDV_TILES_WG_DQ), else DKDV_TILES_WG / _MB; with
+    dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step spilled
+    8 bytes with dropout; WG_DQ's did not)."""
     if dq_atomic and not has_mb and dims in DKDV_TILES_WG_DQ:
         return DKDV_TILES_WG_DQ[dims]
-    return (DKDV_TILES_WG_MB if has_mb else DKDV_TILES_WG).get(dims)
+    return (DKDV_TILES_WG_MB if has_mb or dropout else DKDV_TILES_WG).get(dims)
 
 
 # With dropout (the keep bits of a thread's P^T entries, philox.cuh dropped_keys; no warp-grid
@@ -223,8 +225,7 @@ def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias
     DKDV_TILES_LARGE_SMEM tile where shared memory allows it, else the table's. dbias (with a
     bias, no transform, no dropout): dbias_tile."""
     info = _runtime.device_info()
-    # (dropout: the mask / bias tiles; D=128's 64 queries per step spilled 8 bytes with dQ atomics)
-    wg = wg_tile(dims, True, False) if dropout else wg_tile(dims, has_mb, dq_atomic)
+    wg = wg_tile(dims, has_mb, dq_atomic, dropout)
     use_wg = _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
         dkdv_smem_bytes(dims, wg) <= info.smem_optin
     if dropout:
@@ -302,8 +303,8 @@ def instantiations():
                 for atomic in (True, False):
                     exprs.append(dkdv_expr(dt, d, DKDV_TILES_DROPOUT[d], atomic, mb, (), True))
                     if d in DKDV_TILES_WG:
-                        exprs.append(dkdv_expr(dt, d, wg_tile(d, True, False), atomic, mb,
-                                               (), True))
+                        exprs.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic, True), atomic,
+                                               mb, (), True))
                 exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, (), True))
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]
