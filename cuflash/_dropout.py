@@ -1,10 +1,10 @@
-"""Dropout's random bits on the host: Philox4x32-10 in vectorized uint32 NumPy arithmetic, the
+"""Dropout's random bits on the host: Philox4x32-7 in vectorized uint32 NumPy arithmetic, the
 same bits as kernels_cu/philox.cuh (DESIGN.md "Dropout", README "Dropout").
 
 The keep bit of element (bh, i, j) (bh the output's flat (batch, head) index, i the query row, j
 the key) for a call's ``dropout_seed = (seed, offset)``:
 
-    (r0, r1, r2, r3) = Philox4x32-10(counter = (j >> 4, i, bh, offset),
+    (r0, r1, r2, r3) = Philox4x32-7(counter = (j >> 4, i, bh, offset),
                                      key = (seed & 0xffffffff, seed >> 32))
     keep = byte j & 15 of the 16 (byte j & 3, low first, of word r[(j >> 2) & 3]) >= threshold,
     threshold = round(dropout_p * 256)
@@ -12,13 +12,13 @@ the key) for a call's ``dropout_seed = (seed, offset)``:
 one Philox call per 16 consecutive keys of a row; kept weights are scaled by 256 / (256 - threshold). The NumPy path (cuflash/_numpy.py) draws its
 tiles' bits here, and the dense reference (cuflash/reference.py) materializes the whole mask here:
 the one piece of code the reference shares with a fast path (a test checks this generator against
-a scalar Philox written from its definition and Random123's known answers).
+a scalar Philox written from its definition and Random123's known answers at 10 rounds).
 """
 import numpy as np
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57   # Random123's multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85   # its key increments (Weyl sequence)
-ROUNDS = 10
+ROUNDS = 7  # as FlashAttention 2 draws (kernels_cu/philox.cuh PHILOX_ROUNDS)
 _MASK32 = 0xFFFFFFFF
 MAX_SEED = 2**64 - 1
 MAX_OFFSET = 2**32 - 1
@@ -41,14 +41,14 @@ def rscale(p):
     return 256.0 / (256 - threshold(p))
 
 
-def philox4x32_10(counter, key):
-    """Philox4x32-10 of ``counter`` (four uint32 arrays that broadcast together) under ``key``
+def philox4x32(counter, key, rounds=ROUNDS):
+    """Philox4x32-``rounds`` of ``counter`` (four uint32 arrays that broadcast together) under ``key``
     (two ints): the four uint32 output words, arrays of the counters' broadcast shape."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
     c0, c1, c2, c3 = np.broadcast_arrays(c0, c1, c2, c3)
     k0, k1 = int(key[0]) & _MASK32, int(key[1]) & _MASK32
     m0, m1, shift = np.uint64(M0), np.uint64(M1), np.uint64(32)
-    for r in range(ROUNDS):
+    for r in range(rounds):
         if r > 0:
             k0, k1 = (k0 + W0) & _MASK32, (k1 + W1) & _MASK32
         p0 = c0.astype(np.uint64) * m0  # exact: both factors below 2**32
@@ -65,7 +65,7 @@ def keep(seed, offset, thresh, bh, rows, j0, j1):
     bh, rows = np.broadcast_arrays(np.asarray(bh, dtype=np.int64), np.asarray(rows, dtype=np.int64))
     b0 = j0 >> 4  # the calls of the 16-key blocks the keys touch
     blocks = np.arange(b0, (((j1 - 1) >> 4) + 1) if j1 > j0 else b0, dtype=np.int64)
-    words = philox4x32_10((blocks, rows[..., None], bh[..., None], np.int64(offset)),
+    words = philox4x32((blocks, rows[..., None], bh[..., None], np.int64(offset)),
                           (seed & _MASK32, (seed >> 32) & _MASK32))
     shifts = np.arange(0, 32, 8, dtype=np.uint32)
     byte = np.stack([(w[..., None] >> shifts) & np.uint32(0xFF) for w in words], axis=-2)

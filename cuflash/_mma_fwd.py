@@ -66,10 +66,12 @@ POSITIONAL_TILES = {
 
 # With dropout (no transform, no mask / bias), where the table's tile spills with the Philox
 # draws (sm_80 and sm_90a: D=32 540 bytes, D=128 280 bytes at 255 registers): 8 warps of one
-# m-fragment each, Q in registers (the same block shape, so the same shared memory).
+# m-fragment each, Q in registers (the same block shape, so the same shared memory); D=256 the
+# mask / bias tile's 32 keys per step (64 spilled 104 bytes on sm_80 with 16-key draws).
 DROPOUT_TILES = {
     (32, False): FwdTile(128, 128, warps=8, stages=2, q_in_regs=True, min_blocks=1),
     (128, False): FwdTile(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+    (256, False): FwdTile(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
 }
 
 

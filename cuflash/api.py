@@ -116,7 +116,7 @@ _OPTIONS_DOC = """\
         the scale follows p', so the expected out is the undropped one). A real number in
         [0, 1) below 255.5/256; 0 is no dropout (and then the same kernels, and bitwise the same
         results, as without the option). Z is a pure function of dropout_seed
-        and of each element's (batch·head, query, key) index (Philox4x32-10, see Notes), so
+        and of each element's (batch·head, query, key) index (Philox4x32-7, see Notes), so
         the same seed gives the same mask on every path, tile size and device, on NumPy and CuPy
         alike, and :func:`attention_backward` redraws it from the same seed.
     dropout_seed : int or (int, int) or None, default None
@@ -247,10 +247,10 @@ _NOTES_DOC = """\
     (a CuPy one is clamped on the device).
 
     **Dropout.** With ``dropout_seed = (seed, offset)``, key j of query row i of the output's
-    flat (batch, head) index bh is kept iff ``r[j % 4] >= floor(dropout_p · 2**32)``, where
-    ``r = Philox4x32-10(counter=(j // 4, i, bh, offset), key=(seed % 2**32, seed // 2**32))``
-    (one Philox call per 4 consecutive keys; i and j are the indices in q's rows and k's keys,
-    bh counts the output's leading dims in C order). ``cuflash.reference.dropout_mask``
+    flat (batch, head) index bh is kept iff byte ``j % 4`` (low first) of ``r[(j // 4) % 4]`` is
+    at least ``round(256·dropout_p)``, where ``r = Philox4x32-7(counter=(j // 16, i, bh, offset),
+    key=(seed % 2**32, seed // 2**32))`` (one Philox call per 16 consecutive keys; i and j are
+    the indices in q's rows and k's keys, bh counts the output's leading dims in C order). ``cuflash.reference.dropout_mask``
     materializes it."""
 
 

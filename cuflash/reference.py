@@ -11,7 +11,7 @@ Inputs may be NumPy or CuPy arrays (CuPy arrays are copied to the host). Results
 ``float64`` arrays, whatever the input dtype.
 
 One piece is shared with the fast paths on purpose: dropout's keep mask comes from
-``cuflash._dropout`` (Philox4x32-10 in NumPy, the same bits as kernels_cu/philox.cuh), since a
+``cuflash._dropout`` (Philox4x32-7 in NumPy, the same bits as kernels_cu/philox.cuh), since a
 mask drawn any other way could not agree with theirs; tests/test_dropout.py checks that generator
 against a scalar Philox written from its definition and Random123's known answers.
 """
@@ -48,7 +48,7 @@ def dropout_mask(q, k, v, dropout_p, dropout_seed):
     """The keep mask Z (bool, lead + (Nq, Nk)) that ``cuflash.attention(q, k, v,
     dropout_p=dropout_p, dropout_seed=dropout_seed)`` applies, lead the output's leading shape
     (README "Dropout": key j of row i of the flat (batch, head) bh is kept iff byte
-    b = 2 ((j // 8) % 8) + j % 2 (byte b % 4 of word b // 4) of Philox4x32-10(counter=
+    b = 2 ((j // 8) % 8) + j % 2 (byte b % 4 of word b // 4) of Philox4x32-7(counter=
     ((j // 64) * 4 + (j // 2) % 4, i, bh, offset), key=(seed % 2**32, seed // 2**32)) is at least
     round(256 dropout_p)). All True for dropout_p = 0."""
     dropout_p, seed = _check(q, k, v, None, False, "bottom-right", None, None, None, None,

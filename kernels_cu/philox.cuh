@@ -5,7 +5,7 @@
 // The keep bit of element (bh, i, j) of a call (bh: the output's flat (batch, head) index, i the
 // query row, j the key, both in the head's own indices) is a pure function of the call's
 // (seed, offset) and of that position, so it does not depend on tiles, path or device:
-//   (r0, r1, r2, r3) = Philox4x32-10(counter = (j >> 4, i, bh, offset),
+//   (r0, r1, r2, r3) = Philox4x32-7(counter = (j >> 4, i, bh, offset),
 //                                    key = (seed & 0xffffffff, seed >> 32))
 //   keep(bh, i, j)   = byte j & 15 of the call's 16 (byte j & 3 of word r[(j >> 2) & 3], the low
 //                      byte first) >= threshold,   threshold = round(dropout_p * 256)
@@ -35,14 +35,18 @@
 
 constexpr unsigned PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;  // Random123's multipliers
 constexpr unsigned PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;  // its key increments
-constexpr int PHILOX_ROUNDS = 10;
+// 7 rounds, as FlashAttention 2's dropout draws (Salmon et al. report Philox4x32 Crush-resistant
+// from 7 rounds; Random123's default of 10 is a safety margin): 30 % less of the integer work that
+// bounds the forward with dropout (benchmarks/RESULTS.md).
+constexpr int PHILOX_ROUNDS = 7;
 
 struct Philox4 {
   unsigned x, y, z, w;
 };
 
-// Philox4x32-10 (Salmon et al., SC'11; Random123's philox4x32_R with R = 10): counter c, key (k0, k1).
-__device__ __forceinline__ Philox4 philox4x32_10(Philox4 c, unsigned k0, unsigned k1) {
+// Philox4x32-R (Salmon et al., SC'11; Random123's philox4x32_R), R = PHILOX_ROUNDS: counter c,
+// key (k0, k1).
+__device__ __forceinline__ Philox4 philox4x32(Philox4 c, unsigned k0, unsigned k1) {
 #pragma unroll
   for (int r = 0; r < PHILOX_ROUNDS; ++r) {
     if (r > 0) {  // the key bumps between rounds
@@ -73,21 +77,24 @@ struct NoDropout {
   __device__ __forceinline__ Acc scaled(Acc x) const { return x; }
 };
 
-// Bits 0..3: which of the four bytes of w are >= the threshold (t4: it in each byte).
-__device__ __forceinline__ unsigned kept4(unsigned w, unsigned t4) {
-  const unsigned ge = __vcmpgeu4(w, t4) & 0x01010101u;  // byte k: 1 where kept
-  return (ge * 0x01020408u) >> 24;  // byte k's bit to bit 24 + k (no carries)
+// Bits 0..3: which of the four bytes of w are >= the threshold t (t2: 256 - t in both halves):
+// byte + 256 - t carries into bit 8 of its 16-bit lane exactly where byte >= t (bytes 0, 2 in
+// the even lanes, 1, 3 in the odd), and the carries fold into bits 0..3.
+__device__ __forceinline__ unsigned kept4(unsigned w, unsigned t2) {
+  const unsigned even = (w & 0x00ff00ffu) + t2, odd = ((w >> 8) & 0x00ff00ffu) + t2;
+  const unsigned x = ((even >> 8) & 0x00010001u) | ((odd >> 7) & 0x00020002u);  // bits 0,1,16,17
+  return (x | (x >> 14)) & 0xfu;
 }
 
 template <typename Acc>
 struct Dropout {
   static constexpr bool ON = true;
-  unsigned key0, key1, bh, offset, threshold, t4;  // t4: threshold in each byte
+  unsigned key0, key1, bh, offset, threshold, t2;  // t2: 256 - threshold in each 16-bit half
   Acc rscale;
 
   // The call of keys 16 blk .. 16 blk + 15 of row i.
   __device__ __forceinline__ Philox4 call(long long i, unsigned blk) const {
-    return philox4x32_10(Philox4{blk, static_cast<unsigned>(i), bh, offset}, key0, key1);
+    return philox4x32(Philox4{blk, static_cast<unsigned>(i), bh, offset}, key0, key1);
   }
   __device__ __forceinline__ bool keep(long long i, long long j) const {
     const Philox4 r = call(i, static_cast<unsigned>(j >> 4));
@@ -98,7 +105,7 @@ struct Dropout {
   // The keep bits of keys 16 blk + b of row i: bit b.
   __device__ __forceinline__ unsigned kept16(long long i, unsigned blk) const {
     const Philox4 r = call(i, blk);
-    return kept4(r.x, t4) | kept4(r.y, t4) << 4 | kept4(r.z, t4) << 8 | kept4(r.w, t4) << 12;
+    return kept4(r.x, t2) | kept4(r.y, t2) << 4 | kept4(r.z, t2) << 8 | kept4(r.w, t2) << 12;
   }
   __device__ __forceinline__ Acc operator()(Acc p, long long i, long long j) const {
     return p != Acc(0) && !keep(i, j) ? Acc(0) : p;  // (no bits drawn where p is 0)
@@ -207,7 +214,7 @@ __device__ __forceinline__ Dropout<Acc> dropout_at(long long bh, const DropoutAr
   d.bh = static_cast<unsigned>(bh);
   d.offset = a.offset;
   d.threshold = a.threshold;
-  d.t4 = a.threshold * 0x01010101u;
+  d.t2 = (256u - a.threshold) * 0x00010001u;
   d.rscale = static_cast<Acc>(a.rscale);
   return d;
 }

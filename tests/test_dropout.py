@@ -1,5 +1,5 @@
-"""Dropout (``dropout_p=``, ``dropout_seed=``): the Philox4x32-10 generator against a scalar
-implementation and Random123's known answers, the counter layout, the keep rate, the reference
+"""Dropout (``dropout_p=``, ``dropout_seed=``): the Philox4x32-7 generator against a scalar
+implementation (and, at 10 rounds, Random123's known answers), the counter layout, the keep rate, the reference
 against its definition and finite differences, the NumPy path against the reference, p = 0 as no
 dropout, the seed as data, the validation; on the GPU the mask bitwise NumPy's and every path's
 outputs and gradients against the reference.
@@ -21,11 +21,11 @@ DTYPES = DTYPE_NAMES
 SEED = (0x0123456789ABCDEF, 17)
 
 
-# ---- a scalar Philox4x32-10, written from its definition (Salmon et al., SC'11) ---------------
+# ---- a scalar Philox4x32-R, written from its definition (Salmon et al., SC'11) ----------------
 
-def _scalar_philox(counter, key):
+def _scalar_philox(counter, key, rounds=7):
     c, (k0, k1) = list(counter), key
-    for r in range(10):
+    for r in range(rounds):
         if r:
             k0, k1 = (k0 + 0x9E3779B9) % 2**32, (k1 + 0xBB67AE85) % 2**32
         p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
@@ -49,20 +49,24 @@ KAT = [((0, 0, 0, 0), (0, 0), (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
 
 @pytest.mark.parametrize("counter,key,want", KAT)
 def test_philox_known_answers(counter, key, want):
-    assert tuple(_scalar_philox(counter, key)) == want
-    got = _dropout.philox4x32_10(counter, key)
+    """The round function and key schedule, at Random123's default of 10 rounds (dropout draws
+    7: _dropout.ROUNDS, the same rounds fewer)."""
+    assert _dropout.ROUNDS == 7
+    assert tuple(_scalar_philox(counter, key, 10)) == want
+    got = _dropout.philox4x32(counter, key, 10)
     assert tuple(int(x) for x in got) == want
 
 
-def test_numpy_generator_is_the_scalar_one(rng):
+@pytest.mark.parametrize("rounds", [7, 10])
+def test_numpy_generator_is_the_scalar_one(rounds, rng):
     """Vectorized uint32 arithmetic (uint64 products, wrapping key bumps) gives the scalar
     definition's bits on random counters and keys, extreme words included."""
     counters = rng.integers(0, 2**32, size=(4, 300), dtype=np.uint64)
     counters[:, :4] = [[0], [1], [2**32 - 1], [2**31]]
     key = (int(rng.integers(0, 2**32)), 2**32 - 1)
-    got = np.stack(_dropout.philox4x32_10(tuple(counters), key))
+    got = np.stack(_dropout.philox4x32(tuple(counters), key, rounds))
     for n in range(counters.shape[1]):
-        want = _scalar_philox([int(c) for c in counters[:, n]], key)
+        want = _scalar_philox([int(c) for c in counters[:, n]], key, rounds)
         assert [int(x) for x in got[:, n]] == want, n
 
 
@@ -463,6 +467,7 @@ GPU_CASES = [("plain", (2, 2), (2, 2), 97, 130, 64, 64),
              ("mask", (2, 2), (2, 2), 200, 256, 64, 64),
              ("softcap-alibi-sinks", (1, 3), (1, 3), 40, 70, 256, 256),
              ("causal", (2,), (2,), 65, 90, 96, 48),
+             ("plain", (1, 2), (1, 2), 77, 140, 256, 256),  # fwd_mma's DROPOUT_TILES 64 x 32
              ("plain", (1, 8), (1, 2), 2, 1024, 128, 128)]  # a decode shape
 
 
