@@ -44,11 +44,6 @@ TILES = {
 TRANSFORM_TILES = {
     ((64, 64), False): _T(64, 3, 2, 160, False),
 }
-# With dropout and no mask / bias: at D=64 the two ping-pong consumers of 240 registers (the keep
-# bits drawn while the tensor cores run, fwd_wgmma.cu's `kept`, spilled 16 bytes in 160).
-DROPOUT_TILES = {
-    ((64, 64), False): _T(128, 2, 2, 240, True),
-}
 del _T
 DIMS = sorted({dims for dims, _ in TILES})
 
@@ -65,11 +60,9 @@ HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
 SHORT_ROW_KEYS = 768
 
 
-def pick_tile(dims, mb, transforms=(), dropout=False):
-    """The tile of a mask / bias reading mb (score transforms and dropout keep the tile of the
-    call without them, but where TRANSFORM_TILES / DROPOUT_TILES say otherwise)."""
-    if dropout and (dims, mb != MB_NONE) in DROPOUT_TILES:
-        return DROPOUT_TILES[(dims, mb != MB_NONE)]
+def pick_tile(dims, mb, transforms=()):
+    """The tile of a mask / bias reading mb (score transforms keep the tile of the call without
+    them, but where TRANSFORM_TILES says otherwise)."""
     if transforms and (dims, mb != MB_NONE) in TRANSFORM_TILES:
         return TRANSFORM_TILES[(dims, mb != MB_NONE)]
     return TILES[(dims, mb != MB_NONE)]
@@ -114,7 +107,7 @@ def instantiations():
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES) for sk in (False, True)]
     # with dropout: no transform, no sinks (takes leaves those to fwd_mma or the generic kernels)
     main += [("fwd_wgmma", dt, dims[0], SOURCE,
-              name_expression(dt, dims, pick_tile(dims, mb, (), True), mb, (), False, True))
+              name_expression(dt, dims, pick_tile(dims, mb), mb, (), False, True))
              for dt in _config.MMA_DTYPES for dims in DIMS
              for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
@@ -203,7 +196,7 @@ def _key_tiles_aligned(p):
 def _encode(p, dims):
     B, H = _mask_tiles.grid_shape(p)
     tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED,
-                     p.transforms, bool(p.dropout_p))
+                     p.transforms)
     bm, bn = block_m(tile), tile.block_n
     found = [_tensor_map(x, x_map, B, H, n, x.shape[-1], (64, rows), _tma.SWIZZLE_128B)
              for x, x_map, n, rows in ((p.q, p.q_map, p.Nq, bm), (p.k, p.k_map, p.Nk, bn),
@@ -252,8 +245,7 @@ def takes(p):
     launch = _launch(p, dims)
     if launch is None:
         return False
-    return smem_bytes(dims, pick_tile(dims, launch.mb, p.transforms, bool(p.dropout_p)),
-                      launch.mb) <= \
+    return smem_bytes(dims, pick_tile(dims, launch.mb, p.transforms), launch.mb) <= \
         _runtime.device_info().smem_optin
 
 
@@ -265,7 +257,7 @@ def _recipe(p, dims, launch):
     of its staging, `launch`: the numbers of the maps' rows)."""
     mb = launch.mb
     names = _modifiers.names(p)
-    tile = pick_tile(dims, mb, names, bool(p.dropout_p))
+    tile = pick_tile(dims, mb, names)
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names,
                                                          p.sinks is not None,
                                                          bool(p.dropout_p)), arch=ARCH)

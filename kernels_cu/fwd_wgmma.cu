@@ -323,14 +323,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     if (after_mask == STAGED) tma::arrive(k_empty(seq % STAGES));
   };
   const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
-  // Dropout's keep bits of tile `it` (all set without dropout), drawn while the tile's S = Q K^T
-  // (and the previous tile's P V) run on the tensor cores: they depend on positions only.
-  auto kept = [&](int it) {
-    return kept_rows<BLOCK_N / 8>(dz, i0 + row_w + g, tile_start(it), t);
-  };
   // P of tile `it` as P V's A operand (dropout: its dropped entries 0; l is the undropped sum)
-  auto to_p = [&](unsigned long long zbits) {
-    drop_kept(s[0], dz, zbits);
+  auto to_p = [&](int it) {
+    drop_rows(s[0], dz, i0 + row_w + g, tile_start(it), t);
 #pragma unroll
     for (int kk = 0; kk < KN; ++kk) acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
   };
@@ -352,14 +347,13 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     turn_take();
     wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK);
     turn_pass(false);
-    const auto zbits = kept(first);
     wg::wait<0>();
     wg::fence_acc(s[0]);
     release_k(0, false);
     mask_tile(first, 0);
     release_k(0, true);
     sm.step(s, sl2);
-    to_p(zbits);
+    to_p(first);
   }
   int k = 0;  // CLASSES: the tiles computed before this one
   for (int it = next_tile(first + 1); it < n_tiles; it = next_tile(it + 1)) {
@@ -371,7 +365,6 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK + slot * K_BYTES);
     pv_product<T, DV, KN, KV_BLK>(o, p, sV + prev * V_BYTES);
     turn_pass(false);
-    const auto zbits = kept(it);
     wg::wait<1>();  // this tile's S is done; the previous tile's P V may still run
     wg::fence_acc(s[0]);
     release_k(seq, false);
@@ -383,7 +376,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     tma::arrive(v_empty(prev));
 #pragma unroll
     for (int pf = 0; pf < DF / 2; ++pf) sm.rescale(o[2 * pf], o[2 * pf + 1], 0);  // O *= alpha
-    to_p(zbits);
+    to_p(it);
   }
   if (first < n_tiles) {
     const int seq = CLASSES ? k : n_tiles - 1;

@@ -9,7 +9,7 @@
 //                                    key = (seed & 0xffffffff, seed >> 32))
 //   keep(bh, i, j)   = byte j & 15 of the call's 16 (byte j & 3 of word r[(j >> 2) & 3], the low
 //                      byte first) >= threshold,   threshold = round(dropout_p * 256)
-// One call gives 16 consecutive keys of a row. The rows = queries kernels (kept_rows) draw one
+// One call gives 16 consecutive keys of a row. The rows = queries kernels (drop_rows) draw one
 // call per row and 16 keys, lane t of a quad the t-th block of 16, and hand each lane its keys
 // (8 n + 2 t + {0, 1} in the mma / wgmma accumulator layout) through quad shuffles; the rows = keys
 // kernel (dropped_keys), whose warps hold 16 keys by 8 queries per fragment, draws one call per
@@ -27,9 +27,9 @@
 //   scaled(x)               x * rscale in Acc (x without dropout), which a kernel applies once per
 //                           output (out, dV) and to the kept dP (the backward's dS =
 //                           P (Z dP rscale - D)).
-// The tensor-core kernels apply it on their mma.sync fragments: kept_rows / drop_kept / drop_rows
-// (rows = queries: fwd_mma, fwd_wgmma, and bwd_mma_dq's dP with SCALED) and dropped_keys (rows =
-// keys: bwd_mma_dkdv's bit mask).
+// The tensor-core kernels apply it on their mma.sync fragments: drop_rows (rows = queries:
+// fwd_mma, fwd_wgmma, and bwd_mma_dq's dP with SCALED) and dropped_keys (rows = keys:
+// bwd_mma_dkdv's bit mask).
 #pragma once
 #include "common.cuh"
 
@@ -113,21 +113,22 @@ struct Dropout {
   __device__ __forceinline__ Acc scaled(Acc x) const { return x * rscale; }
 };
 
-// The keep bits of this lane's part of an mma.sync m16n8 accumulator tile in the rows = queries
-// orientation (attn_core.cuh mask_rows'): entry k of fragment nf is query i + 8 (k / 2), key
-// j0 + 8 nf + 2 t + k % 2 (t = lane % 4); bit 4 nf + k of the result: that entry is kept (all
-// set without dropout). With j0 a multiple of 16 (every tile but a forward's unaligned first
-// one), lane t of a quad draws 16-key block 4 c + t of the tile for both rows and the quad shares
-// them by shuffles (bits 2 t + e and 8 + 2 t + e of a block are the lane's keys of fragments 2 b
-// and 2 b + 1); else one call per element (a loop). The whole warp calls it. They depend on
-// positions only, so a kernel may draw them while its tensor cores run (fwd_wgmma does).
-template <int NF, typename D>
-__device__ __forceinline__ unsigned long long kept_rows(const D& dz, int i, int j0, int t) {
-  static_assert(NF % 2 == 0 && 4 * NF <= 64, "whole 16-key blocks, one bit per entry");
-  unsigned long long bits = ~0ull;
+// Dropout on this lane's part of an mma.sync m16n8 accumulator tile in the rows = queries
+// orientation (attn_core.cuh mask_rows'): s[nf][2 h + e] is query i + 8 h, key j0 + 8 nf + 2 t + e
+// (t = lane % 4); a dropped entry becomes 0, a kept one stays (SCALED: times rscale, the
+// backward's dP). No code without dropout. With j0 a multiple of 16 (every tile but a forward's
+// unaligned first one), lane t of a quad draws 16-key block 4 c + t of the tile for both rows and
+// the quad shares them by shuffles (bits 2 t + e and 8 + 2 t + e of a block are the lane's keys
+// of fragments 2 b and 2 b + 1); else one call per element (a loop). The whole warp calls it.
+template <bool SCALED = false, int NF, typename Acc, typename D>
+__device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, int j0, int t) {
   if constexpr (D::ON) {
+    static_assert(NF % 2 == 0, "whole 16-key blocks");
     constexpr int NB = NF / 2, CALLS = (NB + 3) / 4;  // blocks of the tile; per lane
-    bits = 0ull;
+    auto apply = [&](int nf, int k, bool kept) {
+      const Acc x = SCALED ? dz.scaled(s[nf][k]) : s[nf][k];
+      s[nf][k] = kept ? x : Acc(0);
+    };
     if ((j0 & 15) == 0) {  // warp-uniform
       const int quad = static_cast<int>(threadIdx.x & 28u);  // the quad's first lane
 #pragma unroll
@@ -136,42 +137,28 @@ __device__ __forceinline__ unsigned long long kept_rows(const D& dz, int i, int 
         const unsigned both = dz.kept16(i, blk) | dz.kept16(i + 8, blk) << 16;  // row h: << 16 h
 #pragma unroll
         for (int q = 0; q < 4 && 4 * c + q < NB; ++q) {
-          // bits 0, 1, 16, 17: fragment 2 b's entries 0..3; 8, 9, 24, 25: fragment 2 b + 1's
-          const unsigned v = (__shfl_sync(0xffffffffu, both, quad + q) >> (2 * t)) & 0x03030303u;
-          const unsigned x = v | (v >> 14);  // entries in bits 0..3 and 8..11
-          const unsigned byte = (x & 0xfu) | ((x >> 4) & 0xf0u);
-          bits |= static_cast<unsigned long long>(byte) << (8 * (4 * c + q));
+          const unsigned v = __shfl_sync(0xffffffffu, both, quad + q) >> (2 * t);
+          const int nf = 2 * (4 * c + q);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {  // row 8 (k / 2), key 2 t + k % 2 (+ 8)
+            apply(nf, k, (v >> (16 * (k / 2) + k % 2)) & 1u);
+            apply(nf + 1, k, (v >> (16 * (k / 2) + 8 + k % 2)) & 1u);
+          }
         }
       }
     } else {
+      unsigned long long bits = 0ull;  // bit 4 nf + k: entry k of fragment nf kept
+      static_assert(4 * NF <= 64, "one bit per entry");
 #pragma unroll 1
       for (int x = 0; x < 4 * NF; ++x)
         bits |= static_cast<unsigned long long>(
                     dz.keep(i + 8 * ((x & 3) >> 1), j0 + 8 * (x >> 2) + 2 * t + (x & 1))) << x;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) apply(nf, k, (bits >> (4 * nf + k)) & 1ull);
     }
   }
-  return bits;
-}
-
-// Dropout on such a tile from its keep bits: a dropped entry becomes 0, a kept one stays (SCALED:
-// times rscale, the backward's dP). No code without dropout.
-template <bool SCALED = false, int NF, typename Acc, typename D>
-__device__ __forceinline__ void drop_kept(Acc (&s)[NF][4], const D& dz, unsigned long long bits) {
-  if constexpr (D::ON) {
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const Acc x = SCALED ? dz.scaled(s[nf][k]) : s[nf][k];
-        s[nf][k] = (bits >> (4 * nf + k)) & 1ull ? x : Acc(0);
-      }
-  }
-}
-
-// Both at once (i, j0, t as kept_rows').
-template <bool SCALED = false, int NF, typename Acc, typename D>
-__device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, int j0, int t) {
-  if constexpr (D::ON) drop_kept<SCALED>(s, dz, kept_rows<NF>(dz, i, j0, t));
 }
 
 // The dK / dV orientation (attn_core.cuh mask_key_rows'): entry k of a thread's fragment nf is
