@@ -36,8 +36,8 @@
 constexpr unsigned PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;  // Random123's multipliers
 constexpr unsigned PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;  // its key increments
 // 7 rounds, as FlashAttention 2's dropout draws (Salmon et al. report Philox4x32 Crush-resistant
-// from 7 rounds; Random123's default of 10 is a safety margin): 30 % less of the integer work that
-// bounds the forward with dropout (benchmarks/RESULTS.md).
+// from 7 rounds; Random123's default of 10 is a safety margin): 30 % fewer of Philox's
+// instructions, a 2-4 % faster forward with dropout (benchmarks/RESULTS.md).
 constexpr int PHILOX_ROUNDS = 7;
 
 struct Philox4 {
@@ -116,10 +116,11 @@ struct Dropout {
 // Dropout on this lane's part of an mma.sync m16n8 accumulator tile in the rows = queries
 // orientation (attn_core.cuh mask_rows'): s[nf][2 h + e] is query i + 8 h, key j0 + 8 nf + 2 t + e
 // (t = lane % 4); a dropped entry becomes 0, a kept one stays (SCALED: times rscale, the
-// backward's dP). No code without dropout. With j0 a multiple of 16 (every tile but a forward's
-// unaligned first one), lane t of a quad draws 16-key block 4 c + t of the tile for both rows and
-// the quad shares them by shuffles (bits 2 t + e and 8 + 2 t + e of a block are the lane's keys
-// of fragments 2 b and 2 b + 1); else one call per element (a loop). The whole warp calls it.
+// backward's dP). No code without dropout. With j0 a multiple of 16 (all but a window's tiles and
+// a forward's unaligned first one), lane t of a quad draws 16-key block 4 c + t of the tile for
+// both rows (past the tile where it has fewer than 4 c + 4 blocks: unused) and the quad shares
+// them by shuffles (bits 2 t + e and 8 + 2 t + e of a block are the lane's keys of fragments 2 b
+// and 2 b + 1); else one call per element (a loop). The whole warp calls it.
 template <bool SCALED = false, int NF, typename Acc, typename D>
 __device__ __forceinline__ void drop_rows(Acc (&s)[NF][4], const D& dz, int i, int j0, int t) {
   if constexpr (D::ON) {
@@ -191,9 +192,10 @@ __device__ __forceinline__ auto dropped_keys(const D& dz, int j, int i0, int t) 
         for (int e = 0; e < 2; ++e) {  // query 2 t + e
           const unsigned v = __shfl_sync(0xffffffffu, mine, 8 * q + 2 * t + e) >> g;
 #pragma unroll
-          for (int kh = 0; kh < 2; ++kh)  // key j + 8 kh
-            if (4 * c + q < NF)
-              bits |= static_cast<Bits>(((v >> (8 * kh)) & 1u) ^ 1u) << (4 * (4 * c + q) + 2 * kh + e);
+          for (int kh = 0; kh < 2; ++kh) {  // key j + 8 kh
+            const Bits drop = ((v >> (8 * kh)) & 1u) ^ 1u;
+            if (4 * c + q < NF) bits |= drop << (4 * (4 * c + q) + 2 * kh + e);
+          }
         }
       }
     }
