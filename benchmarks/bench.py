@@ -23,7 +23,8 @@ What it measures
 * Options (--cases options): N = 4096, bf16, D = 128, 16k tokens, forward and backward: GQA 32/8
   causal, sliding window (1023, 0), D = 96, Dk = 192 / Dv = 128 causal, D = 256, a boolean padding
   mask (B, 1, 1, Nk) with 62 % valid keys, a block-sparse mask (half the 128 x 128 blocks), an
-  additive float32 bias (1, H, N, N).
+  additive float32 bias (1, H, N, N), softcap 30 and dropout p = 0.1 (each causal and not; the
+  call without dropout is the dense grid's D = 128, N = 4096 row).
 * Wider dtypes (--cases wide): float32 and float64, D = 128, N = 1024 and 4096, causal and not,
   forward and backward.
 * Options on the wider dtypes (--cases wide-options): float32 and float64, N = 4096, D = 64,
@@ -237,6 +238,9 @@ def parse_args(argv=None):
                    help="comma list of dense head dims (default 64,128; heads = 2048 // D)")
     p.add_argument("--seqlens", type=_csv(int), default=None,
                    help="comma list of dense N (default 512,...,16384)")
+    p.add_argument("--options", type=_csv(str), default=None,
+                   help="comma list of the option cases to run (their names, e.g. dropout10; "
+                        "default all)")
     p.add_argument("--impls", type=_csv(str, ALL_IMPLS), default=list(ALL_IMPLS),
                    help="comma list of " + ",".join(ALL_IMPLS))
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default benchmarks/results)")

@@ -89,6 +89,7 @@ class Case:
     mask: Optional[str] = None       # "padding" or "block-sparse": a boolean mask input
     bias: bool = False               # an additive float32 bias (1, Hq, Nq, Nk)
     softcap: Optional[float] = None  # logit softcapping, cap * tanh(x / cap)
+    dropout: float = 0.0             # attention dropout's p (cuflash: a fixed seed)
     option: Optional[str] = None     # the name of an options case
 
     @property
@@ -133,6 +134,9 @@ def option_cases(layouts):
         ("bias-fp32", dict(bias=True)),
         ("softcap30", dict(softcap=30.0)),
         ("softcap30_causal", dict(softcap=30.0, causal=True)),
+        # issue 18: against the dense grid's D=128 N=4096 rows (the same call without dropout)
+        ("dropout10", dict(dropout=0.1)),
+        ("dropout10_causal", dict(dropout=0.1, causal=True)),
     )
     return [replace(Case(kind, OPTION_DTYPE, TOTAL_TOKENS // n, h, h, n, n, OPTION_D, False,
                          layout=layout, option=name), **spec)
@@ -173,7 +177,8 @@ def build_cases(args):
     kinds = [c for c in args.cases if c in PREFILL_KINDS]
     cases = prefill_cases(kinds, args.dtypes, args.heads_dims, args.seqlens, args.layouts)
     if "options" in args.cases:
-        cases += option_cases(args.layouts)
+        cases += [c for c in option_cases(args.layouts)
+                  if getattr(args, "options", None) is None or c.option in args.options]
     if "wide" in args.cases:
         cases += prefill_cases(PREFILL_KINDS, QUICK_WIDE_DTYPES if args.quick else WIDE_DTYPES,
                                WIDE_HEAD_DIMS[-1:] if args.quick else WIDE_HEAD_DIMS,
@@ -223,6 +228,8 @@ def skip_reason(case, impl, unavailable=None):
             return f"skipped: N x N buffers ~{naive_bytes(case) / 2**30:.0f} GiB > 40 GiB"
     if impl == "fa4" and (case.mask or case.bias):
         return "skipped: fa4's flash_attn_func takes no mask or bias"
+    if impl in ("fa4", "flex") and case.dropout:
+        return f"skipped: {impl} takes no dropout"
     if impl == "fa4" and case.kv_lens:
         return "skipped: fa4's flash_attn_func takes no per-sequence kv lengths"
     if impl.startswith("torch-") and case.softcap:

@@ -194,6 +194,8 @@ def prepare_cuflash(env, case, x, precision=None):
         opts["bias"] = x["bias"]
     if case.softcap:
         opts["softcap"] = case.softcap
+    if case.dropout:
+        opts["dropout_p"], opts["dropout_seed"] = case.dropout, (1234, 0)
     # (B, H, N, D) views: of the buffers themselves for bhnd, swapaxes(1, 2) of them for bnhd
     q, k, v = (as_layout(x[name], case.layout, "bhnd") for name in ("q", "k", "v"))
     if case.kind != "bwd":
@@ -243,6 +245,8 @@ def prepare_torch(env, case, x, impl):
     # (B, H, N, D): the buffers themselves for bhnd, .transpose(1, 2) views of them for bnhd
     q, k, v = torch_views(env, case, x, ("q", "k", "v"), "bhnd")
     kw, notes = sdpa_visible(env, case, x, q)
+    if case.dropout:
+        kw["dropout_p"] = case.dropout
     if case.hq != case.hkv:
         k, v, notes["gqa"] = torch_gqa(sdpa, context, q, k, v, kw, case.hq // case.hkv)
         if "enable_gqa" in notes["gqa"]:
