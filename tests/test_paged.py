@@ -134,6 +134,17 @@ def _small(rng):
     return q, kp, vp, table
 
 
+def _changed(args, change):
+    """args with a test case's change: keyword values, or bad_entry=(b, c, value), the block
+    table with entry (b, c) set to value."""
+    change = dict(change)
+    if "bad_entry" in change:
+        b, c, value = change.pop("bad_entry")
+        change["block_table"] = args["block_table"].copy()
+        change["block_table"][b, c] = value
+    return {**args, **change}
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(block_table=[[0, 1], [2, 3]]), TypeError, "block_table must be a numpy.ndarray"),
     (dict(block_table=np.zeros((2, 3), np.float32)), TypeError, "int32 or int64"),
@@ -152,13 +163,7 @@ def _small(rng):
 def test_paged_errors(change, error, message, rng):
     """Named errors before any work, the public function and the argument in the message."""
     q, kp, vp, table = _small(rng)
-    args = dict(q=q, k=kp, v=vp, block_table=table, kv_lens=[20, 33])
-    if "bad_entry" in change:
-        b, c, value = change.pop("bad_entry")
-        bad = table.copy()
-        bad[b, c] = value
-        change = dict(block_table=bad)
-    args.update(change)
+    args = _changed(dict(q=q, k=kp, v=vp, block_table=table, kv_lens=[20, 33]), change)
     with pytest.raises(error, match="attention: .*" + message):
         cuflash.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
@@ -203,14 +208,9 @@ def test_paged_backward_takes_no_block_table(rng):
 ], ids=lambda x: str(x)[:30])
 def test_paged_append_errors(change, error, message, rng):
     _, kp, vp, table = _small(rng)
-    args = dict(k_pages=kp, v_pages=vp, block_table=table, kv_lens=[20, 33],
-                k_new=np.zeros((2, 2, 2, 8)), v_new=np.zeros((2, 2, 2, 8)))
-    if "bad_entry" in change:  # sequence 1 writes keys 33, 34: column 2
-        b, c, value = change.pop("bad_entry")
-        bad = table.copy()
-        bad[b, c] = value
-        change = dict(block_table=bad)
-    args.update(change)
+    # (bad_entry: sequence 1 writes keys 33, 34, column 2)
+    args = _changed(dict(k_pages=kp, v_pages=vp, block_table=table, kv_lens=[20, 33],
+                         k_new=np.zeros((2, 2, 2, 8)), v_new=np.zeros((2, 2, 2, 8))), change)
     with pytest.raises(error, match="paged_append: .*" + message):
         cuflash.paged_append(**args)
 
