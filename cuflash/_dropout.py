@@ -9,10 +9,11 @@ the key) for a call's ``dropout_seed = (seed, offset)``:
     keep = byte j & 15 of the 16 (byte j & 3, low first, of word r[(j >> 2) & 3]) >= threshold,
     threshold = round(dropout_p * 256)
 
-one Philox call per 16 consecutive keys of a row; kept weights are scaled by 256 / (256 - threshold). The NumPy path (cuflash/_numpy.py) draws its
-tiles' bits here, and the dense reference (cuflash/reference.py) materializes the whole mask here:
-the one piece of code the reference shares with a fast path (a test checks this generator against
-a scalar Philox written from its definition and Random123's known answers at 10 rounds).
+one Philox call per 16 consecutive keys of a row; kept weights are scaled by
+256 / (256 - threshold). The NumPy path (cuflash/_numpy.py) draws its tiles' bits here, and the
+dense reference (cuflash/reference.py) materializes the whole mask here: the one piece of code the
+reference shares with a fast path (a test checks this generator against a scalar Philox written
+from its definition and Random123's known answers at 10 rounds).
 """
 import numpy as np
 
@@ -42,8 +43,8 @@ def rscale(p):
 
 
 def philox4x32(counter, key, rounds=ROUNDS):
-    """Philox4x32-``rounds`` of ``counter`` (four uint32 arrays that broadcast together) under ``key``
-    (two ints): the four uint32 output words, arrays of the counters' broadcast shape."""
+    """Philox4x32-``rounds`` of ``counter`` (four uint32 arrays that broadcast together) under
+    ``key`` (two ints): the four uint32 output words, arrays of the counters' broadcast shape."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
     c0, c1, c2, c3 = np.broadcast_arrays(c0, c1, c2, c3)
     k0, k1 = int(key[0]) & _MASK32, int(key[1]) & _MASK32
@@ -66,7 +67,7 @@ def keep(seed, offset, thresh, bh, rows, j0, j1):
     b0 = j0 >> 4  # the calls of the 16-key blocks the keys touch
     blocks = np.arange(b0, (((j1 - 1) >> 4) + 1) if j1 > j0 else b0, dtype=np.int64)
     words = philox4x32((blocks, rows[..., None], bh[..., None], np.int64(offset)),
-                          (seed & _MASK32, (seed >> 32) & _MASK32))
+                       (seed & _MASK32, (seed >> 32) & _MASK32))
     shifts = np.arange(0, 32, 8, dtype=np.uint32)
     byte = np.stack([(w[..., None] >> shifts) & np.uint32(0xFF) for w in words], axis=-2)
     byte = byte.astype(np.uint8).reshape(bh.shape + (16 * blocks.size,))  # key 16 b0 + index

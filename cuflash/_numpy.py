@@ -92,7 +92,7 @@ class _Tiles:
         self.kt = np.swapaxes(self.k, -1, -2)
         self.heads = np.unravel_index(np.arange(bh), p.lead) if p.lead else ()
         self.bias_hides = p.bias is not None and bool(np.any(_core(p.bias) == -np.inf))
-        # dropout: the keep bits' threshold and the kept weights' factor in acc (cuflash/_dropout.py)
+        # dropout: the keep bits' threshold, the kept weights' factor in acc (cuflash/_dropout.py)
         self.dropout = bool(p.dropout_p)
         if self.dropout:
             self.threshold = _dropout.threshold(p.dropout_p)

@@ -250,8 +250,8 @@ _NOTES_DOC = """\
     flat (batch, head) index bh is kept iff byte ``j % 4`` (low first) of ``r[(j // 4) % 4]`` is
     at least ``round(256·dropout_p)``, where ``r = Philox4x32-7(counter=(j // 16, i, bh, offset),
     key=(seed % 2**32, seed // 2**32))`` (one Philox call per 16 consecutive keys; i and j are
-    the indices in q's rows and k's keys, bh counts the output's leading dims in C order). ``cuflash.reference.dropout_mask``
-    materializes it."""
+    the indices in q's rows and k's keys, bh counts the output's leading dims in C order).
+    ``cuflash.reference.dropout_mask`` materializes it."""
 
 
 # The options each public function hands to make_problem, named as in its signature (one list,
@@ -630,8 +630,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     the gradient of the logit (see return_dbias). With sinks these formulas stand as they are
     (lse includes the sink, and its value 0 adds nothing to D), and
     dsinks = -sum_i exp(t - lse_i)·D_i. With dropout (the forward's dropout_p and dropout_seed:
-    the same mask Z is redrawn, r = 1 / (1 - p'), p' = round(256·dropout_p) / 256), dv = (r·Z ∘ P)ᵀ·dout and
-    dS = P ∘ (r·Z ∘ (dout·vᵀ) - D), D from the dropped out.
+    the same mask Z is redrawn, r = 1 / (1 - p'), p' = round(256·dropout_p) / 256),
+    dv = (r·Z ∘ P)ᵀ·dout and dS = P ∘ (r·Z ∘ (dout·vᵀ) - D), D from the dropped out.
 
     A row with lse = -inf is empty and contributes nothing; a NaN lse gives NaN gradients (dq of
     that row, dk and dv of the keys it sees), never silent zeros. A row whose |lse| is at least

@@ -328,8 +328,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     ALiBi ``... - slope * |p_i - j| + bias`` (p_i the query's aligned position). With sinks
     every row's softmax has one more column, of its head's sink logit and value 0 (visible unless
     the sink is -inf): an empty row then gives out = 0, lse = the sink. With dropout,
-    ``out = (Z * P / (1 - p')) @ v`` (p' = round(256 dropout_p) / 256) with P the undropped softmax (lse is its) and Z
-    ``dropout_mask(q, k, v, dropout_p, dropout_seed)``.
+    ``out = (Z * P / (1 - p')) @ v`` (p' = round(256 dropout_p) / 256) with P the undropped
+    softmax (lse is its) and Z ``dropout_mask(q, k, v, dropout_p, dropout_seed)``.
 
     With ``cu_seqlens_q`` / ``cu_seqlens_k`` (packed sequences: q (total_q, H, Dk), ...) it is
     this function on each sequence alone, its (H, Lq, D) slices of q, k, v and the (H,) rows of

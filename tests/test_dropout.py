@@ -1,8 +1,8 @@
 """Dropout (``dropout_p=``, ``dropout_seed=``): the Philox4x32-7 generator against a scalar
-implementation (and, at 10 rounds, Random123's known answers), the counter layout, the keep rate, the reference
-against its definition and finite differences, the NumPy path against the reference, p = 0 as no
-dropout, the seed as data, the validation; on the GPU the mask bitwise NumPy's and every path's
-outputs and gradients against the reference.
+implementation (and, at 10 rounds, Random123's known answers), the counter layout, the keep rate,
+the reference against its definition and finite differences, the NumPy path against the
+reference, p = 0 as no dropout, the seed as data, the validation; on the GPU the mask bitwise
+NumPy's and every path's outputs and gradients against the reference.
 
 out = (Z ∘ P / (1 − p')) V with P the undropped softmax; dV = (Z ∘ P / (1 − p'))ᵀ dO,
 dS = P ∘ (Z ∘ dP / (1 − p') − D), D = rowsum(dO ∘ O); p' = round(256 p) / 256.
