@@ -354,6 +354,13 @@ struct MmaSoftmax {
       l[mf][h] = Acc(0);
     }
   }
+  // The empty state of every row and of the accumulator that the rows scale: acc = 0.
+  template <typename T, int DF>
+  __device__ __forceinline__ void init(T (&acc)[MF][DF][4]) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) init(mf);
+    tc::zero(acc);
+  }
 
   // Row (mf, h) meets a tile: m grows to include the tile's max (of s * fold, the quad's lanes
   // together), alpha = exp2(m_old - m_ref) rescales what came before; returns the reference m_ref

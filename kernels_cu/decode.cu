@@ -562,9 +562,9 @@ __device__ __forceinline__ void finish_item(
 // b; decode_tc: the rows of its snake_row sequence) and writes workspace slot `item` (a tile's
 // items keep consecutive slots), so the host may launch long items first. The k and v offsets
 // (elements, of the group's kv head) let decode_tc request its first keys after one table load.
-// The kernel parameter list of decode_split (decode_tc's repeats it with float and appends
-// n_launch).
-#define DECODE_SPLIT_PARAMS                                                                  \
+// The kernel parameter list shared by decode_split (Acc: its accumulator type) and decode_tc
+// (float; it appends n_launch and device_lens), and the matching argument list.
+#define DECODE_PARAMS(Acc)                                                                   \
   const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
       T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,                  \
       Acc* __restrict__ ws_ml, unsigned* __restrict__ counters,                              \
@@ -574,6 +574,10 @@ __device__ __forceinline__ void finish_item(
       const Acc* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,          \
       long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
       int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right, int fused
+#define DECODE_ARGS                                                                          \
+  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
+      q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,    \
+      right, bottom_right, fused
 
 // One block's work: row `launch_row` of the items table and its row tile.
 constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_table
@@ -644,7 +648,7 @@ struct PagedKV {
 // register double buffer (see the header). The body of decode_split and decode_split_paged.
 template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
           typename F, typename Pages>
-__device__ __forceinline__ void decode_split_body(DECODE_SPLIT_PARAMS, double mod0, double mod1,
+__device__ __forceinline__ void decode_split_body(DECODE_PARAMS(Acc), double mod0, double mod1,
                                                   const double* __restrict__ mod_table,
                                                   const Pages pg) {
   __shared__ DecodeRow rows[ROWS];
@@ -889,16 +893,11 @@ __device__ __forceinline__ void decode_split_body(DECODE_SPLIT_PARAMS, double mo
                                      it.tile_id, it.first, it.n_items, Nq, Dv, fused);
 }
 
-#define DECODE_SPLIT_ARGS                                                                    \
-  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
-      q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,    \
-      right, bottom_right, fused
-
 template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
           typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __restrict__ mod_table) {
-  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_SPLIT_ARGS, mod0, mod1,
+decode_split(DECODE_PARAMS(Acc), double mod0, double mod1, const double* __restrict__ mod_table) {
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_ARGS, mod0, mod1,
                                                                  mod_table, NoPages{});
 }
 
@@ -906,9 +905,9 @@ decode_split(DECODE_SPLIT_PARAMS, double mod0, double mod1, const double* __rest
 template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
           typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split_paged(DECODE_SPLIT_PARAMS, double mod0, double mod1,
+decode_split_paged(DECODE_PARAMS(Acc), double mod0, double mod1,
                    const double* __restrict__ mod_table, DECODE_PAGED_PARAMS) {
-  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_SPLIT_ARGS, mod0, mod1,
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_ARGS, mod0, mod1,
                                                                  mod_table, DECODE_PAGED_ARG);
 }
 
@@ -1016,21 +1015,9 @@ __device__ __forceinline__ long long snake_row(int round, int b, int grid) {
 }
 
 #define DECODE_TC_PARAMS                                                                     \
-  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                 \
-      T* __restrict__ out, float* __restrict__ lse, float* __restrict__ ws_out,              \
-      float* __restrict__ ws_ml, unsigned* __restrict__ counters,                            \
-      const long long* __restrict__ offsets, const long long* __restrict__ lens,             \
-      const long long* __restrict__ groups, const long long* __restrict__ tiles,             \
-      const long long* __restrict__ items, const unsigned char* __restrict__ mask,           \
-      const float* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,        \
-      long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
-      int Nq, int Dk, int Dv, int G, float scale, int left, int right, int bottom_right,     \
-      int fused, int n_launch, int device_lens, double mod0, double mod1,                    \
+  DECODE_PARAMS(float), int n_launch, int device_lens, double mod0, double mod1,             \
       const double* __restrict__ mod_table
-#define DECODE_TC_ARGS                                                                       \
-  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
-      q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,    \
-      right, bottom_right, fused, n_launch, device_lens, mod0, mod1, mod_table
+#define DECODE_TC_ARGS DECODE_ARGS, n_launch, device_lens, mod0, mod1, mod_table
 
 // The body of decode_tc and decode_tc_paged.
 template <typename T, int HEAD_DIM, int KW, int MINB, typename F, typename Pages>

@@ -119,14 +119,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // each m-fragment (h = 0, 1), and acc = 0.
   MmaSoftmax<MF> sm;
   float acc[MF][DF][4];
-#pragma unroll
-  for (int mf = 0; mf < MF; ++mf) {
-    sm.init(mf);
-#pragma unroll
-    for (int df = 0; df < DF; ++df)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mf][df][e] = 0.f;
-  }
+  sm.init(acc);
   // With a mask or bias the logits are formed explicitly in log2 units by the score modifier
   // (s * scale * log2e + bias * log2e); otherwise the scale is folded into the exponent's FFMA.
   const float scale_log2 = scale * LOG2E;

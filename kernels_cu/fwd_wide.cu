@@ -98,14 +98,7 @@ fwd_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   MmaSoftmax<MF, T, NATURAL> sm;
   T acc[MF][DF][4];
-#pragma unroll
-  for (int mf = 0; mf < MF; ++mf) {
-    sm.init(mf);
-#pragma unroll
-    for (int df = 0; df < DF; ++df)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mf][df][e] = T(0);
-  }
+  sm.init(acc);
   const T scale_units = NATURAL ? scale : scale * log2e<T>();
   const T fold = HAS_MB ? T(1) : scale_units;
   const Mod mod = Mod::make(MOD_INPUTS(bh), scale_units, at_head(mod_args, bh, kt.w.shift));

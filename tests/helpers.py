@@ -6,6 +6,7 @@ GPU tests use the same comparison.
 import math
 
 import numpy as np
+import pytest
 
 import cuflash
 from cuflash import reference
@@ -221,3 +222,41 @@ def numeric_gradient(loss, x, h=1e-6):
         x[idx] = old
         num[idx] = (up - down) / (2 * h)
     return num
+
+
+def decode_options(name, rng, lead, Nq, Nk, xp):
+    """The options of a split-KV decode case by name (plain, kv_lens, kv_lens-device,
+    causal-window, mask-bias; kv_lens, mask and bias drawn here) for leading axes `lead`."""
+    lens = np.array([Nk, Nk // 3 + 5])[: lead[0]].reshape(lead[:1] + (1,) * (len(lead) - 1))
+    if name == "plain":
+        return {}
+    if name == "kv_lens":
+        return dict(kv_lens=lens)
+    if name == "kv_lens-device":
+        return dict(kv_lens=xp.asarray(lens), causal=True)
+    if name == "causal-window":
+        return dict(causal=True, window=(700, 0))
+    if name == "mask-bias":
+        mask = rng.random(lead + (Nq, Nk)) < 0.7
+        mask[(0,) * len(lead) + (1,)] = False  # an empty row
+        bias = rng.standard_normal((Nq, Nk)) * 2
+        bias[0, ::3] = -np.inf                   # -inf hides
+        return dict(mask=xp.asarray(mask), bias=xp.asarray(bias.astype(np.float32)),
+                    kv_lens=lens)
+    raise KeyError(name)
+
+
+def on_decode_paths(cases, dtypes):
+    """A GPU test's parameters: the forced split-KV paths ("split", "split-simt"), dtypes and
+    decode cases (name, lead_q, lead_kv, Nq, Nk, Dk, Dv), as `path`, `dtype` and `case`."""
+    marks = (pytest.mark.gpu,
+             pytest.mark.parametrize("path", ["split", "split-simt"]),
+             pytest.mark.parametrize("dtype", dtypes),
+             pytest.mark.parametrize("case", cases, ids=[f"{c[0]}-nq{c[3]}-d{c[5]}x{c[6]}"
+                                                         for c in cases]))
+
+    def mark(test):
+        for m in reversed(marks):  # as decorators listed top to bottom
+            test = m(test)
+        return test
+    return mark

@@ -12,7 +12,8 @@ import pytest
 
 import cuflash
 from cuflash import _gpu, _validate, reference
-from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_backward, check_call, check_forward, dtype_of, numeric_gradient,
+from helpers import (BFLOAT16, call_public, check_backward, check_call, check_forward,
+                     decode_options, DTYPE_NAMES, dtype_of, numeric_gradient, on_decode_paths,
                      to_array, to_host)
 
 DTYPES = DTYPE_NAMES
@@ -315,29 +316,11 @@ DECODE_CASES = [("plain", (2, 8), (2, 2), 1, 1500, 128, 128),       # GQA 4: per
 
 
 def _decode_options(name, rng, lead, Nq, Nk, xp):
-    lens = np.array([Nk, Nk // 3 + 5])[: lead[0]].reshape(lead[:1] + (1,) * (len(lead) - 1))
-    opts = dict(alibi_slopes=_slopes(rng, lead, xp) * 0.05)  # per batch and head
-    if name == "kv_lens":
-        opts.update(kv_lens=lens)
-    elif name == "kv_lens-device":
-        opts.update(kv_lens=xp.asarray(lens), causal=True)
-    elif name == "causal-window":
-        opts.update(causal=True, window=(700, 0))
-    elif name == "mask-bias":
-        mask = rng.random(lead + (Nq, Nk)) < 0.7
-        mask[(0,) * len(lead) + (1,)] = False  # an empty row
-        bias = rng.standard_normal((Nq, Nk)) * 2
-        bias[0, ::3] = -np.inf
-        opts.update(mask=xp.asarray(mask), bias=xp.asarray(bias.astype(np.float32)),
-                    kv_lens=lens)
-    return opts
+    slopes = _slopes(rng, lead, xp) * 0.05  # per batch and head
+    return dict(decode_options(name, rng, lead, Nq, Nk, xp), alibi_slopes=slopes)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("path", ["split", "split-simt"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"{c[0]}-nq{c[3]}-d{c[5]}x{c[6]}"
-                                                    for c in DECODE_CASES])
+@on_decode_paths(DECODE_CASES, DTYPES)
 def test_decode_paths(case, dtype, path, rng, override):
     import cupy
     from cuflash import _decode

@@ -11,9 +11,9 @@ import pytest
 
 import cuflash
 from cuflash import _config, reference
-from helpers import (BFLOAT16, call_public, dtype_of, numeric_gradient, check_backward, check_forward, naive_attention,
-                     to_array, to_f64, to_host)
-from test_softcap import CASES, DECODE_CASES, DTYPES, GPU_CASES, _decode_options, _options
+from helpers import (BFLOAT16, call_public, check_backward, check_forward, decode_options,
+                     dtype_of, naive_attention, numeric_gradient, to_array, to_f64, to_host)
+from test_softcap import CASES, DECODE_CASES, DTYPES, GPU_CASES, _options
 
 
 def _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, xp=np):
@@ -315,7 +315,7 @@ def test_good_sinks_are_taken(rng):
 # cases on the split-KV kernels (forced, many splits)
 GPU_RUNS = ([(path, case, _options) for path in ("generic", "mma", "wgmma", "wide", "auto")
              for case in GPU_CASES]
-            + [(path, case, _decode_options) for path in ("split", "split-simt")
+            + [(path, case, decode_options) for path in ("split", "split-simt")
                for case in DECODE_CASES])
 
 

@@ -9,8 +9,8 @@ import pytest
 
 import cuflash
 from cuflash import _gpu, _validate, reference
-from helpers import (BFLOAT16, DTYPE_NAMES, call_public, check_call, check_forward, dtype_of, numeric_gradient,
-                     to_array, to_host)
+from helpers import (BFLOAT16, call_public, check_call, check_forward, decode_options, DTYPE_NAMES,
+                     dtype_of, numeric_gradient, on_decode_paths, to_array, to_host)
 
 DTYPES = DTYPE_NAMES
 
@@ -194,39 +194,14 @@ DECODE_CASES = [("plain", (2, 8), (2, 2), 1, 1500, 128, 128),       # GQA 4: dec
                 ("mask-bias", (2, 2), (2, 1), 4, 1200, 128, 64)]
 
 
-def _decode_options(name, rng, lead, Nq, Nk, xp):
-    """The options of a decode case by name (kv_lens, mask and bias drawn here)."""
-    lens = np.array([Nk, Nk // 3 + 5])[: lead[0]].reshape(lead[:1] + (1,) * (len(lead) - 1))
-    if name == "plain":
-        return {}
-    if name == "kv_lens":
-        return dict(kv_lens=lens)
-    if name == "kv_lens-device":
-        return dict(kv_lens=xp.asarray(lens), causal=True)
-    if name == "causal-window":
-        return dict(causal=True, window=(700, 0))
-    if name == "mask-bias":
-        mask = rng.random(lead + (Nq, Nk)) < 0.7
-        mask[(0,) * len(lead) + (1,)] = False  # an empty row
-        bias = rng.standard_normal((Nq, Nk)) * 2
-        bias[0, ::3] = -np.inf                   # -inf hides
-        return dict(mask=xp.asarray(mask), bias=xp.asarray(bias.astype(np.float32)),
-                    kv_lens=lens)
-    raise KeyError(name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("path", ["split", "split-simt"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"{c[0]}-nq{c[3]}-d{c[5]}x{c[6]}"
-                                                    for c in DECODE_CASES])
+@on_decode_paths(DECODE_CASES, DTYPES)
 def test_decode_paths(case, dtype, path, rng, override):
     """A softcap through the decode kernels (forced, many splits) is the reference's."""
     import cupy
     name, lq, lkv, Nq, Nk, Dk, Dv = case
     override(poison=True, path=path)
     q, k, v = _inputs(rng, lq, lkv, Nq, Nk, Dk, Dv, dtype, cupy)
-    opts = dict(_decode_options(name, rng, lq, Nq, Nk, cupy), softcap=2.5)
+    opts = dict(decode_options(name, rng, lq, Nq, Nk, cupy), softcap=2.5)
     assert _gpu.forward_path(_validate.make_problem(q, k, v, **opts)) == "split"
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     check_forward(out, lse, q, k, v, **opts)
