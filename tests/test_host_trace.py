@@ -1,0 +1,80 @@
+"""The CUDA host path on a machine without a GPU, through tests/fake_cupy.py (a recording stand-in
+for CuPy, in a subprocess so that it never meets the real CuPy of this process).
+
+Each case (the dense grid's small and mid calls, decode, masks, bias, dropout, softcap, float32,
+float64, D = 96) is called three times on fresh arrays:
+
+* no call reads a device value on the host (the stand-in raises on int(), bool(), .get());
+* every kernel parameter that is an address names an allocation of its own call (an input, an
+  output, a workspace), a cached device copy of a host table or a kept zeroed buffer, never an
+  earlier call's buffer or a foreign address;
+* the second and third calls launch the same kernels with the same parameters, up to the new
+  arrays' addresses: where a per-layout cache kept an earlier call's address, the third call would
+  name an "old" allocation where the second names a "new" one (the first call may build cached
+  tables, which later calls name as "old").
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAKE = Path(__file__).resolve().parent / "fake_cupy.py"
+
+
+def _trace(tmp_path, *cases):
+    out = tmp_path / "trace.json"
+    run = subprocess.run([sys.executable, str(FAKE), "trace", str(out), *cases],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(out.read_text())
+
+
+def _addresses(x):
+    if isinstance(x, list) and len(x) == 2 and x[0] == "ptr":
+        yield x[1]
+    elif isinstance(x, list):
+        for y in x:
+            yield from _addresses(y)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    return _trace(tmp_path_factory.mktemp("trace"))
+
+
+def test_every_case_traced(trace):
+    names = {key.rsplit("/", 1)[0] for key in trace}
+    assert {"small/fwd", "small/bwd", "mid/fwd", "mid/bwd", "decode/fwd", "dropout/bwd",
+            "mask/bwd", "fp64/bwd"} <= names
+    for name in names:
+        launches = [e for e in trace[name + "/0"] if e[0] in ("launch", "rawkernel")]
+        assert launches, name
+
+
+def test_addresses_name_allocations(trace):
+    """Every address names an allocation: the call's own, or a cached table or zeroed buffer
+    (decode's self-resetting counters), never an earlier call's buffer."""
+    for key, events in trace.items():
+        for where in _addresses(events):
+            assert where is not None and where[0] in ("new", "table"), (key, where, events)
+
+
+def test_repeated_calls_launch_alike(trace):
+    for key in trace:
+        name, n = key.rsplit("/", 1)
+        if n == "2":
+            assert trace[key] == trace[name + "/1"], key
+            # the first call names the same kernels in the same order
+            assert [e[:2] for e in trace[name + "/0"]] == [e[:2] for e in trace[key]], key
+
+
+def test_the_forward_launches_its_kernel_and_the_lost_row_check(trace):
+    """A known shape of the trace: the dense bf16 forward on the tensor cores is its kernel, then
+    the lost-row check of the blocks it flags (kernels_cu/lost_rows.cu), reading the kernel's out
+    and lse."""
+    first, second = [e for e in trace["small/fwd/0"] if e[0] == "launch"]
+    assert first[1].startswith("fwd_mma<bf16_t, 64,") and second[1].startswith("fwd_lost_rows")
+    out, lse = first[5][3], first[5][4]  # (q, k, v, out, lse, ...)
+    assert [out, lse] == second[5][3:5]
