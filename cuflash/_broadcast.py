@@ -73,6 +73,8 @@ def lead_offsets(lead, x_lead_shape, x_lead_strides):
 
 def reduce_to_lead(xp, grad, x_shape):
     """Sum ``grad`` of shape lead + (N, D) to ``x_shape`` (an input's own shape)."""
+    if grad.shape == x_shape:  # (the common case: nothing broadcast)
+        return grad
     lead = grad.shape[:-2]
     ndim = len(lead)
     x_lead = _padded(x_shape[:-2], ndim)

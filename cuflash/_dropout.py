@@ -15,6 +15,8 @@ dense reference (cuflash/reference.py) materializes the whole mask here: the one
 reference shares with a fast path (a test checks this generator against a scalar Philox written
 from its definition and Random123's known answers at 10 rounds).
 """
+import math
+
 import numpy as np
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57   # Random123's multipliers
@@ -31,7 +33,7 @@ def threshold(p):
     1 - threshold / 256: dropout_p's granularity is 1/256. None where p rounds to 1 (p >=
     255.5 / 256, which the public functions refuse)."""
     x = float(p) * 256.0
-    t = int(np.floor(x))
+    t = math.floor(x)
     t += x - t >= 0.5  # (exact)
     return t if t < 256 else None
 

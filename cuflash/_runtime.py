@@ -246,21 +246,36 @@ def carve(*specs):
     where they wrote them)."""
     import cupy
 
-    sizes = [_aligned(int(s) if isinstance(s, (int, np.integer)) else
-                      math.prod(s[0]) * np.dtype(s[1]).itemsize) for s in specs]
-    mem = cupy.cuda.alloc(sum(sizes))
-    buffers, at = [], 0
-    for spec, size in zip(specs, sizes):
+    total, parts = _carvings.build(specs, lambda: _carving(specs))
+    mem = cupy.cuda.alloc(total)
+    buffers = []
+    for at, shape, dtype in parts:
         ptr = mem + at if at else mem
-        if isinstance(spec, (int, np.integer)):
+        if shape is None:
             buffers.append(ptr)
         else:
-            buf = cupy.ndarray(spec[0], spec[1], memptr=ptr)
+            buf = cupy.ndarray(shape, dtype, memptr=ptr)
             if _overrides.poison:
                 _poison(buf)
             buffers.append(buf)
-        at += size
     return buffers
+
+
+_carvings = _memo.Memo(256)
+
+
+def _carving(specs):
+    """(total bytes, [(byte offset, shape or None, dtype or None)]) of carve's specs."""
+    parts, at = [], 0
+    for spec in specs:
+        if isinstance(spec, (int, np.integer)):
+            size, shape, dtype = int(spec), None, None
+        else:
+            shape, dtype = tuple(spec[0]), np.dtype(spec[1])
+            size = math.prod(shape) * dtype.itemsize
+        parts.append((at, shape, dtype))
+        at += _aligned(size)
+    return at, tuple(parts)
 
 
 def outputs(p, *workspace):
@@ -304,7 +319,7 @@ def on_device(host):
 _graph_memory = []
 
 
-_NULL_CONTEXT = contextlib.nullcontext()
+NULL_CONTEXT = contextlib.nullcontext()
 
 
 def graph_safe(x):
@@ -314,12 +329,12 @@ def graph_safe(x):
     Outside capture a null context (the common case costs no generator: issue 17's host time).
     The legacy default stream (pointer 0) never captures."""
     if not type(x).__module__.startswith("cupy"):
-        return _NULL_CONTEXT
+        return NULL_CONTEXT
     import cupy
 
     stream = cupy.cuda.get_current_stream()
     if stream.ptr == 0 or not stream.is_capturing():
-        return _NULL_CONTEXT
+        return NULL_CONTEXT
     return _keeping_allocations()
 
 
@@ -328,11 +343,11 @@ def device_of(x):
     (entering a cupy.cuda.Device costs a microsecond of a small call's host time) and for a
     NumPy array."""
     if isinstance(x, np.ndarray):
-        return _NULL_CONTEXT
+        return NULL_CONTEXT
     import cupy
 
     dev = x.data.device_id
-    return _NULL_CONTEXT if dev == cupy.cuda.runtime.getDevice() else cupy.cuda.Device(dev)
+    return NULL_CONTEXT if dev == cupy.cuda.runtime.getDevice() else cupy.cuda.Device(dev)
 
 
 @contextlib.contextmanager
@@ -398,14 +413,24 @@ DROPOUT_DTYPE = np.dtype(list(DROPOUT_FIELDS), align=True)
 
 def dropout_args(p):
     """The trailing kernel parameters of p's dropout: (DropoutArgs,) as a NumPy structured scalar
-    (this call's seed and offset), or () without dropout (the kernels then take none)."""
+    (this call's seed and offset), or () without dropout (the kernels then take none). One
+    object per (dropout_p, seed, offset), memoized: a call's launches share it, and a Launch
+    rewrites its bytes only when the object changes."""
     if not p.dropout_p:
         return ()
+    key = (p.dropout_p, p.dropout_seed)
+    return _dropout_structs.build(key, lambda: (_dropout_struct(*key),))
+
+
+_dropout_structs = _memo.Memo(256)
+
+
+def _dropout_struct(dropout_p, seed):
     a = np.zeros((), dtype=DROPOUT_DTYPE)
-    a["seed"], a["offset"] = p.dropout_seed
-    a["threshold"] = _dropout.threshold(p.dropout_p)
-    a["rscale"] = _dropout.rscale(p.dropout_p)
-    return (a[()],)
+    a["seed"], a["offset"] = seed
+    a["threshold"] = _dropout.threshold(dropout_p)
+    a["rscale"] = _dropout.rscale(dropout_p)
+    return a[()]
 
 
 class Args:
@@ -529,6 +554,8 @@ class Launch:
         self.params = self.pointers.ctypes.data  # (a ctypes view per access costs a microsecond)
         self.slots = tuple((i, off // 8, mp) for i, off, mp in self.layout
                            if mp is not None and mp != "struct")
+        self.array_slots = tuple((i, w) for i, w, mp in self.slots if not mp)
+        self.pointer_slots = tuple((i, w) for i, w, mp in self.slots if mp)
         self.bytes = self.buf.view(np.uint8)
         self.structs = tuple((i, off, off + args[i].dtype.itemsize)
                              for i, off, mp in self.layout if mp == "struct")
@@ -546,28 +573,37 @@ class Launch:
                                  "between two calls of one recipe")
 
     def __call__(self, args):
-        import cupy
-
+        cuda = _cuda()
         if not PACKED_LAUNCH:  # (a workspace's MemoryPointer passed as its address)
-            args = tuple(np.uint64(x.ptr) if isinstance(x, cupy.cuda.MemoryPointer) else x
+            args = tuple(np.uint64(x.ptr) if isinstance(x, cuda.MemoryPointer) else x
                          for x in args)
             self.kern(self.grid, self.block, args, shared_mem=self.shared_mem)
             return
-        stream = cupy.cuda.get_current_stream().ptr
+        stream = cuda.get_current_stream().ptr
         with self.lock:
             if self.slots is None:
                 self._build(args)
             elif CHECK_LAUNCHES:
                 self._check(args)
             words = self.buf
-            for i, w, mp in self.slots:
-                words[w] = args[i].ptr if mp else args[i].data.ptr
+            for i, w in self.array_slots:
+                words[w] = args[i].data.ptr
+            for i, w in self.pointer_slots:
+                words[w] = args[i].ptr
             for n, (i, start, end) in enumerate(self.structs):
                 if args[i] is not self.written[n]:  # (a layout's AttnArgs is one object)
                     self.bytes[start:end] = np.frombuffer(args[i].tobytes(), dtype=np.uint8)
                     self.written[n] = args[i]
-            cupy.cuda.driver.launchKernel(self.func, *self.grid, *self.block, self.shared_mem,
-                                          stream, self.params, 0)
+            cuda.driver.launchKernel(self.func, *self.grid, *self.block, self.shared_mem, stream,
+                                     self.params, 0)
+
+
+@functools.cache
+def _cuda():
+    """cupy.cuda (imported once: an import statement per launch costs a small call's time)."""
+    import cupy.cuda
+
+    return cupy.cuda
 
 
 def bh_grid(tiles, BH):

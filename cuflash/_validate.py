@@ -191,13 +191,24 @@ def key_range(i, L, Nq, left, right, bottom_right):
 
 
 def _library(x):
-    """'numpy', 'cupy' or None for anything that is not an array of either."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    mod = type(x).__module__ or ""
-    if mod.startswith("cupy") and hasattr(x, "device") and hasattr(x, "data"):
-        return "cupy"
-    return None
+    """'numpy', 'cupy' or None for anything that is not an array of either (by its type,
+    memoized: a CuPy array's `device` is an object made per access)."""
+    t = type(x)
+    lib = _libraries.get(t, _UNKNOWN)
+    if lib is _UNKNOWN:
+        if isinstance(x, np.ndarray):
+            lib = "numpy"
+        elif (t.__module__ or "").startswith("cupy") and hasattr(x, "device") and \
+                hasattr(x, "data"):
+            lib = "cupy"
+        else:
+            lib = None
+        _libraries[t] = lib
+    return lib
+
+
+_UNKNOWN = object()
+_libraries = {}  # type -> 'numpy', 'cupy' or None
 
 
 def _xp_of(name):
@@ -218,13 +229,14 @@ def _check_same_family(fn, named, first, lib, device):
     for name, x in named:
         if x is None:
             continue
-        _check_array(fn, name, x)
         other = _library(x)
+        if other is None:
+            _check_array(fn, name, x)  # (raises)
         if other != lib:
             raise TypeError(
                 f"{fn}: every array argument must come from one library: {first} is a "
                 f"{lib}.ndarray but {name} is a {other}.ndarray")
-        if lib == "cupy" and x.device.id != device:
+        if lib == "cupy" and x.data.device_id != device:
             raise ValueError(
                 f"{fn}: all arrays must be on one device: {first} is on cuda device {device} but "
                 f"{name} is on cuda device {x.device.id}")
@@ -574,17 +586,26 @@ def _check_table_kind(fn, block_table, lib, device, first, inputs):
     return kind
 
 
+def _check_ranks(fn, named, ndim, must, same):
+    """Each (name, array, shape) of `named` has ndim axes ("{fn}: " + must.format(name) + shape
+    otherwise), and the last two (k and v) agree on all but their last axis ("must hold the same"
+    + same)."""
+    for name, x, shape in named:
+        if x.ndim != ndim:
+            raise ValueError(f"{fn}: {must.format(name)} {shape}, got {name}.shape={x.shape}")
+    (kn, k, _), (vn, v, _) = named[-2:]
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{fn}: {kn} and {vn} must hold the same {same}, got {kn}.shape="
+                         f"{k.shape} and {vn}.shape={v.shape}")
+
+
 def _check_pools(fn, named_k, named_v, context=""):
     """Two page pools (num_pages, Hkv, page_size, D) with one page layout and pages of at least
     MIN_PAGE_SIZE rows; returns (num_pages, Hkv, page_size)."""
     (kn, k), (vn, v) = named_k, named_v
-    for name, x in (named_k, named_v):
-        if x.ndim != 4:
-            raise ValueError(f"{fn}: {context}{name} must be a page pool of shape (num_pages, "
-                             f"Hkv, page_size, D), got {name}.shape={x.shape}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{fn}: {kn} and {vn} must hold the same pages (num_pages, Hkv, "
-                         f"page_size), got {kn}.shape={k.shape} and {vn}.shape={v.shape}")
+    pool = "(num_pages, Hkv, page_size, D)"
+    _check_ranks(fn, ((kn, k, pool), (vn, v, pool)), 4, context + "{} must be a page pool of shape",
+                 "pages (num_pages, Hkv, page_size)")
     if k.shape[2] < MIN_PAGE_SIZE:
         raise ValueError(f"{fn}: the page size (axis 2 of {kn} and {vn}) must be at least "
                          f"{MIN_PAGE_SIZE}, got {kn}.shape={k.shape}")
@@ -1087,7 +1108,7 @@ def check_backward_inputs(problem, dout, out, lse, fn="attention_backward", shap
     shapes: (out's, lse's) where they are not the Problem's (a packed call's)."""
     out_shape, lse_shape = shapes or (problem.out_shape, problem.lse_shape)
     lib = "numpy" if problem.xp is np else "cupy"
-    device = problem.q.device.id if lib == "cupy" else None
+    device = problem.q.data.device_id if lib == "cupy" else None
     _check_same_family(fn, (("dout", dout), ("out", out), ("lse", lse)), "q", lib, device)
     for name, x in (("dout", dout), ("out", out)):
         if x is None:
@@ -1272,14 +1293,9 @@ def check_packed(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     device = q.device.id if lib == "cupy" else None
     _check_same_family(fn, (("k", k), ("v", v)), "q", lib, device)
     _check_dtypes(fn, q, k, v)
-    for name, x, shape in (("q", q, "(total_q, H, Dk)"), ("k", k, "(total_k, Hkv, Dk)"),
-                           ("v", v, "(total_k, Hkv, Dv)")):
-        if x.ndim != 3:
-            raise ValueError(f"{fn}: with cu_seqlens, {name} must have shape {shape}, got "
-                             f"{name}.shape={x.shape}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"{fn}: k and v must hold the same tokens and kv heads (total_k, Hkv), "
-                         f"got k.shape={k.shape} and v.shape={v.shape}")
+    _check_ranks(fn, (("q", q, "(total_q, H, Dk)"), ("k", k, "(total_k, Hkv, Dk)"),
+                      ("v", v, "(total_k, Hkv, Dv)")), 3, "with cu_seqlens, {} must have shape",
+                 "tokens and kv heads (total_k, Hkv)")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{fn}: q and k must have the same head dim (axis -1), got "
                          f"q.shape={q.shape} and k.shape={k.shape}")

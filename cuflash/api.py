@@ -1,5 +1,4 @@
 """The public functions: validate -> normalize -> dispatch (NumPy path or CUDA path)."""
-import contextlib
 
 import numpy as np
 
@@ -267,12 +266,18 @@ def _options(names):
     return {name: names[name] for name in OPTIONS}
 
 
+_backends = {}  # problem.xp -> its module (cuflash._numpy, cuflash._gpu), imported once
+
+
 def _dispatch(problem):
-    if problem.xp is np:
-        from . import _numpy
-        return _numpy
-    from . import _gpu
-    return _gpu
+    backend = _backends.get(problem.xp)
+    if backend is None:
+        if problem.xp is np:
+            from . import _numpy as backend
+        else:
+            from . import _gpu as backend
+        _backends[problem.xp] = backend
+    return backend
 
 
 def _forward(problem):
@@ -311,7 +316,7 @@ def _backward(problem, dout, out, lse, deterministic=False):
         # gradients were computed per output (batch, head): sum them back over broadcast/GQA axes
         grads = []
         # (beyond the dtype's range: inf, as a cast gives; NumPy would warn)
-        with np.errstate(over="ignore") if xp is np else contextlib.nullcontext():
+        with np.errstate(over="ignore") if xp is np else _runtime.NULL_CONTEXT:
             for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
                 shape = problem.lead + g.shape[-2:]
                 g = g if g.shape == shape else g.reshape(shape)
@@ -538,14 +543,15 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         ...
     ValueError: attention: align must be 'bottom-right' or 'top-left', got 'top-right'
     """
+    names = locals()  # (one snapshot of the arguments: each costs a small call's time)
     return_lse = check_flag("return_lse", return_lse, "attention")
     with _runtime.graph_safe(q):
-        packed = _packed("attention", q, k, v, locals(), block_table)
+        packed = _packed("attention", q, k, v, names, block_table)
         if packed is not None:
             out, lse = _packed_forward(*packed)
         else:
             problem = make_problem(q, k, v, fn="attention", block_table=block_table,
-                                   **_options(locals()))
+                                   **_options(names))
             out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
@@ -678,13 +684,14 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     >>> bool(np.isnan(dq[0, 0, 5]).all()), bool(np.isnan(dq[0, 0, :5]).any())
     (True, False)
     """
+    names = locals()  # (one snapshot of the arguments)
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
     with _runtime.graph_safe(q):
-        packed = _packed("attention_backward", q, k, v, locals(), dout=dout, out=out, lse=lse)
+        packed = _packed("attention_backward", q, k, v, names, dout=dout, out=out, lse=lse)
         if packed is not None:
             return _packed_backward(*packed, dout, out, lse, deterministic)
         problem = make_problem(q, k, v, fn="attention_backward", return_dbias=return_dbias,
-                               **_options(locals()))
+                               **_options(names))
         check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
         return _backward(problem, dout, out, lse, deterministic)
 
@@ -772,14 +779,15 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
     """
     if return_lse is not None:
         raise TypeError("attention_vjp: takes no return_lse option (it keeps lse itself)")
+    names = locals()  # (one snapshot of the arguments)
     deterministic = check_flag("deterministic", deterministic, "attention_vjp")
     with _runtime.graph_safe(q):
-        packed = _packed("attention_vjp", q, k, v, locals())
+        packed = _packed("attention_vjp", q, k, v, names)
         if packed is not None:
             out, lse = _packed_forward(*packed)
         else:
             problem = make_problem(q, k, v, fn="attention_vjp", return_dbias=return_dbias,
-                                   **_options(locals()))
+                                   **_options(names))
             out, lse = _forward(problem)
 
     def vjp(dout):
