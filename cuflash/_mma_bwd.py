@@ -367,8 +367,9 @@ def _contiguous16(x):
 
 
 _recipes = _memo.Memo(256)
-# the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic)
-Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq")
+# the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic); sizes: the int32
+# parameters BH, Nq, nq_pad and out16
+Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes")
 
 
 def _recipe(p, deterministic):
@@ -400,8 +401,10 @@ def _recipe(p, deterministic):
                              dq_smem)
     prep = _runtime.Launch(_function(prep_expr(p.dtype.name, dims), 0),
                            (-(-BH * nq_pad * 8 // 256),), (256,))
+    i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
-                  np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq)
+                  np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
+                  (i32(BH), i32(Nq), i32(nq_pad), i32(out16)))
 
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
@@ -417,8 +420,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     r = _recipes.build(key, lambda: _recipe(p, deterministic))  # dkdv_tile reads the switch
     args = _runtime.Args(p)
     BH, Nq, Nk, Dk, Dv = p.BH, p.Nq, p.Nk, p.Dk, p.Dv
-    i32 = np.int32
-    tail = args.tail + (i32(r.nq_pad),)
+    tail = args.tail + r.sizes[2:3]  # (nq_pad,)
     dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
     if lse.dtype != np.float32 or not lse.flags.c_contiguous:
         lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
@@ -428,7 +430,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     padded = ((BH, r.nq_pad), np.float32)
     lse2, delta, lost_flags, dq = _runtime.carve(padded, padded, BH * -(-Nq // 32) * 4,
                                                  ((BH, Nq, Dk), np.float32))
-    r.prep((dout, out, lse, lse2, delta, i32(BH), i32(Nq), i32(r.nq_pad), r.lost, lost_flags))
+    r.prep((dout, out, lse, lse2, delta) + r.sizes[:3] + (r.lost, lost_flags))
     if not deterministic:  # dQ atomics add into it
         dq.data.memset_async(0, dq.nbytes)
     dk, dv = _runtime.carve(((BH, Nk, Dk), r.kv_dtype), ((BH, Nk, Dv), r.kv_dtype))
@@ -439,7 +441,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
     drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
     r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
-            classes) + tail + (i32(r.out16), _runtime.ptr(dbias)) + drop)
+            classes) + tail + (r.sizes[3], _runtime.ptr(dbias)) + drop)
     if deterministic:
         r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail + drop)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,

@@ -244,24 +244,26 @@ def carve(*specs):
     override(poison=True), a byte count a MemoryPointer (a kernel-only workspace: kernels read
     pointers; never poisoned, like the flags and partials it holds, which the kernels read only
     where they wrote them)."""
-    import cupy
+    return _carve(_carvings.build(specs, lambda: _carving(specs)))
 
-    total, parts = _carvings.build(specs, lambda: _carving(specs))
-    mem = cupy.cuda.alloc(total)
+
+def _carve(carving):
+    total, parts = carving
+    mem = _cuda().alloc(total)
     buffers = []
     for at, shape, dtype in parts:
         ptr = mem + at if at else mem
         if shape is None:
             buffers.append(ptr)
         else:
-            buf = cupy.ndarray(shape, dtype, memptr=ptr)
+            buf = _cupy().ndarray(shape, dtype, memptr=ptr)
             if _overrides.poison:
                 _poison(buf)
             buffers.append(buf)
     return buffers
 
 
-_carvings = _memo.Memo(256)
+_carvings = _memo.Memo(256)  # specs -> carving
 
 
 def _carving(specs):
@@ -283,7 +285,13 @@ def outputs(p, *workspace):
     (the kernels' (BH, Nq, Dv) and (BH, Nq)), then one MemoryPointer per workspace size in
     bytes, from one allocation (`carve`). Only small workspaces belong here (a forward's flags):
     the caller's out and lse keep the whole allocation alive."""
-    return carve((p.out_shape, p.dtype), (p.lse_shape, p.acc_dtype), *workspace)
+    specs = ((p.out_shape, p.dtype), (p.lse_shape, p.acc_dtype)) + workspace
+    if p.key is None:
+        return carve(*specs)
+    return _carve(_output_carvings.build((p.key,) + workspace, lambda: _carving(specs)))
+
+
+_output_carvings = _memo.Memo(256)  # (Problem.key,) + workspace sizes -> carving
 
 
 _TABLE_CACHE_SIZE = 256
@@ -561,6 +569,7 @@ class Launch:
                              for i, off, mp in self.layout if mp == "struct")
         self.written = [args[i] for i, *_ in self.structs]  # the structs in the buffer
         self.func = self.kern.kernel.ptr
+        self.head = (self.func,) + self.grid + self.block + (self.shared_mem,)
 
     def _check(self, args):
         packed, layout = self._layout(args)
@@ -594,16 +603,19 @@ class Launch:
                 if args[i] is not self.written[n]:  # (a layout's AttnArgs is one object)
                     self.bytes[start:end] = np.frombuffer(args[i].tobytes(), dtype=np.uint8)
                     self.written[n] = args[i]
-            cuda.driver.launchKernel(self.func, *self.grid, *self.block, self.shared_mem, stream,
-                                     self.params, 0)
+            cuda.driver.launchKernel(*self.head, stream, self.params, 0)
 
 
 @functools.cache
-def _cuda():
-    """cupy.cuda (imported once: an import statement per launch costs a small call's time)."""
-    import cupy.cuda
+def _cupy():
+    """cupy (imported once: an import statement per launch costs a small call's time)."""
+    import cupy
 
-    return cupy.cuda
+    return cupy
+
+
+def _cuda():
+    return _cupy().cuda
 
 
 def bh_grid(tiles, BH):

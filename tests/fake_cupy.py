@@ -227,7 +227,11 @@ class ndarray:
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _binary
     __rtruediv__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = __and__ = _binary
-    __or__ = __neg__ = _binary
+    __or__ = _binary
+
+    def __neg__(self):
+        _record("unary", self.shape)
+        return _fresh(self.shape, self.dtype)
     __hash__ = object.__hash__
 
 
@@ -334,6 +338,10 @@ class ElementwiseKernel:
 
 
 class ReductionKernel(ElementwiseKernel):
+    def __init__(self, in_params, out_params, map_expr, reduce_expr, post_map_expr, identity,
+                 name="reduce_kernel", **kwargs):
+        super().__init__(in_params, out_params, map_expr, name)
+
     def __call__(self, *args, axis=None, **kwargs):
         a = args[0]
         axes = [x % a.ndim for x in ((axis,) if np.isscalar(axis) else axis)]
@@ -444,6 +452,9 @@ CASES = [
     ("fp32", (2, 4, 4, 256, 256, 64), dict(dtype="float32"), "both"),
     ("fp64", (1, 2, 2, 128, 128, 64), dict(dtype="float64"), "both"),
     ("D96", (2, 4, 4, 256, 256, 96), {}, "both"),
+    ("deterministic", (2, 8, 2, 256, 256, 128), dict(causal=True, deterministic=True), "bwd"),
+    ("sinks-alibi", (2, 8, 8, 256, 256, 64), dict(sinks=(8,), alibi_slopes=(2, 8)), "both"),
+    ("dbias", (2, 4, 4, 256, 256, 64), dict(bias=(4, 256, 256), return_dbias=True), "bwd"),
 ]
 
 
@@ -456,6 +467,11 @@ def _calls(cupy, case):
         options["bias"] = cupy.empty(options["bias"], np.float32)
     if "mask" in options:
         options["mask"] = cupy.empty(options["mask"], np.bool_)
+    for name in ("sinks", "alibi_slopes"):
+        if name in options:
+            options[name] = cupy.empty(options[name], np.float32)
+    backward_only = {name: options.pop(name) for name in ("deterministic", "return_dbias")
+                     if name in options}
 
     def fwd():
         return cuflash.attention(q, k, v, return_lse=True, **options)
@@ -463,7 +479,7 @@ def _calls(cupy, case):
     dout = cupy.empty(out.shape, out.dtype)
 
     def bwd():
-        return cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+        return cuflash.attention_backward(dout, q, k, v, out, lse, **options, **backward_only)
     return {"fwd": [fwd], "bwd": [bwd], "both": [fwd, bwd]}[what]
 
 
