@@ -20,6 +20,7 @@ tests/test_host_trace.py runs the trace in CI.
 """
 import argparse
 import ctypes
+import gc
 import json
 import math
 import sys
@@ -182,7 +183,9 @@ class ndarray:
             view = object.__new__(ndarray)
             view._a, view._mem, view.data = out, self._mem, self.data
             return view
-        return _view(self, out) if np.may_share_memory(out, self._a) else _fresh(out.shape, out.dtype)
+        if np.may_share_memory(out, self._a):
+            return _view(self, out)
+        return _fresh(out.shape, out.dtype)
 
     def view(self, dtype=None):
         return _view(self, self._a.view(dtype))
@@ -265,8 +268,7 @@ def _asarray(x, dtype=None):
     host = np.asarray(x, dtype=dtype)
     out = _fresh(host.shape, host.dtype)
     _State.tables.add(out._mem.ptr)  # (a device copy of host data: a table, cached or not)
-    out._a[...] = host  # (a copy to the device: its bytes are known on the host, kept)
-    _record("upload", host.shape, host.dtype.str, host.tobytes().hex()[:64])
+    _record("upload", host.shape, host.dtype.str, host.reshape(-1)[:8].tobytes().hex())
     return out
 
 
@@ -443,6 +445,10 @@ CASES = [
     ("mid-nocausal-fp16", (4, 16, 16, 512, 512, 128), dict(dtype="float16"), "both"),
     ("decode", (1, 32, 8, 1, 4096, 128), {}, "fwd"),
     ("decode-lens", (8, 32, 8, 1, 8192, 128), dict(kv_lens=4000), "fwd"),
+    # issue 17's token-by-token loop: lengths (about 4000 of 8192) growing by one per call, on
+    # the host ("grow") or in a CuPy array ("device")
+    ("decode-grow", (8, 32, 8, 1, 8192, 128), dict(kv_lens="grow"), "fwd"),
+    ("decode-device", (8, 32, 8, 1, 8192, 128), dict(kv_lens="device"), "fwd"),
     ("window-gqa", (2, 8, 2, 1024, 1024, 128), dict(window=(256, 0)), "both"),
     ("bias", (2, 4, 4, 256, 256, 64), dict(bias=(4, 256, 256)), "both"),
     ("mask", (2, 4, 4, 256, 384, 64), dict(mask=(2, 1, 256, 384)), "both"),
@@ -472,8 +478,15 @@ def _calls(cupy, case):
             options[name] = cupy.empty(options[name], np.float32)
     backward_only = {name: options.pop(name) for name in ("deterministic", "return_dbias")
                      if name in options}
+    grow = options.get("kv_lens") == "grow"
+    if grow:
+        options["kv_lens"] = 4000 + np.arange(B, dtype=np.int64).reshape(B, 1) * 37 % 400
+    elif options.get("kv_lens") == "device":
+        options["kv_lens"] = cupy.empty((B, 1), np.int64)
 
     def fwd():
+        if grow:
+            options["kv_lens"] = options["kv_lens"] + 1  # (a new array, as a loop would make)
         return cuflash.attention(q, k, v, return_lse=True, **options)
     out, lse = fwd()
     dout = cupy.empty(out.shape, out.dtype)
@@ -483,10 +496,14 @@ def _calls(cupy, case):
     return {"fwd": [fwd], "bwd": [bwd], "both": [fwd, bwd]}[what]
 
 
-def time_cases(names, calls=2000, rounds=5):
+def time_cases(names, calls=2000, rounds=20):
+    """Host µs per call of each case in a plain loop: the best of `rounds` rounds of
+    calls / rounds calls each (the least disturbed by other work on the machine), with the
+    garbage collector paused in the rounds (collected between them)."""
     cupy = install()
     _fake_tma()
     rows = []
+    per_round = max(calls // rounds, 1)
     for case in CASES:
         if names and case[0] not in names:
             continue
@@ -494,10 +511,13 @@ def time_cases(names, calls=2000, rounds=5):
             fn()
             best = math.inf
             for _ in range(rounds):
+                gc.collect()
+                gc.disable()
                 t0 = time.perf_counter()
-                for _ in range(calls):
+                for _ in range(per_round):
                     fn()
-                best = min(best, (time.perf_counter() - t0) / calls)
+                best = min(best, (time.perf_counter() - t0) / per_round)
+                gc.enable()
             rows.append((case[0], fn.__name__, best * 1e6))
             print(f"{case[0]:>20} {fn.__name__}: {best * 1e6:8.1f} us/call", flush=True)
     return rows
@@ -507,8 +527,9 @@ def trace_cases(out_path, names, calls=3):
     """Each case's launches over `calls` calls, each call on fresh inputs (new addresses): in
     each, an address is ["new", k, offset] for the k-th allocation of this call (its inputs, its
     outputs, its workspaces) that it names, ["table", k, offset] for a device copy of host data
-    or a zeroed buffer made before (a cached table, counters), ["old", k, offset] for another earlier allocation (a stale
-    address). From the second call on, a case's calls compare equal."""
+    or a zeroed buffer made before (a cached table, counters), ["old", k, offset] for another
+    earlier allocation (a stale address). From the second call on, a case's calls compare
+    equal."""
     cupy = install()
     _fake_tma()
     _State.record = True
@@ -550,7 +571,8 @@ def _normalize(event):
 def _renumber(events, first_new):
     """Addresses as [age, k, offset]: age "new" for allocations numbered first_new and up, else
     "table" for a device copy of host data or a zeroed buffer (what a cache keeps: tables,
-    self-resetting counters), else "old" (an earlier call's buffer); k counts each age's allocations in the order the events first name them."""
+    self-resetting counters), else "old" (an earlier call's buffer); k counts each age's
+    allocations in the order the events first name them."""
     numbers = {"new": {}, "table": {}, "old": {}}
     tables = {number for base, _, number in _State.allocations if base in _State.tables}
 

@@ -66,8 +66,11 @@ def test_repeated_calls_launch_alike(trace):
         name, n = key.rsplit("/", 1)
         if n == "2":
             assert trace[key] == trace[name + "/1"], key
-            # the first call names the same kernels in the same order
-            assert [e[:2] for e in trace[name + "/0"]] == [e[:2] for e in trace[key]], key
+            # the first call runs the same kernels in the same order (it may also upload the
+            # tables that later calls find cached)
+            def kernels(events):
+                return [e[:2] for e in events if e[0] != "upload"]
+            assert kernels(trace[name + "/0"]) == kernels(trace[key]), key
 
 
 def test_the_forward_launches_its_kernel_and_the_lost_row_check(trace):
