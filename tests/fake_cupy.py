@@ -88,11 +88,8 @@ class MemoryPointer:
     copy_from_async = copy_from_device_async
 
 
-class Device:
-    def __init__(self, device=None):
-        self.id = 0 if device is None else int(device)
-        self.compute_capability = "90"
-        self.attributes = {"MaxSharedMemoryPerBlockOptin": 232448}
+class _Context:
+    """A `with` target that does nothing (a device, a stream)."""
 
     def __enter__(self):
         return self
@@ -104,7 +101,14 @@ class Device:
         pass
 
 
-class Stream:
+class Device(_Context):
+    def __init__(self, device=None):
+        self.id = 0 if device is None else int(device)
+        self.compute_capability = "90"
+        self.attributes = {"MaxSharedMemoryPerBlockOptin": 232448}
+
+
+class Stream(_Context):
     null = None
 
     def __init__(self, non_blocking=False, ptr=1):
@@ -112,15 +116,6 @@ class Stream:
 
     def is_capturing(self):
         return False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def synchronize(self):
-        pass
 
 
 _STREAM = Stream(ptr=0x5000)
