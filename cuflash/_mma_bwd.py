@@ -368,8 +368,9 @@ def _contiguous16(x):
 
 _recipes = _memo.Memo(256)
 # the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic); sizes: the int32
-# parameters BH, Nq, nq_pad and out16
-Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes")
+# parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv kernel's int32
+Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes "
+                              "out16_arg")
 
 
 def _recipe(p, deterministic):
@@ -404,7 +405,7 @@ def _recipe(p, deterministic):
     i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
                   np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
-                  (i32(BH), i32(Nq), i32(nq_pad), i32(out16)))
+                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16))
 
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
@@ -420,7 +421,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     r = _recipes.build(key, lambda: _recipe(p, deterministic))  # dkdv_tile reads the switch
     args = _runtime.Args(p)
     BH, Nq, Nk, Dk, Dv = p.BH, p.Nq, p.Nk, p.Dk, p.Dv
-    tail = args.tail + r.sizes[2:3]  # (nq_pad,)
+    tail = args.tail + r.sizes[2:]  # (nq_pad,)
     dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
     if lse.dtype != np.float32 or not lse.flags.c_contiguous:
         lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
@@ -430,7 +431,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     padded = ((BH, r.nq_pad), np.float32)
     lse2, delta, lost_flags, dq = _runtime.carve(padded, padded, BH * -(-Nq // 32) * 4,
                                                  ((BH, Nq, Dk), np.float32))
-    r.prep((dout, out, lse, lse2, delta) + r.sizes[:3] + (r.lost, lost_flags))
+    r.prep((dout, out, lse, lse2, delta) + r.sizes + (r.lost, lost_flags))
     if not deterministic:  # dQ atomics add into it
         dq.data.memset_async(0, dq.nbytes)
     dk, dv = _runtime.carve(((BH, Nk, Dk), r.kv_dtype), ((BH, Nk, Dv), r.kv_dtype))
@@ -441,7 +442,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
     drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
     r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
-            classes) + tail + (r.sizes[3], _runtime.ptr(dbias)) + drop)
+            classes) + tail + (r.out16_arg, _runtime.ptr(dbias)) + drop)
     if deterministic:
         r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail + drop)
     _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,
