@@ -564,8 +564,14 @@ class Schedule:
         self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb,
                                            bool(p.transforms))
         block_keys = block_keys or shape_constants(p.dtype, self.bucket, self.rows)["BLOCK_KEYS"]
-        g, t, lo, hi = tile_extents(self.lens[self.groups[:, 0]], self.G, p.Nq, self.rows,
-                                    p.left, p.right, p.bottom_right)
+        L = self.lens[self.groups[:, 0]]
+        g, t, lo, hi = tile_extents(L, self.G, p.Nq, self.rows, p.left, p.right, p.bottom_right)
+        if p.lens_device is not None and p.bottom_right:
+            # Lengths on the device: the kernels see the true L in [0, Nk], the host plans for
+            # Nk. A bottom-right row's first key moves down with L (aligned to the keys' end), so
+            # each tile spans its keys for every L: lo at L = 0, hi at L = Nk (both grow with L).
+            lo = tile_extents(np.zeros_like(L), self.G, p.Nq, self.rows, p.left, p.right,
+                              True)[2]
         if split:
             self.split = int(split)
         else:

@@ -9,14 +9,16 @@ the Schedule's tables and the Problem, not the kernels or the package's referenc
 import numpy as np
 
 
-def emulate(p, capacity=64, split=None, rows=None, block_keys=None):
+def emulate(p, capacity=64, split=None, rows=None, block_keys=None, device_lens=None):
     """The decode path's algorithm in float64 NumPy, from the Schedule tables alone (rows and
     block_keys: decode_tc's layout, 16 rows and its stage keys; default decode_split's), with the
     kernels' workspace encoding (kernels_cu/decode.cu "Results per item"): each partial's (max,
     sum) = (-inf, 0) for a row with no visible key in the item, (+inf, 0) for visible keys whose
     logits are all -inf (l == 0), (m, NaN) when a NaN reached l; the merge treats the first two
     as identities, and a row all of whose partials are identities is empty (0, -inf) unless one
-    of them is (+inf, 0) (NaN, NaN). Returns (out, lse, the Schedule)."""
+    of them is (+inf, 0) (NaN, NaN). device_lens: (BH,) the lengths the kernels read from the
+    device when p has lengths on the device (its Schedule plans without them). Returns (out, lse,
+    the Schedule)."""
     from cuflash import _decode
     from cuflash._validate import element_strides
 
@@ -46,7 +48,7 @@ def emulate(p, capacity=64, split=None, rows=None, block_keys=None):
     for tid, k0, k1, it, koff, voff in s.items_table():  # K / V as decode_tc reads
         g, tile, first, count = s.tiles[tid]
         keys = np.arange(k0, k1)  # this block's keys
-        L = int(s.lens[s.groups[g, 0]])
+        L = int((s.lens if device_lens is None else device_lens)[s.groups[g, 0]])
         K = mat("k", koff, p.Nk, p.Dk)
         V = mat("v", voff, p.Nk, p.Dv)
         shift = L - Nq if p.bottom_right else 0

@@ -38,6 +38,42 @@ def test_schedule_reproduces_reference(case, split, layout):
     assert sorted(s.launch.tolist()) == list(range(s.items.shape[0]))
 
 
+# Lengths on the device (a CuPy kv_lens): the host plans for Nk and never sees the values.
+# (name, B, H, Hkv, Nq, Nk, D, options); each batch's length is drawn from LENGTHS
+DEVICE_LENS_CASES = [
+    ("window-br-nq1", 3, 8, 2, 1, 1500, 64, dict(window=(300, 0))),
+    ("causal-window-br-nq4", 3, 8, 2, 4, 1200, 64, dict(causal=True, window=(200, None))),
+    ("window-both-sides-br", 3, 4, 2, 3, 900, 64, dict(window=(100, 50))),
+    ("window-tl", 3, 4, 2, 3, 900, 64, dict(align="top-left", window=(100, 50))),
+    ("causal-br", 3, 8, 2, 2, 1000, 64, dict(causal=True)),
+    ("plain", 3, 8, 2, 1, 1000, 64, {}),
+]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("split", [None, 64], ids=["auto", "64"])
+@pytest.mark.parametrize("case", DEVICE_LENS_CASES, ids=[c[0] for c in DEVICE_LENS_CASES])
+def test_schedule_with_lengths_on_the_device(case, split, layout):
+    """With lengths on the device the Schedule plans for Nk keys and the kernels stop at the true
+    lengths: every key a row sees for ANY length in [0, Nk] must lie in its tile's items. A
+    bottom-right window's first key moves down with the length; planned at Nk, a row of a short
+    sequence saw only the keys the window has at Nk (silently wrong: out from one key)."""
+    name, B, H, Hkv, Nq, Nk, D, opts = case
+    rng = np.random.default_rng(zlib.crc32(f"{name} {split} {layout}".encode()))
+    q, k, v = (rng.standard_normal(s) for s in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    lens = np.array([Nq // 2, int(rng.integers(Nk // 4, Nk // 2)), Nk])[:B]
+    p = make_problem(q, k, v, **opts)
+    p.lens_device = lens.repeat(H)  # what the kernels read: (BH,) (a CuPy array on a GPU)
+    p.lens_map = np.arange(B).repeat(H)  # each (batch, head)'s element of a (B, 1) kv_lens
+    out, lse, _ = emulate(p, split=split, device_lens=p.lens_device, **LAYOUTS[layout])
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, kv_lens=lens[:, None],
+                                           **opts)
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-10)
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=0, atol=1e-10)
+
+
 def _dense_contract(q, k, v, bias, visible, scale):
     """The non-finite contract's dense formula per row in float64 IEEE arithmetic: out 0 and lse
     -inf without a visible key, else x = scale q.k + bias over the visible keys, m = max x (NaN

@@ -53,6 +53,30 @@ def test_device_kv_lens(case, rng, override):
     check_backward(grads, dout, q, k, v, out, lse, kv_lens=host, **options)
 
 
+# bottom-right windows on the decode kernels, lengths on the device well inside (0, Nk)
+WINDOW_CASES = [
+    ("decode-tc-window", None, (3, 8), (3, 2), 1, 1500, 128, "bfloat16", dict(window=(700, 0))),
+    ("decode-split-window", "split", (3, 4), (3, 4), 3, 900, 64, "float16",
+     dict(window=(100, 20))),
+    ("decode-simt-causal-window", "split-simt", (3, 4), (3, 1), 2, 800, 64, "float32",
+     dict(causal=True, window=(150, None))),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
+def test_device_kv_lens_window(case, rng, override):
+    """A bottom-right window with a CuPy kv_lens on the decode kernels: the schedule is planned
+    without the lengths, yet each row's window ends at its own sequence's length (regression:
+    planned at Nk, the rows of a shorter sequence saw only the keys the window holds at Nk)."""
+    import cupy
+    _, force, _, _, _, Nk, _, _, _ = case
+    override(path=force, poison=True)
+    q, k, v, _, options = _inputs(case, rng)
+    host = np.array([[Nk // 3], [Nk - 200], [Nk]])
+    out, lse = cuflash.attention(q, k, v, kv_lens=cupy.asarray(host), return_lse=True, **options)
+    check_forward(out, lse, q, k, v, kv_lens=host, **options)
+
+
 def test_device_kv_lens_checks(rng):
     """What the host can check of a CuPy kv_lens without its values: dtype and shape."""
     import cupy
