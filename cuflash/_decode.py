@@ -32,8 +32,13 @@ Every item's keys are fixed by the table and the partials are merged in slot ord
 result is bitwise reproducible (issue 12 removed decode_tc's key pools, whose stages were claimed
 at run time).
 
-A new kv_lens (each decoded token) re-plans only steps 1-4 and the table: `forward` keeps the
-rest (kernels, occupancy, offsets: `_Layout`) per layout.
+Host kv_lens are planned by bucket (`planned_lengths`): each length rounded up to a multiple of
+a power of two at most 1/2**BUCKET_SHIFT of it, so that a token loop whose lengths grow by one per
+step re-plans once per bucket, not per token. The plan then spans every length of the bucket (a
+bottom-right window's first key moves with the length) and the kernels read the true lengths
+from the device, as they do for a CuPy kv_lens (planned for every length in [0, Nk]). A new
+bucket re-plans only steps 1-4 and the table: `forward` keeps the rest (kernels, occupancy,
+offsets: `_Layout`) per layout.
 
 Path interface (cuflash/_gpu.py): NAME, takes (the SUPPORT RULE below; under
 cuflash._gpu.override(path="split") every Problem the kernels can run, `fits`), forward (out
@@ -44,7 +49,7 @@ import threading
 
 import numpy as np
 
-from . import _config, _modifiers, _runtime
+from . import _config, _memo, _modifiers, _runtime
 from ._validate import element_strides, key_range
 
 NAME = "split"
@@ -82,6 +87,10 @@ _FLOAT_MAX = float(np.finfo(np.float32).max)
 # split_size: its candidates' waves, and the fixed cost of one block in keys in its list schedule.
 SPLIT_WAVES = (1, 2, 3, 4, 6, 8)
 SPLIT_OVERHEAD_KEYS = 256
+# planned_lengths: host lengths rounded up to a multiple of max(BUCKET_MIN_KEYS, 2**(floor(log2
+# L) - BUCKET_SHIFT)) keys
+BUCKET_SHIFT = 2
+BUCKET_MIN_KEYS = 64
 
 
 def _storage_size(dtype):
@@ -510,9 +519,19 @@ def _max_extent(p):
 
 
 def fits(p):
-    """True when the split-KV kernels can run this Problem at all (tests force them this way)."""
+    """True when the split-KV kernels can run this Problem at all (tests force them this way);
+    by layout and the k / v bases' alignment (memoized: a token loop asks at every step)."""
     if p.xp is np or p.BH == 0 or p.Nq == 0 or p.Nk == 0:
         return False
+    key = None if p.layout_key is None else (p.layout_key, p.k.data.ptr % 16,
+                                             p.v.data.ptr % 16)
+    return _fits.build(key, lambda: _fits_layout(p))
+
+
+_fits = _memo.Memo(256)
+
+
+def _fits_layout(p):
     # unaligned rows (odd head dims, odd strides) stay on the generic path: it keeps the number
     # of instantiations (and CI's build check) down
     return p.Nq <= MAX_NQ and max(p.Dk, p.Dv) <= _config.MAX_HEAD_DIM and _aligned(p)
@@ -551,9 +570,16 @@ class Schedule:
     answer for p, when the caller has it.
     """
 
-    def __init__(self, p, capacity, split=None, rows=None, block_keys=None, grouping=None):
+    def __init__(self, p, capacity, split=None, rows=None, block_keys=None, grouping=None,
+                 span=None):
         BH = p.BH
-        self.lens = _lens(p)
+        # span: (shortest, longest) length of each bh the plan must serve (the kernels read the
+        # true one from the device); by default the host kv_lens exactly, or every length in
+        # [0, Nk] with lengths on the device
+        if span is None:
+            span = (np.zeros(BH, np.int64), _lens(p)) if p.lens_device is not None else (
+                _lens(p),) * 2
+        self.lens = span[1]
         self.k_map = np.asarray(p.k_map, dtype=np.int64).reshape(BH)
         self.v_map = np.asarray(p.v_map, dtype=np.int64).reshape(BH)
         self.groups, self.G = grouping or _grouping(p)
@@ -564,14 +590,14 @@ class Schedule:
         self.rows = rows or rows_per_block(p.dtype, self.bucket, self.G * p.Nq, has_mb,
                                            bool(p.transforms))
         block_keys = block_keys or shape_constants(p.dtype, self.bucket, self.rows)["BLOCK_KEYS"]
-        L = self.lens[self.groups[:, 0]]
-        g, t, lo, hi = tile_extents(L, self.G, p.Nq, self.rows, p.left, p.right, p.bottom_right)
-        if p.lens_device is not None and p.bottom_right:
-            # Lengths on the device: the kernels see the true L in [0, Nk], the host plans for
-            # Nk. A bottom-right row's first key moves down with L (aligned to the keys' end), so
-            # each tile spans its keys for every L: lo at L = 0, hi at L = Nk (both grow with L).
-            lo = tile_extents(np.zeros_like(L), self.G, p.Nq, self.rows, p.left, p.right,
-                              True)[2]
+        first = self.groups[:, 0]
+        g, t, lo, hi = tile_extents(self.lens[first], self.G, p.Nq, self.rows, p.left, p.right,
+                                    p.bottom_right)
+        if p.bottom_right and not np.array_equal(span[0], span[1]):
+            # A bottom-right row's first key moves down with L (aligned to the keys' end): each
+            # tile spans its keys for every L of the span, lo at the shortest and hi at the
+            # longest (both grow with L).
+            lo = tile_extents(span[0][first], self.G, p.Nq, self.rows, p.left, p.right, True)[2]
         if split:
             self.split = int(split)
         else:
@@ -663,7 +689,7 @@ class Plan:
     (forward's cache); it then stands for `variant`.
     """
 
-    def __init__(self, p, split=None, variant=None, layout=None):
+    def __init__(self, p, split=None, variant=None, layout=None, span=None):
         self.p = p
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
@@ -672,7 +698,8 @@ class Plan:
             rows = lay.rows(grouping[1], p.Nq)
             self.expr, self.kernel, self.per_sm, self.capacity = lay.kernels(rows)
         self.tc, self.dyn_smem = lay.tc, lay.dyn_smem
-        sched = Schedule(p, self.capacity, split, lay.sched_rows, lay.block_keys, grouping)
+        sched = Schedule(p, self.capacity, split, lay.sched_rows, lay.block_keys, grouping,
+                         span)
         assert sched.rows == rows
         self.sched = sched
         self.G, self.rows, self.split = sched.G, sched.rows, sched.split
@@ -689,6 +716,13 @@ class Plan:
              self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
             self.table = table
             self.split_any = sched.split_any
+
+    def serves(self, lens):
+        """Whether this plan runs host lengths `lens` (BH,) of its bucket: each of its groups'
+        members still shares one length (the kernels read the group's first)."""
+        g = self.sched.groups
+        head = lens[g[:, 0]][:, None]
+        return bool(np.all((lens[g] == head) | (g < 0)))
 
     def run(self, p=None):
         """Launch the split kernel (its last block per row tile merges the partials); returns
@@ -715,7 +749,8 @@ class Plan:
                 i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
             if self.tc:  # persistent blocks, at most one wave (decode_tc); lengths on the
                 # device: its copies stop at each item's length (decode_split's do anyway)
-                self.scalars += (i32(self.n_items), i32(p.lens_device is not None))
+                self.scalars += (i32(self.n_items), i32(p.kv_lens is not None
+                                                         or p.lens_device is not None))
                 self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
             else:
                 self.grid = self.n_items
@@ -730,7 +765,9 @@ class Plan:
                                      i32(pg.page_size),
                                      i32(shift if 1 << shift == pg.page_size else -1),
                                      i32(pg.num_pages))
-        lens = self.lens if p.lens_device is None else p.lens_device
+        # the true lengths: a CuPy kv_lens', the host's (the plan serves their bucket), or Nk
+        lens = (p.lens_device if p.lens_device is not None else
+                self.lens if p.kv_lens is None else _runtime.on_device(p.kv_lens.reshape(-1)))
         # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
         args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
                 self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
@@ -757,23 +794,53 @@ def forward(p):
     forced = ov.path == NAME
     split, variant = (FORCED_SPLIT_KEYS, ov.variant) if forced else (None, None)
     layout_key = _layout_key(p, split) + (variant,)
-    key = layout_key + (None if p.kv_lens is None else p.kv_lens.tobytes(),)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = Plan(p, split=split, variant=variant, layout=_layouts.get(layout_key))
-        _keep(_plans, key, plan)
-        _keep(_layouts, layout_key, plan.layout)
+    if p.kv_lens is None:
+        plan = _plans.get(layout_key)
+        if plan is None:
+            plan = _plan(p, split, variant, layout_key, layout_key)
+    else:  # host lengths: a plan per bucket (planned_lengths), found by the lengths' key too
+        exact = None if p.key is None else layout_key[:2] + (variant, p.key)
+        plan = _exact.get(exact)
+        if plan is None:
+            lens = p.kv_lens.reshape(-1)
+            top, q = planned_lengths(lens)
+            key = layout_key + (top.tobytes(), q.tobytes())
+            plan = _plans.get(key)
+            if plan is None or not plan.serves(lens):
+                span = (np.maximum(top - q + 1, 0), np.minimum(top, p.Nk))
+                plan = _plan(p, split, variant, layout_key, key, span)
+            if exact is not None:
+                _keep(_exact, exact, plan)
     out, lse = plan.run(p=p)
     plan.p = None  # the cache keeps the layout, not the caller's arrays
     return out, lse
 
 
-# Plans by layout and kv_lens: the schedule and its device table depend only on shapes, strides,
-# options and kv_lens, so repeated calls skip the host work. A new kv_lens (decoding token after
-# token) reuses its layout's _Layout and re-plans only the split and the table.
+def _plan(p, split, variant, layout_key, key, span=None):
+    """A new Plan of p, kept under `key`, its _Layout under `layout_key`."""
+    plan = Plan(p, split=split, variant=variant, layout=_layouts.get(layout_key), span=span)
+    _keep(_plans, key, plan)
+    _keep(_layouts, layout_key, plan.layout)
+    return plan
+
+
+def planned_lengths(lens):
+    """The bucket of host lengths `lens` (int64): (top, q), each length L rounded up to top, a
+    multiple of q = max(BUCKET_MIN_KEYS, 2**(floor(log2 L) - BUCKET_SHIFT)), so the bucket holds
+    the lengths top - q < L <= top (a plan for it spans them: the Schedule's `span`)."""
+    e = np.frexp(np.maximum(lens, 1))[1] - 1  # floor(log2 L): L = m 2**(e + 1), m in [0.5, 1)
+    q = np.maximum(np.left_shift(1, np.maximum(e - BUCKET_SHIFT, 0)), BUCKET_MIN_KEYS)
+    return -(-lens // q) * q, q
+
+
+# Plans by layout and length bucket: the schedule and its device table depend only on shapes,
+# strides, options and the lengths' bucket, so repeated calls skip the host work, also when the
+# lengths grow by one per call (a token loop) inside their buckets. A new bucket reuses its
+# layout's _Layout and re-plans only the split and the table.
 _PLAN_CACHE_SIZE = 64
 _plans = {}
 _layouts = {}
+_exact = {}  # (device, split, variant, Problem.key) -> the plan that serves its host kv_lens
 
 
 def _keep(cache, key, value):
@@ -783,17 +850,17 @@ def _keep(cache, key, value):
 
 
 def _layout_key(p, split):
-    """Everything a Plan is derived from, except the arrays' contents and kv_lens: the Problem's
-    signature (which holds kv_lens, so it stands for the layout only with kv_lens None) or the
-    layout itself. (Not `_aligned(p)`: forward only receives problems that `fits`, which requires
+    """Everything a Plan is derived from, except the arrays' contents and kv_lens: the number of
+    the Problem's signature (host kv_lens by their layout: Problem.layout_key) or the layout
+    itself. (Not `_aligned(p)`: forward only receives problems that `fits`, which requires
     it; it was NumPy work on every call.)"""
     import cupy
 
     def strides(x):
         return None if x is None else element_strides(x)
 
-    if p.key is not None and p.kv_lens is None:
-        return (cupy.cuda.Device().id, split, p.key)
+    if p.layout_key is not None:
+        return (cupy.cuda.Device().id, split, p.layout_key)
     return (cupy.cuda.Device().id, split, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
             p.scale, p.left, p.right, p.bottom_right, p.transforms,
             None if p.pages is None else p.pages.layout,

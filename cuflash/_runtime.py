@@ -286,12 +286,12 @@ def outputs(p, *workspace):
     bytes, from one allocation (`carve`). Only small workspaces belong here (a forward's flags):
     the caller's out and lse keep the whole allocation alive."""
     specs = ((p.out_shape, p.dtype), (p.lse_shape, p.acc_dtype)) + workspace
-    if p.key is None:
+    if p.layout_key is None:
         return carve(*specs)
-    return _carve(_output_carvings.build((p.key,) + workspace, lambda: _carving(specs)))
+    return _carve(_output_carvings.build((p.layout_key,) + workspace, lambda: _carving(specs)))
 
 
-_output_carvings = _memo.Memo(256)  # (Problem.key,) + workspace sizes -> carving
+_output_carvings = _memo.Memo(256)  # (Problem.layout_key,) + workspace sizes -> carving
 
 
 _TABLE_CACHE_SIZE = 256

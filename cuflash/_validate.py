@@ -55,6 +55,10 @@ class Problem:
     # The call's signature (shapes, strides, dtypes, devices, options, host kv_lens; see
     # `signature`): the key of every per-layout cache (cuflash._memo); None where it has none.
     key: Optional[tuple] = None
+    # The number of the call's signature with host kv_lens by their layout alone (the same for
+    # every kv_lens value; equal to key without host kv_lens): the key of what depends on the
+    # layout only (the decode path's plans by length bucket). None where key is None.
+    layout_key: Optional[int] = None
     copied: bool = False  # q, k or v had an innermost axis that is not contiguous (copied)
     # float32 on tensor cores: "highest" (three TF32 products per GEMM, as exact as float32) or
     # "high" (one TF32 product); the other dtypes compute as they always do
@@ -901,8 +905,10 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
     """A hashable summary of everything ``make_problem`` reads, or None.
 
     Two calls with one signature pass or fail validation alike and give equal Problems but for
-    their arrays. Types are part of it (True == 1, but causal=1 is refused); host kv_lens by
-    value; a CuPy kv_lens by its dtype, shape and device (its values stay on the device)."""
+    their arrays and host kv_lens' values. Types are part of it (True == 1, but causal=1 is
+    refused); host kv_lens by type, dtype and shape (their values are checked per call,
+    `_with_host_lens`; by value too with a host block_table, whose check reads them); a CuPy
+    kv_lens by its dtype, shape and device (its values stay on the device)."""
     try:
         w, pos = _pair_key(window), _pair_key(positions)
         if kv_lens is None:
@@ -911,7 +917,9 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
             lens = ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id)
         else:
             arr = np.asarray(kv_lens)
-            lens = (type(kv_lens), arr.dtype, arr.shape, arr.tobytes())
+            lens = (type(kv_lens), arr.dtype, arr.shape)
+            if block_table is not None and _library(block_table) != "cupy":
+                lens += (arr.tobytes(),)
         key = (fn, _array_key(q), _array_key(k), _array_key(v),
                None if mask is None else _array_key(mask),
                None if bias is None else _array_key(bias),
@@ -963,15 +971,18 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
             if known.pages is not None:
                 kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
             seed = check_dropout_seed(fn, dropout_seed, known.dropout_p)  # data: every call
-            return known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes,
-                                     block_table, seed)
+            p = known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes,
+                                  block_table, seed)
+            if known.kv_lens is not None:
+                p.kv_lens, p.key = _with_host_lens(fn, known, kv_lens)
+            return p
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
                       precision=precision, sinks=sinks, alibi_slopes=alibi_slopes,
                       block_table=block_table, return_dbias=return_dbias, dropout_p=dropout_p,
                       dropout_seed=dropout_seed, fn=fn, modifiers=modifiers)
     if key is not None:
-        p.key = next(_key_numbers)
+        p.key = p.layout_key = next(_key_numbers)
         for x in (p.q_map, p.k_map, p.v_map, p.kv_lens):  # shared by the calls of this key
             if x is not None:
                 x.flags.writeable = False
@@ -984,6 +995,26 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
             bare.pages = p.pages.with_table(None)  # no device table of the caller's
         _problems.build(key, lambda: bare)
     return p
+
+
+def _with_host_lens(fn, known, kv_lens):
+    """(kv_lens, key) of a call whose signature `known` has, with host kv_lens: their values
+    checked as `_check_kv_lens` checks them, and a key per (signature, values), the signature's
+    own for the values it was made with."""
+    def check():
+        lens = _check_kv_lens(fn, kv_lens, known.lead, known.Nk,
+                              "numpy" if known.xp is np else "cupy")
+        if np.array_equal(lens, known.kv_lens):
+            return known.kv_lens, known.key
+        lens.flags.writeable = False
+        return lens, next(_key_numbers)
+
+    return _host_lens.build((known.key, np.asarray(kv_lens).tobytes()), check)
+
+
+# (signature number, the caller's kv_lens bytes: dtype and shape are the signature's) ->
+# (kv_lens checked, Problem.key)
+_host_lens = _memo.Memo(256)
 
 
 def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens, positions,

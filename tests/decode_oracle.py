@@ -9,7 +9,7 @@ the Schedule's tables and the Problem, not the kernels or the package's referenc
 import numpy as np
 
 
-def emulate(p, capacity=64, split=None, rows=None, block_keys=None, device_lens=None):
+def emulate(p, capacity=64, split=None, rows=None, block_keys=None, device_lens=None, span=None):
     """The decode path's algorithm in float64 NumPy, from the Schedule tables alone (rows and
     block_keys: decode_tc's layout, 16 rows and its stage keys; default decode_split's), with the
     kernels' workspace encoding (kernels_cu/decode.cu "Results per item"): each partial's (max,
@@ -18,11 +18,11 @@ def emulate(p, capacity=64, split=None, rows=None, block_keys=None, device_lens=
     as identities, and a row all of whose partials are identities is empty (0, -inf) unless one
     of them is (+inf, 0) (NaN, NaN). device_lens: (BH,) the lengths the kernels read from the
     device when p has lengths on the device (its Schedule plans without them). Returns (out, lse,
-    the Schedule)."""
+    the Schedule). span: the Schedule's (the lengths a plan serves)."""
     from cuflash import _decode
     from cuflash._validate import element_strides
 
-    s = _decode.Schedule(p, capacity, split=split, rows=rows, block_keys=block_keys)
+    s = _decode.Schedule(p, capacity, split=split, rows=rows, block_keys=block_keys, span=span)
     BH, Nq, Dv = p.BH, p.Nq, p.Dv
     flat = {}
     for name, x, mp in (("q", p.q, p.q_map), ("k", p.k, s.k_map), ("v", p.v, s.v_map)):

@@ -74,6 +74,29 @@ def test_schedule_with_lengths_on_the_device(case, split, layout):
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("case", DEVICE_LENS_CASES, ids=[c[0] for c in DEVICE_LENS_CASES])
+def test_schedule_serves_a_length_bucket(case, layout):
+    """Host lengths are planned by bucket (_decode.planned_lengths): one plan, made from one
+    call's lengths, must serve every length of their buckets (a token loop's next steps; the
+    kernels read the true lengths), the shortest and the longest included."""
+    name, B, H, Hkv, Nq, Nk, D, opts = case
+    rng = np.random.default_rng(zlib.crc32(f"bucket {name} {layout}".encode()))
+    q, k, v = (rng.standard_normal(s) for s in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    lens = np.array([int(rng.integers(Nk // 4, Nk // 2)), Nk - 3, 700])[:B]
+    top, step = _decode.planned_lengths(lens)
+    assert np.all((top - step < lens) & (lens <= top))
+    low, high = np.maximum(top - step + 1, 0), np.minimum(top, Nk)
+    p = make_problem(q, k, v, kv_lens=lens[:, None], **opts)
+    span = (low.repeat(H), high.repeat(H))
+    for true in (low, high, rng.integers(low, high + 1)):
+        out, lse, _ = emulate(p, span=span, device_lens=true.repeat(H), **LAYOUTS[layout])
+        ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, kv_lens=true[:, None],
+                                               **opts)
+        np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-10)
+        assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+
+
 def _dense_contract(q, k, v, bias, visible, scale):
     """The non-finite contract's dense formula per row in float64 IEEE arithmetic: out 0 and lse
     -inf without a visible key, else x = scale q.k + bias over the visible keys, m = max x (NaN

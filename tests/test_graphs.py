@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import _gpu, _validate
 from helpers import check_backward, check_forward, dtype_of, to_array, to_host
 
 pytestmark = pytest.mark.gpu
@@ -75,6 +76,28 @@ def test_device_kv_lens_window(case, rng, override):
     host = np.array([[Nk // 3], [Nk - 200], [Nk]])
     out, lse = cuflash.attention(q, k, v, kv_lens=cupy.asarray(host), return_lse=True, **options)
     check_forward(out, lse, q, k, v, kv_lens=host, **options)
+
+
+@pytest.mark.parametrize("window", [None, (600, 0)], ids=["full", "window"])
+def test_host_kv_lens_token_loop(window, rng):
+    """Host kv_lens new at every call, as in a token loop: growing by one across a length
+    bucket's edge (_decode.planned_lengths: 1020..1026 crosses 1024), shrinking inside a bucket,
+    then per-head lengths that stop being equal inside a GQA group. The decode plans serve a
+    bucket of lengths and the kernels read the true ones: every call must give the reference's
+    result."""
+    import cupy
+    B, H, Hkv, Nk, D = 2, 8, 2, 1500, 128
+    q, k, v = (to_array(cupy, rng.standard_normal(s), dtype_of("bfloat16"))
+               for s in ((B, H, 1, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    options = {} if window is None else dict(window=window)
+    steps = [np.array([[L], [L + 300]]) for L in list(range(1020, 1027)) + [1030, 1026]]
+    per_head = np.full((B, H), 1100)
+    steps += [per_head, np.where(np.arange(H) == 1, 1099, per_head)]
+    for lens in steps:
+        out, lse = cuflash.attention(q, k, v, kv_lens=lens, return_lse=True, **options)
+        assert _gpu.forward_path(_validate.make_problem(q, k, v, kv_lens=lens,
+                                                        **options)) == "split"
+        check_forward(out, lse, q, k, v, kv_lens=lens, **options)
 
 
 def test_device_kv_lens_checks(rng):

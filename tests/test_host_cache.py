@@ -63,7 +63,7 @@ def test_the_cached_problem_equals_a_fresh_one(rng, monkeypatch):
     # one number per signature: a signature made anew (after eviction) gets a new one
     assert first.key == cached.key is not None and fresh.key not in (None, cached.key)
     for name, value in vars(fresh).items():
-        if name == "key":
+        if name in ("key", "layout_key"):
             continue
         got = getattr(cached, name)
         if isinstance(value, np.ndarray):
@@ -71,6 +71,32 @@ def test_the_cached_problem_equals_a_fresh_one(rng, monkeypatch):
         else:
             assert got == value or got is value, name
     assert cached.q is q2 and cached.k is k2 and cached.v is v2
+
+
+def test_host_kv_lens_values_share_the_signature(rng, monkeypatch):
+    """Host kv_lens are in the signature by type, dtype and shape: a call with new values is
+    not validated anew (a token loop's lengths change every step), only its values are checked;
+    each value gets its own Problem.key (what the per-key caches see) under one layout_key."""
+    q, k, v = _qkv(rng)
+    first = _validate.make_problem(q, k, v, causal=True, kv_lens=[[6], [7]])
+    cuflash.attention(q, k, v, causal=True, kv_lens=[[6], [7]])
+
+    def no_validation(*a, **kw):
+        raise AssertionError("validated anew")
+    monkeypatch.setattr(_validate, "_make_problem", no_validation)
+    other = _validate.make_problem(q, k, v, causal=True, kv_lens=[[5], [0]])
+    again = _validate.make_problem(q, k, v, causal=True, kv_lens=np.array([[6], [7]]).tolist())
+    assert first.layout_key == other.layout_key == again.layout_key is not None
+    assert first.key == again.key != other.key
+    assert other.kv_lens.tolist() == [[5], [0]] and again.kv_lens.tolist() == [[6], [7]]
+    with pytest.raises(ValueError, match=r"^attention: kv_lens must lie in \[0, Nk\]"):
+        _validate.make_problem(q, k, v, causal=True, kv_lens=[[-1], [0]])
+    outs = [cuflash.attention(q, k, v, causal=True, kv_lens=lens)
+            for lens in ([[5], [0]], [[7], [1]], [[6], [7]])]
+    monkeypatch.undo()  # (the reference validates its own calls)
+    for out, lens in zip(outs, ([[5], [0]], [[7], [1]], [[6], [7]])):
+        ref = reference.attention(q, k, v, causal=True, kv_lens=np.array(lens))
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
 
 
 def test_the_cache_keeps_no_array_of_the_caller(rng):
