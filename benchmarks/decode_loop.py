@@ -9,8 +9,9 @@ Timed (wall clock over the whole loop, ended by a synchronize), in one process o
   host-lens    kv_lens a NumPy array, advanced on the host
   device-lens  kv_lens a CuPy array, advanced in place on the device
   graph        device-lens with the attention call captured once in a CUDA graph and replayed
-  kernel       the attention call's device time alone (calls queued behind a GPU spin), the
-               target's denominator (the loop <= 1.2x of it)
+  kernel       the attention call's device time alone (calls queued behind a GPU spin), device
+               kv_lens: the target's denominator (the loop <= 1.2x of it)
+  kernel-host  the same with the host kv_lens (their plan, by length bucket)
 The cache writes are the same in every loop; `writes` times them alone.
 """
 import argparse
@@ -86,17 +87,19 @@ def main():
             const long long t0 = clock64(); while (clock64() - t0 < c) {} }''', "spin")
         t0, t1 = cupy.cuda.Event(), cupy.cuda.Event()
         reps = 20
-        spin((1,), (1,), (np.int64(4_000_000 * reps),))
-        t0.record()
-        for _ in range(reps):
-            cuflash.attention(q, k_cache, v_cache, kv_lens=lens_dev)
-        t1.record()
-        t1.synchronize()
-        results["kernel"] = cupy.cuda.get_elapsed_time(t0, t1) * 1e3 / reps
+        for name, lens in (("kernel", lens_dev), ("kernel-host", lens_host)):
+            cuflash.attention(q, k_cache, v_cache, kv_lens=lens)
+            spin((1,), (1,), (np.int64(4_000_000 * reps),))
+            t0.record()
+            for _ in range(reps):
+                cuflash.attention(q, k_cache, v_cache, kv_lens=lens)
+            t1.record()
+            t1.synchronize()
+            results[name] = cupy.cuda.get_elapsed_time(t0, t1) * 1e3 / reps
         graph = None  # the graph goes before its memory
     cuflash.release_graph_memory()
     for name, us in results.items():
-        extra = "" if name in ("kernel", "writes") else \
+        extra = "" if name in ("kernel", "kernel-host", "writes") else \
             f"  ({(us - results['writes']) / results['kernel']:.2f}x the kernel, writes excluded)"
         print(f"{name:12s} {us:9.1f} us per step{extra}")
     if args.out:
