@@ -52,9 +52,10 @@ class Problem:
     q_map: np.ndarray
     k_map: np.ndarray
     v_map: np.ndarray
-    # The call's signature (shapes, strides, dtypes, devices, options, host kv_lens; see
-    # `signature`): the key of every per-layout cache (cuflash._memo); None where it has none.
-    key: Optional[tuple] = None
+    # A number per (signature, host kv_lens values) (the signature: shapes, strides, dtypes,
+    # devices, options; see `signature`): the key of every per-layout cache (cuflash._memo); None
+    # where the call has no signature.
+    key: Optional[int] = None
     # The number of the call's signature with host kv_lens by their layout alone (the same for
     # every kv_lens value; equal to key without host kv_lens): the key of what depends on the
     # layout only (the decode path's plans by length bucket). None where key is None.
