@@ -691,6 +691,7 @@ class Plan:
 
     def __init__(self, p, split=None, variant=None, layout=None, span=None):
         self.p = p
+        self.span = span  # None: planned for p's own lengths (Schedule's default)
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
@@ -801,6 +802,10 @@ def forward(p):
     else:  # host lengths: a plan per bucket (planned_lengths), found by the lengths' key too
         exact = None if p.key is None else layout_key[:2] + (variant, p.key)
         plan = _exact.get(exact)
+        if plan is not None and plan.span is not None:
+            # these lengths came back (a repeated call, not a token loop): plan them exactly
+            plan = Plan(p, split=split, variant=variant, layout=_layouts.get(layout_key))
+            _keep(_exact, exact, plan)
         if plan is None:
             lens = p.kv_lens.reshape(-1)
             top, q = planned_lengths(lens)
@@ -836,7 +841,8 @@ def planned_lengths(lens):
 # Plans by layout and length bucket: the schedule and its device table depend only on shapes,
 # strides, options and the lengths' bucket, so repeated calls skip the host work, also when the
 # lengths grow by one per call (a token loop) inside their buckets. A new bucket reuses its
-# layout's _Layout and re-plans only the split and the table.
+# layout's _Layout and re-plans only the split and the table. Lengths seen a second time get a
+# plan of their own (_exact): a bucket's plan costs up to 3 % of device time (RESULTS.md).
 _PLAN_CACHE_SIZE = 64
 _plans = {}
 _layouts = {}

@@ -81,3 +81,38 @@ def test_the_forward_launches_its_kernel_and_the_lost_row_check(trace):
     assert first[1].startswith("fwd_mma<bf16_t, 64,") and second[1].startswith("fwd_lost_rows")
     out, lse = first[5][3], first[5][4]  # (q, k, v, out, lse, ...)
     assert [out, lse] == second[5][3:5]
+
+
+_REPEAT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import fake_cupy
+cupy = fake_cupy.install()
+import cuflash
+from cuflash import _decode
+q, k, v = fake_cupy._inputs(cupy, 4, 8, 2, 1, 4096, 128)
+lens = np.array([[1000], [3000], [17], [4000]])
+seen = []
+for step in range(3):
+    cuflash.attention(q, k, v, kv_lens=lens)
+    plan = next(iter(_decode._exact.values()))
+    seen.append([plan.span is None, plan.sched.lens.tolist()])
+cuflash.attention(q, k, v, kv_lens=lens + 1)
+seen.append(len(_decode._exact))
+print(json.dumps(seen))
+"""
+
+
+def test_decode_plans_repeated_lengths_exactly():
+    """Host kv_lens: the first call of new lengths runs its bucket's plan (a token loop never
+    re-plans per token); the same lengths again get a plan of their own, kept for the next calls
+    (a repeated call loses nothing to the bucket), and new lengths go back to a bucket's plan."""
+    run = subprocess.run([sys.executable, "-c", _REPEAT, str(FAKE.parent)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    first, second, third, n_exact = json.loads(run.stdout)
+    heads = [1000] * 8 + [3000] * 8 + [17] * 8 + [4000] * 8
+    assert not first[0] and first[1] != heads  # the bucket's tops
+    assert second == [True, heads] and third == second
+    assert n_exact == 2
