@@ -725,6 +725,12 @@ class Plan:
         head = lens[g[:, 0]][:, None]
         return bool(np.all((lens[g] == head) | (g < 0)))
 
+    def __call__(self, p):
+        """run(p), then the plan keeps the layout, not the caller's arrays."""
+        out, lse = self.run(p)
+        self.p = None
+        return out, lse
+
     def run(self, p=None):
         """Launch the split kernel (its last block per row tile merges the partials); returns
         (out, lse).
@@ -791,6 +797,11 @@ def forward(p):
     """(out (p.out_shape, p.dtype), lse (p.lse_shape, p.acc_dtype)) on the current stream. When the
     tests force this path, with FORCED_SPLIT_KEYS keys per split (to exercise the merge) and their
     decode variant ("simt": decode_split where decode_tc would run; see Plan)."""
+    return prepare(p)(p)
+
+
+def prepare(p):
+    """The Plan that runs p (called with p, or with another Problem of p's layout and lengths)."""
     ov = _runtime.overrides()
     forced = ov.path == NAME
     split, variant = (FORCED_SPLIT_KEYS, ov.variant) if forced else (None, None)
@@ -816,9 +827,7 @@ def forward(p):
                 plan = _plan(p, split, variant, layout_key, key, span)
             if exact is not None:
                 _keep(_exact, exact, plan)
-    out, lse = plan.run(p=p)
-    plan.p = None  # the cache keeps the layout, not the caller's arrays
-    return out, lse
+    return plan
 
 
 def _plan(p, split, variant, layout_key, key, span=None):

@@ -1,6 +1,6 @@
 """The generic path (kernels_cu/fwd_generic.cu, bwd_generic.cu): every Problem, every dtype, on CUDA
 cores; and the launches of the lost-row kernels (kernels_cu/lost_rows.cu), which the tensor-core
-paths call too (`flagged_forward`: the forward launch and its fix that fwd_mma and fwd_wide share).
+paths call too (`FlaggedForward`: the forward launch and its fix that fwd_mma and fwd_wide share).
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward, instantiations.
 Callers pass Problems with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones) whose arrays
@@ -211,51 +211,60 @@ def walks_every_pair(p):
     return int(lo[1]) <= 0 and int(hi[0]) >= p.Nk - 1
 
 
-_lost_launches = _memo.Memo(256)
 _lost_plans = _memo.Memo(256)
 
 
-def launch_fwd_lost(args, out, lse, fix, blocks, block_m, lost=None):
-    """fwd_lost_rows: in the ``blocks`` blocks of the tensor-core forward flagged in ``fix``
-    (int32, its launch order), recompute in double out and lse of the rows whose lse came out
-    NaN, +inf or lost (|lse| >= ``lost``, default cuflash._config.LOST_LSE); otherwise it only
-    reads the flags.
-    With sinks (p.sinks) it joins them to those rows, as the forward kernels (SINKS) did."""
-    p = args.p
+class FwdLostRows:
+    """fwd_lost_rows prepared for one layout: in the ``blocks`` blocks of the tensor-core forward
+    flagged in ``fix`` (int32, its launch order), recompute in double out and lse of the rows
+    whose lse came out NaN, +inf or lost (|lse| >= ``lost``, default cuflash._config.LOST_LSE);
+    otherwise it only reads the flags. With sinks (p.sinks) it joins them to those rows, as the
+    forward kernels (SINKS) did."""
 
-    def launch():
+    def __init__(self, p, blocks, block_m, lost=None):
         fn = _runtime.get_function(LOST_SOURCE,
                                    fwd_lost_name_expression(p.dtype, _modifiers.names(p),
                                                             bool(p.dropout_p)))
         per_block = _config.GENERIC_THREADS // 32
         grid = min(-(-blocks // (32 * per_block)), _runtime.device_info().sm_count)
-        limit = _config.lost_lse_limit(lse.dtype) if lost is None else lost
-        return _runtime.Launch(fn, (grid,), (_config.GENERIC_THREADS,)), np.float64(limit)
+        self.launch = _runtime.Launch(fn, (grid,), (_config.GENERIC_THREADS,))
+        self.limit = np.float64(_config.lost_lse_limit(p.acc_dtype) if lost is None else lost)
+        self.block_m = np.int32(block_m)
 
-    key = None if p.key is None else (p.key, blocks, block_m, lost, lse.dtype)
-    run, limit = _lost_launches.build(key, launch)
-    run((p.q, p.k, p.v, out, lse) + args.tail + (limit, fix, np.int32(block_m),
-                                                  _runtime.ptr(p.sinks))
-        + _runtime.dropout_args(p))
+    def __call__(self, head, fix, sinks, drop):
+        """head: (q, k, v, out, lse) + Args.tail; sinks: the pointer; drop: dropout_args."""
+        self.launch(head + (self.limit, fix, self.block_m, sinks) + drop)
 
 
-def flagged_forward(p, recipe, extra=()):
-    """out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), with p's sinks joined, from a
-    tensor-core forward whose parameters are (q, k, v, out, lse) + Args.tail + (fix,) + extra +
-    (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks null without
-    them, and the kernel instantiated with SINKS where there are), then the lost-row fix of the
-    blocks it flags (with the dropout too). With dropout (DropoutArgs,) last (fwd_mma). recipe:
-    (its Launch, blocks of its 1-D bh-major grid, block_m, has_mb)."""
-    launch, blocks, block_m, has_mb = recipe
-    args = _runtime.Args(p)
-    out, lse, fix = _runtime.outputs(p, 4 * blocks)  # fix: int32 per block, all written
-    launch((p.q, p.k, p.v, out, lse) + args.tail + (fix,) + extra + (_runtime.ptr(p.sinks),)
-           + _runtime.dropout_args(p))
-    # Rows the kernel cannot settle, flagged per block (kernels_cu/lost_rows.cu): without mask /
-    # bias the ones whose huge logits the folded scale rounds too coarsely (lost lse); with them,
-    # rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN.
-    launch_fwd_lost(args, out, lse, fix, blocks, block_m, np.inf if has_mb else None)
-    return out, lse
+class FlaggedForward:
+    """A tensor-core forward prepared for one layout (built once per Problem.key; a call runs it
+    on that call's Problem): the kernel, whose parameters are (q, k, v, out, lse) + Args.tail +
+    (fix,) + extra + (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks
+    null without them, and the kernel instantiated with SINKS where there are), with dropout
+    (DropoutArgs,) last (fwd_mma); then the lost-row fix of the blocks it flags (FwdLostRows,
+    with the dropout too). recipe: (its Launch, blocks of its 1-D bh-major grid, block_m,
+    has_mb).
+
+    A call gives out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), with p's sinks
+    joined. Rows the kernel cannot settle are flagged per block (kernels_cu/lost_rows.cu):
+    without mask / bias the ones whose huge logits the folded scale rounds too coarsely (lost
+    lse); with them, rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written
+    NaN."""
+
+    def __init__(self, p, recipe):
+        self.launch, blocks, self.block_m, has_mb = recipe
+        self.carving = _runtime.output_carving(p, 4 * blocks)  # fix: int32 per block, all written
+        self.lost = FwdLostRows(p, blocks, self.block_m, np.inf if has_mb else None)
+        self.tail = _runtime.Args(p).tail if p.plain else None  # a plain Problem's: the layout's
+
+    def __call__(self, p, extra=()):
+        tail = _runtime.Args(p).tail if self.tail is None else self.tail
+        out, lse, fix = _runtime.carved(self.carving)
+        head = (p.q, p.k, p.v, out, lse) + tail
+        sinks, drop = _runtime.ptr(p.sinks), _runtime.dropout_args(p)
+        self.launch(head + (fix,) + extra + (sinks,) + drop)
+        self.lost(head, fix, sinks, drop)
+        return out, lse
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None, dbias=None):

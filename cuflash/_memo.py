@@ -17,6 +17,13 @@ class Memo(dict):
         self.size = size
         self.lock = threading.Lock()
 
+    def put(self, key, value):
+        """Keep ``value`` under ``key`` (in place of the one there)."""
+        with self.lock:
+            if key not in self and len(self) >= self.size:
+                self.pop(next(iter(self)), None)
+            self[key] = value
+
     def build(self, key, make):
         """The value of ``key``; ``make()`` builds it the first time (not kept when key is None)."""
         if key is None:

@@ -160,11 +160,11 @@ def takes(p):
     return smem_bytes(p.Dk, has_mb) <= _runtime.device_info().smem_optin
 
 
-_recipes = _memo.Memo(256)
+_prepared = _memo.Memo(256)
 
 
 def _recipe(p):
-    """(Launch, blocks, block_m, has_mb): the launch of a layout (_generic.flagged_forward)."""
+    """(Launch, blocks, block_m, has_mb): the launch of a layout (_generic.FlaggedForward)."""
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names, bool(p.dropout_p))
@@ -180,7 +180,12 @@ def _recipe(p):
             _modifiers.modified(p))
 
 
+def prepare(p):
+    """The forward of p's layout, prepared (_generic.FlaggedForward): called with a Problem of
+    p's key, it gives out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with its sinks; every
+    row settled, the ones the kernel flags by the lost-row fix."""
+    return _prepared.build(p.key, lambda: _generic.FlaggedForward(p, _recipe(p)))
+
+
 def forward(p):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with p's sinks; every row settled,
-    the ones the kernel flags by the lost-row fix."""
-    return _generic.flagged_forward(p, _recipes.build(p.key, lambda: _recipe(p)))
+    return prepare(p)(p)

@@ -244,10 +244,11 @@ def carve(*specs):
     override(poison=True), a byte count a MemoryPointer (a kernel-only workspace: kernels read
     pointers; never poisoned, like the flags and partials it holds, which the kernels read only
     where they wrote them)."""
-    return _carve(_carvings.build(specs, lambda: _carving(specs)))
+    return carved(_carvings.build(specs, lambda: _carving(specs)))
 
 
-def _carve(carving):
+def carved(carving):
+    """The buffers of a carving (`_carving`): one allocation of CuPy's pool."""
     total, parts = carving
     mem = _cuda().alloc(total)
     buffers = []
@@ -285,10 +286,16 @@ def outputs(p, *workspace):
     (the kernels' (BH, Nq, Dv) and (BH, Nq)), then one MemoryPointer per workspace size in
     bytes, from one allocation (`carve`). Only small workspaces belong here (a forward's flags):
     the caller's out and lse keep the whole allocation alive."""
+    return carved(output_carving(p, *workspace))
+
+
+def output_carving(p, *workspace):
+    """The carving of `outputs`, which `carved` turns into buffers (a path's prepared run keeps
+    it)."""
     specs = ((p.out_shape, p.dtype), (p.lse_shape, p.acc_dtype)) + workspace
     if p.layout_key is None:
-        return carve(*specs)
-    return _carve(_output_carvings.build((p.layout_key,) + workspace, lambda: _carving(specs)))
+        return _carvings.build(specs, lambda: _carving(specs))
+    return _output_carvings.build((p.layout_key,) + workspace, lambda: _carving(specs))
 
 
 _output_carvings = _memo.Memo(256)  # (Problem.layout_key,) + workspace sizes -> carving
@@ -344,6 +351,11 @@ def graph_safe(x):
     if stream.ptr == 0 or not stream.is_capturing():
         return NULL_CONTEXT
     return _keeping_allocations()
+
+
+def current_device():
+    """The current CUDA device's number."""
+    return _cuda().runtime.getDevice()
 
 
 def device_of(x):
@@ -460,6 +472,11 @@ class Args:
             a["mod_table"] = table.data.ptr
             a = a[()]
         self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a)
+
+    def parts(self):
+        """(kv_lens, offsets, tail): what a prepared run keeps of a plain Problem's Args (no
+        array of the caller's), where `p` would keep the call's arrays alive."""
+        return self.kv_lens, self.offsets, self.tail
 
     def flat_tail(self, scale_type):
         """The tail with AttnArgs' fields as separate scalars in its order (ATTN_ARGS_PARAMS, the

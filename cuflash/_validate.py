@@ -96,12 +96,23 @@ class Problem:
     # (seed, offset) as ints, data that is not (None without dropout)
     dropout_p: float = 0.0
     dropout_seed: Optional[tuple] = None
+    # No data but q, k and v changes from call to call of this signature: no mask, bias,
+    # kv_lens (host or device), sinks, ALiBi slopes, pages or dropout, and q, k, v read in place
+    # (not copied). Such a call's Problem is the signature's with its q, k, v (with_arrays), and
+    # cuflash._gpu may run it the way the signature's last call ran (its path's prepared run).
+    # Set for the signatures make_problem memoizes.
+    plain: bool = False
 
     def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None,
                     block_table=None, dropout_seed=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
         kv_lens', the sinks, the ALiBi slopes, a CuPy block_table and the dropout's checked
         (seed, offset)), the rest shared."""
+        if self.plain:  # (the common call: the rest is None for it)
+            new = object.__new__(Problem)
+            new.__dict__.update(self.__dict__)
+            new.q, new.k, new.v = q, k, v
+            return new
         xp = self.xp
         if self.copied:
             q, k, v = (_innermost_contiguous(xp, x) for x in (q, k, v))
@@ -910,26 +921,52 @@ def signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, po
     refused); host kv_lens by type, dtype and shape (their values are checked per call,
     `_with_host_lens`; by value too with a host block_table, whose check reads them); a CuPy
     kv_lens by its dtype, shape and device (its values stay on the device)."""
+    key = _key(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
+               precision, modifiers, sinks, alibi_slopes, block_table, return_dbias, dropout_p,
+               dropout_seed)
     try:
-        w, pos = _pair_key(window), _pair_key(positions)
-        if kv_lens is None:
-            lens = None
-        elif _library(kv_lens) == "cupy":
-            lens = ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id)
-        else:
-            arr = np.asarray(kv_lens)
-            lens = (type(kv_lens), arr.dtype, arr.shape)
-            if block_table is not None and _library(block_table) != "cupy":
-                lens += (arr.tobytes(),)
-        key = (fn, _array_key(q), _array_key(k), _array_key(v),
-               None if mask is None else _array_key(mask),
-               None if bias is None else _array_key(bias),
-               _side_key(scale), _side_key(causal), _side_key(align), w, lens, pos,
-               _side_key(precision), _sinks_key(sinks), _alibi_key(alibi_slopes),
-               _table_key(block_table), _side_key(return_dbias), _side_key(dropout_p),
-               _seed_key(dropout_seed),
-               tuple((n, _side_key(x)) for n, x in sorted((modifiers or {}).items())))
         hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _key(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions, precision,
+         modifiers, sinks, alibi_slopes, block_table, return_dbias, dropout_p, dropout_seed):
+    """signature's key, None, or one that turns out unhashable (make_problem's lookup tells):
+    one flat tuple, the options that are off left out and the others tagged by name (a small
+    call's host time is its cost: a nested tuple is hashed anew at each lookup)."""
+    try:
+        key = (fn, _array_key(q), _array_key(k), _array_key(v), type(scale), scale,
+               type(causal), causal, type(align), align, type(precision), precision,
+               type(return_dbias), return_dbias, type(dropout_p), dropout_p)
+        if mask is not None:
+            key += ("mask", _array_key(mask))
+        if bias is not None:
+            key += ("bias", _array_key(bias))
+        if window is not None:
+            key += ("window", _pair_key(window))
+        if positions is not None:
+            key += ("positions", _pair_key(positions))
+        if kv_lens is not None:
+            if _library(kv_lens) == "cupy":
+                lens = ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id)
+            else:
+                arr = np.asarray(kv_lens)
+                lens = (type(kv_lens), arr.dtype, arr.shape)
+                if block_table is not None and _library(block_table) != "cupy":
+                    lens += (arr.tobytes(),)
+            key += ("kv_lens", lens)
+        if sinks is not None:
+            key += ("sinks", _sinks_key(sinks))
+        if alibi_slopes is not None:
+            key += ("alibi", _alibi_key(alibi_slopes))
+        if block_table is not None:
+            key += ("block_table", _table_key(block_table))
+        if dropout_seed is not None:
+            key += ("seed", _seed_key(dropout_seed))
+        if modifiers:  # (None: off, like an absent one)
+            key += tuple((n, type(x), x) for n, x in sorted(modifiers.items()) if x is not None)
     except (AttributeError, TypeError, ValueError):
         return None
     return key
@@ -963,11 +1000,14 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
-    key = signature(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
-                    precision, modifiers, sinks, alibi_slopes, block_table, return_dbias,
-                    dropout_p, dropout_seed)
+    key = _key(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
+               precision, modifiers, sinks, alibi_slopes, block_table, return_dbias, dropout_p,
+               dropout_seed)
     if key is not None:
-        known = _problems.get(key)
+        try:
+            known = _problems.get(key)
+        except TypeError:  # unhashable (a list in a window, ...): no signature
+            known = key = None
         if known is not None:
             if known.pages is not None:
                 kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
@@ -988,6 +1028,9 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
             if x is not None:
                 x.flags.writeable = False
         p.BH, p.out_shape, p.lse_shape  # computed once, for every call of the signature
+        p.plain = (p.mask is None and p.bias is None and p.kv_lens is None
+                   and p.lens_map is None and p.sinks is None and p.alibi is None
+                   and p.pages is None and not p.dropout_p and not p.copied)
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None

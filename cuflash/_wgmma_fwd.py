@@ -249,7 +249,7 @@ def takes(p):
         _runtime.device_info().smem_optin
 
 
-_recipes = _memo.Memo(256)
+_prepared = _memo.Memo(256)
 
 
 def _recipe(p, dims, launch):
@@ -279,24 +279,45 @@ def _recipe(p, dims, launch):
             block_m(tile), tile, numbers)
 
 
-def forward(p):
-    """out (p.out_shape, p.dtype) and lse (p.lse_shape, float32), with p's sinks; every row settled,
-    the ones the kernel flags by the lost-row fix."""
+class _Forward:
+    """The forward of one layout and staging (_launch's mb and rows), prepared: called with a
+    Problem of its key, out (p.out_shape, p.dtype) and lse (p.lse_shape, float32), with p's
+    sinks; every row settled, the ones the kernel flags by the lost-row fix. The tensor maps are
+    the call's arrays' (_launch, memoized by their addresses)."""
+
+    def __init__(self, p, dims, launch):
+        self.dims = dims
+        (self.run, blocks, self.block_m, self.tile,
+         (self.sizes, self.strides, self.scalars)) = _recipe(p, dims, launch)
+        self.carving = _runtime.output_carving(p, 4 * blocks)  # fix: int32 per block, all written
+        # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
+        has_mb = launch.mb != MB_NONE or bool(p.transforms)
+        self.lost = _generic.FwdLostRows(p, blocks, self.block_m, np.inf if has_mb else None)
+        self.args = _runtime.Args(p).parts() if p.plain else None  # a plain Problem's: the layout's
+
+    def __call__(self, p):
+        launch = _launch(p, self.dims)
+        kv_lens, offsets, tail = _runtime.Args(p).parts() if self.args is None else self.args
+        out, lse, fix = _runtime.carved(self.carving)
+        # the classes table must live until the launch is enqueued
+        classes, _table = (_mask_tiles.classify(p, self.block_m, self.tile.block_n)
+                           if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
+        sinks, drop = _runtime.ptr(p.sinks), _runtime.dropout_args(p)
+        self.run(launch.maps + (launch.heads, out, lse, _runtime.ptr(kv_lens), fix)
+                 + self.sizes + (offsets, _runtime.ptr(p.mask), _runtime.ptr(p.bias))
+                 + self.strides + (classes,) + self.scalars
+                 + (_runtime.ptr(_modifiers.table(p)), sinks) + drop)
+        self.lost((p.q, p.k, p.v, out, lse) + tail, fix, sinks, drop)
+        return out, lse
+
+
+def prepare(p):
+    """The prepared forward of p's layout and staging (_Forward)."""
     dims = padded(p)
     launch = _launch(p, dims)
     key = None if p.key is None else (p.key, launch.mb, launch.mask_rows, launch.bias_rows)
-    run, blocks, bm, tile, (sizes, strides, scalars) = _recipes.build(
-        key, lambda: _recipe(p, dims, launch))
-    args = _runtime.Args(p)
-    out, lse, fix = _runtime.outputs(p, 4 * blocks)  # fix: int32 per block, all written
-    # the classes table must live until the launch is enqueued
-    classes, _table = (_mask_tiles.classify(p, bm, tile.block_n)
-                       if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
-    run(launch.maps + (launch.heads, out, lse, _runtime.ptr(args.kv_lens), fix) + sizes
-        + (args.offsets, _runtime.ptr(p.mask), _runtime.ptr(p.bias)) + strides + (classes,)
-        + scalars + (_runtime.ptr(_modifiers.table(p)), _runtime.ptr(p.sinks))
-        + _runtime.dropout_args(p))
-    has_mb = launch.mb != MB_NONE or bool(p.transforms)
-    # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
-    _generic.launch_fwd_lost(args, out, lse, fix, blocks, bm, np.inf if has_mb else None)
-    return out, lse
+    return _prepared.build(key, lambda: _Forward(p, dims, launch))
+
+
+def forward(p):
+    return prepare(p)(p)

@@ -245,12 +245,12 @@ def takes(p):
     return _runtime.rows_of_16_bytes(p)
 
 
-_recipes = _memo.Memo(256)
+_prepared = _memo.Memo(256)
 
 
 def _recipe(p):
     """((Launch, blocks, block_m, has_mb), block_n): the launch of a layout
-    (_generic.flagged_forward)."""
+    (_generic.FlaggedForward)."""
     has_mb = p.mask is not None or p.bias is not None
     b = bucket(p)
     tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
@@ -267,13 +267,28 @@ def _recipe(p):
              _modifiers.modified(p)), tile.block_n)
 
 
+class _Forward:
+    """The forward of one layout, prepared: called with a Problem of its key, out (BH, Nq, Dv) of
+    p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks; the rows the kernel flags settled by
+    the lost-row fix. A mask's tile classes are computed first (on every call: the mask may
+    change in place); the table lives until the launch is enqueued."""
+
+    def __init__(self, p):
+        recipe, self.block_n = _recipe(p)
+        self.run = _generic.FlaggedForward(p, recipe)
+
+    def __call__(self, p):
+        # (NO_CLASSES without a mask)
+        classes, _table = _mask_tiles.classify(p, self.run.block_m, self.block_n)
+        return self.run(p, (classes,))
+
+
+def prepare(p):
+    return _prepared.build(p.key, lambda: _Forward(p))
+
+
 def forward(p):
-    """out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks; the rows the
-    kernel flags settled by the lost-row fix. A mask's tile classes are computed first (on every
-    call: the mask may change in place); the table lives until the launch is enqueued."""
-    recipe, block_n = _recipes.build(p.key, lambda: _recipe(p))
-    classes, _table = _mask_tiles.classify(p, recipe[2], block_n)  # NO_CLASSES without a mask
-    return _generic.flagged_forward(p, recipe, (classes,))
+    return prepare(p)(p)
 
 
 def _bwd_tiles(p):

@@ -21,6 +21,7 @@ tests/test_host_trace.py runs the trace in CI.
 import argparse
 import ctypes
 import gc
+import itertools
 import json
 import math
 import sys
@@ -474,6 +475,9 @@ CASES = [
 ]
 
 
+_GROWN = itertools.count(0, 2)  # "grow" cases: each _calls' lengths start past the last's
+
+
 def _calls(cupy, case, shrink=False):
     """The case's calls (fwd, bwd or both) on fresh arrays. shrink: long caches cut to 4,608 keys
     of 4 sequences (the trace's, so that its never-reused address space stays small)."""
@@ -493,8 +497,9 @@ def _calls(cupy, case, shrink=False):
     backward_only = {name: options.pop(name) for name in ("deterministic", "return_dbias")
                      if name in options}
     grow = options.get("kv_lens") == "grow"
-    if grow:
-        options["kv_lens"] = 4000 + np.arange(B, dtype=np.int64).reshape(B, 1) * 37 % 400
+    if grow:  # (on from the last call's lengths: a token loop's never come back)
+        options["kv_lens"] = (4000 + np.arange(B, dtype=np.int64).reshape(B, 1) * 37 % 400
+                              + next(_GROWN))
     elif options.get("kv_lens") == "device":
         options["kv_lens"] = cupy.empty((B, 1), np.int64)
 

@@ -659,6 +659,27 @@ def test_fast_path_is_chosen_where_it_applies(rng, override):
     assert _gpu.forward_path(p) == "mma" and _gpu.forward_path(p80) == "generic"
 
 
+@pytest.mark.parametrize("shape, dtype, causal", [
+    ((1, 8, 128, 64), "bfloat16", True),     # fwd_mma (rows see few keys)
+    ((2, 4, 512, 128), "bfloat16", False),   # the Hopper forward (fwd_mma on sm_80)
+    ((2, 4, 256, 64), "float32", True),      # the wide path
+    ((1, 32, 1, 128), "float16", False),     # decode (its Nk below)
+])
+def test_repeated_plain_calls_on_new_data(shape, dtype, causal, rng):
+    """A plain signature's repeated calls run the path its first call chose (cuflash._gpu.Repeat,
+    its prepared run kept): each call on fresh arrays and values against the reference."""
+    from cuflash import _gpu, _validate
+    B, H, N, D = shape
+    Nk = 4096 if N == 1 else N
+    for step in range(3):
+        q = randn(rng, (B, H, N, D), dtype)
+        k, v = (randn(rng, (B, H // 4 if N == 1 else H, Nk, D), dtype) for _ in range(2))
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        check_forward(out, lse, q, k, v, causal=causal)
+    p = _validate.make_problem(q, k, v, causal=causal)
+    assert p.plain and p.key in _gpu._repeats
+
+
 def test_kv_lens_as_device_array(rng):
     """kv_lens may live on the device too (validation copies it to the host to check it)."""
     import cupy
