@@ -213,9 +213,12 @@ def _blocks_per_sm(func, dyn_smem=0):
 def _counter_buffer(n):
     """Per (device, stream) zeroed counters; the kernels reset every counter they use to 0 (the
     merge counter of each split tile: its last block)."""
+    key = (_runtime.current_device(), _runtime.current_stream())
+    buf = _counters.get(key)
+    if buf is not None and buf.size >= n:
+        return buf
     import cupy
 
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
     with _lock:
         buf = _counters.get(key)
         if buf is None or buf.size < n:
@@ -740,50 +743,72 @@ class Plan:
         if p is not None:
             self.p = p
         p = self.p
-        i32 = np.int32
-        # per-call workspace (from CuPy's pool): concurrent calls on other streams never share;
-        # ws_ml: each partial's (max, sum). Its own allocation: the caller may keep out and lse
-        # (a token loop's outputs), which would keep a workspace carved with them alive.
-        partials = self.n_items * self.rows if self.split_any else 1
-        size = p.acc_dtype.itemsize * partials
-        out, lse = _runtime.outputs(p)
-        ws_out, ws_ml = _runtime.carve(size * p.Dv, size * 2)
-        counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
         if self.scalars is None:  # the layout's: the same for every call of the Plan
-            self.scalars = self.strides + (
-                i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
-                p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
-                i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
-            if self.tc:  # persistent blocks, at most one wave (decode_tc); lengths on the
-                # device: its copies stop at each item's length (decode_split's do anyway)
-                self.scalars += (i32(self.n_items), i32(p.kv_lens is not None
-                                                         or p.lens_device is not None))
-                self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
-            else:
-                self.grid = self.n_items
-            # the transforms' scalars, both kernels' last parameters but one (mod0, mod1)
-            self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
-            self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
-                                          self.dyn_smem)
-            if p.pages is not None:  # the paged kernels' trailing parameters
-                pg = p.pages
-                shift = pg.page_size.bit_length() - 1
-                self.page_scalars = (np.int64(pg.k_ps), np.int64(pg.v_ps),
-                                     i32(pg.page_size),
-                                     i32(shift if 1 << shift == pg.page_size else -1),
-                                     i32(pg.num_pages))
+            self._first_run(p)
+        # per-call workspace (from CuPy's pool): concurrent calls on other streams never share;
+        # ws_ml: each partial's (max, sum). With splits its own allocation: the caller may keep
+        # out and lse (a token loop's outputs), which would keep a workspace carved with them
+        # alive; without, it is a row's worth, carved with them.
+        if self.split_any:
+            out, lse = _runtime.carved(self.carving)
+            ws_out, ws_ml = _runtime.carved(self.ws_carving)
+        else:
+            out, lse, ws_out, ws_ml = _runtime.carved(self.carving)
+        counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
+        head = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters)
+        if self.plain_tail is not None and p.plain:
+            self.launch(head + self.plain_tail)
+            return out, lse
         # the true lengths: a CuPy kv_lens', the host's (the plan serves their bucket), or Nk
         lens = (p.lens_device if p.lens_device is not None else
                 self.lens if p.kv_lens is None else _runtime.on_device(p.kv_lens.reshape(-1)))
         # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
-        args = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters, self.offsets, lens,
-                self.groups, self.tiles, self.items, _runtime.ptr(p.mask),
-                _runtime.ptr(p.bias)) + self.scalars + (_runtime.ptr(_modifiers.table(p)),)
+        args = head + self._tail(p, lens, _runtime.ptr(p.mask), _runtime.ptr(p.bias),
+                                 _runtime.ptr(_modifiers.table(p)))
         if p.pages is not None:  # this call's block table (a host one: its device copy)
             table = (_runtime.on_device(p.pages.table) if p.pages.host else p.pages.table)
             args += (table,) + self.page_scalars
         self.launch(args)
         return out, lse
+
+    def _tail(self, p, lens, mask, bias, table):
+        return ((self.offsets, lens, self.groups, self.tiles, self.items, mask, bias)
+                + self.scalars + (table,))
+
+    def _first_run(self, p):
+        """The layout's launch, numbers and carvings (and a plain Problem's whole tail)."""
+        i32 = np.int32
+        partials = self.n_items * self.rows if self.split_any else 1
+        size = p.acc_dtype.itemsize * partials
+        ws = (size * p.Dv, size * 2)
+        if self.split_any:
+            self.carving, self.ws_carving = _runtime.output_carving(p), _runtime.carving(*ws)
+        else:
+            self.carving = _runtime.output_carving(p, *ws)
+        self.scalars = self.strides + (
+            i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
+            p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
+            i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
+        if self.tc:  # persistent blocks, at most one wave (decode_tc); lengths on the
+            # device: its copies stop at each item's length (decode_split's do anyway)
+            self.scalars += (i32(self.n_items), i32(p.kv_lens is not None
+                                                     or p.lens_device is not None))
+            self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
+        else:
+            self.grid = self.n_items
+        # the transforms' scalars, both kernels' last parameters but one (mod0, mod1)
+        self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
+        self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
+                                      self.dyn_smem)
+        if p.pages is not None:  # the paged kernels' trailing parameters
+            pg = p.pages
+            shift = pg.page_size.bit_length() - 1
+            self.page_scalars = (np.int64(pg.k_ps), np.int64(pg.v_ps),
+                                 i32(pg.page_size),
+                                 i32(shift if 1 << shift == pg.page_size else -1),
+                                 i32(pg.num_pages))
+        null = _runtime.NULL
+        self.plain_tail = self._tail(p, self.lens, null, null, null) if p.plain else None
 
 
 def takes(p):

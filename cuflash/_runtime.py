@@ -237,6 +237,11 @@ def _aligned(nbytes):
     return -(-nbytes // 256) * 256
 
 
+def carving(*specs):
+    """The carving of carve's specs (memoized), which `carved` turns into buffers."""
+    return _carvings.build(specs, lambda: _carving(specs))
+
+
 def carve(*specs):
     """Uninitialized device buffers carved from one allocation of CuPy's pool (a pool call and
     an ndarray cost microseconds each, and a small call's host time is what it costs: issue 17):
@@ -244,7 +249,7 @@ def carve(*specs):
     override(poison=True), a byte count a MemoryPointer (a kernel-only workspace: kernels read
     pointers; never poisoned, like the flags and partials it holds, which the kernels read only
     where they wrote them)."""
-    return carved(_carvings.build(specs, lambda: _carving(specs)))
+    return carved(carving(*specs))
 
 
 def carved(carving):
@@ -294,7 +299,7 @@ def output_carving(p, *workspace):
     it)."""
     specs = ((p.out_shape, p.dtype), (p.lse_shape, p.acc_dtype)) + workspace
     if p.layout_key is None:
-        return _carvings.build(specs, lambda: _carving(specs))
+        return carving(*specs)
     return _output_carvings.build((p.layout_key,) + workspace, lambda: _carving(specs))
 
 
@@ -345,9 +350,7 @@ def graph_safe(x):
     The legacy default stream (pointer 0) never captures."""
     if not type(x).__module__.startswith("cupy"):
         return NULL_CONTEXT
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
+    stream = _cuda().get_current_stream()
     if stream.ptr == 0 or not stream.is_capturing():
         return NULL_CONTEXT
     return _keeping_allocations()
@@ -356,6 +359,11 @@ def graph_safe(x):
 def current_device():
     """The current CUDA device's number."""
     return _cuda().runtime.getDevice()
+
+
+def current_stream():
+    """The current CuPy stream's handle (0: the legacy default stream)."""
+    return _cuda().get_current_stream().ptr
 
 
 def device_of(x):

@@ -456,6 +456,8 @@ CASES = [
     ("mid-nocausal-fp16", (4, 16, 16, 512, 512, 128), dict(dtype="float16"), "both"),
     ("decode", (1, 32, 8, 1, 4096, 128), {}, "fwd"),
     ("decode-lens", (8, 32, 8, 1, 8192, 128), dict(kv_lens=4000), "fwd"),
+    # no split: the workspace is carved with out and lse
+    ("decode-batch", (64, 32, 8, 1, 512, 128), {}, "fwd"),
     # issue 17's token-by-token loop: lengths (about 4000 of 8192) growing by one per call, on
     # the host ("grow") or in a CuPy array ("device")
     ("decode-grow", (8, 32, 8, 1, 8192, 128), dict(kv_lens="grow"), "fwd"),
