@@ -1000,6 +1000,16 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
 
     A call whose signature an earlier valid call had skips the checks: its Problem is the earlier
     one's with this call's arrays."""
+    return problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
+                   precision, modifiers, sinks, alibi_slopes, block_table, return_dbias,
+                   dropout_p, dropout_seed)
+
+
+def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, positions,
+            precision, modifiers, sinks, alibi_slopes, block_table, return_dbias, dropout_p,
+            dropout_seed):
+    """make_problem with its arguments in order (the public functions' call: no keywords to
+    pack and unpack; a small call's host time is its cost)."""
     key = _key(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positions,
                precision, modifiers, sinks, alibi_slopes, block_table, return_dbias, dropout_p,
                dropout_seed)
@@ -1009,6 +1019,8 @@ def make_problem(q, k, v, *, scale=None, causal=False, align="bottom-right", win
         except TypeError:  # unhashable (a list in a window, ...): no signature
             known = key = None
         if known is not None:
+            if known.plain:
+                return known.with_arrays(q, k, v, None, None)
             if known.pages is not None:
                 kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
             seed = check_dropout_seed(fn, dropout_seed, known.dropout_p)  # data: every call

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import _broadcast, _paged, _runtime, _sinks, _varlen
+from . import _broadcast, _modifiers, _paged, _runtime, _sinks, _validate, _varlen
 from ._validate import (PACKED_REFUSED, check_append, check_backward_inputs, check_flag,
                         check_merge_inputs, check_packed, check_packed_backward, make_problem)
 
@@ -257,6 +257,8 @@ _NOTES_DOC = """\
 # so that a new option is added to the signatures and here, not to every call).
 OPTIONS = ("scale", "causal", "align", "window", "mask", "bias", "kv_lens", "positions",
            "precision", "softcap", "sinks", "alibi_slopes", "dropout_p", "dropout_seed")
+# the OPTIONS that are score transforms' keywords (make_problem's **modifiers)
+MODIFIERS = tuple(name for name in OPTIONS if name in _modifiers.NAMES)
 # packed variable-length batches' keywords (cuflash/_varlen.py), not make_problem's
 PACKED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
@@ -264,6 +266,19 @@ PACKED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 def _options(names):
     """The OPTIONS' values among a public function's locals()."""
     return {name: names[name] for name in OPTIONS}
+
+
+def _problem(fn, q, k, v, names):
+    """make_problem of a public function's arguments (its locals(): the OPTIONS, and block_table
+    and return_dbias where it takes them), passed in order."""
+    get = names.get
+    return _validate.problem(fn, q, k, v, names["scale"], names["causal"], names["align"],
+                             names["window"], names["mask"], names["bias"], names["kv_lens"],
+                             names["positions"], names["precision"],
+                             {name: names[name] for name in MODIFIERS}, names["sinks"],
+                             names["alibi_slopes"], get("block_table"),
+                             get("return_dbias", False), names["dropout_p"],
+                             names["dropout_seed"])
 
 
 _backends = {}  # problem.xp -> its module (cuflash._numpy, cuflash._gpu), imported once
@@ -550,8 +565,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         if packed is not None:
             out, lse = _packed_forward(*packed)
         else:
-            problem = make_problem(q, k, v, fn="attention", block_table=block_table,
-                                   **_options(names))
+            problem = _problem("attention", q, k, v, names)
             out, lse = _forward(problem)
     return (out, lse) if return_lse else out
 
@@ -690,8 +704,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
         packed = _packed("attention_backward", q, k, v, names, dout=dout, out=out, lse=lse)
         if packed is not None:
             return _packed_backward(*packed, dout, out, lse, deterministic)
-        problem = make_problem(q, k, v, fn="attention_backward", return_dbias=return_dbias,
-                               **_options(names))
+        problem = _problem("attention_backward", q, k, v, names)
         check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
         return _backward(problem, dout, out, lse, deterministic)
 
@@ -786,8 +799,7 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, align="bottom-right", wi
         if packed is not None:
             out, lse = _packed_forward(*packed)
         else:
-            problem = make_problem(q, k, v, fn="attention_vjp", return_dbias=return_dbias,
-                                   **_options(names))
+            problem = _problem("attention_vjp", q, k, v, names)
             out, lse = _forward(problem)
 
     def vjp(dout):
