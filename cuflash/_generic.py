@@ -267,46 +267,50 @@ class FlaggedForward:
         return out, lse
 
 
-def launch_lost(args, dout, out, lse, dq, dk, dv, flags=None, sink_probs=None, dbias=None):
-    """kernels_cu/lost_rows.cu: add the exact gradients of the lost rows (_config.LOST_LSE) to dq,
-    dk, dv, which the main backward kernels wrote without them. dout, out contiguous
-    (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype; dq (BH, Nq, Dk) in it too;
-    dk, dv (BH, Nk, D) in the inputs' or the accumulator dtype. ``flags`` (BH, ceil(Nq / 32)):
-    the lost-row flags, if the preprocess wrote them (else made here from lse). With sinks
-    (p.sinks) the sink joins each lost row's max and sum, and the row's exact sink probability is
-    written into ``sink_probs`` (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator
-    dtype (dbias_buffer; None: none): the lost rows' logit gradients are written there. Two small
-    launches that only read flags (and lse) when no row is lost."""
-    p = args.p
-    BH, Nq, Nk = p.BH, p.Nq, p.Nk
+class BwdLostRows:
+    """kernels_cu/lost_rows.cu's backward pair prepared for one layout: add the exact gradients of
+    the lost rows (_config.LOST_LSE) to dq, dk, dv, which the main backward kernels wrote without
+    them. dout, out contiguous (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype;
+    dq (BH, Nq, Dk) in it too; dk, dv (BH, Nk, D) of `kv_dtype`, the inputs' or the accumulator
+    dtype. `prewritten`: the lost-row flags (BH, ceil(Nq / 32)) were written by the preprocess
+    (the tensor-core path's), else made here from lse. With sinks (p.sinks) the sink joins each
+    lost row's max and sum, and the row's exact sink probability is written into ``sink_probs``
+    (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator dtype (dbias_buffer; None: none):
+    the lost rows' logit gradients are written there. Two small launches that only read flags
+    (and lse) when no row is lost."""
 
-    def plan():
-        rows_expr, keys_expr = lost_name_expressions(p.dtype, dk.dtype == p.q.dtype,
+    def __init__(self, p, kv_dtype, prewritten):
+        BH, Nq, Nk = p.BH, p.Nq, p.Nk
+        rows_expr, keys_expr = lost_name_expressions(p.dtype, kv_dtype == p.dtype,
                                                      _modifiers.names(p), bool(p.dropout_p))
         warps = _config.GENERIC_THREADS // 32
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
         key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
         threads = (_config.GENERIC_THREADS,)
-        return (_runtime.Launch(_runtime.get_function(LOST_SOURCE, rows_expr), (row_blocks,),
-                                threads),
-                _runtime.Launch(_runtime.get_function(LOST_SOURCE, keys_expr), (key_blocks,),
-                                threads),
-                np.float64(_config.lost_lse_limit(lse.dtype)))
+        self.rows = _runtime.Launch(_runtime.get_function(LOST_SOURCE, rows_expr),
+                                    (row_blocks,), threads)
+        self.keys = _runtime.Launch(_runtime.get_function(LOST_SOURCE, keys_expr),
+                                    (key_blocks,), threads)
+        self.limit = np.float64(_config.lost_lse_limit(p.acc_dtype))
+        self.prewritten = np.int32(prewritten)
+        # scratch: each row's (max, sum, ...) in double, then the flags where none are prewritten
+        self.scratch = (BH * Nq * 3 * 8,) + (() if prewritten else (BH * -(-Nq // LOST_CHUNK) * 4,))
 
-    prewritten = flags is not None  # by the tensor-core preprocess; else written from lse here
-    # (prewritten is in the key: one signature's backward may run on the tensor cores, which
-    # write the flags, and on a path that does not, when its arrays' alignment changes; the
-    # Launch keeps its numbers)
-    key = None if p.key is None else (p.key, dk.dtype, lse.dtype, prewritten)
-    rows, keys, lost = _lost_plans.build(key, plan)
-    # scratch: each row's (max, sum, ...) in double, and the flags where the preprocess wrote none
-    if flags is None:
-        stats, flags = _runtime.carve(BH * Nq * 3 * 8, BH * -(-Nq // LOST_CHUNK) * 4)
-    else:
-        stats, = _runtime.carve(BH * Nq * 3 * 8)
-    common = (p.q, p.k, p.v, dout, out, lse) + args.tail + (lost, stats, flags)
-    sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
-    drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
-    rows(common + (dq, np.int32(prewritten)) + sinks + (_runtime.ptr(dbias),) + drop)
-    keys(common + (dk, dv) + drop)
+    def __call__(self, p, tail, dout, out, lse, dq, dk, dv, stats, flags, sink_probs=None,
+                 dbias=None):
+        """tail: p's Args.tail; stats, flags: `scratch`'s buffers (flags: the prewritten)."""
+        common = (p.q, p.k, p.v, dout, out, lse) + tail + (self.limit, stats, flags)
+        sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
+        drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
+        self.rows(common + (dq, self.prewritten) + sinks + (_runtime.ptr(dbias),) + drop)
+        self.keys(common + (dk, dv) + drop)
+
+
+def launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=None, dbias=None):
+    """BwdLostRows of args' Problem (the generic and wide backwards), the flags made from lse."""
+    p = args.p
+    key = None if p.key is None else (p.key, dk.dtype)
+    lost = _lost_plans.build(key, lambda: BwdLostRows(p, dk.dtype, False))
+    stats, flags = _runtime.carve(*lost.scratch)
+    lost(p, args.tail, dout, out, lse, dq, dk, dv, stats, flags, sink_probs, dbias)

@@ -19,7 +19,8 @@ never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 A forward path may also offer `prepare(p)`: the callable that its forward(p) calls with p, built
 once per layout, which runs any Problem of p's key; for a plain Problem (Problem.plain) it is
-kept here and a repeated call of that key runs it directly (`Repeat`).
+kept here and a repeated call of that key runs it directly (`Repeat`). A backward path likewise
+`prepare_backward(p, deterministic)`, called with (p, dout, out, lse, sink_probs).
 """
 import contextlib
 
@@ -91,6 +92,7 @@ def _residues(p):
 
 
 _repeats = _memo.Memo(256)  # Problem.key of a plain forward -> Repeat
+_repeats_bwd = {False: _memo.Memo(256), True: _memo.Memo(256)}  # by `deterministic`, likewise
 
 
 def forward(p):
@@ -117,9 +119,17 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     with atomics unless ``deterministic``, which then takes its fixed-order dq kernel.
     ``sink_probs`` (with sinks): each row's sink probability, (BH, Nq) float64, which the lost-row
     fix overwrites on its rows (_generic.launch_lost)."""
+    repeats = _repeats_bwd[deterministic]
+    repeat = repeats.get(p.key)
+    if repeat is not None and repeat.serves(p):
+        return repeat.run(p, dout, out, lse, sink_probs)
     with _runtime.device_of(p.q):
-        return _choose(BACKWARD, "takes_backward", p).backward(p, dout, out, lse, deterministic,
-                                                               sink_probs)
+        path = _choose(BACKWARD, "takes_backward", p)
+        if p.plain and p.key is not None and hasattr(path, "prepare_backward"):
+            repeat = Repeat(path.prepare_backward(p, deterministic), p)
+            repeats.put(p.key, repeat)
+            return repeat.run(p, dout, out, lse, sink_probs)
+        return path.backward(p, dout, out, lse, deterministic, sink_probs)
 
 
 # path argument of override -> (Overrides.path, Overrides.variant)

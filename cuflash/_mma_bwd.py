@@ -366,7 +366,7 @@ def _contiguous16(x):
     return x if not x.data.ptr % 16 else x.copy()
 
 
-_recipes = _memo.Memo(256)
+_prepared = _memo.Memo(256)
 # the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic); sizes: the int32
 # parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv kernel's int32
 Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes "
@@ -408,43 +408,65 @@ def _recipe(p, deterministic):
                   (i32(BH), i32(Nq), i32(nq_pad)), i32(out16))
 
 
-def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
-    """Gradients of a validated Problem on this path: dq (BH, Nq, Dk), dk (BH, Nk, Dk),
-    dv (BH, Nk, Dv), per output (batch, head); the caller reduces and casts. dq is float32; dk and
-    dv are float32 where a broadcast / GQA sum follows, else already in the inputs' dtype. With
-    p.dbias also the logits' gradient (BH, Nq, Nk) float32, stored by the dK/dV kernel.
-    sink_probs (with sinks): the rows' sink probabilities, which the lost-row fix overwrites on
-    its rows (_gpu.backward)."""
-    import cupy
+class _Backward:
+    """The backward of one layout, prepared (built once per Problem.key and `deterministic`):
+    called with a Problem of its key and (dout, out, lse, sink_probs), the gradients per output
+    (batch, head): dq (..., Nq, Dk), dk (..., Nk, Dk), dv (..., Nk, Dv) of the leading shape
+    p.lead; the caller reduces and casts. dq is float32; dk and dv are float32 where a broadcast / GQA sum follows, else already
+    in the inputs' dtype. With p.dbias also the logits' gradient (BH, Nq, Nk) float32, stored by
+    the dK/dV kernel. sink_probs (with sinks): the rows' sink probabilities, which the lost-row
+    fix overwrites on its rows (_gpu.backward)."""
 
+    def __init__(self, p, deterministic):
+        self.deterministic = deterministic
+        self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
+        BH, Nq, Nk = p.BH, p.Nq, p.Nk
+        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True)
+        # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
+        # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq float32 (the
+        # caller casts it); the lost-row kernels' per-row doubles
+        # (the gradients in the caller's leading shape: the kernels read pointers, and the
+        # caller's reshapes are then none)
+        padded, lead = ((BH, r.nq_pad), np.float32), p.lead
+        self.scratch = _runtime.carving(padded, padded, BH * -(-Nq // 32) * 4,
+                                        (lead + (Nq, p.Dk), np.float32), *self.lost.scratch)
+        self.grads = _runtime.carving((lead + (Nk, p.Dk), r.kv_dtype),
+                                      (lead + (Nk, p.Dv), r.kv_dtype))
+        self.args = _runtime.Args(p).parts() if p.plain else None  # a plain Problem's: the layout's
+
+    def __call__(self, p, dout, out, lse, sink_probs=None):
+        import cupy
+
+        r, deterministic = self.r, self.deterministic
+        _, _, tail = _runtime.Args(p).parts() if self.args is None else self.args
+        dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
+        if lse.dtype != np.float32 or not lse.flags.c_contiguous:
+            lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
+        lse2, delta, lost_flags, dq, stats = _runtime.carved(self.scratch)
+        r.prep((dout, out, lse, lse2, delta) + r.sizes + (r.lost, lost_flags))
+        if not deterministic:  # dQ atomics add into it
+            dq.data.memset_async(0, dq.nbytes)
+        dk, dv = _runtime.carved(self.grads)
+        # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
+        # table must live until the launch is enqueued)
+        classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
+                           else (_mask_tiles.NO_CLASSES, None))
+        dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
+        drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
+        padded = tail + r.sizes[2:]  # (nq_pad,)
+        r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk,
+                dv, classes) + padded + (r.out16_arg, _runtime.ptr(dbias)) + drop)
+        if deterministic:
+            r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + padded + drop)
+        self.lost(p, tail, dout, out, lse, dq, dk, dv, stats, lost_flags, sink_probs, dbias)
+        return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
+
+
+def prepare_backward(p, deterministic):
+    """The prepared backward of p's layout (_Backward)."""
     key = None if p.key is None else (p.key, deterministic, _runtime.overrides().wgmma)
-    r = _recipes.build(key, lambda: _recipe(p, deterministic))  # dkdv_tile reads the switch
-    args = _runtime.Args(p)
-    BH, Nq, Nk, Dk, Dv = p.BH, p.Nq, p.Nk, p.Dk, p.Dv
-    tail = args.tail + r.sizes[2:]  # (nq_pad,)
-    dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
-    if lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
-    # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
-    # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq float32 (the
-    # caller casts it)
-    padded = ((BH, r.nq_pad), np.float32)
-    lse2, delta, lost_flags, dq = _runtime.carve(padded, padded, BH * -(-Nq // 32) * 4,
-                                                 ((BH, Nq, Dk), np.float32))
-    r.prep((dout, out, lse, lse2, delta) + r.sizes + (r.lost, lost_flags))
-    if not deterministic:  # dQ atomics add into it
-        dq.data.memset_async(0, dq.nbytes)
-    dk, dv = _runtime.carve(((BH, Nk, Dk), r.kv_dtype), ((BH, Nk, Dv), r.kv_dtype))
-    # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
-    # table must live until the launch is enqueued)
-    classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
-                       else (_mask_tiles.NO_CLASSES, None))
-    dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
-    drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
-    r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk, dv,
-            classes) + tail + (r.out16_arg, _runtime.ptr(dbias)) + drop)
-    if deterministic:
-        r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + tail + drop)
-    _generic.launch_lost(args, dout, out, lse, dq, dk, dv, flags=lost_flags,
-                         sink_probs=sink_probs, dbias=dbias)
-    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
+    return _prepared.build(key, lambda: _Backward(p, deterministic))
+
+
+def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
+    return prepare_backward(p, deterministic)(p, dout, out, lse, sink_probs)

@@ -676,6 +676,10 @@ def test_repeated_plain_calls_on_new_data(shape, dtype, causal, rng):
         k, v = (randn(rng, (B, H // 4 if N == 1 else H, Nk, D), dtype) for _ in range(2))
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
         check_forward(out, lse, q, k, v, causal=causal)
+        if N > 1:  # and the backward's kept run (the tensor-core backward's, where it takes it)
+            dout = randn(rng, out.shape, dtype)
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+            check_backward(grads, dout, q, k, v, out, lse, causal=causal)
     p = _validate.make_problem(q, k, v, causal=causal)
     assert p.plain and p.key in _gpu._repeats
 

@@ -155,6 +155,12 @@ for name, (B, H, Hkv, Nq, Nk, D) in {"mma": (1, 8, 8, 128, 128, 64),
     counts.append(len(chosen))
     seen[name] = [counts[i] - counts[i - 1] for i in range(1, len(counts))]
     chosen.clear()
+q, k, v = fake_cupy._inputs(cupy, 1, 8, 8, 128, 128, 64)
+out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+chosen.clear()
+for deterministic in (False, True, False, True):
+    cuflash.attention_backward(out, q, k, v, out, lse, causal=True, deterministic=deterministic)
+seen["backward"] = [x == "takes_backward" for x in chosen]
 print(json.dumps(seen))
 """
 
@@ -167,5 +173,7 @@ def test_a_plain_signature_keeps_its_path():
     run = subprocess.run([sys.executable, "-c", _KEPT, str(FAKE.parent)], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    for name, steps in json.loads(run.stdout).items():
+    seen = json.loads(run.stdout)
+    assert seen.pop("backward") == [True, True]  # chosen once per `deterministic`
+    for name, steps in seen.items():
         assert steps == [0, 0, 1, 1, 1], name
