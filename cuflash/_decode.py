@@ -695,6 +695,7 @@ class Plan:
     def __init__(self, p, split=None, variant=None, layout=None, span=None):
         self.p = p
         self.span = span  # None: planned for p's own lengths (Schedule's default)
+        self.p_BH, self.leader = p.BH, None  # (serves)
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
@@ -724,9 +725,19 @@ class Plan:
     def serves(self, lens):
         """Whether this plan runs host lengths `lens` (BH,) of its bucket: each of its groups'
         members still shares one length (the kernels read the group's first)."""
-        g = self.sched.groups
-        head = lens[g[:, 0]][:, None]
-        return bool(np.all((lens[g] == head) | (g < 0)))
+        if self.leader is None:  # each (batch, head)'s group's first member
+            g = self.sched.groups
+            leader = np.arange(self.p_BH, dtype=np.int64)
+            members = g >= 0
+            leader[g[members]] = np.broadcast_to(g[:, :1], g.shape)[members]
+            self.leader = leader
+        return np.array_equal(lens, lens[self.leader])
+
+    def covers(self, lens):
+        """Whether this plan runs host lengths `lens` (BH,): each within the span it was planned
+        for, and `serves`."""
+        lo, hi = self.span or (self.sched.lens,) * 2
+        return bool(np.all(lens >= lo) and np.all(lens <= hi)) and self.serves(lens)
 
     def __call__(self, p):
         """run(p), then the plan keeps the layout, not the caller's arrays."""
@@ -844,12 +855,15 @@ def prepare(p):
             _keep(_exact, exact, plan)
         if plan is None:
             lens = p.kv_lens.reshape(-1)
-            top, q = planned_lengths(lens)
-            key = layout_key + (top.tobytes(), q.tobytes())
-            plan = _plans.get(key)
-            if plan is None or not plan.serves(lens):
-                span = (np.maximum(top - q + 1, 0), np.minimum(top, p.Nk))
-                plan = _plan(p, split, variant, layout_key, key, span)
+            plan = _last.get(layout_key)  # a token loop's lengths: its last plan's span, mostly
+            if plan is None or not plan.covers(lens):
+                top, q = planned_lengths(lens)
+                key = layout_key + (top.tobytes(), q.tobytes())
+                plan = _plans.get(key)
+                if plan is None or not plan.serves(lens):
+                    span = (np.maximum(top - q + 1, 0), np.minimum(top, p.Nk))
+                    plan = _plan(p, split, variant, layout_key, key, span)
+                _keep(_last, layout_key, plan)
             if exact is not None:
                 _keep(_exact, exact, plan)
     return plan
@@ -881,6 +895,7 @@ _PLAN_CACHE_SIZE = 64
 _plans = {}
 _layouts = {}
 _exact = {}  # (device, split, variant, Problem.key) -> the plan that serves its host kv_lens
+_last = {}  # layout key -> the plan its last call of new host lengths took
 
 
 def _keep(cache, key, value):

@@ -317,16 +317,14 @@ def on_device(host):
     A copy from pageable host memory waits for the stream to drain first, which would stall the
     host on every call; repeated calls with the same layout (the common case) reuse the copy.
     """
-    import cupy
-
     if host.nbytes > _TABLE_CACHE_MAX_BYTES:
-        return cupy.asarray(host)
-    key = (cupy.cuda.Device().id, host.dtype.str, host.shape, host.tobytes())
+        return _cupy().asarray(host)
+    key = (current_device(), host.dtype.str, host.shape, host.tobytes())
     table = _tables.get(key)
     if table is None:
         if len(_tables) >= _TABLE_CACHE_SIZE:
             _tables.pop(next(iter(_tables)))  # oldest first
-        table = _tables[key] = cupy.asarray(host)
+        table = _tables[key] = _cupy().asarray(host)
     return table
 
 

@@ -570,10 +570,14 @@ def _check_kv_lens(fn, kv_lens, lead, Nk, lib):
     if not _broadcasts_to(arr.shape, lead):
         raise ValueError(f"{fn}: kv_lens must broadcast to the leading dims {lead}, "
                          f"got kv_lens.shape={arr.shape}")
+    _check_lens_range(fn, arr, Nk)
+    return np.ascontiguousarray(np.broadcast_to(arr.astype(np.int64), lead))
+
+
+def _check_lens_range(fn, arr, Nk):
     if arr.size and (arr.min() < 0 or arr.max() > Nk):
         raise ValueError(f"{fn}: kv_lens must lie in [0, Nk] = [0, {Nk}], "
                          f"got values from {arr.min()} to {arr.max()}")
-    return np.ascontiguousarray(np.broadcast_to(arr.astype(np.int64), lead))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1057,15 +1061,18 @@ def _with_host_lens(fn, known, kv_lens):
     """(kv_lens, key) of a call whose signature `known` has, with host kv_lens: their values
     checked as `_check_kv_lens` checks them, and a key per (signature, values), the signature's
     own for the values it was made with."""
+    arr = np.asarray(kv_lens)  # (its type, dtype and shape are the signature's: checked)
+    values = arr.tobytes()
+
     def check():
-        lens = _check_kv_lens(fn, kv_lens, known.lead, known.Nk,
-                              "numpy" if known.xp is np else "cupy")
+        _check_lens_range(fn, arr, known.Nk)
+        lens = np.ascontiguousarray(np.broadcast_to(arr.astype(np.int64), known.lead))
         if np.array_equal(lens, known.kv_lens):
             return known.kv_lens, known.key
         lens.flags.writeable = False
         return lens, next(_key_numbers)
 
-    return _host_lens.build((known.key, np.asarray(kv_lens).tobytes()), check)
+    return _host_lens.build((known.key, values), check)
 
 
 # (signature number, the caller's kv_lens bytes: dtype and shape are the signature's) ->
