@@ -740,10 +740,9 @@ class Plan:
         return bool(np.all(lens >= lo) and np.all(lens <= hi)) and self.serves(lens)
 
     def __call__(self, p):
-        """run(p), then the plan keeps the layout, not the caller's arrays."""
-        out, lse = self.run(p)
+        """run(p); the plan keeps the layout, not the caller's arrays."""
         self.p = None
-        return out, lse
+        return self.run(p)
 
     def run(self, p=None):
         """Launch the split kernel (its last block per row tile merges the partials); returns
@@ -751,9 +750,7 @@ class Plan:
 
         ``p`` is a Problem with the same layout as the one planned (see ``forward``'s cache);
         by default the planned one. Under the arrays' device (cuflash._gpu.forward's)."""
-        if p is not None:
-            self.p = p
-        p = self.p
+        p = self.p if p is None else p  # (not kept: threads may share the plan)
         if self.scalars is None:  # the layout's: the same for every call of the Plan
             self._first_run(p)
         # per-call workspace (from CuPy's pool): concurrent calls on other streams never share;
