@@ -880,6 +880,19 @@ def _side_key(value):
     return type(value), value
 
 
+def _lens_key(kv_lens, block_table):
+    """kv_lens' part of a signature: a CuPy one by its dtype, shape and device (its values stay
+    on the device); a host one by type, dtype and shape (its values are checked per call), by
+    value too with a host block_table (whose check reads them)."""
+    if _library(kv_lens) == "cupy":
+        return ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id)
+    arr = np.asarray(kv_lens)
+    lens = (type(kv_lens), arr.dtype, arr.shape)
+    if block_table is not None and _library(block_table) != "cupy":
+        lens += (arr.tobytes(),)
+    return lens
+
+
 def _pair_key(pair):
     """A window's or positions' part of a signature (TypeError where it has none)."""
     if pair is None:
@@ -944,31 +957,14 @@ def _key(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positio
         key = (fn, _array_key(q), _array_key(k), _array_key(v), type(scale), scale,
                type(causal), causal, type(align), align, type(precision), precision,
                type(return_dbias), return_dbias, type(dropout_p), dropout_p)
-        if mask is not None:
-            key += ("mask", _array_key(mask))
-        if bias is not None:
-            key += ("bias", _array_key(bias))
-        if window is not None:
-            key += ("window", _pair_key(window))
-        if positions is not None:
-            key += ("positions", _pair_key(positions))
-        if kv_lens is not None:
-            if _library(kv_lens) == "cupy":
-                lens = ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id)
-            else:
-                arr = np.asarray(kv_lens)
-                lens = (type(kv_lens), arr.dtype, arr.shape)
-                if block_table is not None and _library(block_table) != "cupy":
-                    lens += (arr.tobytes(),)
-            key += ("kv_lens", lens)
-        if sinks is not None:
-            key += ("sinks", _sinks_key(sinks))
-        if alibi_slopes is not None:
-            key += ("alibi", _alibi_key(alibi_slopes))
-        if block_table is not None:
-            key += ("block_table", _table_key(block_table))
-        if dropout_seed is not None:
-            key += ("seed", _seed_key(dropout_seed))
+        for tag, x, part in (("mask", mask, _array_key), ("bias", bias, _array_key),
+                             ("window", window, _pair_key), ("positions", positions, _pair_key),
+                             ("kv_lens", kv_lens, _lens_key), ("sinks", sinks, _sinks_key),
+                             ("alibi", alibi_slopes, _alibi_key),
+                             ("block_table", block_table, _table_key),
+                             ("seed", dropout_seed, _seed_key)):
+            if x is not None:
+                key += (tag, part(x, block_table) if part is _lens_key else part(x))
         if modifiers:  # (None: off, like an absent one)
             key += tuple((n, type(x), x) for n, x in sorted(modifiers.items()) if x is not None)
     except (AttributeError, TypeError, ValueError):
