@@ -295,7 +295,8 @@ class BwdLostRows:
         self.limit = np.float64(_config.lost_lse_limit(p.acc_dtype))
         self.prewritten = np.int32(prewritten)
         # scratch: each row's (max, sum, ...) in double, then the flags where none are prewritten
-        self.scratch = (BH * Nq * 3 * 8,) + (() if prewritten else (BH * -(-Nq // LOST_CHUNK) * 4,))
+        flags = () if prewritten else (BH * -(-Nq // LOST_CHUNK) * 4,)
+        self.scratch = (BH * Nq * 3 * 8,) + flags
 
     def __call__(self, p, tail, dout, out, lse, dq, dk, dv, stats, flags, sink_probs=None,
                  dbias=None):

@@ -71,10 +71,11 @@ def backward_path(p):
 
 
 class Repeat:
-    """A plain Problem's path choice, kept with what it was made under: the prepared forward of
-    its path (`prepare`), the test switches, the device, and the alignments of q, k and v that
-    _choose keyed it by. A repeated call of that key which matches them runs it at once, without
-    the choice's key or the path's caches (issue 17: a small call's host time is its cost)."""
+    """A plain Problem's path choice, kept with what it was made under: the prepared run of its
+    path (`prepare`, `prepare_backward`), the test switches, the device, and the alignments of q,
+    k and v that _choose keyed it by. A repeated call of that key which matches them runs it at
+    once, without the choice's key or the path's caches (issue 17: a small call's host time is
+    its cost)."""
 
     __slots__ = ("run", "overrides", "device", "residues")
 
