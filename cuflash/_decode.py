@@ -771,7 +771,7 @@ class Plan:
         lens = (p.lens_device if p.lens_device is not None else
                 self.lens if p.kv_lens is None else _runtime.on_device(p.kv_lens.reshape(-1)))
         # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
-        args = head + self._tail(p, lens, _runtime.ptr(p.mask), _runtime.ptr(p.bias),
+        args = head + self._tail(self.scalars, lens, _runtime.ptr(p.mask), _runtime.ptr(p.bias),
                                  _runtime.ptr(_modifiers.table(p)))
         if p.pages is not None:  # this call's block table (a host one: its device copy)
             table = (_runtime.on_device(p.pages.table) if p.pages.host else p.pages.table)
@@ -779,9 +779,9 @@ class Plan:
         self.launch(args)
         return out, lse
 
-    def _tail(self, p, lens, mask, bias, table):
+    def _tail(self, scalars, lens, mask, bias, table):
         return ((self.offsets, lens, self.groups, self.tiles, self.items, mask, bias)
-                + self.scalars + (table,))
+                + scalars + (table,))
 
     def _first_run(self, p):
         """The layout's launch, numbers and carvings (and a plain Problem's whole tail)."""
@@ -793,19 +793,19 @@ class Plan:
             self.carving, self.ws_carving = _runtime.output_carving(p), _runtime.carving(*ws)
         else:
             self.carving = _runtime.output_carving(p, *ws)
-        self.scalars = self.strides + (
+        scalars = self.strides + (
             i32(p.BH), i32(p.Nq), i32(p.Dk), i32(p.Dv), i32(self.G),
             p.acc_dtype.type(p.scale), i32(p.left), i32(p.right),
             i32(bool(p.bottom_right)), i32(1))  # 1: fused, the merge in-kernel
         if self.tc:  # persistent blocks, at most one wave (decode_tc); lengths on the
             # device: its copies stop at each item's length (decode_split's do anyway)
-            self.scalars += (i32(self.n_items), i32(p.kv_lens is not None
-                                                     or p.lens_device is not None))
+            scalars += (i32(self.n_items), i32(p.kv_lens is not None
+                                               or p.lens_device is not None))
             self.grid = min(self.n_items, self.per_sm * _runtime.device_info().sm_count)
         else:
             self.grid = self.n_items
         # the transforms' scalars, both kernels' last parameters but one (mod0, mod1)
-        self.scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
+        scalars += tuple(np.float64(x) for x in _modifiers.scalars(p))
         self.launch = _runtime.Launch(self.kernel, (self.grid,), (THREADS,),
                                       self.dyn_smem)
         if p.pages is not None:  # the paged kernels' trailing parameters
@@ -816,7 +816,9 @@ class Plan:
                                  i32(shift if 1 << shift == pg.page_size else -1),
                                  i32(pg.num_pages))
         null = _runtime.NULL
-        self.plain_tail = self._tail(p, self.lens, null, null, null) if p.plain else None
+        self.plain_tail = (self._tail(scalars, self.lens, null, null, null) if p.plain
+                           else None)
+        self.scalars = scalars  # (last: run's sign that the rest is here)
 
 
 def takes(p):
