@@ -97,8 +97,8 @@ class Problem:
     dropout_p: float = 0.0
     dropout_seed: Optional[tuple] = None
     # No data but q, k and v changes from call to call of this signature: no mask, bias,
-    # kv_lens (host or device), sinks, ALiBi slopes, pages or dropout, and q, k, v read in place
-    # (not copied). Such a call's Problem is the signature's with its q, k, v (with_arrays), and
+    # kv_lens (host or device), sinks, ALiBi slopes, pages, dropout or dropout seed, and q, k, v
+    # read in place (not copied). Such a call's Problem is the signature's with its q, k, v (with_arrays), and
     # cuflash._gpu may run it the way the signature's last call ran (its path's prepared run).
     # Set for the signatures make_problem memoizes.
     plain: bool = False
@@ -1042,7 +1042,8 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
         p.BH, p.out_shape, p.lse_shape  # computed once, for every call of the signature
         p.plain = (p.mask is None and p.bias is None and p.kv_lens is None
                    and p.lens_map is None and p.sinks is None and p.alibi is None
-                   and p.pages is None and not p.dropout_p and not p.copied)
+                   and p.pages is None and not p.dropout_p and dropout_seed is None
+                   and not p.copied)  # (a seed is checked per call, even unused)
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None

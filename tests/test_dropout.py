@@ -421,6 +421,12 @@ def test_a_bad_seed_is_refused_on_a_known_signature(rng):
         cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=(3, 2**40))
     with pytest.raises(ValueError, match="^attention: dropout_seed's seed must lie"):
         cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=(-3, 4))
+    # without dropout too: a seed given with dropout_p = 0 is checked, then ignored (a plain
+    # signature's shortcut must not skip it)
+    for _ in range(2):
+        cuflash.attention(q, k, v, dropout_seed=(3, 4))
+    with pytest.raises(ValueError, match="^attention: dropout_seed's offset must lie"):
+        cuflash.attention(q, k, v, dropout_seed=(3, 2**40))
 
 
 # ---- the CUDA paths ---------------------------------------------------------------------------
