@@ -512,9 +512,10 @@ def _sinks_per_head(xp, q, sinks, lead):
 _clamp = None
 
 
-def _clamped(x, n, dtype):
-    """A copy of the CuPy integer array x of `dtype` with every entry clamped to [0, n] (one
-    elementwise kernel on the current stream: no synchronization)."""
+def _clamped(x, n, dtype, shape=None):
+    """A copy of the CuPy integer array x of `dtype` with every entry clamped to [0, n], x
+    broadcast to `shape` (default its own) (one elementwise kernel on the current stream: no
+    synchronization)."""
     import cupy
 
     global _clamp
@@ -522,16 +523,19 @@ def _clamped(x, n, dtype):
         _clamp = cupy.ElementwiseKernel(
             "T x, int64 n", "Y y", "y = x < T(0) ? Y(0) : (x > n ? Y(n) : Y(x))",
             "cuflash_clamp")
-    return _clamp(x, np.int64(n), cupy.empty(x.shape, dtype))
+    return _clamp(x, np.int64(n), cupy.empty(x.shape if shape is None else shape, dtype))
 
 
 def _device_lens(kv_lens, lead, Nk):
     """A CuPy kv_lens as the kernels read it: (BH,) int64, each value clamped to [0, Nk], on the
-    device (one elementwise kernel on the current stream: no synchronization)."""
+    device (one elementwise kernel on the current stream, which broadcasts kv_lens to the lead:
+    no synchronization)."""
     import cupy
 
+    if kv_lens.data.device_id == cupy.cuda.runtime.getDevice():  # (the common case: no context)
+        return _clamped(kv_lens, Nk, np.int64, lead).reshape(-1)
     with kv_lens.device:
-        return _clamped(cupy.broadcast_to(kv_lens, lead), Nk, np.int64).reshape(-1)
+        return _clamped(kv_lens, Nk, np.int64, lead).reshape(-1)
 
 
 def _check_device_lens(fn, kv_lens, lead, device):

@@ -338,13 +338,20 @@ _names = {}
 class ElementwiseKernel:
     def __init__(self, in_params, out_params, operation, name="kernel", **kwargs):
         self.name = name
+        params = [p.split() for p in (in_params + "," + out_params).split(",") if p.strip()]
         self.n_in = len([p for p in in_params.split(",") if p.strip()])
+        self.raw = [p[0] == "raw" for p in params]  # raw arrays are indexed, not broadcast
 
     def __call__(self, *args, **kwargs):
         arrays = [a for a in args if isinstance(a, ndarray)]
         _record("elementwise", self.name, [list(a.shape) for a in arrays])
         if len(args) > self.n_in:
             outs = args[self.n_in:]
+            # as CuPy: the inputs broadcast to the outputs' shape, which they do not change
+            shapes = [a.shape for a, raw in zip(args, self.raw)
+                      if isinstance(a, ndarray) and not raw]
+            if np.broadcast_shapes(*shapes) != outs[0].shape:
+                raise ValueError(f"fake CuPy: {self.name}: shapes {shapes}")
             return outs[0] if len(outs) == 1 else tuple(outs)
         shape = np.broadcast_shapes(*(a.shape for a in arrays)) if arrays else ()
         return _fresh(shape, arrays[0].dtype if arrays else np.float64)
