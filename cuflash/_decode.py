@@ -695,7 +695,7 @@ class Plan:
     def __init__(self, p, split=None, variant=None, layout=None, span=None):
         self.p = p
         self.span = span  # None: planned for p's own lengths (Schedule's default)
-        self.p_BH, self.leader = p.BH, None  # (serves)
+        self.leader = None  # (serves)
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
@@ -727,7 +727,7 @@ class Plan:
         members still shares one length (the kernels read the group's first)."""
         if self.leader is None:  # each (batch, head)'s group's first member
             g = self.sched.groups
-            leader = np.arange(self.p_BH, dtype=np.int64)
+            leader = np.arange(self.sched.lens.shape[0], dtype=np.int64)
             members = g >= 0
             leader[g[members]] = np.broadcast_to(g[:, :1], g.shape)[members]
             self.leader = leader

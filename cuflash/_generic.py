@@ -255,10 +255,10 @@ class FlaggedForward:
         self.launch, blocks, self.block_m, has_mb = recipe
         self.carving = _runtime.output_carving(p, 4 * blocks)  # fix: int32 per block, all written
         self.lost = FwdLostRows(p, blocks, self.block_m, np.inf if has_mb else None)
-        self.tail = _runtime.Args(p).tail if p.plain else None  # a plain Problem's: the layout's
+        self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p, extra=()):
-        tail = _runtime.Args(p).tail if self.tail is None else self.tail
+        _, _, tail = self.args(p)
         out, lse, fix = _runtime.carved(self.carving)
         head = (p.q, p.k, p.v, out, lse) + tail
         sinks, drop = _runtime.ptr(p.sinks), _runtime.dropout_args(p)

@@ -412,10 +412,10 @@ class _Backward:
     """The backward of one layout, prepared (built once per Problem.key and `deterministic`):
     called with a Problem of its key and (dout, out, lse, sink_probs), the gradients per output
     (batch, head): dq (..., Nq, Dk), dk (..., Nk, Dk), dv (..., Nk, Dv) of the leading shape
-    p.lead; the caller reduces and casts. dq is float32; dk and dv are float32 where a broadcast / GQA sum follows, else already
-    in the inputs' dtype. With p.dbias also the logits' gradient (BH, Nq, Nk) float32, stored by
-    the dK/dV kernel. sink_probs (with sinks): the rows' sink probabilities, which the lost-row
-    fix overwrites on its rows (_gpu.backward)."""
+    p.lead; the caller reduces and casts. dq is float32; dk and dv are float32 where a broadcast /
+    GQA sum follows, else already in the inputs' dtype. With p.dbias also the logits' gradient
+    (BH, Nq, Nk) float32, stored by the dK/dV kernel. sink_probs (with sinks): the rows' sink
+    probabilities, which the lost-row fix overwrites on its rows (_gpu.backward)."""
 
     def __init__(self, p, deterministic):
         self.deterministic = deterministic
@@ -424,21 +424,20 @@ class _Backward:
         self.lost = _generic.BwdLostRows(p, r.kv_dtype, True)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
         # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq float32 (the
-        # caller casts it); the lost-row kernels' per-row doubles
-        # (the gradients in the caller's leading shape: the kernels read pointers, and the
-        # caller's reshapes are then none)
+        # caller casts it); the lost-row kernels' per-row doubles. The gradients in the caller's
+        # leading shape (the kernels read pointers; the caller then reshapes nothing).
         padded, lead = ((BH, r.nq_pad), np.float32), p.lead
         self.scratch = _runtime.carving(padded, padded, BH * -(-Nq // 32) * 4,
                                         (lead + (Nq, p.Dk), np.float32), *self.lost.scratch)
         self.grads = _runtime.carving((lead + (Nk, p.Dk), r.kv_dtype),
                                       (lead + (Nk, p.Dv), r.kv_dtype))
-        self.args = _runtime.Args(p).parts() if p.plain else None  # a plain Problem's: the layout's
+        self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p, dout, out, lse, sink_probs=None):
         import cupy
 
         r, deterministic = self.r, self.deterministic
-        _, _, tail = _runtime.Args(p).parts() if self.args is None else self.args
+        _, _, tail = self.args(p)
         dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
         if lse.dtype != np.float32 or not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)

@@ -480,8 +480,7 @@ class Args:
         self.tail = (self.offsets, ptr(p.mask), ptr(p.bias), ptr(self.kv_lens), a)
 
     def parts(self):
-        """(kv_lens, offsets, tail): what a prepared run keeps of a plain Problem's Args (no
-        array of the caller's), where `p` would keep the call's arrays alive."""
+        """(kv_lens, offsets, tail): no array of the caller's (`p` would keep them alive)."""
         return self.kv_lens, self.offsets, self.tail
 
     def flat_tail(self, scale_type):
@@ -494,6 +493,18 @@ class Args:
 
 
 _args_layouts = _memo.Memo(256)
+
+
+class KeptArgs:
+    """A prepared run's Args: a plain Problem's parts (Args.parts) are its layout's, kept from
+    the first call; any other Problem's are made per call."""
+
+    def __init__(self, p):
+        self.kept = Args(p).parts() if p.plain else None
+
+    def __call__(self, p):
+        """(kv_lens, offsets, tail) of p."""
+        return Args(p).parts() if self.kept is None else self.kept
 
 
 def _args_layout(p):

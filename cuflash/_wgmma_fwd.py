@@ -293,11 +293,11 @@ class _Forward:
         # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
         has_mb = launch.mb != MB_NONE or bool(p.transforms)
         self.lost = _generic.FwdLostRows(p, blocks, self.block_m, np.inf if has_mb else None)
-        self.args = _runtime.Args(p).parts() if p.plain else None  # a plain Problem's: the layout's
+        self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p):
         launch = _launch(p, self.dims)
-        kv_lens, offsets, tail = _runtime.Args(p).parts() if self.args is None else self.args
+        kv_lens, offsets, tail = self.args(p)
         out, lse, fix = _runtime.carved(self.carving)
         # the classes table must live until the launch is enqueued
         classes, _table = (_mask_tiles.classify(p, self.block_m, self.tile.block_n)
