@@ -50,7 +50,7 @@ import threading
 import numpy as np
 
 from . import _config, _memo, _modifiers, _runtime
-from ._validate import element_strides, key_range
+from ._validate import clamped_lens, element_strides, key_range
 
 NAME = "split"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
@@ -768,7 +768,7 @@ class Plan:
             self.launch(head + self.plain_tail)
             return out, lse
         # the true lengths: a CuPy kv_lens', the host's (the plan serves their bucket), or Nk
-        lens = (p.lens_device if p.lens_device is not None else
+        lens = (clamped_lens(p) if p.lens_device is not None else
                 self.lens if p.kv_lens is None else _runtime.on_device(p.kv_lens.reshape(-1)))
         # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
         args = head + self._tail(self.scalars, lens, _runtime.ptr(p.mask), _runtime.ptr(p.bias),

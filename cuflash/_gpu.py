@@ -18,8 +18,9 @@ for a Problem with dropout_p > 0, so the generic kernels take it). The first pat
 never synchronizing.
 Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones).
 A forward path may also offer `prepare(p)`: the callable that its forward(p) calls with p, built
-once per layout, which runs any Problem of p's key; for a plain Problem (Problem.plain) it is
-kept here and a repeated call of that key runs it directly (`Repeat`). A backward path likewise
+once per layout, which runs any Problem of p's key; for a repeatable Problem (Problem.repeatable:
+plain, or plain but for a CuPy kv_lens) it is kept here and a repeated call of that key runs it
+directly (`Repeat`). A backward path likewise
 `prepare_backward(p, deterministic)`, called with (p, dout, out, lse, sink_probs).
 """
 import contextlib
@@ -71,7 +72,7 @@ def backward_path(p):
 
 
 class Repeat:
-    """A plain Problem's path choice, kept with what it was made under: the prepared run of its
+    """A repeatable Problem's path choice, kept with what it was made under: the prepared run of its
     path (`prepare`, `prepare_backward`), the test switches, the device, and the alignments of q,
     k and v that _choose keyed it by. A repeated call of that key which matches them runs it at
     once, without the choice's key or the path's caches (issue 17: a small call's host time is
@@ -92,7 +93,7 @@ def _residues(p):
     return p.q.data.ptr % 256, p.k.data.ptr % 256, p.v.data.ptr % 256
 
 
-_repeats = _memo.Memo(256)  # Problem.key of a plain forward -> Repeat
+_repeats = _memo.Memo(256)  # Problem.key of a repeatable forward -> Repeat
 _repeats_bwd = {False: _memo.Memo(256), True: _memo.Memo(256)}  # by `deterministic`, likewise
 
 
@@ -103,7 +104,7 @@ def forward(p):
         return repeat.run(p)
     with _runtime.device_of(p.q):
         path = _choose(FORWARD, "takes", p)
-        if p.plain and p.key is not None and hasattr(path, "prepare"):
+        if p.repeatable and p.key is not None and hasattr(path, "prepare"):
             repeat = Repeat(path.prepare(p), p)
             _repeats.put(p.key, repeat)
             return repeat.run(p)
@@ -126,7 +127,7 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
         return repeat.run(p, dout, out, lse, sink_probs)
     with _runtime.device_of(p.q):
         path = _choose(BACKWARD, "takes_backward", p)
-        if p.plain and p.key is not None and hasattr(path, "prepare_backward"):
+        if p.repeatable and p.key is not None and hasattr(path, "prepare_backward"):
             repeat = Repeat(path.prepare_backward(p, deterministic), p)
             repeats.put(p.key, repeat)
             return repeat.run(p, dout, out, lse, sink_probs)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _broadcast, _config, _dropout, _memo, _modifiers
-from ._validate import element_strides
+from ._validate import clamped_lens, element_strides
 
 OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -471,7 +471,7 @@ class Args:
         self.strides, self.offsets, self.kv_lens, a = _args_layouts.build(
             p.key, lambda: _args_layout(p))
         if p.lens_device is not None:  # a CuPy kv_lens: this call's, clamped on the device
-            self.kv_lens = p.lens_device
+            self.kv_lens = clamped_lens(p)
         table = _modifiers.table(p)
         if table is not None:  # this call's per-head table (ALiBi's slopes) in a copy of the
             a = np.array(a)      # layout's AttnArgs

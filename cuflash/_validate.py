@@ -65,10 +65,12 @@ class Problem:
     # "high" (one TF32 product); the other dtypes compute as they always do
     precision: str = "highest"
     # kv_lens given as a CuPy array (kv_lens is then None: its values stay on the device):
-    # lens_device (BH,) int64 on the device, clamped to [0, Nk] there, one per call; lens_map
-    # (BH,) the element of the caller's kv_lens that each (batch, head) reads (its broadcast).
+    # lens_device: the caller's CuPy kv_lens as given, one per call; lens_map (BH,) the element
+    # of it that each (batch, head) reads (its broadcast); lens_clamped: (BH,) int64 clamped to
+    # [0, Nk] on the device, made on demand (clamped_lens) for the kernels that read that form.
     lens_device: Optional[Any] = None
     lens_map: Optional[np.ndarray] = None
+    lens_clamped: Optional[Any] = None
     # the score transforms (cuflash/_modifiers.py): ((name, scalars), ...) in its table's order
     transforms: tuple = ()
     # attention sinks (cuflash/_sinks.py): sinks (BH,) float64, of q's library, each (batch,
@@ -102,16 +104,22 @@ class Problem:
     # cuflash._gpu may run it the way the signature's last call ran (its path's prepared run).
     # Set for the signatures make_problem memoizes.
     plain: bool = False
+    # Plain but for a CuPy kv_lens (its values stay on the device, so nothing planned depends on
+    # them), or plain: cuflash._gpu keeps such a signature's prepared run too (the runs read
+    # lens_device per call).
+    repeatable: bool = False
 
     def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None,
                     block_table=None, dropout_seed=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
         kv_lens', the sinks, the ALiBi slopes, a CuPy block_table and the dropout's checked
         (seed, offset)), the rest shared."""
-        if self.plain:  # (the common call: the rest is None for it)
+        if self.repeatable:  # (the common call: the rest is None for it)
             new = object.__new__(Problem)
             new.__dict__.update(self.__dict__)
             new.q, new.k, new.v = q, k, v
+            if self.lens_map is not None:
+                new.lens_device, new.lens_clamped = kv_lens, None
             return new
         xp = self.xp
         if self.copied:
@@ -124,7 +132,7 @@ class Problem:
         new.bias = (None if bias is None else
                     xp.broadcast_to(bias.astype(self.acc_dtype, copy=False), full))
         if self.lens_map is not None:
-            new.lens_device = _device_lens(kv_lens, self.lead, self.Nk)
+            new.lens_device, new.lens_clamped = kv_lens, None
         new.sinks = _sinks_per_head(xp, q, sinks, self.lead)
         new.alibi = _sinks_per_head(xp, q, alibi_slopes, self.lead)
         if self.pages is not None:
@@ -536,6 +544,14 @@ def _device_lens(kv_lens, lead, Nk):
         return _clamped(kv_lens, Nk, np.int64, lead).reshape(-1)
     with kv_lens.device:
         return _clamped(kv_lens, Nk, np.int64, lead).reshape(-1)
+
+
+def clamped_lens(p):
+    """p's CuPy kv_lens as the kernels read it: (BH,) int64 clamped to [0, Nk], made once per
+    Problem, on demand (one elementwise kernel on the current stream: no synchronization)."""
+    if p.lens_clamped is None:
+        p.lens_clamped = _device_lens(p.lens_device, p.lead, p.Nk)
+    return p.lens_clamped
 
 
 def _check_device_lens(fn, kv_lens, lead, device):
@@ -1023,8 +1039,8 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
         except TypeError:  # unhashable (a list in a window, ...): no signature
             known = key = None
         if known is not None:
-            if known.plain:
-                return known.with_arrays(q, k, v, None, None)
+            if known.repeatable:
+                return known.with_arrays(q, k, v, None, None, kv_lens)
             if known.pages is not None:
                 kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
             seed = check_dropout_seed(fn, dropout_seed, known.dropout_p)  # data: every call
@@ -1044,10 +1060,11 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
             if x is not None:
                 x.flags.writeable = False
         p.BH, p.out_shape, p.lse_shape  # computed once, for every call of the signature
-        p.plain = (p.mask is None and p.bias is None and p.kv_lens is None
-                   and p.lens_map is None and p.sinks is None and p.alibi is None
-                   and p.pages is None and not p.dropout_p and dropout_seed is None
-                   and not p.copied)  # (a seed is checked per call, even unused)
+        p.repeatable = (p.mask is None and p.bias is None and p.kv_lens is None
+                        and p.sinks is None and p.alibi is None and p.pages is None
+                        and not p.dropout_p and dropout_seed is None
+                        and not p.copied)  # (a seed is checked per call, even unused)
+        p.plain = p.repeatable and p.lens_map is None
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None
@@ -1147,8 +1164,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     lens_device = lens_map = None
     if lib == "cupy" and _library(kv_lens) == "cupy":  # read on the device: no synchronization
         lens_map = _check_device_lens(fn, kv_lens, lead, device)
-        lens_device = _device_lens(kv_lens, lead, Nk)
-        kv_lens = None
+        lens_device, kv_lens = kv_lens, None  # (clamped on demand: clamped_lens)
     else:
         kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
     precision = _check_precision(fn, precision)

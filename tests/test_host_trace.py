@@ -155,6 +155,16 @@ for name, (B, H, Hkv, Nq, Nk, D) in {"mma": (1, 8, 8, 128, 128, 64),
     counts.append(len(chosen))
     seen[name] = [counts[i] - counts[i - 1] for i in range(1, len(counts))]
     chosen.clear()
+import numpy as np
+for name, (B, H, Hkv, Nq, Nk, D) in {"decode-lens": (4, 32, 8, 1, 4096, 128),
+                                     "mma-lens": (2, 8, 8, 128, 128, 64)}.items():
+    q, k, v = fake_cupy._inputs(cupy, B, H, Hkv, Nq, Nk, D)
+    counts = []
+    for _ in range(3):  # a new CuPy kv_lens each call
+        cuflash.attention(q, k, v, causal=Nq > 1, kv_lens=cupy.empty((B, 1), np.int64))
+        counts.append(len(chosen))
+    seen[name] = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, len(counts))]
+    chosen.clear()
 q, k, v = fake_cupy._inputs(cupy, 1, 8, 8, 128, 128, 64)
 out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
 chosen.clear()
@@ -167,14 +177,17 @@ print(json.dumps(seen))
 
 def test_a_plain_signature_keeps_its_path():
     """A repeated call of a plain signature (no mask, bias, lengths, sinks, dropout: only q, k,
-    v change) runs the path its first call chose (cuflash._gpu.Repeat) without choosing again,
-    on fresh arrays too; new alignments, the tests' switches and new signatures choose anew.
+    v change), or of one plain but for a CuPy kv_lens, runs the path its first call chose
+    (cuflash._gpu.Repeat) without choosing again, on fresh arrays too; new alignments, the
+    tests' switches and new signatures choose anew.
     (That the kept runs launch what the full path launches: test_repeated_calls_launch_alike.)"""
     run = subprocess.run([sys.executable, "-c", _KEPT, str(FAKE.parent)], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     seen = json.loads(run.stdout)
     assert seen.pop("backward") == [True, True]  # chosen once per `deterministic`
+    for name in ("decode-lens", "mma-lens"):  # lengths on the device: repeatable too
+        assert seen.pop(name) == [1, 0, 0], name
     for name, steps in seen.items():
         assert steps == [0, 0, 1, 1, 1], name
 
