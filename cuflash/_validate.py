@@ -968,9 +968,7 @@ def _key(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positio
     one flat tuple, the options that are off left out and the others tagged by name (a small
     call's host time is its cost: a nested tuple is hashed anew at each lookup)."""
     try:
-        key = (fn, _array_key(q), _array_key(k), _array_key(v), type(scale), scale,
-               type(causal), causal, type(align), align, type(precision), precision,
-               type(return_dbias), return_dbias, type(dropout_p), dropout_p)
+        key = plain_key(fn, q, k, v, scale, causal, align, precision, return_dbias, dropout_p)
         for tag, x, part in (("mask", mask, _array_key), ("bias", bias, _array_key),
                              ("window", window, _pair_key), ("positions", positions, _pair_key),
                              ("kv_lens", kv_lens, _lens_key), ("sinks", sinks, _sinks_key),
@@ -984,6 +982,33 @@ def _key(q, k, v, scale, causal, align, window, mask, bias, kv_lens, fn, positio
     except (AttributeError, TypeError, ValueError):
         return None
     return key
+
+
+def plain_key(fn, q, k, v, scale, causal, align, precision, return_dbias=False, dropout_p=0.0):
+    """The signature of a call whose other options are all off (None, or absent), as `_key`
+    makes it (AttributeError where q, k or v is not an array)."""
+    return (fn, _array_key(q), _array_key(k), _array_key(v), type(scale), scale,
+            type(causal), causal, type(align), align, type(precision), precision,
+            type(return_dbias), return_dbias, type(dropout_p), dropout_p)
+
+
+def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv_lens):
+    """The Problem of a call whose options but these are all off, if an earlier call had its
+    signature and it is repeatable (plain, or plain but for a CuPy kv_lens: then no check of
+    this call's can fail that the earlier call passed, and its Problem is the signature's with
+    this call's arrays), else None (the call takes the whole way, `problem`)."""
+    try:
+        key = plain_key(fn, q, k, v, scale, causal, align, precision, False, dropout_p)
+        if kv_lens is not None:  # (as _key tags it; host lengths are never repeatable)
+            if _library(kv_lens) != "cupy":
+                return None
+            key += ("kv_lens", _lens_key(kv_lens, None))
+        known = _problems.get(key)
+    except (AttributeError, TypeError, ValueError):  # (not arrays, ...: the whole way tells)
+        return None
+    if known is None or not known.repeatable:
+        return None
+    return known.with_arrays(q, k, v, None, None, kv_lens)
 
 
 def _alibi_key(slopes):
@@ -1210,7 +1235,26 @@ def _check_dtypes(fn, q, k, v):
 
 def check_backward_inputs(problem, dout, out, lse, fn="attention_backward", shapes=None):
     """dout and out must have the output's shape and dtype; lse the lse's shape, float dtype.
-    shapes: (out's, lse's) where they are not the Problem's (a packed call's)."""
+    shapes: (out's, lse's) where they are not the Problem's (a packed call's). What passed once
+    for a signature (Problem.key) and the signatures of dout, out, lse passes again: not checked
+    again (a small call's host time is its cost)."""
+    key = None
+    if problem.key is not None and shapes is None:
+        try:
+            key = (fn, problem.key, _array_key(dout), _array_key(out), _array_key(lse))
+        except AttributeError:  # (not arrays: the checks name them)
+            pass
+        if key in _checked_backward:
+            return
+    _check_backward_inputs(problem, dout, out, lse, fn, shapes)
+    if key is not None:
+        _checked_backward.put(key, True)
+
+
+_checked_backward = _memo.Memo(256)  # (fn, Problem.key, dout's, out's, lse's signature) passed
+
+
+def _check_backward_inputs(problem, dout, out, lse, fn, shapes):
     out_shape, lse_shape = shapes or (problem.out_shape, problem.lse_shape)
     lib = "numpy" if problem.xp is np else "cupy"
     device = problem.q.data.device_id if lib == "cupy" else None

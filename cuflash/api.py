@@ -558,9 +558,21 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         ...
     ValueError: attention: align must be 'bottom-right' or 'top-left', got 'top-right'
     """
-    names = locals()  # (one snapshot of the arguments: each costs a small call's time)
     return_lse = check_flag("return_lse", return_lse, "attention")
     with _runtime.graph_safe(q):
+        # a call of a known repeatable signature (every option but the keyed ones off, kv_lens
+        # on the device or none): the signature's Problem with the call's arrays
+        if (window is None and mask is None and bias is None
+                and positions is None and softcap is None and sinks is None
+                and alibi_slopes is None and dropout_seed is None and block_table is None
+                and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
+                and max_seqlen_k is None):
+            problem = _validate.repeated_problem("attention", q, k, v, scale, causal, align,
+                                                 precision, dropout_p, kv_lens)
+            if problem is not None:
+                out, lse = _forward(problem)
+                return (out, lse) if return_lse else out
+        names = locals()  # (one snapshot of the arguments: each costs a small call's time)
         packed = _packed("attention", q, k, v, names, block_table)
         if packed is not None:
             out, lse = _packed_forward(*packed)
@@ -698,9 +710,20 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     >>> bool(np.isnan(dq[0, 0, 5]).all()), bool(np.isnan(dq[0, 0, :5]).any())
     (True, False)
     """
-    names = locals()  # (one snapshot of the arguments)
     deterministic = check_flag("deterministic", deterministic, "attention_backward")
     with _runtime.graph_safe(q):
+        # a call of a known repeatable signature (as attention's)
+        if (window is None and mask is None and bias is None
+                and positions is None and softcap is None and sinks is None
+                and alibi_slopes is None and dropout_seed is None and return_dbias is False
+                and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
+                and max_seqlen_k is None):
+            problem = _validate.repeated_problem("attention_backward", q, k, v, scale, causal,
+                                                 align, precision, dropout_p, kv_lens)
+            if problem is not None:
+                check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
+                return _backward(problem, dout, out, lse, deterministic)
+        names = locals()  # (one snapshot of the arguments)
         packed = _packed("attention_backward", q, k, v, names, dout=dout, out=out, lse=lse)
         if packed is not None:
             return _packed_backward(*packed, dout, out, lse, deterministic)

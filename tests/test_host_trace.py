@@ -135,42 +135,62 @@ def counted(paths, takes, p):
     chosen.append(takes)
     return choose(paths, takes, p)
 _gpu._choose = counted
+from cuflash import _validate
+validated = []  # the calls that took the whole way (validation), not the kept run at once
+problem = _validate.problem
+def counted_problem(*args):
+    validated.append(args[0])
+    return problem(*args)
+_validate.problem = counted_problem
 seen = {}
 for name, (B, H, Hkv, Nq, Nk, D) in {"mma": (1, 8, 8, 128, 128, 64),
                                      "wgmma": (2, 8, 8, 512, 512, 128),
                                      "decode": (1, 32, 8, 1, 4096, 128)}.items():
     q, k, v = fake_cupy._inputs(cupy, B, H, Hkv, Nq, Nk, D)
-    counts = []
+    counts, full = [], []
     for _ in range(3):  # fresh arrays each call: the kept path serves the layout, not the arrays
         q, k, v = (cupy.empty(x.shape, x.dtype) for x in (q, k, v))
         cuflash.attention(q, k, v, causal=Nq > 1)
         counts.append(len(chosen))
+        full.append(len(validated))
     big = cupy.empty((q.size + 8,), q.dtype)  # q 16 bytes off its usual alignment: chosen anew
     cuflash.attention(big[8:].reshape(q.shape), k, v, causal=Nq > 1)
     counts.append(len(chosen))
+    full.append(len(validated))
     with _gpu.override(path="generic"):  # the tests' switch: chosen anew
         cuflash.attention(q, k, v, causal=Nq > 1)
     counts.append(len(chosen))
+    full.append(len(validated))
     cuflash.attention(q, k, v, causal=Nq > 1, softcap=30.0)  # another signature
     counts.append(len(chosen))
+    full.append(len(validated))
     seen[name] = [counts[i] - counts[i - 1] for i in range(1, len(counts))]
+    seen[name + "/validated"] = [full[i] - full[i - 1] for i in range(1, len(full))]
     chosen.clear()
 import numpy as np
 for name, (B, H, Hkv, Nq, Nk, D) in {"decode-lens": (4, 32, 8, 1, 4096, 128),
                                      "mma-lens": (2, 8, 8, 128, 128, 64)}.items():
     q, k, v = fake_cupy._inputs(cupy, B, H, Hkv, Nq, Nk, D)
     counts = []
+    validated.clear()
+    full = []
     for _ in range(3):  # a new CuPy kv_lens each call
         cuflash.attention(q, k, v, causal=Nq > 1, kv_lens=cupy.empty((B, 1), np.int64))
         counts.append(len(chosen))
+        full.append(len(validated))
     seen[name] = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, len(counts))]
+    seen[name + "/validated"] = [full[0]] + [full[i] - full[i - 1] for i in range(1, 3)]
     chosen.clear()
 q, k, v = fake_cupy._inputs(cupy, 1, 8, 8, 128, 128, 64)
 out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
 chosen.clear()
+validated.clear()
+steps = []
 for deterministic in (False, True, False, True):
     cuflash.attention_backward(out, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    steps.append(len(validated))
 seen["backward"] = [x == "takes_backward" for x in chosen]
+seen["backward/validated"] = [steps[0]] + [steps[i] - steps[i - 1] for i in range(1, 4)]
 print(json.dumps(seen))
 """
 
@@ -186,10 +206,38 @@ def test_a_plain_signature_keeps_its_path():
     assert run.returncode == 0, run.stdout + run.stderr
     seen = json.loads(run.stdout)
     assert seen.pop("backward") == [True, True]  # chosen once per `deterministic`
+    assert seen.pop("backward/validated") == [1, 0, 0, 0]  # once per signature
     for name in ("decode-lens", "mma-lens"):  # lengths on the device: repeatable too
         assert seen.pop(name) == [1, 0, 0], name
+        assert seen.pop(name + "/validated") == [1, 0, 0], name
+    for name in ("mma", "wgmma", "decode"):
+        # a plain repeated call is the signature's Problem with its arrays at once
+        # (_validate.repeated_problem), no validation, new alignments and switches too (they
+        # choose the path anew, above); a new signature takes the whole way
+        assert seen.pop(name + "/validated") == [0, 0, 0, 0, 1], name
     for name, steps in seen.items():
         assert steps == [0, 0, 1, 1, 1], name
+
+
+def test_the_plain_call_checks_every_option():
+    """attention() and attention_backward() take a call the short way (the signature's Problem
+    with the call's arrays, _validate.repeated_problem) only when every option but the ones in
+    its key is off: each of the others is tested (a new option must join the test, or a call
+    with it would run as the plain one)."""
+    import inspect
+
+    from cuflash import api
+
+    keyed = {"scale", "causal", "align", "precision", "dropout_p", "kv_lens"}
+    for fn, arrays, flags in ((api.attention, {"q", "k", "v"}, {"return_lse"}),
+                              (api.attention_backward, {"dout", "q", "k", "v", "out", "lse"},
+                               {"deterministic"})):
+        source = inspect.getsource(fn)
+        params = set(inspect.signature(fn).parameters) - arrays - flags
+        assert keyed <= params and set(api.OPTIONS) <= params | {"block_table"}
+        for name in sorted(params - keyed):
+            off = "return_dbias is False" if name == "return_dbias" else f"{name} is None"
+            assert off in source, (fn.__name__, name)
 
 
 _TOKEN_LOOP = r"""
