@@ -277,9 +277,10 @@ class BwdLostRows:
     lost row's max and sum, and the row's exact sink probability is written into ``sink_probs``
     (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator dtype (dbias_buffer; None: none):
     the lost rows' logit gradients are written there. Two small launches that only read flags
-    (and lse) when no row is lost."""
+    (and lse) when no row is lost. `cast_dq` (the tensor-core backward): the second also rounds
+    the float32 dq to the inputs' dtype into `dq_out` (its grid then also sized for that)."""
 
-    def __init__(self, p, kv_dtype, prewritten):
+    def __init__(self, p, kv_dtype, prewritten, cast_dq=False):
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
         rows_expr, keys_expr = lost_name_expressions(p.dtype, kv_dtype == p.dtype,
                                                      _modifiers.names(p), bool(p.dropout_p))
@@ -287,6 +288,9 @@ class BwdLostRows:
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
         key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
+        if cast_dq:  # 4 elements per thread and step
+            key_blocks = max(key_blocks,
+                             min(-(-BH * Nq * p.Dk // (4 * _config.GENERIC_THREADS)), cap))
         threads = (_config.GENERIC_THREADS,)
         self.rows = _runtime.Launch(_runtime.get_function(LOST_SOURCE, rows_expr),
                                     (row_blocks,), threads)
@@ -299,13 +303,14 @@ class BwdLostRows:
         self.scratch = (BH * Nq * 3 * 8,) + flags
 
     def __call__(self, p, tail, dout, out, lse, dq, dk, dv, stats, flags, sink_probs=None,
-                 dbias=None):
-        """tail: p's Args.tail; stats, flags: `scratch`'s buffers (flags: the prewritten)."""
+                 dbias=None, dq_out=None):
+        """tail: p's Args.tail; stats, flags: `scratch`'s buffers (flags: the prewritten);
+        dq_out: with cast_dq, dq's rounded copy."""
         common = (p.q, p.k, p.v, dout, out, lse) + tail + (self.limit, stats, flags)
         sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         self.rows(common + (dq, self.prewritten) + sinks + (_runtime.ptr(dbias),) + drop)
-        self.keys(common + (dk, dv) + drop)
+        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out)) + drop)
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=None, dbias=None):

@@ -25,7 +25,9 @@
 //                  and l, and its probability exp(t - m) / l goes to sink_probs), then
 //                  dq += scale * dS K
 //   bwd_lost_keys  one warp per 128 keys of one (batch, head), after bwd_lost_rows: for each key
-//                  and each lost row that sees it, in row order: dv += P^T dO, dk += scale dS^T Q
+//                  and each lost row that sees it, in row order: dv += P^T dO, dk += scale dS^T Q;
+//                  then, for the tensor-core backward (dq_out not null), dq_out = dq rounded to
+//                  the inputs' dtype, over the whole grid (every dq row is final by then)
 // With dropout (a trailing DropoutArgs, philox.cuh) both kernels draw the main kernels' keep bits:
 // dS = P (Z dP / (1 - p) - delta), dV += (Z P / (1 - p))^T dO.
 // Without lost rows a warp reads its rows' lse (or the flags of its keys' query range) and
@@ -265,9 +267,32 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* _
 // Grid: ceil(BH * ceil(Nk / LOST_SEG) / LOST_WARPS) blocks, after bwd_lost_rows (stats, flags):
 // warp item = LOST_SEG keys of one (batch, head). dk: (BH, Nk, Dk), dv: (BH, Nk, Dv) of DK (the
 // main kernels' output type), added to.
+// dq_out = dq rounded to T, 4 elements per thread and step of the grid: the tensor-core
+// backward's float32 dq (Acc) into its 16-bit inputs' dtype (n a multiple of 4, both buffers
+// 16-byte aligned); a no-op for other types, which never pass a dq_out.
+template <typename T, typename Acc>
+__device__ __forceinline__ void cast_dq(const Acc* __restrict__ dq, T* __restrict__ dq_out,
+                                        long long n) {
+  if constexpr (sizeof(Acc) == 4 && sizeof(T) == 2) {
+    auto bits = [](float x) {
+      T t;
+      store_acc(&t, x);
+      return static_cast<unsigned>(t.bits);
+    };
+    const long long step = 4LL * gridDim.x * blockDim.x;
+    for (long long e = 4LL * (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x);
+         e < n; e += step) {
+      const float4 x = *reinterpret_cast<const float4*>(dq + e);
+      *reinterpret_cast<uint2*>(dq_out + e) =
+          make_uint2(bits(x.x) | bits(x.y) << 16, bits(x.z) | bits(x.w) << 16);
+    }
+  }
+}
+
 template <typename T, typename Acc, typename DK, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
-bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Drop... drop) {
+bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* __restrict__ dq,
+              T* __restrict__ dq_out, const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
@@ -325,6 +350,7 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Drop.
     }
   }
   }  // items
+  if (dq_out != nullptr) cast_dq(dq, dq_out, static_cast<long long>(BH) * Nq * Dk);
 }
 
 // A logit computed in double as the forward's Acc would hold it: beyond Acc's range it is +-inf

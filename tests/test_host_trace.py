@@ -85,6 +85,20 @@ def test_the_forward_launches_its_kernel_and_the_lost_row_check(trace):
     assert [out, lse] == second[5][3:5]
 
 
+def test_the_backward_rounds_dq_in_its_last_kernel(trace):
+    """A known shape of the trace: the dense bf16 backward on the tensor cores is four launches and
+    nothing else (no memset, no CuPy cast): prep zeroes dq's float32 sums, bwd_mma_dkdv adds into
+    them, and bwd_lost_keys, last, rounds them into the dq it returns."""
+    events = trace["small/bwd/1"]
+    assert [e[0] for e in events] == ["launch"] * 4
+    prep, dkdv, rows, keys = events
+    assert [e[1].split("<")[0] for e in events] == ["bwd_mma_prep", "bwd_mma_dkdv",
+                                                    "bwd_lost_rows", "bwd_lost_keys"]
+    dq32 = prep[5][10]  # (dout, out, lse, lse2, delta, BH, Nq, nq_pad, lost, flags, dq_zero, Dk)
+    assert dkdv[5][6] == dq32 and keys[5][16] == dq32  # dkdv's dq; lost_keys' (..., dq, dq_out)
+    assert keys[5][17] not in (dq32, ["ptr", None])
+
+
 _REPEAT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
