@@ -62,6 +62,12 @@ def name_expression(kernel, dtype, bucket=None, transforms=(), dbias=False, drop
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
 
 
+def lost_transform(transforms):
+    """The lost-row code's transform type (double, natural units): NoTransform for none. The
+    tensor-core forward that settles its own rows (fwd_mma's LostF) takes it too."""
+    return _modifiers.transform(transforms, "double", True, "float64")
+
+
 def _transform_arg(transforms, acc, dtype_name="float64", dropout=False):
     """The transforms as a template argument (natural units), none without any; with dropout,
     the transforms (or NoTransform) and then DropoutArgs, the kernels' trailing parameter pack."""

@@ -1,11 +1,13 @@
 """The tensor-core forward on mma.sync (kernels_cu/fwd_mma.cu): float16 / bfloat16, sm_80+,
-Dk == Dv in HEAD_DIMS; then the lost-row fix of its flagged blocks (cuflash._generic).
+Dk == Dv in HEAD_DIMS, one launch (the kernel settles its lost rows itself: lost_rows.cuh).
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, and `pick_tile`, the tile
 for a device. `tensor_core_layout` is what every tensor-core kernel needs of a Problem (the
 backward's `takes_backward` reads it too).
 """
 from collections import namedtuple
+
+import numpy as np
 
 from . import _config, _generic, _memo, _modifiers, _runtime
 
@@ -103,7 +105,10 @@ def name_expression(dtype, head_dim, has_mb, tile=None, transforms=(), sinks=Fal
     it)."""
     t = TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
-    last = f", {b(sinks)}, DropoutArgs" if dropout else (", true" if sinks else "")
+    # LostF: the transforms as its own end settles rows (lost_rows.cuh), then SINKS and Drop
+    lost = _generic.lost_transform(transforms)
+    last = (f", {lost}, {b(sinks)}, DropoutArgs" if dropout else
+            f", {lost}, true" if sinks else f", {lost}" if transforms else "")
     return (f"fwd_mma<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, "
             f"{_modifiers.score_mod(has_mb, transforms, dtype_name=_config.dtype_name(dtype))}, "
@@ -124,8 +129,6 @@ def instantiations():
         exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf, dr), tf, sk, dr)
                  for d, mb in TILES for cc in (80, 90) for tf, sk, dr in _variants()}
         out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
-        lost = {_generic.fwd_lost_name_expression(dt, tf, dr) for tf, _, dr in _variants()}
-        out += [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, e) for e in sorted(lost)]
     return out
 
 
@@ -164,7 +167,7 @@ _prepared = _memo.Memo(256)
 
 
 def _recipe(p):
-    """(Launch, blocks, block_m, has_mb): the launch of a layout (_generic.FlaggedForward)."""
+    """(Launch, blocks, block_m, has_mb): the launch of a layout (_Forward)."""
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names, bool(p.dropout_p))
@@ -180,11 +183,30 @@ def _recipe(p):
             _modifiers.modified(p))
 
 
+class _Forward:
+    """The forward of one layout, prepared: called with a Problem of its key, out (BH, Nq, Dv) of
+    p.dtype and lse (BH, Nq) float32, with its sinks, in one launch: the kernel settles the rows
+    its float arithmetic cannot at its own end (lost_rows.cuh fwd_fix_rows; `lost` as
+    fwd_lost_rows takes it: without mask / bias or transform the lost-lse limit, with them every
+    row of l = 0, all masked (empty) or all -inf (NaN))."""
+
+    def __init__(self, p):
+        self.launch, _, _, has_mb = _recipe(p)
+        self.carving = _runtime.output_carving(p)
+        self.lost = np.float64(np.inf if has_mb else _config.lost_lse_limit(p.acc_dtype))
+        self.tail = _runtime.Args(p).tail if p.plain else None  # a plain Problem's: the layout's
+
+    def __call__(self, p):
+        tail = _runtime.Args(p).tail if self.tail is None else self.tail
+        out, lse = _runtime.carved(self.carving)
+        self.launch((p.q, p.k, p.v, out, lse) + tail + (self.lost, _runtime.ptr(p.sinks))
+                    + _runtime.dropout_args(p))
+        return out, lse
+
+
 def prepare(p):
-    """The forward of p's layout, prepared (_generic.FlaggedForward): called with a Problem of
-    p's key, it gives out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with its sinks; every
-    row settled, the ones the kernel flags by the lost-row fix."""
-    return _prepared.build(p.key, lambda: _generic.FlaggedForward(p, _recipe(p)))
+    """The forward of p's layout, prepared (_Forward)."""
+    return _prepared.build(p.key, lambda: _Forward(p))
 
 
 def forward(p):
