@@ -43,10 +43,11 @@ TILES = {
     (256, True): _T(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
 }
 del _T
-# Compute capability 9.0+ only: cheap_addr and kv_split together spill 4-8 bytes on sm_80 but not
-# on sm_90a.
+# Compute capability 9.0+ only: D=128's 4-warp tile spills 52-72 bytes on sm_90a with the kernel's
+# own lost-row fix (sm_80: none), so 8 warps there, Q in registers (the same block shape and shared
+# memory). On sm_90a the Hopper forward (cuflash._wgmma_fwd) takes most D=128 calls.
 TILES_CC90 = {
-    (128, False): TILES[(128, False)]._replace(cheap_addr=True),
+    (128, False): FwdTile(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
 }
 
 
@@ -166,38 +167,33 @@ def takes(p):
 _prepared = _memo.Memo(256)
 
 
-def _recipe(p):
-    """(Launch, blocks, block_m, has_mb): the launch of a layout (_Forward)."""
-    has_mb = p.mask is not None or p.bias is not None
-    names = _modifiers.names(p)
-    tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names, bool(p.dropout_p))
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile, names,
-                                                         p.sinks is not None, bool(p.dropout_p)))
-    smem = smem_bytes(p.Dk, has_mb)
-    _runtime.opt_in(kern, smem)
-    # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
-    blocks = -(-p.Nq // tile.block_m) * p.BH
-    if blocks > _runtime.MAX_GRID_X:
-        raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return (_runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem), blocks, tile.block_m,
-            _modifiers.modified(p))
-
-
 class _Forward:
-    """The forward of one layout, prepared: called with a Problem of its key, out (BH, Nq, Dv) of
-    p.dtype and lse (BH, Nq) float32, with its sinks, in one launch: the kernel settles the rows
-    its float arithmetic cannot at its own end (lost_rows.cuh fwd_fix_rows; `lost` as
-    fwd_lost_rows takes it: without mask / bias or transform the lost-lse limit, with them every
-    row of l = 0, all masked (empty) or all -inf (NaN))."""
+    """The forward of one layout, prepared (built once per Problem.key): called with a Problem of
+    its key, out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with its sinks, in one launch.
+    The kernel settles at its own end the rows its float arithmetic cannot (lost_rows.cuh
+    fwd_fix_rows, with `lost` as fwd_lost_rows takes it): without mask, bias or transform the rows
+    of lost lse; with them every row of l = 0, all masked (empty) or all -inf (NaN)."""
 
     def __init__(self, p):
-        self.launch, _, _, has_mb = _recipe(p)
+        has_mb = p.mask is not None or p.bias is not None
+        names = _modifiers.names(p)
+        tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names, bool(p.dropout_p))
+        kern = _runtime.get_function(SOURCE, name_expression(
+            p.dtype, p.Dk, has_mb, tile, names, p.sinks is not None, bool(p.dropout_p)))
+        smem = smem_bytes(p.Dk, has_mb)
+        _runtime.opt_in(kern, smem)
+        # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
+        blocks = -(-p.Nq // tile.block_m) * p.BH
+        if blocks > _runtime.MAX_GRID_X:
+            raise ValueError(f"problem too large for one launch: {blocks} blocks")
+        self.launch = _runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem)
+        self.lost = np.float64(np.inf if _modifiers.modified(p)
+                               else _config.lost_lse_limit(p.acc_dtype))
         self.carving = _runtime.output_carving(p)
-        self.lost = np.float64(np.inf if has_mb else _config.lost_lse_limit(p.acc_dtype))
-        self.tail = _runtime.Args(p).tail if p.plain else None  # a plain Problem's: the layout's
+        self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p):
-        tail = _runtime.Args(p).tail if self.tail is None else self.tail
+        _, _, tail = self.args(p)
         out, lse = _runtime.carved(self.carving)
         self.launch((p.q, p.k, p.v, out, lse) + tail + (self.lost, _runtime.ptr(p.sinks))
                     + _runtime.dropout_args(p))

@@ -283,10 +283,12 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
   }
   // The rows the float arithmetic could not settle (refix): once every warp's rows are written,
-  // one warp recomputes them in double (lost_rows.cuh fwd_fix_rows, the transform F in double:
-  // LostF), as fwd_lost_rows does after the kernels that flag blocks instead.
-  if (__syncthreads_or(refix) && warp == 0)
+  // each warp rechecks 32 of the block's rows and recomputes those in double (lost_rows.cuh
+  // fwd_fix_rows, the transform F in double: LostF), as fwd_lost_rows does after the kernels that
+  // flag blocks instead. (Warp 0 alone, for all rows, spilled the 4-warp tiles at 255 registers.)
+  if (__syncthreads_or(refix)) {
+    const int r0 = i0 + 32 * (tid / 32), r1 = r0 + 32 < Nq ? r0 + 32 : Nq;  // r1 <= r0: none
     fwd_fix_rows<T, float, LostF>(q, k, v, out, lse, offsets, mask, bias, kv_lens, a, lost,
-                                  bh * Nq + i0, bh * Nq + (i0 + BLOCK_M < Nq ? i0 + BLOCK_M : Nq),
-                                  SINKS ? sinks : nullptr, drop...);
+                                  bh * Nq + r0, bh * Nq + r1, SINKS ? sinks : nullptr, drop...);
+  }
 }
