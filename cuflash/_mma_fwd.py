@@ -43,10 +43,12 @@ TILES = {
     (256, True): _T(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
 }
 del _T
-# Compute capability 9.0+ only: D=128's 4-warp tile spills 52-72 bytes on sm_90a with the kernel's
-# own lost-row fix (sm_80: none), so 8 warps there, Q in registers (the same block shape and shared
-# memory). On sm_90a the Hopper forward (cuflash._wgmma_fwd) takes most D=128 calls.
+# Compute capability 9.0+ only: where the table's 4-warp tile spills on sm_90a with the kernel's own
+# lost-row fix (D=32: 16 bytes, 92 with softcap; D=128: 52-72; sm_80: none), 8 warps, Q in
+# registers (the same block shape and shared memory). On sm_90a the Hopper forward
+# (cuflash._wgmma_fwd) takes most of these calls.
 TILES_CC90 = {
+    (32, False): FwdTile(128, 128, warps=8, stages=2, q_in_regs=True, min_blocks=1),
     (128, False): FwdTile(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
 }
 
@@ -133,13 +135,21 @@ def instantiations():
     return out
 
 
+def _requested(cc):
+    """The name expressions a device of compute capability `cc` can request."""
+    return {name_expression(dt, d, mb, pick_tile(d, mb, cc, v[0], v[2]), *v)
+            for dt in _config.MMA_DTYPES for d, mb in TILES for v in _variants()}
+
+
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    every = [(dt, d, mb, v) for dt in _config.MMA_DTYPES for d, mb in TILES for v in _variants()]
-    return {name_expression(dt, d, mb, pick_tile(d, mb, 90, v[0], v[2]), *v)
-            for dt, d, mb, v in every} \
-        - {name_expression(dt, d, mb, pick_tile(d, mb, 80, v[0], v[2]), *v)
-           for dt, d, mb, v in every}
+    return _requested(90) - _requested(80)
+
+
+def cc80_only():
+    """Name expressions requested only below compute capability 9.0 (held to zero spills on sm_80
+    only: the tiles TILES_CC90 replaces)."""
+    return _requested(80) - _requested(90)
 
 
 def tensor_core_layout(p, same_dims=True):
