@@ -1,6 +1,6 @@
 """The generic path (kernels_cu/fwd_generic.cu, bwd_generic.cu): every Problem, every dtype, on CUDA
 cores; and the launches of the lost-row kernels (kernels_cu/lost_rows.cu), which the tensor-core
-paths call too (`FlaggedForward`: the forward launch and its fix that fwd_mma and fwd_wide share).
+paths call too.
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward, instantiations.
 Callers pass Problems with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones) whose arrays
@@ -60,6 +60,12 @@ def name_expression(kernel, dtype, bucket=None, transforms=(), dbias=False, drop
     if dropout:
         f = f"{f or ', NoTransform'}, DropoutArgs"
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
+
+
+def lost_transform(transforms):
+    """The lost-row code's transform type (double, natural units): NoTransform for none. The
+    tensor-core forward that settles its own rows (fwd_mma's LostF) takes it too."""
+    return _modifiers.transform(transforms, "double", True, "float64")
 
 
 def _transform_arg(transforms, acc, dtype_name="float64", dropout=False):
@@ -234,37 +240,6 @@ class FwdLostRows:
     def __call__(self, head, fix, sinks, drop):
         """head: (q, k, v, out, lse) + Args.tail; sinks: the pointer; drop: dropout_args."""
         self.launch(head + (self.limit, fix, self.block_m, sinks) + drop)
-
-
-class FlaggedForward:
-    """A tensor-core forward prepared for one layout (built once per Problem.key; a call runs it
-    on that call's Problem): the kernel, whose parameters are (q, k, v, out, lse) + Args.tail +
-    (fix,) + extra + (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks
-    null without them, and the kernel instantiated with SINKS where there are), with dropout
-    (DropoutArgs,) last (fwd_mma); then the lost-row fix of the blocks it flags (FwdLostRows,
-    with the dropout too). recipe: (its Launch, blocks of its 1-D bh-major grid, block_m,
-    has_mb).
-
-    A call gives out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), with p's sinks
-    joined. Rows the kernel cannot settle are flagged per block (kernels_cu/lost_rows.cu):
-    without mask / bias the ones whose huge logits the folded scale rounds too coarsely (lost
-    lse); with them, rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written
-    NaN."""
-
-    def __init__(self, p, recipe):
-        self.launch, blocks, self.block_m, has_mb = recipe
-        self.carving = _runtime.output_carving(p, 4 * blocks)  # fix: int32 per block, all written
-        self.lost = FwdLostRows(p, blocks, self.block_m, np.inf if has_mb else None)
-        self.args = _runtime.KeptArgs(p)
-
-    def __call__(self, p, extra=()):
-        _, _, tail = self.args(p)
-        out, lse, fix = _runtime.carved(self.carving)
-        head = (p.q, p.k, p.v, out, lse) + tail
-        sinks, drop = _runtime.ptr(p.sinks), _runtime.dropout_args(p)
-        self.launch(head + (fix,) + extra + (sinks,) + drop)
-        self.lost(head, fix, sinks, drop)
-        return out, lse
 
 
 class BwdLostRows:
