@@ -98,6 +98,21 @@ def test_the_backward_rounds_dq_in_its_last_kernel(trace):
     assert keys[5][17] not in (dq32, ["ptr", None])
 
 
+def test_device_lengths_are_read_in_place(trace):
+    """A known shape of the trace: decode with a CuPy kv_lens (int64, C-contiguous) is the decode
+    kernel alone, which reads the caller's array in place through the plan's map (no clamped
+    copy, no elementwise kernel)."""
+    for call in ("decode-device/fwd/1", "decode-device/fwd/2"):
+        events = trace[call]
+        assert [e[0] for e in events] == ["launch"], call
+        params = events[0][5]
+        assert events[0][1].startswith("decode_tc<")
+        # (q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, kv_lens, lens_map,
+        # lens_bytes, ...): the plan's tables, then this call's kv_lens, then the map
+        assert params[9][1][0] == "table" and params[11][1][0] == "table", call
+        assert params[10][1][0] == "new" and params[12] == [8], call
+
+
 _REPEAT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
