@@ -287,7 +287,9 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // fwd_fix_rows, the transform F in double: LostF), as fwd_lost_rows does after the kernels that
   // flag blocks instead. (Warp 0 alone, for all rows, spilled the 4-warp tiles at 255 registers.)
   if (__syncthreads_or(refix)) {
-    const int r0 = i0 + 32 * (tid / 32), r1 = r0 + 32 < Nq ? r0 + 32 : Nq;  // r1 <= r0: none
+    // this block's rows only (8-warp or 64-row tiles: some warps have none; r1 <= r0: none)
+    const int end = i0 + BLOCK_M < Nq ? i0 + BLOCK_M : Nq;
+    const int r0 = i0 + 32 * warp, r1 = r0 + 32 < end ? r0 + 32 : end;
     fwd_fix_rows<T, float, LostF>(q, k, v, out, lse, offsets, mask, bias, kv_lens, a, lost,
                                   bh * Nq + r0, bh * Nq + r1, SINKS ? sinks : nullptr, drop...);
   }
