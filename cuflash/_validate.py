@@ -534,24 +534,17 @@ def _clamped(x, n, dtype, shape=None):
     return _clamp(x, np.int64(n), cupy.empty(x.shape if shape is None else shape, dtype))
 
 
-def _device_lens(kv_lens, lead, Nk):
-    """A CuPy kv_lens as the kernels read it: (BH,) int64, each value clamped to [0, Nk], on the
-    device (one elementwise kernel on the current stream, which broadcasts kv_lens to the lead:
-    no synchronization)."""
-    import cupy
-
-    if kv_lens.data.device_id == cupy.cuda.runtime.getDevice():  # (the common case: no context)
-        return _clamped(kv_lens, Nk, np.int64, lead).reshape(-1)
-    with kv_lens.device:
-        return _clamped(kv_lens, Nk, np.int64, lead).reshape(-1)
-
-
 def clamped_lens(p):
     """p's CuPy kv_lens as most kernels read it: (BH,) int64 clamped to [0, Nk], made once per
     Problem, on demand (one elementwise kernel on the current stream: no synchronization). The
     decode kernels read the caller's array in place where they can (reads_in_place)."""
     if p.lens_clamped is None:
-        p.lens_clamped = _device_lens(p.lens_device, p.lead, p.Nk)
+        import cupy
+
+        x = p.lens_device
+        with (contextlib.nullcontext() if x.data.device_id == cupy.cuda.runtime.getDevice()
+              else x.device):  # (the common case: no context)
+            p.lens_clamped = _clamped(x, p.Nk, np.int64, p.lead).reshape(-1)
     return p.lens_clamped
 
 
@@ -563,7 +556,7 @@ def reads_in_place(kv_lens):
 
 def _check_device_lens(fn, kv_lens, lead, device):
     """The checks a CuPy kv_lens takes on the host (its dtype, shape and device; its values are
-    clamped on the device instead, see _device_lens); returns lens_map."""
+    clamped on the device instead, see clamped_lens); returns lens_map."""
     if kv_lens.dtype == np.bool_ or not np.issubdtype(kv_lens.dtype, np.integer):
         raise TypeError(f"{fn}: kv_lens must hold integers, got dtype {kv_lens.dtype}")
     if not _broadcasts_to(kv_lens.shape, lead):
@@ -1076,7 +1069,7 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None
-        bare.alibi = bare.dropout_seed = None
+        bare.alibi = bare.dropout_seed = bare.lens_clamped = None
         if p.pages is not None and not p.pages.host:
             bare.pages = p.pages.with_table(None)  # no device table of the caller's
         _problems.build(key, lambda: bare)
