@@ -50,7 +50,7 @@ import threading
 import numpy as np
 
 from . import _config, _memo, _modifiers, _runtime
-from ._validate import clamped_lens, element_strides, key_range
+from ._validate import clamped_lens, element_strides, key_range, reads_in_place
 
 NAME = "split"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
@@ -714,11 +714,17 @@ class Plan:
 
         parts = [lay.offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
                  sched.tiles.reshape(-1), sched.items_table().reshape(-1)]
+        # a CuPy kv_lens: the kernels read it in place (lens_map: the element of each (batch,
+        # head)), else its clamped (BH,) int64 copy (clamped_lens; each its own)
+        self.in_place = p.lens_device is not None and reads_in_place(p.lens_device)
+        if p.lens_device is not None:
+            parts.append(p.lens_map if self.in_place else np.arange(p.BH, dtype=np.int64))
+            self.lens_bytes = np.int32(p.lens_device.itemsize if self.in_place else 8)
         bounds = np.cumsum([0] + [x.size for x in parts])
         with p.q.device:  # the one host-to-device copy, cached by content: a pageable copy
             table = _runtime.on_device(np.concatenate(parts))  # would wait for the stream
-            (self.offsets, self.lens, self.groups, self.tiles,
-             self.items) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+            (self.offsets, self.lens, self.groups, self.tiles, self.items,
+             *self.lens_map) = (table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
             self.table = table
             self.split_any = sched.split_any
 
@@ -767,9 +773,14 @@ class Plan:
         if self.plain_tail is not None and p.plain:
             self.launch(head + self.plain_tail)
             return out, lse
-        # the true lengths: a CuPy kv_lens', the host's (the plan serves their bucket), or Nk
-        lens = (clamped_lens(p) if p.lens_device is not None else
-                self.lens if p.kv_lens is None else _runtime.on_device(p.kv_lens.reshape(-1)))
+        # the true lengths: a CuPy kv_lens' (read in place, or its clamped copy), the host's (the
+        # plan serves their bucket), or Nk
+        if p.lens_device is not None:
+            caller = p.lens_device if self.in_place else clamped_lens(p)
+            lens = (self.lens, caller, self.lens_map[0], self.lens_bytes)
+        else:
+            lens = (self.lens if p.kv_lens is None else _runtime.on_device(p.kv_lens.reshape(-1)),
+                    _runtime.NULL, _runtime.NULL, np.int32(0))
         # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
         args = head + self._tail(self.scalars, lens, _runtime.ptr(p.mask), _runtime.ptr(p.bias),
                                  _runtime.ptr(_modifiers.table(p)))
@@ -780,7 +791,8 @@ class Plan:
         return out, lse
 
     def _tail(self, scalars, lens, mask, bias, table):
-        return ((self.offsets, lens, self.groups, self.tiles, self.items, mask, bias)
+        """lens: (lens, kv_lens, lens_map, lens_bytes) as decode.cu's valid_keys reads them."""
+        return ((self.offsets,) + lens + (self.groups, self.tiles, self.items, mask, bias)
                 + scalars + (table,))
 
     def _first_run(self, p):
@@ -816,8 +828,8 @@ class Plan:
                                  i32(shift if 1 << shift == pg.page_size else -1),
                                  i32(pg.num_pages))
         null = _runtime.NULL
-        self.plain_tail = (self._tail(scalars, self.lens, null, null, null) if p.plain
-                           else None)
+        self.plain_tail = (self._tail(scalars, (self.lens, null, null, i32(0)), null, null, null)
+                           if p.plain else None)
         self.scalars = scalars  # (last: run's sign that the rest is here)
 
 
@@ -918,7 +930,8 @@ def _layout_key(p, split):
     return (cupy.cuda.Device().id, split, p.dtype.str, p.lead, p.Nq, p.Nk, p.Dk, p.Dv,
             p.scale, p.left, p.right, p.bottom_right, p.transforms,
             None if p.pages is None else p.pages.layout,
-            None if p.lens_map is None else p.lens_map.tobytes(),
+            None if p.lens_map is None else (p.lens_map.tobytes(), p.lens_device.dtype.str,
+                                             reads_in_place(p.lens_device)),
             strides(p.q), strides(p.k), strides(p.v), strides(p.mask), strides(p.bias),
             p.q_map.tobytes(), p.k_map.tobytes(), p.v_map.tobytes())
 

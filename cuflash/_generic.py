@@ -1,6 +1,6 @@
 """The generic path (kernels_cu/fwd_generic.cu, bwd_generic.cu): every Problem, every dtype, on CUDA
 cores; and the launches of the lost-row kernels (kernels_cu/lost_rows.cu), which the tensor-core
-paths call too (`FlaggedForward`: the forward launch and its fix that fwd_mma and fwd_wide share).
+paths call too.
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, takes_backward / backward, instantiations.
 Callers pass Problems with BH, Nq, Nk > 0 (cuflash/api.py answers the empty ones) whose arrays
@@ -60,6 +60,12 @@ def name_expression(kernel, dtype, bucket=None, transforms=(), dbias=False, drop
     if dropout:
         f = f"{f or ', NoTransform'}, DropoutArgs"
     return f"{name}<{t}, {acc}, {bucket}, {bm}, {bn}{f}>"
+
+
+def lost_transform(transforms):
+    """The lost-row code's transform type (double, natural units): NoTransform for none. The
+    tensor-core forward that settles its own rows (fwd_mma's LostF) takes it too."""
+    return _modifiers.transform(transforms, "double", True, "float64")
 
 
 def _transform_arg(transforms, acc, dtype_name="float64", dropout=False):
@@ -236,37 +242,6 @@ class FwdLostRows:
         self.launch(head + (self.limit, fix, self.block_m, sinks) + drop)
 
 
-class FlaggedForward:
-    """A tensor-core forward prepared for one layout (built once per Problem.key; a call runs it
-    on that call's Problem): the kernel, whose parameters are (q, k, v, out, lse) + Args.tail +
-    (fix,) + extra + (sinks,) (fwd_mma; fwd_wide, whose extra is the mask's tile classes; sinks
-    null without them, and the kernel instantiated with SINKS where there are), with dropout
-    (DropoutArgs,) last (fwd_mma); then the lost-row fix of the blocks it flags (FwdLostRows,
-    with the dropout too). recipe: (its Launch, blocks of its 1-D bh-major grid, block_m,
-    has_mb).
-
-    A call gives out (p.out_shape, p.dtype) and lse (p.lse_shape, p.acc_dtype), with p's sinks
-    joined. Rows the kernel cannot settle are flagged per block (kernels_cu/lost_rows.cu):
-    without mask / bias the ones whose huge logits the folded scale rounds too coarsely (lost
-    lse); with them, rows of l = 0, which may be all-masked (empty) or all -inf (NaN): written
-    NaN."""
-
-    def __init__(self, p, recipe):
-        self.launch, blocks, self.block_m, has_mb = recipe
-        self.carving = _runtime.output_carving(p, 4 * blocks)  # fix: int32 per block, all written
-        self.lost = FwdLostRows(p, blocks, self.block_m, np.inf if has_mb else None)
-        self.args = _runtime.KeptArgs(p)
-
-    def __call__(self, p, extra=()):
-        _, _, tail = self.args(p)
-        out, lse, fix = _runtime.carved(self.carving)
-        head = (p.q, p.k, p.v, out, lse) + tail
-        sinks, drop = _runtime.ptr(p.sinks), _runtime.dropout_args(p)
-        self.launch(head + (fix,) + extra + (sinks,) + drop)
-        self.lost(head, fix, sinks, drop)
-        return out, lse
-
-
 class BwdLostRows:
     """kernels_cu/lost_rows.cu's backward pair prepared for one layout: add the exact gradients of
     the lost rows (_config.LOST_LSE) to dq, dk, dv, which the main backward kernels wrote without
@@ -277,9 +252,10 @@ class BwdLostRows:
     lost row's max and sum, and the row's exact sink probability is written into ``sink_probs``
     (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator dtype (dbias_buffer; None: none):
     the lost rows' logit gradients are written there. Two small launches that only read flags
-    (and lse) when no row is lost."""
+    (and lse) when no row is lost. `cast_dq` (the tensor-core backward): the second also rounds
+    the float32 dq to the inputs' dtype into `dq_out` (its grid then also sized for that)."""
 
-    def __init__(self, p, kv_dtype, prewritten):
+    def __init__(self, p, kv_dtype, prewritten, cast_dq=False):
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
         rows_expr, keys_expr = lost_name_expressions(p.dtype, kv_dtype == p.dtype,
                                                      _modifiers.names(p), bool(p.dropout_p))
@@ -287,6 +263,9 @@ class BwdLostRows:
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
         key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
+        if cast_dq:  # 4 elements per thread and step
+            key_blocks = max(key_blocks,
+                             min(-(-BH * Nq * p.Dk // (4 * _config.GENERIC_THREADS)), cap))
         threads = (_config.GENERIC_THREADS,)
         self.rows = _runtime.Launch(_runtime.get_function(LOST_SOURCE, rows_expr),
                                     (row_blocks,), threads)
@@ -299,13 +278,14 @@ class BwdLostRows:
         self.scratch = (BH * Nq * 3 * 8,) + flags
 
     def __call__(self, p, tail, dout, out, lse, dq, dk, dv, stats, flags, sink_probs=None,
-                 dbias=None):
-        """tail: p's Args.tail; stats, flags: `scratch`'s buffers (flags: the prewritten)."""
+                 dbias=None, dq_out=None):
+        """tail: p's Args.tail; stats, flags: `scratch`'s buffers (flags: the prewritten);
+        dq_out: with cast_dq, dq's rounded copy."""
         common = (p.q, p.k, p.v, dout, out, lse) + tail + (self.limit, stats, flags)
         sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         self.rows(common + (dq, self.prewritten) + sinks + (_runtime.ptr(dbias),) + drop)
-        self.keys(common + (dk, dv) + drop)
+        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out)) + drop)
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=None, dbias=None):

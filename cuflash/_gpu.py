@@ -181,3 +181,9 @@ def cc90_only_instantiations():
     """Name expressions requested only on compute capability 9.0+ devices (held to zero spills on
     sm_90a only)."""
     return set().union(*(x.cc90_only() for x in PATHS if hasattr(x, "cc90_only")))
+
+
+def cc80_only_instantiations():
+    """Name expressions requested only on devices below compute capability 9.0 (held to zero
+    spills on sm_80 only)."""
+    return set().union(*(x.cc80_only() for x in PATHS if hasattr(x, "cc80_only")))

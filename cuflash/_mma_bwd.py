@@ -412,25 +412,28 @@ class _Backward:
     """The backward of one layout, prepared (built once per Problem.key and `deterministic`):
     called with a Problem of its key and (dout, out, lse, sink_probs), the gradients per output
     (batch, head): dq (..., Nq, Dk), dk (..., Nk, Dk), dv (..., Nk, Dv) of the leading shape
-    p.lead; the caller reduces and casts. dq is float32; dk and dv are float32 where a broadcast /
-    GQA sum follows, else already in the inputs' dtype. With p.dbias also the logits' gradient
-    (BH, Nq, Nk) float32, stored by the dK/dV kernel. sink_probs (with sinks): the rows' sink
-    probabilities, which the lost-row fix overwrites on its rows (_gpu.backward)."""
+    p.lead; the caller reduces and casts. dq is in the inputs' dtype (rounded from its float32
+    sums by bwd_lost_keys); dk and dv are float32 where a broadcast / GQA sum follows, else
+    already in the inputs' dtype. With p.dbias also the logits' gradient (BH, Nq, Nk) float32,
+    stored by the dK/dV kernel. sink_probs (with sinks): the rows' sink probabilities, which the
+    lost-row fix overwrites on its rows (_gpu.backward)."""
 
     def __init__(self, p, deterministic):
         self.deterministic = deterministic
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
-        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True)
+        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
-        # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq float32 (the
-        # caller casts it); the lost-row kernels' per-row doubles. The gradients in the caller's
-        # leading shape (the kernels read pointers; the caller then reshapes nothing).
+        # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq's float32
+        # sums; the lost-row kernels' per-row doubles. The gradients in the caller's leading
+        # shape (the kernels read pointers, and the caller's reshapes are then none).
         padded, lead = ((BH, r.nq_pad), np.float32), p.lead
         self.scratch = _runtime.carving(padded, padded, BH * -(-Nq // 32) * 4,
                                         (lead + (Nq, p.Dk), np.float32), *self.lost.scratch)
-        self.grads = _runtime.carving((lead + (Nk, p.Dk), r.kv_dtype),
+        self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
+                                      (lead + (Nk, p.Dk), r.kv_dtype),
                                       (lead + (Nk, p.Dv), r.kv_dtype))
+        self.dk = np.int32(p.Dk)
         self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p, dout, out, lse, sink_probs=None):
@@ -442,10 +445,10 @@ class _Backward:
         if lse.dtype != np.float32 or not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
         lse2, delta, lost_flags, dq, stats = _runtime.carved(self.scratch)
-        r.prep((dout, out, lse, lse2, delta) + r.sizes + (r.lost, lost_flags))
-        if not deterministic:  # dQ atomics add into it
-            dq.data.memset_async(0, dq.nbytes)
-        dk, dv = _runtime.carved(self.grads)
+        # (with dQ atomics prep zeroes dq, which they add into)
+        r.prep((dout, out, lse, lse2, delta) + r.sizes
+               + (r.lost, lost_flags, _runtime.NULL if deterministic else dq, self.dk))
+        dq_out, dk, dv = _runtime.carved(self.grads)
         # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
         # table must live until the launch is enqueued)
         classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
@@ -457,8 +460,10 @@ class _Backward:
                 dv, classes) + padded + (r.out16_arg, _runtime.ptr(dbias)) + drop)
         if deterministic:
             r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + padded + drop)
-        self.lost(p, tail, dout, out, lse, dq, dk, dv, stats, lost_flags, sink_probs, dbias)
-        return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
+        # the lost rows' gradients, then dq rounded to the inputs' dtype (dq_out)
+        self.lost(p, tail, dout, out, lse, dq, dk, dv, stats, lost_flags, sink_probs, dbias,
+                  dq_out)
+        return (dq_out, dk, dv) if dbias is None else (dq_out, dk, dv, dbias)
 
 
 def prepare_backward(p, deterministic):

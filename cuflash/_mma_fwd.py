@@ -1,11 +1,13 @@
 """The tensor-core forward on mma.sync (kernels_cu/fwd_mma.cu): float16 / bfloat16, sm_80+,
-Dk == Dv in HEAD_DIMS; then the lost-row fix of its flagged blocks (cuflash._generic).
+Dk == Dv in HEAD_DIMS, one launch (the kernel settles its lost rows itself: lost_rows.cuh).
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, and `pick_tile`, the tile
 for a device. `tensor_core_layout` is what every tensor-core kernel needs of a Problem (the
 backward's `takes_backward` reads it too).
 """
 from collections import namedtuple
+
+import numpy as np
 
 from . import _config, _generic, _memo, _modifiers, _runtime
 
@@ -41,10 +43,13 @@ TILES = {
     (256, True): _T(64, 32, warps=4, stages=2, q_in_regs=False, min_blocks=1),
 }
 del _T
-# Compute capability 9.0+ only: cheap_addr and kv_split together spill 4-8 bytes on sm_80 but not
-# on sm_90a.
+# Compute capability 9.0+ only: where the table's 4-warp tile spills on sm_90a with the kernel's own
+# lost-row fix (D=32: 16 bytes, 92 with softcap; D=128: 52-72; sm_80: none), 8 warps, Q in
+# registers (the same block shape and shared memory). On sm_90a the Hopper forward
+# (cuflash._wgmma_fwd) takes most of these calls.
 TILES_CC90 = {
-    (128, False): TILES[(128, False)]._replace(cheap_addr=True),
+    (32, False): FwdTile(128, 128, warps=8, stages=2, q_in_regs=True, min_blocks=1),
+    (128, False): FwdTile(128, 64, warps=8, stages=2, q_in_regs=True, min_blocks=1),
 }
 
 
@@ -103,7 +108,10 @@ def name_expression(dtype, head_dim, has_mb, tile=None, transforms=(), sinks=Fal
     it)."""
     t = TILES[(head_dim, has_mb)] if tile is None else tile
     b = lambda x: "true" if x else "false"  # noqa: E731
-    last = f", {b(sinks)}, DropoutArgs" if dropout else (", true" if sinks else "")
+    # LostF: the transforms as its own end settles rows (lost_rows.cuh), then SINKS and Drop
+    lost = _generic.lost_transform(transforms)
+    last = (f", {lost}, {b(sinks)}, DropoutArgs" if dropout else
+            f", {lost}, true" if sinks else f", {lost}" if transforms else "")
     return (f"fwd_mma<{_config.c_types(dtype)[0]}, {head_dim}, {t.block_m}, {t.block_n}, "
             f"{t.warps}, {t.stages}, {b(t.q_in_regs)}, "
             f"{_modifiers.score_mod(has_mb, transforms, dtype_name=_config.dtype_name(dtype))}, "
@@ -124,18 +132,24 @@ def instantiations():
         exprs = {name_expression(dt, d, mb, pick_tile(d, mb, cc, tf, dr), tf, sk, dr)
                  for d, mb in TILES for cc in (80, 90) for tf, sk, dr in _variants()}
         out += [("fwd_mma", dt, int(e.split(",")[1]), SOURCE, e) for e in sorted(exprs)]
-        lost = {_generic.fwd_lost_name_expression(dt, tf, dr) for tf, _, dr in _variants()}
-        out += [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, e) for e in sorted(lost)]
     return out
+
+
+def _requested(cc):
+    """The name expressions a device of compute capability `cc` can request."""
+    return {name_expression(dt, d, mb, pick_tile(d, mb, cc, v[0], v[2]), *v)
+            for dt in _config.MMA_DTYPES for d, mb in TILES for v in _variants()}
 
 
 def cc90_only():
     """Name expressions requested only on compute capability 9.0+ (held to zero spills there)."""
-    every = [(dt, d, mb, v) for dt in _config.MMA_DTYPES for d, mb in TILES for v in _variants()]
-    return {name_expression(dt, d, mb, pick_tile(d, mb, 90, v[0], v[2]), *v)
-            for dt, d, mb, v in every} \
-        - {name_expression(dt, d, mb, pick_tile(d, mb, 80, v[0], v[2]), *v)
-           for dt, d, mb, v in every}
+    return _requested(90) - _requested(80)
+
+
+def cc80_only():
+    """Name expressions requested only below compute capability 9.0 (held to zero spills on sm_80
+    only: the tiles TILES_CC90 replaces)."""
+    return _requested(80) - _requested(90)
 
 
 def tensor_core_layout(p, same_dims=True):
@@ -163,28 +177,42 @@ def takes(p):
 _prepared = _memo.Memo(256)
 
 
-def _recipe(p):
-    """(Launch, blocks, block_m, has_mb): the launch of a layout (_generic.FlaggedForward)."""
-    has_mb = p.mask is not None or p.bias is not None
-    names = _modifiers.names(p)
-    tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names, bool(p.dropout_p))
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype, p.Dk, has_mb, tile, names,
-                                                         p.sinks is not None, bool(p.dropout_p)))
-    smem = smem_bytes(p.Dk, has_mb)
-    _runtime.opt_in(kern, smem)
-    # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
-    blocks = -(-p.Nq // tile.block_m) * p.BH
-    if blocks > _runtime.MAX_GRID_X:
-        raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return (_runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem), blocks, tile.block_m,
-            _modifiers.modified(p))
+class _Forward:
+    """The forward of one layout, prepared (built once per Problem.key): called with a Problem of
+    its key, out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with its sinks, in one launch.
+    The kernel settles at its own end the rows its float arithmetic cannot (lost_rows.cuh
+    fwd_fix_rows, with `lost` as fwd_lost_rows takes it): without mask, bias or transform the rows
+    of lost lse; with them every row of l = 0, all masked (empty) or all -inf (NaN)."""
+
+    def __init__(self, p):
+        has_mb = p.mask is not None or p.bias is not None
+        names = _modifiers.names(p)
+        tile = pick_tile(p.Dk, has_mb, _runtime.device_info().cc, names, bool(p.dropout_p))
+        kern = _runtime.get_function(SOURCE, name_expression(
+            p.dtype, p.Dk, has_mb, tile, names, p.sinks is not None, bool(p.dropout_p)))
+        smem = smem_bytes(p.Dk, has_mb)
+        _runtime.opt_in(kern, smem)
+        # 1-D grid, bh-major: the query tiles of one head run together and share its K/V in L2
+        blocks = -(-p.Nq // tile.block_m) * p.BH
+        if blocks > _runtime.MAX_GRID_X:
+            raise ValueError(f"problem too large for one launch: {blocks} blocks")
+        self.launch = _runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem)
+        self.lost = np.float64(np.inf if _modifiers.modified(p)
+                               else _config.lost_lse_limit(p.acc_dtype))
+        self.carving = _runtime.output_carving(p)
+        self.args = _runtime.KeptArgs(p)
+
+    def __call__(self, p):
+        _, _, tail = self.args(p)
+        out, lse = _runtime.carved(self.carving)
+        self.launch((p.q, p.k, p.v, out, lse) + tail + (self.lost, _runtime.ptr(p.sinks))
+                    + _runtime.dropout_args(p))
+        return out, lse
 
 
 def prepare(p):
-    """The forward of p's layout, prepared (_generic.FlaggedForward): called with a Problem of
-    p's key, it gives out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) float32, with its sinks; every
-    row settled, the ones the kernel flags by the lost-row fix."""
-    return _prepared.build(p.key, lambda: _generic.FlaggedForward(p, _recipe(p)))
+    """The forward of p's layout, prepared (_Forward)."""
+    return _prepared.build(p.key, lambda: _Forward(p))
 
 
 def forward(p):

@@ -535,9 +535,9 @@ def _clamped(x, n, dtype, shape=None):
 
 
 def clamped_lens(p):
-    """p's CuPy kv_lens as the kernels read it: (BH,) int64 clamped to [0, Nk], made once per
-    Problem, on demand (one elementwise kernel on the current stream, which broadcasts kv_lens
-    to the lead: no synchronization)."""
+    """p's CuPy kv_lens as most kernels read it: (BH,) int64 clamped to [0, Nk], made once per
+    Problem, on demand (one elementwise kernel on the current stream: no synchronization). The
+    decode kernels read the caller's array in place where they can (reads_in_place)."""
     if p.lens_clamped is None:
         import cupy
 
@@ -546,6 +546,12 @@ def clamped_lens(p):
               else x.device):  # (the common case: no context)
             p.lens_clamped = _clamped(x, p.Nk, np.int64, p.lead).reshape(-1)
     return p.lens_clamped
+
+
+def reads_in_place(kv_lens):
+    """Whether the decode kernels read this CuPy kv_lens in place (kernels_cu/decode.cu
+    valid_keys): C-contiguous int32 or int64 (part of its signature: _lens_key)."""
+    return kv_lens.flags.c_contiguous and kv_lens.dtype in (np.int32, np.int64)
 
 
 def _check_device_lens(fn, kv_lens, lead, device):
@@ -899,7 +905,8 @@ def _lens_key(kv_lens, block_table):
     on the device); a host one by type, dtype and shape (its values are checked per call), by
     value too with a host block_table (whose check reads them)."""
     if _library(kv_lens) == "cupy":
-        return ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id)
+        return ("cupy", kv_lens.dtype.str, kv_lens.shape, kv_lens.device.id,
+                kv_lens.flags.c_contiguous)
     arr = np.asarray(kv_lens)
     lens = (type(kv_lens), arr.dtype, arr.shape)
     if block_table is not None and _library(block_table) != "cupy":

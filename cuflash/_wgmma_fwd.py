@@ -112,7 +112,12 @@ def instantiations():
              for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
-    return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
+    # the lost-row fix of the blocks it flags (fwd_lost_rows), for each variant above
+    lost = sorted({(dt, _generic.fwd_lost_name_expression(dt, tf, dr))
+                   for dt in _config.MMA_DTYPES
+                   for tf, dr in [(tf, False) for tf in TRANSFORMS] + [((), True)]})
+    return (main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
+            + [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, e) for dt, e in lost])
 
 
 def cc90_only():

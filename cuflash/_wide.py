@@ -248,39 +248,44 @@ def takes(p):
 _prepared = _memo.Memo(256)
 
 
-def _recipe(p):
-    """((Launch, blocks, block_m, has_mb), block_n): the launch of a layout
-    (_generic.FlaggedForward)."""
-    has_mb = p.mask is not None or p.bias is not None
-    b = bucket(p)
-    tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
-    passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
-    kern = _runtime.get_function(SOURCE, name_expression(p.dtype.name, b, has_mb, passes, tile,
-                                                         _modifiers.names(p), p.sinks is not None))
-    smem = smem_bytes(p.dtype.name, tile, b)
-    _runtime.opt_in(kern, smem)
-    block_m = 16 * tile.mf * tile.warps
-    blocks = -(-p.Nq // block_m) * p.BH  # 1-D, bh-major (fwd_lost_rows reads this order)
-    if blocks > _runtime.MAX_GRID_X:
-        raise ValueError(f"problem too large for one launch: {blocks} blocks")
-    return ((_runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem), blocks, block_m,
-             _modifiers.modified(p)), tile.block_n)
-
-
 class _Forward:
-    """The forward of one layout, prepared: called with a Problem of its key, out (BH, Nq, Dv) of
-    p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks; the rows the kernel flags settled by
-    the lost-row fix. A mask's tile classes are computed first (on every call: the mask may
-    change in place); the table lives until the launch is enqueued."""
+    """The forward of one layout, prepared (built once per Problem.key): called with a Problem of
+    its key, out (BH, Nq, Dv) of p.dtype and lse (BH, Nq) of p.acc_dtype, with p's sinks. A mask's
+    tile classes are computed first (on every call: the mask may change in place; the table lives
+    until the launch is enqueued). The kernel flags per block the rows it cannot settle
+    (kernels_cu/lost_rows.cu), which the lost-row fix then recomputes: without mask / bias the
+    ones whose huge logits the folded scale rounds too coarsely (lost lse); with them, rows of
+    l = 0, which may be all-masked (empty) or all -inf (NaN): written NaN."""
 
     def __init__(self, p):
-        recipe, self.block_n = _recipe(p)
-        self.run = _generic.FlaggedForward(p, recipe)
+        has_mb = p.mask is not None or p.bias is not None
+        b = bucket(p)
+        tile = pick_tile(p.dtype.name, b, has_mb, _runtime.device_info().cc)
+        passes = PASSES[p.precision] if p.dtype.name == "float32" else 1
+        kern = _runtime.get_function(SOURCE, name_expression(
+            p.dtype.name, b, has_mb, passes, tile, _modifiers.names(p), p.sinks is not None))
+        smem = smem_bytes(p.dtype.name, tile, b)
+        _runtime.opt_in(kern, smem)
+        self.block_m, self.block_n = 16 * tile.mf * tile.warps, tile.block_n
+        blocks = -(-p.Nq // self.block_m) * p.BH  # 1-D, bh-major (fwd_lost_rows reads this order)
+        if blocks > _runtime.MAX_GRID_X:
+            raise ValueError(f"problem too large for one launch: {blocks} blocks")
+        self.launch = _runtime.Launch(kern, (blocks,), (tile.warps * 32,), smem)
+        self.carving = _runtime.output_carving(p, 4 * blocks)  # fix: int32 per block, all written
+        self.lost = _generic.FwdLostRows(p, blocks, self.block_m,
+                                         np.inf if _modifiers.modified(p) else None)
+        self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p):
+        _, _, tail = self.args(p)
         # (NO_CLASSES without a mask)
-        classes, _table = _mask_tiles.classify(p, self.run.block_m, self.block_n)
-        return self.run(p, (classes,))
+        classes, _table = _mask_tiles.classify(p, self.block_m, self.block_n)
+        out, lse, fix = _runtime.carved(self.carving)
+        head = (p.q, p.k, p.v, out, lse) + tail
+        sinks = _runtime.ptr(p.sinks)
+        self.launch(head + (fix, classes, sinks))
+        self.lost(head, fix, sinks, ())
+        return out, lse
 
 
 def prepare(p):

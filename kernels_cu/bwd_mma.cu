@@ -5,7 +5,8 @@
 //   bwd_mma_prep   per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for an
 //                  empty row), both float32 in (BH, Nq_pad) buffers padded with (+inf, 0) rows, so
 //                  that the main kernels load them in 16-byte copies with no bounds test, and
-//                  P = exp2(s * scale * log2(e) - lse2) is exactly 0 on empty and padding rows.
+//                  P = exp2(s * scale * log2(e) - lse2) is exactly 0 on empty and padding rows;
+//                  with dQ atomics it also zeroes the row's float32 dQ (dq_zero).
 //   bwd_mma_dkdv   one block per key tile of BLOCK_N = 16 * NWARPS keys of one (batch, head);
 //                  warp w owns keys [16 w, 16 w + 16) of the tile, K and V stay in shared memory
 //                  (or registers), dK and dV accumulate in float32 registers. The block walks the
@@ -22,7 +23,7 @@
 //                                            over (query rows, head dim), into registers
 //                    dK  += dS^T Q           A = dS^T packed from registers, B = Q (.trans); the
 //                                            dQ block is added to the float32 dq_acc (BH, Nq, Dk,
-//                                            zeroed by the host) with red.global.add, a few per
+//                                            zeroed by bwd_mma_prep) with red.global.add, a few per
 //                                            k-step of this product (tcb::dq_reduction_at).
 //                  With tcb::DKDV_DBIAS, P^T (dP^T - delta) is stored per pair (the bias's
 //                  gradient, attn_core.cuh store_dbias).
@@ -256,7 +257,7 @@ template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
 bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
              float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
-             float lost, int* __restrict__ lost_flags) {
+             float lost, int* __restrict__ lost_flags, float* __restrict__ dq_zero, int Dk) {
   constexpr int LPR = 8;              // lanes per row
   constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
@@ -285,6 +286,10 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
   }
 #pragma unroll
   for (int off = LPR / 2; off > 0; off /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, off, LPR);
+  if (dq_zero != nullptr && real) {  // dQ's float32 rows, which bwd_mma_dkdv's atomics add to
+    float4* z = reinterpret_cast<float4*>(dq_zero + (bh * Nq + i) * static_cast<long long>(Dk));
+    for (int c = sub; c < Dk / 4; c += LPR) z[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const float l = real ? lse[bh * Nq + i] : neg_inf<float>();
   // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
   // Lost rows (finite |lse| >= lost: lse cannot carry log(l)) likewise, with delta 0: they

@@ -556,7 +556,7 @@ __device__ __forceinline__ void finish_item(
 
 // ---- the split kernel --------------------------------------------------------------------------
 // Tables (int64): offsets (5, BH) rows q, k, v, mask, bias as in DESIGN.md "Kernel ABI";
-// lens (BH) valid keys per (batch, head); groups (n_groups, G); tiles (n_tiles, 4) =
+// lens (BH) valid keys per (batch, head) (valid_keys); groups (n_groups, G); tiles (n_tiles, 4) =
 // (group, tile index, first item, item count); items (n_items, ITEM_COLS) = (row tile, k0, k1,
 // item, k offset, v offset) in launch order: a block runs a row of the table (decode_split: row
 // b; decode_tc: the rows of its snake_row sequence) and writes workspace slot `item` (a tile's
@@ -569,15 +569,32 @@ __device__ __forceinline__ void finish_item(
       T* __restrict__ out, Acc* __restrict__ lse, Acc* __restrict__ ws_out,                  \
       Acc* __restrict__ ws_ml, unsigned* __restrict__ counters,                              \
       const long long* __restrict__ offsets, const long long* __restrict__ lens,             \
+      const void* __restrict__ kv_lens, const long long* __restrict__ lens_map, int lens_bytes,  \
       const long long* __restrict__ groups, const long long* __restrict__ tiles,             \
       const long long* __restrict__ items, const unsigned char* __restrict__ mask,           \
       const Acc* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,          \
       long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
       int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right, int fused
 #define DECODE_ARGS                                                                          \
-  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, groups, tiles, items, mask, bias,  \
+  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, kv_lens, lens_map, lens_bytes,   \
+      groups, tiles, items, mask, bias,                                                      \
       q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,    \
       right, bottom_right, fused
+
+// The valid keys of (batch, head) bh: lens[bh], the host's lengths (the plan's, or this call's
+// copy), or with the caller's CuPy kv_lens (lens_bytes: its element size, 4 or 8) its element
+// lens_map[bh] clamped to [0, lens[bh]] (the plan then holds Nk there). Read on the device, never
+// checked on the host: out-of-range lengths clamp (DESIGN.md "Lengths on the device").
+__device__ __forceinline__ long long valid_keys(const long long* __restrict__ lens,
+                                                const void* __restrict__ kv_lens,
+                                                const long long* __restrict__ lens_map,
+                                                int lens_bytes, long long bh) {
+  const long long n = lens[bh];
+  if (lens_bytes == 0) return n;
+  const long long x = lens_bytes == 8 ? static_cast<const long long*>(kv_lens)[lens_map[bh]]
+                                      : static_cast<const int*>(kv_lens)[lens_map[bh]];
+  return x < 0 ? 0 : (x > n ? n : x);
+}
 
 // One block's work: row `launch_row` of the items table and its row tile.
 constexpr int ITEM_COLS = 6;  // cuflash/_decode.py Schedule.items_table
@@ -667,7 +684,8 @@ __device__ __forceinline__ void decode_split_body(DECODE_PARAMS(Acc), double mod
 
   const DecodeItem it = read_item<Pages::ITEM_COLS>(items, tiles, blockIdx.x);
   const long long bh0 = groups[it.g * G];  // every group's first member exists
-  const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
+  const Window win = make_window(Nq, valid_keys(lens, kv_lens, lens_map, lens_bytes, bh0), left,
+                                 right, bottom_right);
   setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
   const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
   const long long blo = bk.blo, bhi = bk.bhi, flo = bk.flo, fhi = bk.fhi;
@@ -1089,7 +1107,9 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
   // read (it may hold NaN).
   auto item_end = [&](long long launch_row) -> long long {
     const long long* ir = items + COLS * launch_row;
-    return device_lens ? min(ir[2], lens[groups[tiles[4 * ir[0]] * G]]) : ir[2];
+    return device_lens ? min(ir[2], valid_keys(lens, kv_lens, lens_map, lens_bytes,
+                                               groups[tiles[4 * ir[0]] * G]))
+                       : ir[2];
   };
 
   DECODE_MARK(0);
@@ -1127,7 +1147,8 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
     }
 
     const long long bh0 = groups[it.g * G];
-    const Window win = make_window(Nq, lens[bh0], left, right, bottom_right);
+    const Window win = make_window(Nq, valid_keys(lens, kv_lens, lens_map, lens_bytes, bh0), left,
+                                   right, bottom_right);
     setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
     const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
 

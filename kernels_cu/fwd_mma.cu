@@ -20,6 +20,7 @@
 #include "mma.cuh"
 #include "sinks.cuh"
 #include "philox.cuh"
+#include "lost_rows.cuh"
 
 // One K or V tile copy: cp_tile, or cp_tile_inc with CHEAP_ADDR.
 template <bool CHEAP, int ROWS, int HEAD_DIM, int THREADS, typename T>
@@ -45,11 +46,11 @@ __device__ __forceinline__ void fwd_copy(tc::u32 dst, const T* __restrict__ src,
 //               so V's copy overlaps Q K^T.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES,
           bool Q_IN_REGS, typename Mod, int MIN_BLOCKS, bool CHEAP_ADDR, bool KV_SPLIT,
-          bool SINKS = false, typename... Drop>
+          typename LostF = NoTransform, bool SINKS = false, typename... Drop>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         T* __restrict__ out, float* __restrict__ lse, ATTN_INPUTS(float), const AttnArgs a,
-        int* __restrict__ fix, const double* __restrict__ sinks, const Drop... drop) {
+        double lost, const double* __restrict__ sinks, const Drop... drop) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   // HAS_MB: the score modifier works on every element; READS: it reads a mask or bias there (a
@@ -90,10 +91,6 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   //  V (B, x4.trans over two dim fragments): row (lane % 8) + 8 * ((lane / 8) % 2), col 8 * (lane / 16)
   // (K and V offsets are formed inside the key loop, see there.)
   const u32 q_lane = sQ + (warp_row0 + lane % 16) * ROW_BYTES + (lane / 16) * 16;
-
-  // The block's fix-up flag (fwd_lost_rows): 0 now, set at the end by a thread with a row to
-  // fix; the barriers in between order the two stores.
-  if (tid == 0) fix[blockIdx.x] = 0;
 
   // Key tile t's K and V into ring slot t % STAGES (nothing past the last tile), as one commit
   // group, or as two (K, then V) with KV_SPLIT.
@@ -236,12 +233,12 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   // Normalize once. A row with no visible key is empty: out = 0, lse = -inf. One that sees keys
   // but has l = 0 (every visible logit -inf) is 0 / 0 = NaN, like a NaN l. With a mask or bias
   // "sees keys" is known by position only: a row with l = 0 there may also be one whose keys are
-  // all masked (empty), so it is written NaN and fwd_lost_rows (kernels_cu/lost_rows.cu), which
-  // rechecks every NaN row, tells the two apart. With SINKS the row's sink then joins its factor
+  // all masked (empty), so it is written NaN and fwd_fix_rows (kernels_cu/lost_rows.cuh, at the
+  // end), which rechecks every NaN row, tells the two apart. With SINKS the row's sink then joins its factor
   // and lse (sinks.cuh join_sink: an empty row becomes 0 / t, a NaN one stays NaN). The warp
   // stages its own rows of the output in its own rows of the Q tile, then writes them with
   // 16-byte stores.
-  bool refix = false;  // a row fwd_lost_rows must settle (fix[block], see there)
+  bool refix = false;  // a row only double settles (fwd_fix_rows, at the end)
   const float sink = SINKS ? static_cast<float>(sinks[bh]) : 0.f;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
@@ -285,5 +282,15 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       *reinterpret_cast<uint4*>(out + (bh * Nq + i) * HEAD_DIM + c * 8) = val;
     }
   }
-  if (refix) fix[blockIdx.x] = 1;  // cleared at the start (no barrier at the end)
+  // The rows the float arithmetic could not settle (refix): once every warp's rows are written,
+  // each warp rechecks 32 of the block's rows and recomputes those in double (lost_rows.cuh
+  // fwd_fix_rows, the transform F in double: LostF), as fwd_lost_rows does after the kernels that
+  // flag blocks instead. (Warp 0 alone, for all rows, spilled the 4-warp tiles at 255 registers.)
+  if (__syncthreads_or(refix)) {
+    // this block's rows only (8-warp or 64-row tiles: some warps have none; r1 <= r0: none)
+    const int end = i0 + BLOCK_M < Nq ? i0 + BLOCK_M : Nq;
+    const int r0 = i0 + 32 * warp, r1 = r0 + 32 < end ? r0 + 32 : end;
+    fwd_fix_rows<T, float, LostF>(q, k, v, out, lse, offsets, mask, bias, kv_lens, a, lost,
+                                  bh * Nq + r0, bh * Nq + r1, SINKS ? sinks : nullptr, drop...);
+  }
 }

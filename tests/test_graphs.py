@@ -54,6 +54,44 @@ def test_device_kv_lens(case, rng, override):
     check_backward(grads, dout, q, k, v, out, lse, kv_lens=host, **options)
 
 
+# the forms a CuPy kv_lens takes on the decode kernels: read in place (C-contiguous int32 or int64,
+# any broadcast) or through its clamped int64 copy (any other integer dtype, strided views)
+LENS_FORMS = ["int64-per-batch", "int32-per-batch", "int32-per-head", "int16", "strided-view",
+              "uint32"]
+
+
+@pytest.mark.parametrize("force", [None, "split", "split-simt"])
+@pytest.mark.parametrize("form", LENS_FORMS)
+def test_device_kv_lens_forms(form, force, rng, override):
+    """Every form of a CuPy kv_lens gives the host lengths' result on the decode kernels, values
+    outside [0, Nk] clamped, on repeated calls with new values in the same array (the plan's
+    in-place read must not keep an old address or value)."""
+    import cupy
+    override(path=force, poison=True)
+    B, H, Hkv, Nk, D = 3, 8, 2, 700, 64
+    q, k, v = (to_array(cupy, rng.standard_normal(s), dtype_of("float16"))
+               for s in ((B, H, 1, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    for given in (np.array([[-3], [Nk + 5], [250]]), np.array([[Nk], [0], [1]])):
+        host = np.clip(given, 0, Nk)
+        if form == "int64-per-batch":
+            lens = cupy.asarray(given, dtype=np.int64)
+        elif form == "int32-per-batch":
+            lens = cupy.asarray(given, dtype=np.int32)
+        elif form == "int32-per-head":
+            host = np.broadcast_to(host, (B, H))
+            lens = cupy.asarray(np.broadcast_to(given, (B, H)), dtype=np.int32)
+        elif form == "int16":
+            lens = cupy.asarray(given, dtype=np.int16)
+        elif form == "strided-view":  # every other element of a longer array
+            lens = cupy.asarray(np.repeat(given, 2, axis=0), dtype=np.int64)[::2]
+        else:  # uint32: the negative length is no longer there (its 2**32 - 3 clamps to Nk)
+            given, host = np.abs(given), np.clip(np.abs(given), 0, Nk)
+            lens = cupy.asarray(given, dtype=np.uint32)
+        assert _validate.reads_in_place(lens) == form.startswith(("int64", "int32"))
+        out, lse = cuflash.attention(q, k, v, kv_lens=lens, return_lse=True)
+        check_forward(out, lse, q, k, v, kv_lens=host)
+
+
 # bottom-right windows on the decode kernels, lengths on the device well inside (0, Nk)
 WINDOW_CASES = [
     ("decode-tc-window", None, (3, 8), (3, 2), 1, 1500, 128, "bfloat16", dict(window=(700, 0))),

@@ -75,14 +75,42 @@ def test_repeated_calls_launch_alike(trace):
             assert kernels(trace[name + "/0"]) == kernels(trace[key]), key
 
 
-def test_the_forward_launches_its_kernel_and_the_lost_row_check(trace):
-    """A known shape of the trace: the dense bf16 forward on the tensor cores is its kernel, then
-    the lost-row check of the blocks it flags (kernels_cu/lost_rows.cu), reading the kernel's out
-    and lse."""
-    first, second = [e for e in trace["small/fwd/0"] if e[0] == "launch"]
-    assert first[1].startswith("fwd_mma<bf16_t, 64,") and second[1].startswith("fwd_lost_rows")
-    out, lse = first[5][3], first[5][4]  # (q, k, v, out, lse, ...)
-    assert [out, lse] == second[5][3:5]
+def test_the_forward_is_one_launch(trace):
+    """A known shape of the trace: the dense bf16 forward on the tensor cores is its kernel alone,
+    which settles its lost rows itself (fwd_mma.cu, lost_rows.cuh fwd_fix_rows), writing the out
+    and lse the call returns."""
+    events = trace["small/fwd/1"]
+    assert [e[0] for e in events] == ["launch"]
+    assert events[0][1].startswith("fwd_mma<bf16_t, 64,")
+
+
+def test_the_backward_rounds_dq_in_its_last_kernel(trace):
+    """A known shape of the trace: the dense bf16 backward on the tensor cores is four launches and
+    nothing else (no memset, no CuPy cast): prep zeroes dq's float32 sums, bwd_mma_dkdv adds into
+    them, and bwd_lost_keys, last, rounds them into the dq it returns."""
+    events = trace["small/bwd/1"]
+    assert [e[0] for e in events] == ["launch"] * 4
+    prep, dkdv, rows, keys = events
+    assert [e[1].split("<")[0] for e in events] == ["bwd_mma_prep", "bwd_mma_dkdv",
+                                                    "bwd_lost_rows", "bwd_lost_keys"]
+    dq32 = prep[5][10]  # (dout, out, lse, lse2, delta, BH, Nq, nq_pad, lost, flags, dq_zero, Dk)
+    assert dkdv[5][6] == dq32 and keys[5][16] == dq32  # dkdv's dq; lost_keys' (..., dq, dq_out)
+    assert keys[5][17] not in (dq32, ["ptr", None])
+
+
+def test_device_lengths_are_read_in_place(trace):
+    """A known shape of the trace: decode with a CuPy kv_lens (int64, C-contiguous) is the decode
+    kernel alone, which reads the caller's array in place through the plan's map (no clamped
+    copy, no elementwise kernel)."""
+    for call in ("decode-device/fwd/1", "decode-device/fwd/2"):
+        events = trace[call]
+        assert [e[0] for e in events] == ["launch"], call
+        params = events[0][5]
+        assert events[0][1].startswith("decode_tc<")
+        # (q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, kv_lens, lens_map,
+        # lens_bytes, ...): the plan's tables, then this call's kv_lens, then the map
+        assert params[9][1][0] == "table" and params[11][1][0] == "table", call
+        assert params[10][1][0] == "new" and params[12] == [8], call
 
 
 _REPEAT = r"""
