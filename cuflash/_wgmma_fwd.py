@@ -1,7 +1,7 @@
 """The Hopper forward (kernels_cu/fwd_wgmma.cu): TMA + wgmma, a producer warpgroup and consumer
 warpgroups; float16 / bfloat16, head dims up to 256 (padded to the next multiple of 64 inside the
-kernel, TILES), any mask and bias, compute capability 9.0; then the lost-row fix of its flagged
-blocks (cuflash._generic), as after fwd_mma.
+kernel, TILES), any mask and bias, compute capability 9.0; one launch, which settles at its end
+the rows its float arithmetic cannot (lost_rows.cuh fwd_fix_rows, as fwd_mma).
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, cc90_only.
 """
@@ -91,7 +91,9 @@ def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=F
     there are any or sinks or dropout; sinks: whether the kernel joins attention sinks (then a
     template argument, true); dropout: the DropoutArgs instantiation (kernels_cu/philox.cuh)."""
     b = "true" if tile.pingpong else "false"
+    # F, then LostF (the transforms as its end settles rows: lost_rows.cuh), SINKS and Drop
     f = (f", {_modifiers.transform(transforms, 'float', False, _config.dtype_name(dtype))}"
+         f", {_generic.lost_transform(transforms)}"
          if transforms or sinks or dropout else "") + (", true" if sinks else "")
     if dropout:
         f += f"{'' if sinks else ', false'}, DropoutArgs"
@@ -112,12 +114,7 @@ def instantiations():
              for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
-    # the lost-row fix of the blocks it flags (fwd_lost_rows), for each variant above
-    lost = sorted({(dt, _generic.fwd_lost_name_expression(dt, tf, dr))
-                   for dt in _config.MMA_DTYPES
-                   for tf, dr in [(tf, False) for tf in TRANSFORMS] + [((), True)]})
-    return (main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
-            + [("fwd_lost_rows", dt, None, _generic.LOST_SOURCE, e) for dt, e in lost])
+    return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
 
 
 def cc90_only():
@@ -258,7 +255,7 @@ _prepared = _memo.Memo(256)
 
 
 def _recipe(p, dims, launch):
-    """(the kernel's Launch, blocks, block_m, tile, its three runs of numbers) of a layout (and
+    """(the kernel's Launch, blocks, block_m, tile, its four runs of numbers) of a layout (and
     of its staging, `launch`: the numbers of the maps' rows)."""
     mb = launch.mb
     names = _modifiers.names(p)
@@ -273,13 +270,21 @@ def _recipe(p, dims, launch):
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
     _, H = _mask_tiles.grid_shape(p)
     i32 = np.int32
+    strides = _runtime.Args(p).strides
     # the kernel's own parameter list (not AttnArgs: the struct's fields cost the generic
     # kernels registers, and this one is kept as it was measured); its numbers, per layout:
     numbers = ((i32(H), i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
                 i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
                 i32(launch.bias_rows)),
-               (i32(p.BH),) + tuple(np.int64(x) for x in _runtime.Args(p).strides[3:]),
-               tuple(np.float64(x) for x in _modifiers.scalars(p)))
+               (i32(p.BH),) + tuple(np.int64(x) for x in strides[3:]),
+               tuple(np.float64(x) for x in _modifiers.scalars(p)),
+               # the end's lost-row fix (fwd_fix_rows): q, k, v's row strides, Dk, the scale in
+               # double and the |lse| limit (with a modifier only rows of l = 0, which the
+               # kernel flags, as fwd_mma's: all masked, empty, or all -inf, NaN)
+               tuple(np.int64(x) for x in strides[:3])
+               + (i32(p.Dk), np.float64(p.scale),
+                  np.float64(np.inf if mb != MB_NONE or p.transforms
+                             else _config.lost_lse_limit(p.acc_dtype))))
     return (_runtime.Launch(kern, (blocks,), ((tile.consumers + 1) * 128,), smem), blocks,
             block_m(tile), tile, numbers)
 
@@ -287,32 +292,29 @@ def _recipe(p, dims, launch):
 class _Forward:
     """The forward of one layout and staging (_launch's mb and rows), prepared: called with a
     Problem of its key, out (p.out_shape, p.dtype) and lse (p.lse_shape, float32), with p's
-    sinks; every row settled, the ones the kernel flags by the lost-row fix. The tensor maps are
-    the call's arrays' (_launch, memoized by their addresses)."""
+    sinks; every row settled, in one launch. The tensor maps are the call's arrays' (_launch,
+    memoized by their addresses)."""
 
     def __init__(self, p, dims, launch):
         self.dims = dims
-        (self.run, blocks, self.block_m, self.tile,
-         (self.sizes, self.strides, self.scalars)) = _recipe(p, dims, launch)
-        self.carving = _runtime.output_carving(p, 4 * blocks)  # fix: int32 per block, all written
-        # as after fwd_mma: with a modifier, rows of l = 0 (all masked: empty, or all -inf: NaN)
-        has_mb = launch.mb != MB_NONE or bool(p.transforms)
-        self.lost = _generic.FwdLostRows(p, blocks, self.block_m, np.inf if has_mb else None)
+        (self.run, _, self.block_m, self.tile,
+         (self.sizes, self.strides, self.scalars, self.fixing)) = _recipe(p, dims, launch)
+        self.carving = _runtime.output_carving(p)
         self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p):
         launch = _launch(p, self.dims)
-        kv_lens, offsets, tail = self.args(p)
-        out, lse, fix = _runtime.carved(self.carving)
+        kv_lens, offsets, _ = self.args(p)
+        out, lse = _runtime.carved(self.carving)
         # the classes table must live until the launch is enqueued
         classes, _table = (_mask_tiles.classify(p, self.block_m, self.tile.block_n)
                            if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
         sinks, drop = _runtime.ptr(p.sinks), _runtime.dropout_args(p)
-        self.run(launch.maps + (launch.heads, out, lse, _runtime.ptr(kv_lens), fix)
+        self.run(launch.maps + (launch.heads, out, lse, _runtime.ptr(kv_lens))
                  + self.sizes + (offsets, _runtime.ptr(p.mask), _runtime.ptr(p.bias))
                  + self.strides + (classes,) + self.scalars
-                 + (_runtime.ptr(_modifiers.table(p)), sinks) + drop)
-        self.lost((p.q, p.k, p.v, out, lse) + tail, fix, sinks, drop)
+                 + (_runtime.ptr(_modifiers.table(p)), sinks, p.q, p.k, p.v) + self.fixing
+                 + drop)
         return out, lse
 
 

@@ -32,8 +32,11 @@
 // 3 and 4), so that one's softmax runs while the other's products use the tensor cores.
 //
 // The end of a row is fwd_mma's: out = O / l staged through the warpgroup's own rows of the Q
-// tile and written with 16-byte stores; lse; the block's flag for fwd_lost_rows (|m| beyond the
-// folded FFMA's accuracy).
+// tile and written with 16-byte stores; lse. Then the rows the float arithmetic could not settle
+// (|m| beyond the folded FFMA's accuracy; with a modifier, l = 0: all masked or all -inf), if the
+// warpgroups have any: each consumer warp rechecks its own 16 rows and recomputes those in double
+// (lost_rows.cuh fwd_fix_rows, the transform in double: LostF), reading q, k and v as q_mem,
+// k_mem, v_mem: the memory and strides that the tensor maps describe.
 //
 // SINKS: each row's softmax takes its head's sink logit sinks[bh] (sinks.cuh), joined at its end;
 // sinks is not read without. Drop: empty, or DropoutArgs (philox.cuh), as in fwd_mma.cu: P's
@@ -51,6 +54,7 @@
 #include "philox.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+#include "lost_rows.cuh"
 
 // O (64 x DV) += P V, in products of at most 128 columns (column blocks 2 c, 2 c + 1 of V), one
 // commit group.
@@ -123,18 +127,21 @@ struct StagedMaskBias {
 };
 
 template <typename T, int DK, int DV, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS,
-          bool PINGPONG, int MB, typename F = NoTransform, bool SINKS = false, typename... Drop>
+          bool PINGPONG, int MB, typename F = NoTransform, typename LostF = NoTransform,
+          bool SINKS = false, typename... Drop>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tm,
           const __grid_constant__ TmaMap tb, const InputHeads heads, T* __restrict__ out,
-          float* __restrict__ lse, const long long* __restrict__ kv_lens, int* __restrict__ fix,
+          float* __restrict__ lse, const long long* __restrict__ kv_lens,
           int H, int Nq, int Nk, int Dv, float scale, int left, int right, int bottom_right,
           int mask_box_rows, int bias_box_rows, const long long* __restrict__ offsets,
           const unsigned char* __restrict__ mask, const float* __restrict__ bias, int BH,
           long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs,
           const TileClasses classes, double mod0, double mod1,
           const double* __restrict__ mod_table, const double* __restrict__ sinks,
+          const T* __restrict__ q_mem, const T* __restrict__ k_mem, const T* __restrict__ v_mem,
+          long long q_rs, long long k_rs, long long v_rs, int Dk, double scale_d, double lost,
           const Drop... drop) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
@@ -218,7 +225,6 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     tma::prefetch_map(tv);
     if (mask_box_rows) tma::prefetch_map(tm);
     if (bias_box_rows) tma::prefetch_map(tb);
-    fix[blockIdx.x] = 0;  // the block's fix-up flag: 0 now, 1 at the end if a row needs it
   }
   __syncthreads();
 
@@ -394,7 +400,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // the warpgroup's own rows of the Q tile (swizzled like it: conflict-free), once every product
   // of the warpgroup has finished reading Q.
   tma::named_sync(1 + cw, 128);
-  bool refix = false;
+  bool refix = false;  // a row only double settles (fwd_fix_rows, at the end)
   const float sink = SINKS ? static_cast<float>(sinks[bh]) : 0.f;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -435,5 +441,13 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
       *reinterpret_cast<uint4*>(out + (bh * Nq + i) * Dv + c * 8) = val;
     }
   }
-  if (refix) fix[blockIdx.x] = 1;
+  // The warpgroups' rows are all written: the ones to settle again, each warp its own 16 rows.
+  if (tma::named_sync_or(5, CONSUMER_THREADS, refix)) {
+    const AttnArgs a{q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Nk, Dk, Dv,
+                     scale_d, left, right, bottom_right, mod0, mod1, mod_table};
+    const long long r0 = bh * Nq + i0 + row_w;
+    const long long r1 = bh * Nq + min(i0 + row_w + 16, Nq);  // (r1 <= r0: none)
+    fwd_fix_rows<T, float, LostF>(q_mem, k_mem, v_mem, out, lse, offsets, mask, bias, kv_lens, a,
+                                  lost, r0, r1, SINKS ? sinks : nullptr, drop...);
+  }
 }

@@ -1,6 +1,7 @@
 // lost_rows.cuh: the rows fast arithmetic cannot settle, recomputed in double, one warp a row:
 // the helpers of the lost-row kernels (kernels_cu/lost_rows.cu, which says what they do) and the
 // forward's per-block fix (fwd_fix_rows), which the tensor-core forward also runs at its end.
+#pragma once
 #include "common.cuh"
 #include "mask.cuh"
 #include "sinks.cuh"

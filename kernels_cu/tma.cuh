@@ -91,6 +91,15 @@ __device__ __forceinline__ void named_sync(u32 id, u32 threads) {
 __device__ __forceinline__ void named_arrive(u32 id, u32 threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// named_sync that also returns whether any of the `threads` threads passed x = true.
+__device__ __forceinline__ bool named_sync_or(u32 id, u32 threads, bool x) {
+  u32 any;
+  asm volatile(
+      "{\n .reg .pred in, out;\n setp.ne.u32 in, %1, 0;\n"
+      " bar.red.or.pred out, %2, %3, in;\n selp.u32 %0, 1, 0, out;\n}"
+      : "=r"(any) : "r"(static_cast<u32>(x)), "r"(id), "r"(threads) : "memory");
+  return any != 0;
+}
 
 // Register reallocation of the executing warpgroup (needs a register cap at entry:
 // __launch_bounds__(threads, 1)).

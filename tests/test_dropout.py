@@ -335,7 +335,8 @@ def test_which_paths_take_dropout():
     """Every CUDA path says whether its kernels take dropout; the generic kernels (the fallback)
     do, so the dispatcher can always place a dropout Problem. The catalog's DropoutArgs kernels:
     the generic ones with each chain of transforms (every dtype, bucket; their lost-row kernels),
-    the mma.sync and Hopper forwards' tiles without transforms or sinks (and fwd_lost_rows) and
+    the mma.sync and Hopper forwards' tiles without transforms or sinks (each settles its own
+    lost rows: no fwd_lost_rows) and
     the tensor-core backward's without transforms (dK/dV with and without dQ atomics on the
     mma.sync tiles and, at D = 64 and 128, the wgmma ones; dQ; no grid, not D=96)."""
     for path in _gpu.PATHS:
@@ -345,7 +346,7 @@ def test_which_paths_take_dropout():
     for e in exprs:
         kinds[e.split("<")[0]] = kinds.get(e.split("<")[0], 0) + 1
     assert kinds == {"fwd_generic": 64, "bwd_dkdv": 64, "bwd_dq": 64, "bwd_lost_rows": 16,
-                     "bwd_lost_keys": 18, "fwd_mma": 24, "fwd_lost_rows": 2,
+                     "bwd_lost_keys": 18, "fwd_mma": 24,
                      "bwd_mma_dkdv": 64, "bwd_mma_dq": 24, "fwd_wgmma": 40}
     assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs if e.startswith(("fwd_mma",
                                                                                  "bwd_mma")))

@@ -76,12 +76,15 @@ def test_repeated_calls_launch_alike(trace):
 
 
 def test_the_forward_is_one_launch(trace):
-    """A known shape of the trace: the dense bf16 forward on the tensor cores is its kernel alone,
-    which settles its lost rows itself (fwd_mma.cu, lost_rows.cuh fwd_fix_rows), writing the out
-    and lse the call returns."""
-    events = trace["small/fwd/1"]
-    assert [e[0] for e in events] == ["launch"]
-    assert events[0][1].startswith("fwd_mma<bf16_t, 64,")
+    """A known shape of the trace: the dense bf16 forward on the tensor cores, mma.sync or Hopper,
+    is its kernel alone, which settles its lost rows itself (fwd_mma.cu, fwd_wgmma.cu; lost_rows.cuh
+    fwd_fix_rows), writing the out and lse the call returns."""
+    for call, kernel in (("small/fwd/1", "fwd_mma<bf16_t, 64,"),
+                         ("mid/fwd/1", "fwd_wgmma<bf16_t, 128,"),
+                         ("window-gqa/fwd/1", "fwd_wgmma<bf16_t, 128,")):
+        events = trace[call]
+        assert [e[0] for e in events] == ["launch"], call
+        assert events[0][1].startswith(kernel), (call, events[0][1])
 
 
 def test_the_backward_rounds_dq_in_its_last_kernel(trace):
