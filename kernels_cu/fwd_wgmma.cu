@@ -35,7 +35,7 @@
 // tile and written with 16-byte stores; lse. Then the rows the float arithmetic could not settle
 // (|m| beyond the folded FFMA's accuracy; with a modifier, l = 0: all masked or all -inf), if the
 // warpgroups have any: each consumer warp rechecks its own 16 rows and recomputes those in double
-// (lost_rows.cuh fwd_fix_rows, the transform in double: LostF), reading q, k and v as q_mem,
+// (lost_rows.cuh fwd_fix_rows_apart, the transform in double: LostF), reading q, k and v as q_mem,
 // k_mem, v_mem: the memory and strides that the tensor maps describe.
 //
 // SINKS: each row's softmax takes its head's sink logit sinks[bh] (sinks.cuh), joined at its end;
@@ -447,7 +447,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                      scale_d, left, right, bottom_right, mod0, mod1, mod_table};
     const long long r0 = bh * Nq + i0 + row_w;
     const long long r1 = bh * Nq + min(i0 + row_w + 16, Nq);  // (r1 <= r0: none)
-    fwd_fix_rows<T, float, LostF>(q_mem, k_mem, v_mem, out, lse, offsets, mask, bias, kv_lens, a,
-                                  lost, r0, r1, SINKS ? sinks : nullptr, drop...);
+    fwd_fix_rows_apart<T, float, LostF, DK / 32>(q_mem, k_mem, v_mem, out, lse, offsets, mask,
+                                                 bias, kv_lens, a, lost, r0, r1,
+                                                 SINKS ? sinks : nullptr, drop...);
   }
 }

@@ -32,24 +32,26 @@ __device__ __forceinline__ double warp_sum(double x) {
   return x;
 }
 
-// Row `r` of a row-major matrix, this lane's columns, as double (0 past ncols).
-template <typename T>
-__device__ __forceinline__ void load_row(double (&x)[LOST_COLS], const T* row, int ncols) {
+// Row `r` of a row-major matrix, this lane's columns, as double (0 past ncols). The helpers take
+// N columns per lane, N * 32 >= ncols (LOST_COLS covers every head dim; a kernel that knows its
+// head dims may hold fewer, with the same sums: the columns past ncols add nothing).
+template <typename T, int N>
+__device__ __forceinline__ void load_row(double (&x)[N], const T* row, int ncols) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int c = 0; c < LOST_COLS; ++c) {
+  for (int c = 0; c < N; ++c) {
     const int col = lane + 32 * c;
     x[c] = col < ncols ? static_cast<double>(to_acc(row[col])) : 0.0;
   }
 }
 
 // a . row over the first ncols columns (a is 0 past them), reading row as it goes.
-template <typename T>
-__device__ __forceinline__ double dot(const double (&a)[LOST_COLS], const T* row, int ncols) {
+template <typename T, int N>
+__device__ __forceinline__ double dot(const double (&a)[N], const T* row, int ncols) {
   const int lane = threadIdx.x % 32;
   double s = 0.0;
 #pragma unroll
-  for (int c = 0; c < LOST_COLS; ++c) {
+  for (int c = 0; c < N; ++c) {
     const int col = lane + 32 * c;
     if (col < ncols) s = fma(a[c], static_cast<double>(to_acc(row[col])), s);
   }
@@ -57,11 +59,11 @@ __device__ __forceinline__ double dot(const double (&a)[LOST_COLS], const T* row
 }
 
 // acc += w * row (this lane's columns).
-template <typename T>
-__device__ __forceinline__ void axpy(double (&acc)[LOST_COLS], double w, const T* row, int ncols) {
+template <typename T, int N>
+__device__ __forceinline__ void axpy(double (&acc)[N], double w, const T* row, int ncols) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int c = 0; c < LOST_COLS; ++c) {
+  for (int c = 0; c < N; ++c) {
     const int col = lane + 32 * c;
     if (col < ncols) acc[c] = fma(w, static_cast<double>(to_acc(row[col])), acc[c]);
   }
@@ -154,8 +156,10 @@ template <> __device__ __forceinline__ double in_range<float>(double x) {
 // block of a tensor-core forward) whose lse came out NaN, +inf or lost (|lse| >= lost): their out
 // (T) and lse (Acc) recomputed in double, the sink joined where there is one (sinks: (BH,) each
 // (batch, head)'s sink logit, or nullptr). fwd_lost_rows runs it for the blocks a forward flagged;
-// fwd_mma at its own end, for its block.
-template <typename T, typename Acc, typename F = NoTransform, typename... Drop>
+// fwd_mma and fwd_wgmma at their own end, for their rows. COLS: head-dim columns per lane (COLS * 32
+// >= Dk, Dv).
+template <typename T, typename Acc, typename F = NoTransform, int COLS = LOST_COLS,
+          typename... Drop>
 __device__ __forceinline__ void fwd_fix_rows(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs& a, double lost,
@@ -170,10 +174,10 @@ __device__ __forceinline__ void fwd_fix_rows(
     const long long bh = row / Nq, i = row % Nq;
     const LostHead<T, Acc, F> h = LOST_HEAD(static_cast<const T*>(nullptr));
     const auto dz = dropout_at<double>(bh, drop...);
-    double qi[LOST_COLS], acc[LOST_COLS];
+    double qi[COLS], acc[COLS];
     load_row(qi, h.q + i * h.q_rs, Dk);
 #pragma unroll
-    for (int c = 0; c < LOST_COLS; ++c) acc[c] = 0.0;
+    for (int c = 0; c < COLS; ++c) acc[c] = 0.0;
     const KeyRange kr = key_range(h.w, i);
     double m = -inf, l = 0.0;
     bool seen = false;
@@ -193,7 +197,7 @@ __device__ __forceinline__ void fwd_fix_rows(
       const double alpha = exp(m - m_new), p = exp(x - m_new);
       l = l * alpha + p;
 #pragma unroll
-      for (int c = 0; c < LOST_COLS; ++c) acc[c] *= alpha;
+      for (int c = 0; c < COLS; ++c) acc[c] *= alpha;
       if constexpr (decltype(dz)::ON) {  // dropout: P V only (keep is warp-uniform)
         if (dz.keep(i, j)) axpy(acc, p, h.v + j * h.v_rs, Dv);
       } else {
@@ -211,10 +215,22 @@ __device__ __forceinline__ void fwd_fix_rows(
     if (sinks != nullptr) join_sink(in_range<Acc>(sinks[bh]), inv_l, lse_row);  // Acc's range
     T* orow = out + row * Dv;
 #pragma unroll
-    for (int c = 0; c < LOST_COLS; ++c) {
+    for (int c = 0; c < COLS; ++c) {
       const int col = lane + 32 * c;
       if (col < Dv) store_acc(orow + col, static_cast<Acc>(acc[c] * inv_l));
     }
     if (lane == 0) lse[row] = static_cast<Acc>(lse_row);
   });
+}
+
+// fwd_fix_rows as a call, not inlined: its own register allocation. Inlined at the end of
+// fwd_wgmma's 128-register tile (D=64, three consumers) it spilled 128 bytes, where the call has
+// no stack frame and no spill (ptxas -v); the rows it settles are rare, the call's cost nothing.
+template <typename T, typename Acc, typename F, int COLS, typename... Drop>
+__device__ __noinline__ void fwd_fix_rows_apart(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    T* __restrict__ out, Acc* __restrict__ lse, ATTN_INPUTS(Acc), const AttnArgs a, double lost,
+    long long row0, long long rows, const double* __restrict__ sinks, const Drop... drop) {
+  fwd_fix_rows<T, Acc, F, COLS>(q, k, v, out, lse, offsets, mask, bias, kv_lens, a, lost, row0,
+                                rows, sinks, drop...);
 }
