@@ -997,11 +997,11 @@ def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv
     signature and it is repeatable (plain, or plain but for a CuPy kv_lens: then no check of
     this call's can fail that the earlier call passed, and its Problem is the signature's with
     this call's arrays), else None (the call takes the whole way, `problem`)."""
+    if kv_lens is not None and _library(kv_lens) != "cupy":
+        return None  # (host lengths are never repeatable)
     try:
         key = plain_key(fn, q, k, v, scale, causal, align, precision, False, dropout_p)
-        if kv_lens is not None:  # (as _key tags it; host lengths are never repeatable)
-            if _library(kv_lens) != "cupy":
-                return None
+        if kv_lens is not None:  # (as _key tags it)
             key += ("kv_lens", _lens_key(kv_lens, None))
         known = _problems.get(key)
     except (AttributeError, TypeError, ValueError):  # (not arrays, ...: the whole way tells)
