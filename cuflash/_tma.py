@@ -4,7 +4,8 @@ cuTensorMapEncodeTiled through ctypes (libcuda ships with every CUDA driver; no 
 A map is 128 opaque bytes, passed to a kernel by value as a NumPy scalar of MAP_DTYPE (CuPy hands
 each argument to the driver by pointer, and the driver lays it out as the kernel declares it).
 The caller memoizes the maps it makes (cuflash/_wgmma_fwd.py: one Launch per inputs' addresses
-and layouts and staging rule): encoding costs microseconds.
+and layouts and staging rule) and their layouts (TiledMap, per layout and alignment): a fresh array
+of a known layout costs the driver's encoding alone.
 """
 import ctypes
 import functools
@@ -32,24 +33,40 @@ def _encode():
     return fn
 
 
+class TiledMap:
+    """A tensor map's layout (`dims` innermost first, the innermost one contiguous, `byte_strides`
+    of the others, `box` the elements one copy moves per dimension: with the 128-byte swizzle,
+    box[0] elements make one 128-byte row; zeros outside the tensor), with its driver arguments
+    made once; `at(ptr)` encodes the map of a tensor at device address `ptr` (a fresh array of a
+    known layout costs the driver's encoding alone)."""
+
+    def __init__(self, dtype_name, dims, byte_strides, box, swizzle=SWIZZLE_128B):
+        c = ctypes
+        self.rank = rank = len(dims)
+        self.dtype = _DATA_TYPE[dtype_name]
+        self.dims = (c.c_uint64 * rank)(*dims)
+        self.strides = (c.c_uint64 * (rank - 1))(*byte_strides)
+        self.box = (c.c_uint32 * rank)(*box)
+        self.steps = (c.c_uint32 * rank)(*([1] * rank))
+        self.swizzle = swizzle
+
+    def at(self, ptr):
+        """The map (a NumPy scalar of MAP_DTYPE) at address `ptr`, or None where the driver
+        refuses it."""
+        store = np.zeros(2 * MAP_DTYPE.itemsize // 8, dtype=np.uint64)  # 64-byte-aligned window
+        skip = (-store.ctypes.data % 64) // 8
+        out = store[skip:skip + 16]
+        status = _encode()(out.ctypes.data, self.dtype, self.rank, ctypes.c_void_p(ptr),
+                           self.dims, self.strides, self.box, self.steps, 0, self.swizzle,
+                           _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+        if status != 0:
+            return None
+        return np.frombuffer(out.tobytes(), dtype=MAP_DTYPE)[0]
+
+
 def tiled_map(dtype_name, ptr, dims, byte_strides, box, swizzle=SWIZZLE_128B):
-    """The tensor map (a NumPy scalar of MAP_DTYPE) of a tensor at device address `ptr`: `dims`
-    innermost first (the innermost one contiguous), `byte_strides` of the others, `box` the
-    elements one copy moves per dimension (with the 128-byte swizzle, box[0] elements make one
-    128-byte row); zeros outside the tensor. None where the driver refuses the layout."""
-    c = ctypes
-    rank = len(dims)
-    store = np.zeros(2 * MAP_DTYPE.itemsize // 8, dtype=np.uint64)  # 64-byte-aligned window
-    skip = (-store.ctypes.data % 64) // 8
-    out = store[skip:skip + 16]
-    status = _encode()(
-        out.ctypes.data, _DATA_TYPE[dtype_name], rank, c.c_void_p(ptr),
-        (c.c_uint64 * rank)(*dims), (c.c_uint64 * (rank - 1))(*byte_strides),
-        (c.c_uint32 * rank)(*box), (c.c_uint32 * rank)(*([1] * rank)),
-        0, swizzle, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
-    if status != 0:
-        return None
-    return np.frombuffer(out.tobytes(), dtype=MAP_DTYPE)[0]
+    """The tensor map of one tensor at `ptr` (TiledMap.at), or None."""
+    return TiledMap(dtype_name, dims, byte_strides, box, swizzle).at(ptr)
 
 
 def head_layout(x, x_map, B, H):

@@ -124,6 +124,10 @@ def cc90_only():
 # InputHeads, and the rows per staged mask / bias tile (0: absent, 1: one row for every query).
 Launch = namedtuple("Launch", "mb maps heads mask_rows bias_rows")
 _launches = _memo.Memo(256)
+# A Launch without its addresses: the TiledMap of each input (q, k, v, mask, bias; None where
+# absent or read from global memory) and the rest of the Launch.
+MapsLayout = namedtuple("MapsLayout", "mb tiled heads mask_rows bias_rows")
+_maps_layouts = _memo.Memo(256)
 
 
 def _launch(p, dims):
@@ -134,13 +138,33 @@ def _launch(p, dims):
     faulted, when the key held the layouts only)."""
     ptrs = tuple(None if x is None else x.data.ptr for x in (p.q, p.k, p.v, p.mask, p.bias))
     key = None if p.key is None else (dims, p.key) + ptrs
-    return _launches.build(key, lambda: _encode(p, dims))
+    return _launches.build(key, lambda: _encode(p, dims, ptrs))
+
+
+def _encode(p, dims, ptrs):
+    """The Launch of p's inputs at addresses `ptrs`: its MapsLayout (memoized by the signature and
+    the addresses' 16-byte residues, all that the driver's checks and the staging rule read of
+    the addresses) with each map encoded at its address (new arrays of a known layout, as a
+    training loop makes, cost the driver's encoding alone)."""
+    key = None if p.key is None else (dims, p.key) + tuple(None if a is None else a % 16
+                                                           for a in ptrs)
+    lay = _maps_layouts.build(key, lambda: _maps_layout(p, dims))
+    if lay is None:
+        return None
+    maps = []
+    for tiled, ptr in zip(lay.tiled, ptrs):
+        m = _tma.NO_MAP if tiled is None else tiled.at(ptr)
+        if m is None:
+            return None
+        maps.append(m)
+    return Launch(lay.mb, tuple(maps), lay.heads, lay.mask_rows, lay.bias_rows)
 
 
 def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
-    """(map, hdiv, bmul, rows per box) of input x read as (cols, rows, heads, batches) in boxes of
-    box = (columns, rows) elements, or None. With one_row_ok an input that is the same for every
-    row (row stride 0) is read as one row (rows per box 1)."""
+    """(TiledMap, hdiv, bmul, rows per box) of input x read as (cols, rows, heads, batches) in
+    boxes of box = (columns, rows) elements, or None (also where the driver refuses x's map).
+    With one_row_ok an input that is the same for every row (row stride 0) is read as one row
+    (rows per box 1)."""
     lay = _tma.head_layout(x, x_map, B, H)
     if lay is None or x.data.ptr % 16:
         return None
@@ -158,9 +182,9 @@ def _tensor_map(x, x_map, B, H, rows, cols, box, swizzle, one_row_ok=False):
     if es[-1] != 1 or min(rs, sh, sb) <= 0 or (rs | sh | sb) % 16:
         return None
     box_rows = 1 if one_row else box[1]
-    m = _tma.tiled_map(x.dtype.name, x.data.ptr, (cols, rows, Hx, Bx), (rs, sh, sb),
-                       (box[0], box_rows, 1, 1), swizzle)
-    return None if m is None else (m, hdiv, bmul, box_rows)
+    tiled = _tma.TiledMap(x.dtype.name, (cols, rows, Hx, Bx), (rs, sh, sb),
+                          (box[0], box_rows, 1, 1), swizzle)
+    return None if tiled.at(x.data.ptr) is None else (tiled, hdiv, bmul, box_rows)
 
 
 def mean_row_keys(p, samples=17):
@@ -193,7 +217,8 @@ def _key_tiles_aligned(p):
     return all(x == 0 or (x % 16 == 0 and x >= widest) for x in map(int, lens))
 
 
-def _encode(p, dims):
+def _maps_layout(p, dims):
+    """p's MapsLayout (its arrays' addresses only tried: _encode encodes the call's)."""
     B, H = _mask_tiles.grid_shape(p)
     tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED,
                      p.transforms)
@@ -220,13 +245,13 @@ def _encode(p, dims):
     elif _mask_tiles.layout(p) is not None:  # a staged mask that can be classified
         mb = MB_CLASSES
     heads = np.zeros((), dtype=HEADS_DTYPE)
-    maps = []
+    tiled = []
     for x, found_x in enumerate(found + staged):
-        m, hdiv, bmul = found_x[:3] if found_x is not None else (_tma.NO_MAP, 1, 0)
-        maps.append(m)
+        m, hdiv, bmul = found_x[:3] if found_x is not None else (None, 1, 0)
+        tiled.append(m)
         heads["hdiv"][x], heads["bmul"][x] = hdiv, bmul
     rows = [0 if x is None else x[3] for x in staged]
-    return Launch(mb, tuple(maps), heads[()], rows[0], rows[1])
+    return MapsLayout(mb, tuple(tiled), heads[()], rows[0], rows[1])
 
 
 def takes(p):

@@ -240,6 +240,41 @@ def test_the_plain_call_checks_every_option():
             assert off in source, (fn.__name__, name)
 
 
+
+_FRESH = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import fake_cupy
+cupy = fake_cupy.install()
+fake_cupy._fake_tma()
+import cuflash
+from cuflash import _tma, _wgmma_fwd
+layouts, encoded = [], []
+make = _wgmma_fwd._maps_layout
+_wgmma_fwd._maps_layout = lambda p, dims: layouts.append(1) or make(p, dims)
+at = _tma.TiledMap.at
+_tma.TiledMap.at = lambda self, ptr: encoded.append(ptr) or at(self, ptr)
+q, k, v = fake_cupy._inputs(cupy, 2, 8, 8, 512, 512, 128)
+steps = []
+for _ in range(4):  # new arrays of one layout each call, as a training loop makes
+    q, k, v = (cupy.empty(x.shape, x.dtype) for x in (q, k, v))
+    cuflash.attention(q, k, v, causal=True)
+    steps.append([len(layouts), len(encoded)])
+print(json.dumps(steps))
+"""
+
+
+def test_new_arrays_of_a_known_layout_only_encode_their_maps():
+    """The Hopper forward's tensor maps for new arrays of a known layout: the layout (which maps,
+    their dims, strides, boxes, the staging rule) is made once; each call encodes its three maps
+    at its arrays' addresses (the first call also tries each map once while making the layout)."""
+    run = subprocess.run([sys.executable, "-c", _FRESH, str(FAKE.parent)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps = json.loads(run.stdout)
+    assert [s[0] for s in steps] == [1, 1, 1, 1]
+    assert [b[1] - a[1] for a, b in zip(steps, steps[1:])] == [3, 3, 3]
+
 _TOKEN_LOOP = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])

@@ -88,14 +88,18 @@ class _DeviceLike:
 def test_launch_cache_follows_the_bounds(rng, monkeypatch):
     """Regression: _launch memoized by the inputs' addresses only, so a causal or kv_lens call on
     the arrays of an earlier unbounded call reused its staged-mask launch (tiles off 16 keys: an
-    illegal instruction on the H200). Here _encode reports what it was asked to decide."""
+    illegal instruction on the H200). Here the maps' layout reports what it was asked to decide
+    (as its staging rule, `mb`), through both memos: the Launch's by addresses and the layout's
+    by the addresses' residues."""
     import dataclasses
-    monkeypatch.setattr(_wgmma_fwd, "_encode", lambda p, dims: _wgmma_fwd._key_tiles_aligned(p))
+    monkeypatch.setattr(_wgmma_fwd, "_maps_layout", lambda p, dims: _wgmma_fwd.MapsLayout(
+        _wgmma_fwd._key_tiles_aligned(p), (None,) * 5, None, 0, 0))
     monkeypatch.setattr(_wgmma_fwd, "_launches", _memo.Memo())
+    monkeypatch.setattr(_wgmma_fwd, "_maps_layouts", _memo.Memo())
     for options, aligned in (({}, True), (dict(causal=True), False),
                              (dict(kv_lens=[[64], [100]]), False), (dict(window=(8, 8)), False),
                              ({}, True)):
         p = _problem(rng, 100, 256, **options)
         p = dataclasses.replace(p, **{n: _DeviceLike(getattr(p, n), 1 << (20 + i))
                                       for i, n in enumerate(("q", "k", "v"))})
-        assert _wgmma_fwd._launch(p, (64, 64)) is aligned, options
+        assert _wgmma_fwd._launch(p, (64, 64)).mb is aligned, options
