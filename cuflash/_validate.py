@@ -120,6 +120,8 @@ class Problem:
             new.q, new.k, new.v = q, k, v
             if self.lens_map is not None:
                 new.lens_device, new.lens_clamped = kv_lens, None
+            if self.pages is not None:  # (a CuPy table)
+                new.pages = self.pages.with_table(block_table)
             return new
         xp = self.xp
         if self.copied:
@@ -999,23 +1001,31 @@ def plain_key(fn, q, k, v, scale, causal, align, precision, return_dbias=False, 
             type(return_dbias), return_dbias, type(dropout_p), dropout_p)
 
 
-def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv_lens):
+def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv_lens,
+                     block_table=None):
     """The Problem of a call whose options but these are all off, if an earlier call had its
-    signature and it is repeatable (plain, or plain but for a CuPy kv_lens: then no check of
-    this call's can fail that the earlier call passed, and its Problem is the signature's with
-    this call's arrays), else None (the call takes the whole way, `problem`)."""
+    signature and it is repeatable (plain, or plain but for a CuPy kv_lens and a CuPy
+    block_table: then no check of this call's can fail that the earlier call passed, and its
+    Problem is the signature's with this call's arrays), else None (the call takes the whole
+    way, `problem`)."""
     if kv_lens is not None and _library(kv_lens) != "cupy":
         return None  # (host lengths are never repeatable)
+    if block_table is not None and _library(block_table) != "cupy":
+        return None  # (nor a host table: part of the signature by value)
     try:
         key = plain_key(fn, q, k, v, scale, causal, align, precision, False, dropout_p)
-        if kv_lens is not None:  # (as _key tags it)
-            key += ("kv_lens", _lens_key(kv_lens, None))
+        if kv_lens is not None:  # (as _key tags them)
+            key += ("kv_lens", _lens_key(kv_lens, block_table))
+        if block_table is not None:
+            key += ("block_table", _table_key(block_table))
         known = _problems.get(key)
     except (AttributeError, TypeError, ValueError):  # (not arrays, ...: the whole way tells)
         return None
     if known is None or not known.repeatable:
         return None
-    return known.with_arrays(q, k, v, None, None, kv_lens)
+    if known.pages is not None:
+        kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
+    return known.with_arrays(q, k, v, None, None, kv_lens, None, None, block_table)
 
 
 def _alibi_key(slopes):
@@ -1065,10 +1075,10 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
         except TypeError:  # unhashable (a list in a window, ...): no signature
             known = key = None
         if known is not None:
-            if known.repeatable:
-                return known.with_arrays(q, k, v, None, None, kv_lens)
             if known.pages is not None:
                 kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
+            if known.repeatable:
+                return known.with_arrays(q, k, v, None, None, kv_lens, None, None, block_table)
             seed = check_dropout_seed(fn, dropout_seed, known.dropout_p)  # data: every call
             p = known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes,
                                   block_table, seed)
@@ -1087,10 +1097,11 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
                 x.flags.writeable = False
         p.BH, p.out_shape, p.lse_shape  # computed once, for every call of the signature
         p.repeatable = (p.mask is None and p.bias is None and p.kv_lens is None
-                        and p.sinks is None and p.alibi is None and p.pages is None
+                        and p.sinks is None and p.alibi is None
+                        and (p.pages is None or not p.pages.host)  # (a CuPy table is data)
                         and not p.dropout_p and dropout_seed is None
                         and not p.copied)  # (a seed is checked per call, even unused)
-        p.plain = p.repeatable and p.lens_map is None
+        p.plain = p.repeatable and p.lens_map is None and p.pages is None
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None

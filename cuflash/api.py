@@ -560,15 +560,15 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     """
     return_lse = check_flag("return_lse", return_lse, "attention")
     with _runtime.graph_safe(q):
-        # a call of a known repeatable signature (every option but the keyed ones off, kv_lens
-        # on the device or none): the signature's Problem with the call's arrays
+        # a call of a known repeatable signature (every option but the keyed ones off; kv_lens
+        # and block_table on the device or none): the signature's Problem with the call's arrays
         if (window is None and mask is None and bias is None
                 and positions is None and softcap is None and sinks is None
-                and alibi_slopes is None and dropout_seed is None and block_table is None
+                and alibi_slopes is None and dropout_seed is None
                 and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
                 and max_seqlen_k is None):
             problem = _validate.repeated_problem("attention", q, k, v, scale, causal, align,
-                                                 precision, dropout_p, kv_lens)
+                                                 precision, dropout_p, kv_lens, block_table)
             if problem is not None:
                 out, lse = _forward(problem)
                 return (out, lse) if return_lse else out

@@ -469,6 +469,8 @@ CASES = [
     # the host ("grow") or in a CuPy array ("device")
     ("decode-grow", (8, 32, 8, 1, 8192, 128), dict(kv_lens="grow"), "fwd"),
     ("decode-device", (8, 32, 8, 1, 8192, 128), dict(kv_lens="device"), "fwd"),
+    # a paged cache (pages of 64 keys, a CuPy block table and kv_lens: a decode loop's form)
+    ("decode-paged", (8, 32, 8, 1, 4096, 128), dict(pages=64, kv_lens="device"), "fwd"),
     ("window-gqa", (2, 8, 2, 1024, 1024, 128), dict(window=(256, 0)), "both"),
     ("bias", (2, 4, 4, 256, 256, 64), dict(bias=(4, 256, 256)), "both"),
     ("mask", (2, 4, 4, 256, 384, 64), dict(mask=(2, 1, 256, 384)), "both"),
@@ -511,6 +513,11 @@ def _calls(cupy, case, shrink=False):
                               + next(_GROWN))
     elif options.get("kv_lens") == "device":
         options["kv_lens"] = cupy.empty((B, 1), np.int64)
+    if "pages" in options:  # k, v as page pools (num_pages, Hkv, page_size, D), a CuPy table
+        size = options.pop("pages")
+        k, v = (cupy.empty((B * Nk // size, Hkv, size, D), q.dtype) for _ in range(2))
+        options["block_table"] = cupy.empty((B, Nk // size), np.int32)
+        options["kv_lens"] = cupy.empty((B,), np.int64)  # (per sequence, as with a table)
 
     def fwd():
         if grow:

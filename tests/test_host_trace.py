@@ -212,6 +212,18 @@ for name, (B, H, Hkv, Nq, Nk, D) in {"decode-lens": (4, 32, 8, 1, 4096, 128),
     seen[name] = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, len(counts))]
     seen[name + "/validated"] = [full[0]] + [full[i] - full[i - 1] for i in range(1, 3)]
     chosen.clear()
+q = cupy.empty((4, 32, 1, 128), k.dtype)  # a paged cache: CuPy table and kv_lens, new per call
+pools = [cupy.empty((64, 8, 64, 128), k.dtype) for _ in range(2)]
+counts, full = [], []
+validated.clear()
+for _ in range(3):
+    cuflash.attention(q, *pools, kv_lens=cupy.empty((4,), np.int64),
+                      block_table=cupy.empty((4, 16), np.int32))
+    counts.append(len(chosen))
+    full.append(len(validated))
+seen["paged"] = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, 3)]
+seen["paged/validated"] = [full[0]] + [full[i] - full[i - 1] for i in range(1, 3)]
+chosen.clear()
 q, k, v = fake_cupy._inputs(cupy, 1, 8, 8, 128, 128, 64)
 out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
 chosen.clear()
@@ -228,7 +240,8 @@ print(json.dumps(seen))
 
 def test_a_plain_signature_keeps_its_path():
     """A repeated call of a plain signature (no mask, bias, lengths, sinks, dropout: only q, k,
-    v change), or of one plain but for a CuPy kv_lens, runs the path its first call chose
+    v change), or of one plain but for a CuPy kv_lens and block_table, runs the path its first
+    call chose
     (cuflash._gpu.Repeat) without choosing again, on fresh arrays too; new alignments, the
     tests' switches and new signatures choose anew.
     (That the kept runs launch what the full path launches: test_repeated_calls_launch_alike.)"""
@@ -238,7 +251,8 @@ def test_a_plain_signature_keeps_its_path():
     seen = json.loads(run.stdout)
     assert seen.pop("backward") == [True, True]  # chosen once per `deterministic`
     assert seen.pop("backward/validated") == [1, 0, 0, 0]  # once per signature
-    for name in ("decode-lens", "mma-lens"):  # lengths on the device: repeatable too
+    for name in ("decode-lens", "mma-lens", "paged"):  # lengths (and table) on the device:
+        # repeatable too
         assert seen.pop(name) == [1, 0, 0], name
         assert seen.pop(name + "/validated") == [1, 0, 0], name
     for name in ("mma", "wgmma", "decode"):
@@ -259,13 +273,13 @@ def test_the_plain_call_checks_every_option():
 
     from cuflash import api
 
-    keyed = {"scale", "causal", "align", "precision", "dropout_p", "kv_lens"}
+    keyed = {"scale", "causal", "align", "precision", "dropout_p", "kv_lens", "block_table"}
     for fn, arrays, flags in ((api.attention, {"q", "k", "v"}, {"return_lse"}),
                               (api.attention_backward, {"dout", "q", "k", "v", "out", "lse"},
                                {"deterministic"})):
         source = inspect.getsource(fn)
         params = set(inspect.signature(fn).parameters) - arrays - flags
-        assert keyed <= params and set(api.OPTIONS) <= params | {"block_table"}
+        assert keyed - {"block_table"} <= params and set(api.OPTIONS) <= params
         for name in sorted(params - keyed):
             off = "return_dbias is False" if name == "return_dbias" else f"{name} is None"
             assert off in source, (fn.__name__, name)
