@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _broadcast, _runtime, _tma
+from . import _broadcast, _memo, _runtime, _tma
 from ._validate import element_strides
 
 SOURCE = "mask_tiles.cu"
@@ -21,8 +21,7 @@ NO_CLASSES = np.zeros((), dtype=CLASSES_DTYPE)[()]
 # `batches` x `heads` (rows, Nk) matrices, row stride rs (0: one row for every query), head and
 # batch strides sh, sb (elements = bytes).
 Layout = namedtuple("Layout", "hdiv bmul heads batches rows rs sh sb")
-_CACHE_SIZE = 256
-_layouts = {}
+_layouts = _memo.Memo(256)
 
 
 def expression(block_m, block_n):
@@ -38,16 +37,12 @@ def grid_shape(p):
 def layout(p):
     """The Layout of p's mask, or None: no mask, or one whose matrices are not at b * sb + h * sh
     (_tma.head_layout) or whose base and strides are not 16-byte multiples. Memoized by the mask's
-    address and layout."""
+    layout and its address modulo 16 (all that _layout reads of the address: a new mask of a
+    known layout, every training step's, finds it)."""
     x = p.mask
     if x is None:
         return None
-    key = (x.data.ptr, x.shape, x.strides, p.lead, p.Nq)
-    if key not in _layouts:
-        if len(_layouts) >= _CACHE_SIZE:
-            _layouts.pop(next(iter(_layouts)))  # oldest first
-        _layouts[key] = _layout(p)
-    return _layouts[key]
+    return _layouts.build((x.data.ptr % 16, x.shape, x.strides, p.lead, p.Nq), lambda: _layout(p))
 
 
 def _layout(p):
@@ -67,21 +62,40 @@ def classify(p, block_m, block_n):
     """(TileClasses, its table) of p's mask for tiles of block_m query rows and block_n keys,
     computed on the current stream; (NO_CLASSES, None) where layout() refuses the mask or the grid
     cannot hold the table. The table must live until the kernel that reads it is enqueued."""
-    import cupy
-
     lay = layout(p)
     if lay is None:
         return NO_CLASSES, None
-    qtiles, chunks = -(-lay.rows // block_m), -(-p.Nk // block_n)
-    matrices = lay.heads * lay.batches
-    if max(qtiles, matrices) > _runtime.MAX_GRID_Y:
-        return NO_CLASSES, None
-    table = cupy.empty((matrices, qtiles, chunks), dtype=np.uint8)
-    kern = _runtime.get_function(SOURCE, expression(block_m, block_n))
-    kern((chunks, qtiles, matrices), (128,),
-         (p.mask, np.int64(lay.rs), np.int64(lay.sh), np.int64(lay.sb), np.int32(lay.rows),
-          np.int32(p.Nk), np.int32(lay.heads), table))
-    c = np.zeros((), dtype=CLASSES_DTYPE)
-    c["cls"], c["qtiles"], c["heads"], c["chunks"] = table.data.ptr, qtiles, lay.heads, chunks
-    c["hdiv"], c["bmul"], c["H"] = lay.hdiv, lay.bmul, grid_shape(p)[1]
-    return c[()], table
+    run = _classifiers.build((lay, p.Nk, grid_shape(p)[1], block_m, block_n),
+                             lambda: _Classifier(p, lay, block_m, block_n))
+    return run(p.mask) if run.launch is not None else (NO_CLASSES, None)
+
+
+class _Classifier:
+    """mask_tile_classes prepared for one mask Layout and tile shape: its launch, the table's
+    shape and the TileClasses but for the table's address (a call makes the table and launches)."""
+
+    def __init__(self, p, lay, block_m, block_n):
+        qtiles, chunks = -(-lay.rows // block_m), -(-p.Nk // block_n)
+        matrices = lay.heads * lay.batches
+        self.launch = None
+        if max(qtiles, matrices) > _runtime.MAX_GRID_Y:
+            return
+        self.shape = (matrices, qtiles, chunks)
+        self.launch = _runtime.Launch(
+            _runtime.get_function(SOURCE, expression(block_m, block_n)), (chunks, qtiles, matrices),
+            (128,))
+        self.numbers = (np.int64(lay.rs), np.int64(lay.sh), np.int64(lay.sb), np.int32(lay.rows),
+                        np.int32(p.Nk), np.int32(lay.heads))
+        c = np.zeros((), dtype=CLASSES_DTYPE)
+        c["qtiles"], c["heads"], c["chunks"] = qtiles, lay.heads, chunks
+        c["hdiv"], c["bmul"], c["H"] = lay.hdiv, lay.bmul, grid_shape(p)[1]
+        self.rest = c.tobytes()[8:]  # the TileClasses after `cls` (its first field)
+
+    def __call__(self, mask):
+        table = _runtime._cupy().empty(self.shape, np.uint8)  # (all written by the kernel)
+        self.launch((mask,) + self.numbers + (table,))
+        classes = np.frombuffer(table.data.ptr.to_bytes(8, "little") + self.rest, CLASSES_DTYPE)
+        return classes[0], table
+
+
+_classifiers = _memo.Memo(256)  # (Layout, Nk, H, block_m, block_n) -> _Classifier

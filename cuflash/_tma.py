@@ -53,15 +53,14 @@ class TiledMap:
     def at(self, ptr):
         """The map (a NumPy scalar of MAP_DTYPE) at address `ptr`, or None where the driver
         refuses it."""
-        store = np.zeros(2 * MAP_DTYPE.itemsize // 8, dtype=np.uint64)  # 64-byte-aligned window
-        skip = (-store.ctypes.data % 64) // 8
-        out = store[skip:skip + 16]
-        status = _encode()(out.ctypes.data, self.dtype, self.rank, ctypes.c_void_p(ptr),
-                           self.dims, self.strides, self.box, self.steps, 0, self.swizzle,
-                           _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+        store = (ctypes.c_char * (MAP_DTYPE.itemsize + 64))()  # a 64-byte-aligned window in it
+        at = -ctypes.addressof(store) % 64
+        status = _encode()(ctypes.addressof(store) + at, self.dtype, self.rank,
+                           ctypes.c_void_p(ptr), self.dims, self.strides, self.box, self.steps, 0,
+                           self.swizzle, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
         if status != 0:
             return None
-        return np.frombuffer(out.tobytes(), dtype=MAP_DTYPE)[0]
+        return np.frombuffer(store, dtype=MAP_DTYPE, count=1, offset=at)[0]  # (a view of it)
 
 
 def tiled_map(dtype_name, ptr, dims, byte_strides, box, swizzle=SWIZZLE_128B):
