@@ -1002,7 +1002,7 @@ def plain_key(fn, q, k, v, scale, causal, align, precision, return_dbias=False, 
 
 
 def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv_lens,
-                     block_table=None):
+                     block_table=None, softcap=None):
     """The Problem of a call whose options but these are all off, if an earlier call had its
     signature and it is repeatable (plain, or plain but for a CuPy kv_lens and a CuPy
     block_table: then no check of this call's can fail that the earlier call passed, and its
@@ -1018,6 +1018,8 @@ def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv
             key += ("kv_lens", _lens_key(kv_lens, block_table))
         if block_table is not None:
             key += ("block_table", _table_key(block_table))
+        if softcap is not None:  # (the score transforms' keywords come last)
+            key += (("softcap", type(softcap), softcap),)
         known = _problems.get(key)
     except (AttributeError, TypeError, ValueError):  # (not arrays, ...: the whole way tells)
         return None

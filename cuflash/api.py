@@ -563,12 +563,13 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         # a call of a known repeatable signature (every option but the keyed ones off; kv_lens
         # and block_table on the device or none): the signature's Problem with the call's arrays
         if (window is None and mask is None and bias is None
-                and positions is None and softcap is None and sinks is None
+                and positions is None and sinks is None
                 and alibi_slopes is None and dropout_seed is None
                 and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
                 and max_seqlen_k is None):
             problem = _validate.repeated_problem("attention", q, k, v, scale, causal, align,
-                                                 precision, dropout_p, kv_lens, block_table)
+                                                 precision, dropout_p, kv_lens, block_table,
+                                                 softcap)
             if problem is not None:
                 out, lse = _forward(problem)
                 return (out, lse) if return_lse else out
@@ -714,12 +715,13 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, ali
     with _runtime.graph_safe(q):
         # a call of a known repeatable signature (as attention's)
         if (window is None and mask is None and bias is None
-                and positions is None and softcap is None and sinks is None
+                and positions is None and sinks is None
                 and alibi_slopes is None and dropout_seed is None and return_dbias is False
                 and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
                 and max_seqlen_k is None):
             problem = _validate.repeated_problem("attention_backward", q, k, v, scale, causal,
-                                                 align, precision, dropout_p, kv_lens)
+                                                 align, precision, dropout_p, kv_lens,
+                                                 softcap=softcap)
             if problem is not None:
                 check_backward_inputs(problem, dout, out, lse, fn="attention_backward")
                 return _backward(problem, dout, out, lse, deterministic)
