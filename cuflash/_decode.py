@@ -860,8 +860,10 @@ def prepare(p):
     else:  # host lengths: a plan per bucket (planned_lengths), found by the lengths' key too
         exact = None if p.key is None else layout_key[:2] + (variant, p.key)
         plan = _exact.get(exact)
-        if plan is not None and plan.span is not None:
+        if plan is not None and plan.span is not None and not _runtime.capturing():
             # these lengths came back (a repeated call, not a token loop): plan them exactly
+            # (not under graph capture, where the new plan's table could not be uploaded: the
+            # bucket's plan, whose table exists, serves them)
             plan = Plan(p, split=split, variant=variant, layout=_layouts.get(layout_key))
             _keep(_exact, exact, plan)
         if plan is None:

@@ -354,12 +354,16 @@ def graph_safe(x):
     after one call of the same layout, as cupy.cuda.Graph requires of any host-to-device copy).
     Outside capture a null context (the common case costs no generator: issue 17's host time).
     The legacy default stream (pointer 0) never captures."""
-    if not type(x).__module__.startswith("cupy"):
-        return NULL_CONTEXT
-    stream = _cuda().get_current_stream()
-    if stream.ptr == 0 or not stream.is_capturing():
+    if not type(x).__module__.startswith("cupy") or not capturing():
         return NULL_CONTEXT
     return _keeping_allocations()
+
+
+def capturing():
+    """Whether the current CuPy stream is capturing a CUDA graph (then no host-to-device copy may
+    be enqueued: a call must find its device tables made)."""
+    stream = _cuda().get_current_stream()
+    return stream.ptr != 0 and stream.is_capturing()
 
 
 def current_device():

@@ -19,6 +19,7 @@ set to another tree: ``PYTHONPATH=/tmp/old python tests/fake_cupy.py trace old.j
 tests/test_host_trace.py runs the trace in CI.
 """
 import argparse
+import contextlib
 import ctypes
 import gc
 import itertools
@@ -42,6 +43,7 @@ class _State:
     tables = set()     # base addresses of device copies of host data and of zeroed buffers
     launches = []      # recorded launches and elementwise calls
     record = False
+    capturing = False  # the current stream captures a CUDA graph (a test sets it)
 
 
 def _reserve():
@@ -131,7 +133,7 @@ class Stream(_Context):
         self.ptr = ptr
 
     def is_capturing(self):
-        return False
+        return _State.capturing
 
 
 _STREAM = Stream(ptr=0x5000)
@@ -277,6 +279,8 @@ def _asarray(x, dtype=None):
     if isinstance(x, ndarray):
         return x if dtype is None or np.dtype(dtype) == x.dtype else x.astype(dtype)
     host = np.asarray(x, dtype=dtype)
+    if _State.capturing:  # (as CuPy refuses it)
+        raise RuntimeError("the current stream is capturing, so H2D transfers are disallowed")
     out = _fresh(host.shape, host.dtype)
     _State.tables.add(out._mem.ptr)  # (a device copy of host data: a table, cached or not)
     _record("upload", host.shape, host.dtype.str, host.reshape(-1)[:8].tobytes().hex())
@@ -415,8 +419,7 @@ def install():
     cuda.get_current_stream = lambda: _STREAM
     cuda.alloc = lambda n: MemoryPointer(Memory(n))
     cuda.get_allocator = lambda: cuda.alloc
-    cuda.using_allocator = lambda f: types.SimpleNamespace(__enter__=lambda *a: None,
-                                                           __exit__=lambda *a: False)
+    cuda.using_allocator = lambda f: contextlib.nullcontext()  # (the pool stands in for any)
     cuda.is_available = lambda: True
     cupy.cuda, cupy.ndarray = cuda, ndarray
     cupy.RawModule, cupy.ElementwiseKernel, cupy.ReductionKernel = (RawModule, ElementwiseKernel,

@@ -324,6 +324,33 @@ def test_new_arrays_of_a_known_layout_only_encode_their_maps():
     assert [s[0] for s in steps] == [1, 1, 1, 1]
     assert [b[1] - a[1] for a, b in zip(steps, steps[1:])] == [3, 3, 3]
 
+
+_CAPTURED = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import fake_cupy
+cupy = fake_cupy.install()
+import cuflash
+q, k, v = fake_cupy._inputs(cupy, 2, 8, 2, 1, 2048, 128)
+lens = np.array([[1000], [1500]])
+cuflash.attention(q, k, v, kv_lens=lens)  # the layout's tables, the lengths' upload
+fake_cupy._State.capturing = True  # (a host-to-device copy now raises, as CuPy's)
+cuflash.attention(q, k, v, kv_lens=lens)
+print(json.dumps("ok"))
+"""
+
+
+def test_a_repeated_call_under_capture_uploads_nothing():
+    """Regression (found on the GPU, tests/test_gpu.py test_calls_never_synchronize): host
+    kv_lens seen a second time get an exact decode plan, whose new table was uploaded during
+    CUDA graph capture (CuPy refuses a host-to-device copy there). Under capture the bucket's
+    plan, whose table exists, serves them."""
+    run = subprocess.run([sys.executable, "-c", _CAPTURED, str(FAKE.parent)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(run.stdout) == "ok"
+
 _TOKEN_LOOP = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
