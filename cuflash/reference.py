@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from cuflash import _config, _dropout, _validate
+from . import _config, _dropout, _validate
 
 __all__ = ["attention", "attention_backward", "dropout_mask"]
 
