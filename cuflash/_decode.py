@@ -696,6 +696,8 @@ class Plan:
         self.p = p
         self.span = span  # None: planned for p's own lengths (Schedule's default)
         self.leader = None  # (serves)
+        self.last_lens = None  # (_host_lens)
+        self.width = None  # (covers)
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
@@ -737,13 +739,16 @@ class Plan:
             members = g >= 0
             leader[g[members]] = np.broadcast_to(g[:, :1], g.shape)[members]
             self.leader = leader
-        return np.array_equal(lens, lens[self.leader])
+        return bool((lens == lens[self.leader]).all())
 
     def covers(self, lens):
         """Whether this plan runs host lengths `lens` (BH,): each within the span it was planned
         for, and `serves`."""
-        lo, hi = self.span or (self.sched.lens,) * 2
-        return bool(np.all(lens >= lo) and np.all(lens <= hi)) and self.serves(lens)
+        if self.width is None:  # the span as (lo, hi - lo): lo <= L <= hi in one comparison
+            lo, hi = self.span or (self.sched.lens,) * 2
+            self.width = (lo, (hi - lo).astype(np.uint64))
+        lo, width = self.width
+        return bool(((lens - lo).view(np.uint64) <= width).all()) and self.serves(lens)
 
     def __call__(self, p):
         """run(p); the plan keeps the layout, not the caller's arrays."""
@@ -779,8 +784,8 @@ class Plan:
             caller = p.lens_device if self.in_place else clamped_lens(p)
             lens = (self.lens, caller, self.lens_map[0], self.lens_bytes)
         else:
-            lens = (self.lens if p.kv_lens is None else _runtime.on_device(p.kv_lens.reshape(-1)),
-                    _runtime.NULL, _runtime.NULL, np.int32(0))
+            lens = (self.lens if p.kv_lens is None or self.span is None else
+                    self._host_lens(p.kv_lens), _runtime.NULL, _runtime.NULL, np.int32(0))
         # after the scalars: this call's per-head table of the transforms (mod_table; ALiBi)
         args = head + self._tail(self.scalars, lens, _runtime.ptr(p.mask), _runtime.ptr(p.bias),
                                  _runtime.ptr(_modifiers.table(p)))
@@ -789,6 +794,16 @@ class Plan:
             args += (table,) + self.page_scalars
         self.launch(args)
         return out, lse
+
+    def _host_lens(self, kv_lens):
+        """A bucket's plan reads each call's host lengths from a copy of them: a new one (an
+        upload that does not wait for the stream), or the last call's if they are the same (a
+        repeated call; under graph capture, which copies nothing, they must be)."""
+        values = kv_lens.tobytes()
+        last = self.last_lens
+        if last is None or last[0] != values:
+            last = self.last_lens = (values, _runtime.upload(kv_lens.reshape(-1)))
+        return last[1]
 
     def _tail(self, scalars, lens, mask, bias, table):
         """lens: (lens, kv_lens, lens_map, lens_bytes) as decode.cu's valid_keys reads them."""

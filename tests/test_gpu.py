@@ -596,6 +596,44 @@ def test_calls_never_synchronize(case, rng):
             stream.end_capture()
 
 
+# a kernel that keeps one thread busy for `cycles` clock cycles (tests of what waits for it)
+_SPIN = r"""extern "C" __global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}"""
+
+
+@pytest.mark.parametrize("case", ["decode", "generic"])
+def test_new_host_kv_lens_do_not_wait_for_the_stream(case, rng):
+    """Regression (issue 17's token loop, measured on the GPU): host kv_lens with new values at
+    every call were copied to the device from pageable memory, which first waits for the stream
+    to drain, so each step of a token loop waited for the last one's kernels. Behind a spin of
+    about 0.1 s, calls with new lengths must return while the spin still runs; their results
+    (after it) must match the reference."""
+    import cupy
+    if case == "decode":  # the split path's bucket plans (B = 2, 8 / 2 heads, one query)
+        q, k, v = (randn(rng, s, "float16") for s in ((2, 8, 1, 64), (2, 2, 2048, 64),
+                                                       (2, 2, 2048, 64)))
+        start = np.array([[1500], [700]])
+    else:  # the generic kernels' argument tables
+        q, k, v = (randn(rng, (2, 2, n, 32), "float32") for n in (100, 300, 300))
+        start = np.array([[200], [7]])
+    spin = cupy.RawKernel(_SPIN, "spin")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention(q, k, v, kv_lens=start)  # (compiles, plans the layout)
+        spin((1,), (1,), (np.int64(2_000_000_000 // 10),))  # ~0.1 s at 2 GHz
+        behind = stream.record()
+        outs = [cuflash.attention(q, k, v, kv_lens=start + step) for step in range(1, 6)]
+        assert not behind.done, "a call with new host kv_lens waited for the stream"
+        stream.synchronize()
+    for step, out in zip(range(1, 6), outs):
+        host = [to_host(x) for x in (q, k, v)]
+        ref = reference.attention(*host, kv_lens=start + step)
+        naive = naive_attention(q, k, v, kv_lens=start + step)[0]
+        assert_close_to_reference(out, ref, naive, FLOORS[to_host(q).dtype.name])
+
+
 def test_merge_and_vjp_on_device(rng):
     """merge of two key halves equals attention over all keys; vjp matches attention_backward."""
     q, k, v = (randn(rng, (2, 33, 32), "float32") for _ in range(3))
