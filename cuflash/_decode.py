@@ -63,8 +63,9 @@ THREADS = 32 * WARPS
 
 # ---- the config table of this path -------------------------------------------------------------
 # SUPPORT RULE: the split path applies to CuPy inputs with Nq <= MAX_NQ query rows per head whose
-# largest key extent is >= MIN_KEYS (below that one block per (batch, head) is as good and the
-# generic path is already tuned for it). Everything else (masks, bias, score transforms, kv_lens,
+# largest key extent by position, with every length at Nk, is >= MIN_KEYS (below that one block
+# per (batch, head) is as good and the generic path is already tuned for it; kv_lens' values do
+# not change the path). Everything else (masks, bias, score transforms, kv_lens,
 # windows, causal with either alignment, GQA/MQA/broadcast, any strides, every dtype, Dk, Dv <= 256)
 # is supported.
 MAX_NQ = 16
@@ -514,7 +515,10 @@ def _grouping(p):
 
 
 def _max_extent(p):
-    L = int(_lens(p).max()) if p.BH else 0
+    """The widest key range of a query row by position, every length at Nk: the path does not
+    depend on kv_lens' values (a token loop keeps its kernels as its lengths grow, and the choice
+    holds for the layout: cuflash._gpu's prepare_lens)."""
+    L = p.Nk
     shift = L - p.Nq if p.bottom_right else 0
     lo = max(shift - p.left, 0)
     hi = min(p.Nq - 1 + shift + p.right, L - 1)
@@ -860,6 +864,12 @@ def forward(p):
     tests force this path, with FORCED_SPLIT_KEYS keys per split (to exercise the merge) and their
     decode variant ("simt": decode_split where decode_tc would run; see Plan)."""
     return prepare(p)(p)
+
+
+def prepare_lens(p):
+    """The run of every Problem of p's layout whatever its host kv_lens: `forward` (each call
+    finds its plan by its lengths' bucket, `prepare`)."""
+    return forward
 
 
 def prepare(p):

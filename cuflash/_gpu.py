@@ -20,7 +20,9 @@ Every path reads the same Problem, with BH, Nq, Nk > 0 (cuflash/api.py answers t
 A forward path may also offer `prepare(p)`: the callable that its forward(p) calls with p, built
 once per layout, which runs any Problem of p's key; for a repeatable Problem (Problem.repeatable:
 plain, or plain but for a CuPy kv_lens) it is kept here and a repeated call of that key runs it
-directly (`Repeat`). A backward path likewise
+directly (`Repeat`). Likewise `prepare_lens(p)`, a callable that runs every Problem of p's
+layout whatever its host kv_lens (Problem.lens_repeatable: a token loop), kept by the layout's
+key (no path's choice reads the lengths' values). A backward path likewise
 `prepare_backward(p, deterministic)`, called with (p, dout, out, lse, sink_probs).
 """
 import contextlib
@@ -99,7 +101,8 @@ _repeats_bwd = {False: _memo.Memo(256), True: _memo.Memo(256)}  # by `determinis
 
 def forward(p):
     """(out, lse) of p by the first path that takes it, with p's sinks if it has any."""
-    repeat = _repeats.get(p.key)
+    key = p.layout_key if p.lens_repeatable else p.key
+    repeat = _repeats.get(key)
     if repeat is not None and repeat.serves(p):
         return repeat.run(p)
     with _runtime.device_of(p.q):
@@ -107,6 +110,10 @@ def forward(p):
         if p.repeatable and p.key is not None and hasattr(path, "prepare"):
             repeat = Repeat(path.prepare(p), p)
             _repeats.put(p.key, repeat)
+            return repeat.run(p)
+        if p.lens_repeatable and key is not None and hasattr(path, "prepare_lens"):
+            repeat = Repeat(path.prepare_lens(p), p)  # (a run for every host kv_lens)
+            _repeats.put(key, repeat)
             return repeat.run(p)
         out, lse = path.forward(p)
         if p.sinks is not None and not path.SINKS:  # the sink-free softmax joined with the sinks

@@ -20,7 +20,6 @@ CuPy stream; nothing here synchronizes. ``CUFLASH_DEBUG=1`` prints registers, st
 and local (spill) bytes of each kernel the first time it is loaded on a device.
 """
 import contextlib
-import ctypes
 import functools
 import io
 import math
@@ -321,72 +320,23 @@ _tables = {}
 
 
 def on_device(host):
-    """A device copy of a small host table, cached by content (`upload` makes a new one, without
-    waiting for the stream). A cached copy that another stream made and that may still be in
-    flight is waited for on the current stream (an event wait, not a host one)."""
+    """A device copy of a small host table, cached by content: repeated calls with the same
+    layout (the common case) reuse the copy. (A copy from pageable memory does not wait for the
+    stream: measured, tests/test_gpu.py test_new_host_kv_lens_do_not_wait_for_the_stream.)"""
     if host.nbytes > _TABLE_CACHE_MAX_BYTES:
-        return upload(host)
+        return _cupy().asarray(host)
     key = (current_device(), host.dtype.str, host.shape, host.tobytes())
-    hit = _tables.get(key)
-    if hit is None:
+    table = _tables.get(key)
+    if table is None:
         if len(_tables) >= _TABLE_CACHE_SIZE:
             _tables.pop(next(iter(_tables)))  # oldest first
-        table, event = _staged(host)
-        _tables[key] = [table, current_stream(), event]
-        return table
-    table, stream, event = hit
-    if event is not None:  # (made by a copy that may still run)
-        if event.done:
-            hit[2] = None
-        elif stream != current_stream() and not capturing():
-            _cuda().get_current_stream().wait_event(event)
+        table = _tables[key] = _cupy().asarray(host)
     return table
 
 
 def upload(host):
-    """A new device copy of a host array, enqueued on the current stream without waiting.
-
-    A copy from pageable memory (cupy.asarray) first waits for the stream to drain: a hidden
-    synchronization that issue 17's token loop paid at every step (its lengths are new data).
-    The copy goes through a pinned buffer instead (`_staging`). Under CUDA graph capture,
-    cupy.asarray (which refuses: a captured copy would read the buffer at every replay)."""
-    return _staged(host)[0]
-
-
-def _staged(host):
-    """(upload's copy, the event recorded after it or None)."""
-    cupy = _cupy()
-    if not host.flags.c_contiguous:
-        host = np.ascontiguousarray(host)
-    if host.nbytes == 0 or capturing():
-        return cupy.asarray(host), None
-    n = host.nbytes
-    size_class = max(12, (n - 1).bit_length())  # 4 KiB and up, powers of two
-    with _lock:
-        ring = _staging.setdefault((current_device(), size_class), [])
-        if ring and ring[0][2].done:  # the oldest copy through this class has run
-            slot = ring.pop(0)
-        elif len(ring) < max(2, _STAGING_BUFFERS >> max(size_class - 16, 0)):
-            mem = cupy.cuda.alloc_pinned_memory(1 << size_class)
-            slot = (mem, np.frombuffer(mem, np.uint8, 1 << size_class),
-                    cupy.cuda.Event(block=False, disable_timing=True))
-        else:  # the stream is that many copies behind: wait like a pageable copy
-            return cupy.asarray(host), None
-        mem, staged, event = slot
-        staged[:n] = host.reshape(-1).view(np.uint8)
-        out = cupy.empty(host.shape, host.dtype)
-        stream = cupy.cuda.get_current_stream()
-        out.data.copy_from_host_async(ctypes.c_void_p(mem.ptr), n, stream)
-        event.record(stream)
-        ring.append(slot)
-    return out, event
-
-
-# (device, size class) -> [(pinned buffer, a uint8 view of it, the event after its last copy)],
-# oldest copy first: `upload`'s staging buffers, each reused once its copy has run (at most
-# _STAGING_BUFFERS of up to 64 KiB per class, fewer of the larger classes)
-_staging = {}
-_STAGING_BUFFERS = 256
+    """A new device copy of a host array (a call's own data, not cached)."""
+    return _cupy().asarray(host)
 
 
 # ---- CUDA graph capture ------------------------------------------------------------------------

@@ -108,13 +108,17 @@ class Problem:
     # them), or plain: cuflash._gpu keeps such a signature's prepared run too (the runs read
     # lens_device per call).
     repeatable: bool = False
+    # Plain but for host kv_lens (NumPy values checked per call; a key per values): the
+    # signature of a token loop, whose paths may keep a prepared run for every length
+    # (cuflash._gpu, a path's prepare_lens).
+    lens_repeatable: bool = False
 
     def with_arrays(self, q, k, v, mask, bias, kv_lens=None, sinks=None, alibi_slopes=None,
                     block_table=None, dropout_seed=None):
         """This Problem for another call of the same signature: its arrays (and a CuPy
         kv_lens', the sinks, the ALiBi slopes, a CuPy block_table and the dropout's checked
         (seed, offset)), the rest shared."""
-        if self.repeatable:  # (the common call: the rest is None for it)
+        if self.repeatable or self.lens_repeatable:  # (the common call: the rest is None)
             new = object.__new__(Problem)
             new.__dict__.update(self.__dict__)
             new.q, new.k, new.v = q, k, v
@@ -1006,12 +1010,14 @@ def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv
     """The Problem of a call whose options but these are all off, if an earlier call had its
     signature and it is repeatable (plain, or plain but for a CuPy kv_lens and a CuPy
     block_table: then no check of this call's can fail that the earlier call passed, and its
-    Problem is the signature's with this call's arrays), else None (the call takes the whole
-    way, `problem`)."""
-    if kv_lens is not None and _library(kv_lens) != "cupy":
-        return None  # (host lengths are never repeatable)
+    Problem is the signature's with this call's arrays) or plain but for a NumPy kv_lens (then
+    their values are checked: `_with_host_lens`), else None (the call takes the whole way,
+    `problem`)."""
     if block_table is not None and _library(block_table) != "cupy":
-        return None  # (nor a host table: part of the signature by value)
+        return None  # (a host table: part of the signature by value)
+    host_lens = kv_lens is not None and _library(kv_lens) != "cupy"
+    if host_lens and (block_table is not None or type(kv_lens) is not np.ndarray):
+        return None  # (host lengths: a NumPy array without pages, checked below)
     try:
         key = plain_key(fn, q, k, v, scale, causal, align, precision, False, dropout_p)
         if kv_lens is not None:  # (as _key tags them)
@@ -1023,11 +1029,14 @@ def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv
         known = _problems.get(key)
     except (AttributeError, TypeError, ValueError):  # (not arrays, ...: the whole way tells)
         return None
-    if known is None or not known.repeatable:
+    if known is None or not (known.lens_repeatable if host_lens else known.repeatable):
         return None
     if known.pages is not None:
         kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
-    return known.with_arrays(q, k, v, None, None, kv_lens, None, None, block_table)
+    p = known.with_arrays(q, k, v, None, None, kv_lens, None, None, block_table)
+    if host_lens:
+        p.kv_lens, p.key = _with_host_lens(fn, known, kv_lens)
+    return p
 
 
 def _alibi_key(slopes):
@@ -1104,6 +1113,9 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
                         and not p.dropout_p and dropout_seed is None
                         and not p.copied)  # (a seed is checked per call, even unused)
         p.plain = p.repeatable and p.lens_map is None and p.pages is None
+        p.lens_repeatable = (p.kv_lens is not None and p.mask is None and p.bias is None
+                             and p.sinks is None and p.alibi is None and p.pages is None
+                             and not p.dropout_p and dropout_seed is None and not p.copied)
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None

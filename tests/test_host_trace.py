@@ -215,6 +215,16 @@ for name, (B, H, Hkv, Nq, Nk, D) in {"decode-lens": (4, 32, 8, 1, 4096, 128),
     seen[name] = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, len(counts))]
     seen[name + "/validated"] = [full[0]] + [full[i] - full[i - 1] for i in range(1, 3)]
     chosen.clear()
+q, k, v = fake_cupy._inputs(cupy, 4, 32, 8, 1, 4096, 128)  # host kv_lens growing per call
+counts, full = [], []
+validated.clear()
+for step in range(4):
+    cuflash.attention(q, k, v, kv_lens=np.array([[400], [3000], [17], [4000]]) + step)
+    counts.append(len(chosen))
+    full.append(len(validated))
+seen["host-lens"] = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, 4)]
+seen["host-lens/validated"] = [full[0]] + [full[i] - full[i - 1] for i in range(1, 4)]
+chosen.clear()
 q = cupy.empty((4, 32, 1, 128), k.dtype)  # a paged cache: CuPy table and kv_lens, new per call
 pools = [cupy.empty((64, 8, 64, 128), k.dtype) for _ in range(2)]
 counts, full = [], []
@@ -245,8 +255,9 @@ def test_a_plain_signature_keeps_its_path():
     """A repeated call of a plain signature (no mask, bias, lengths, sinks, dropout: only q, k,
     v change), or of one plain but for a CuPy kv_lens and block_table, runs the path its first
     call chose
-    (cuflash._gpu.Repeat) without choosing again, on fresh arrays too; new alignments, the
-    tests' switches and new signatures choose anew.
+    (cuflash._gpu.Repeat) without choosing again, on fresh arrays too, as does a decode call with
+    new host kv_lens (a token loop: its layout's run); new alignments, the tests' switches and
+    new signatures choose anew.
     (That the kept runs launch what the full path launches: test_repeated_calls_launch_alike.)"""
     run = subprocess.run([sys.executable, "-c", _KEPT, str(FAKE.parent)], capture_output=True,
                          text=True, timeout=300)
@@ -258,6 +269,10 @@ def test_a_plain_signature_keeps_its_path():
         # repeatable too
         assert seen.pop(name) == [1, 0, 0], name
         assert seen.pop(name + "/validated") == [1, 0, 0], name
+    # host kv_lens new at every call (a token loop): their values checked, the path kept for
+    # the layout (the first length, 17, would not choose the split path by its own extent)
+    assert seen.pop("host-lens") == [1, 0, 0, 0]
+    assert seen.pop("host-lens/validated") == [1, 0, 0, 0]
     for name in ("mma", "wgmma", "decode"):
         # a plain repeated call is the signature's Problem with its arrays at once
         # (_validate.repeated_problem), no validation, new alignments and switches too (they
