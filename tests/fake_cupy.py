@@ -105,6 +105,36 @@ class MemoryPointer:
 
     copy_from_async = copy_from_device_async
 
+    def copy_from_host_async(self, src, size, stream=None):  # (src: a ctypes pointer)
+        if _State.capturing:
+            raise RuntimeError("the current stream is capturing: a copy from host memory would "
+                               "read it again at every replay")
+        _State.tables.add(self.mem.ptr)  # (a device copy of host data, as _asarray's)
+        _record("upload", [int(size)], "|u1", ctypes.string_at(src.value, min(size, 64)).hex())
+
+
+class _Pinned(bytearray):
+    """cupy.cuda.alloc_pinned_memory: host bytes (the buffer protocol) and their address."""
+
+    def __init__(self, size):
+        super().__init__(max(int(size), 1))
+        self.ptr = ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+
+class Event:
+    """An event that is always done (the stand-in's device runs nothing)."""
+
+    done = True
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
 
 class _Context:
     """A `with` target that does nothing (a device, a stream)."""
@@ -134,6 +164,9 @@ class Stream(_Context):
 
     def is_capturing(self):
         return _State.capturing
+
+    def wait_event(self, event):
+        pass
 
 
 _STREAM = Stream(ptr=0x5000)
@@ -417,6 +450,7 @@ def install():
     cuda.Device, cuda.Stream, cuda.MemoryPointer = Device, Stream, MemoryPointer
     cuda.runtime, cuda.driver, cuda.nvrtc = runtime, driver, nvrtc
     cuda.get_current_stream = lambda: _STREAM
+    cuda.alloc_pinned_memory, cuda.Event = _Pinned, Event
     cuda.alloc = lambda n: MemoryPointer(Memory(n))
     cuda.get_allocator = lambda: cuda.alloc
     cuda.using_allocator = lambda f: contextlib.nullcontext()  # (the pool stands in for any)
