@@ -7,6 +7,8 @@ bfloat16 cache of 8192 keys of which about 4000 are valid, every length growing 
 Per step: write the new token's k and v at each sequence's length, then attention over the cache.
 Timed (wall clock over the whole loop, ended by a synchronize), in one process on the same data:
   host-lens    kv_lens a NumPy array, advanced on the host
+  host-alone   host-lens without the cache writes (lengths from another start, so that none
+               repeats): the attention calls' own loop, without subtracting `writes`
   device-lens  kv_lens a CuPy array, advanced in place on the device
   graph        device-lens with the attention call captured once in a CUDA graph and replayed
   kernel       the attention call's device time alone (calls queued behind a GPU spin), device
@@ -75,6 +77,14 @@ def main():
         results["host-lens"] = loop(lambda: cuflash.attention(q, k_cache, v_cache,
                                                               kv_lens=lens_host),
                                     lens_host, lens_dev)
+        lens_host[...] = start + 2 * args.steps  # (lengths no earlier call had)
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            lens_host += 1
+            cuflash.attention(q, k_cache, v_cache, kv_lens=lens_host)
+        stream.synchronize()
+        results["host-alone"] = (time.perf_counter() - t0) / args.steps * 1e6
         results["device-lens"] = loop(lambda: cuflash.attention(q, k_cache, v_cache,
                                                                 kv_lens=lens_dev),
                                       lens_host, lens_dev)
@@ -100,6 +110,7 @@ def main():
     cuflash.release_graph_memory()
     for name, us in results.items():
         extra = "" if name in ("kernel", "kernel-host", "writes") else \
+            f"  ({us / results['kernel-host']:.2f}x the kernel)" if name == "host-alone" else \
             f"  ({(us - results['writes']) / results['kernel']:.2f}x the kernel, writes excluded)"
         print(f"{name:12s} {us:9.1f} us per step{extra}")
     if args.out:

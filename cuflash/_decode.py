@@ -32,13 +32,15 @@ Every item's keys are fixed by the table and the partials are merged in slot ord
 result is bitwise reproducible (issue 12 removed decode_tc's key pools, whose stages were claimed
 at run time).
 
-Host kv_lens are planned by bucket (`planned_lengths`): each length rounded up to a multiple of
-a power of two at most 1/2**BUCKET_SHIFT of it, so that a token loop whose lengths grow by one per
-step re-plans once per bucket, not per token. The plan then spans every length of the bucket (a
-bottom-right window's first key moves with the length) and the kernels read the true lengths
-from the device, as they do for a CuPy kv_lens (planned for every length in [0, Nk]). A new
-bucket re-plans only steps 1-4 and the table: `forward` keeps the rest (kernels, occupancy,
-offsets: `_Layout`) per layout.
+Host kv_lens are planned with room to grow (`planned_span`): a new plan spans, for each length L,
+every length from L - q to L + q or more, q a power of two at most 1/2**BUCKET_SHIFT of L, so
+that a token loop whose lengths grow by one per step re-plans at most once per q steps, however
+many sequences it has (a plan per sequence's bucket re-planned whenever any one sequence left
+its bucket: B times as often). The plan then spans every length of the span (a bottom-right
+window's first key moves with the length) and the kernels read the true lengths from the
+device, as they do for a CuPy kv_lens (planned for every length in [0, Nk]). A new span re-plans
+only steps 1-4 and the table: `forward` keeps the rest (kernels, occupancy, offsets: `_Layout`)
+per layout.
 
 Path interface (cuflash/_gpu.py): NAME, takes (the SUPPORT RULE below; under
 cuflash._gpu.override(path="split") every Problem the kernels can run, `fits`), forward (out
@@ -88,9 +90,9 @@ _FLOAT_MAX = float(np.finfo(np.float32).max)
 # split_size: its candidates' waves, and the fixed cost of one block in keys in its list schedule.
 SPLIT_WAVES = (1, 2, 3, 4, 6, 8)
 SPLIT_OVERHEAD_KEYS = 256
-# planned_lengths: host lengths rounded up to a multiple of max(BUCKET_MIN_KEYS, 2**(floor(log2
-# L) - BUCKET_SHIFT)) keys
-BUCKET_SHIFT = 2
+# planned_span: host lengths L planned for [L - q, L + q or more], q = max(BUCKET_MIN_KEYS,
+# 2**(floor(log2 L) - BUCKET_SHIFT)) keys
+BUCKET_SHIFT = 3
 BUCKET_MIN_KEYS = 64
 
 
@@ -735,7 +737,7 @@ class Plan:
             self.split_any = sched.split_any
 
     def serves(self, lens):
-        """Whether this plan runs host lengths `lens` (BH,) of its bucket: each of its groups'
+        """Whether this plan runs host lengths `lens` (BH,) of its span: each of its groups'
         members still shares one length (the kernels read the group's first)."""
         if self.leader is None:  # each (batch, head)'s group's first member
             g = self.sched.groups
@@ -783,7 +785,7 @@ class Plan:
             self.launch(head + self.plain_tail)
             return out, lse
         # the true lengths: a CuPy kv_lens' (read in place, or its clamped copy), the host's (the
-        # plan serves their bucket), or Nk
+        # plan serves their span), or Nk
         if p.lens_device is not None:
             caller = p.lens_device if self.in_place else clamped_lens(p)
             lens = (self.lens, caller, self.lens_map[0], self.lens_bytes)
@@ -800,7 +802,7 @@ class Plan:
         return out, lse
 
     def _host_lens(self, kv_lens):
-        """A bucket's plan reads each call's host lengths from a copy of them: a new one (an
+        """A span's plan reads each call's host lengths from a copy of them: a new one (an
         upload that does not wait for the stream), or the last call's if they are the same (a
         repeated call; under graph capture, which copies nothing, they must be)."""
         values = kv_lens.tobytes()
@@ -882,24 +884,23 @@ def prepare(p):
         plan = _plans.get(layout_key)
         if plan is None:
             plan = _plan(p, split, variant, layout_key, layout_key)
-    else:  # host lengths: a plan per bucket (planned_lengths), found by the lengths' key too
+    else:  # host lengths: a plan per span (planned_span), found by the lengths' key too
         exact = None if p.key is None else layout_key[:2] + (variant, p.key)
         plan = _exact.get(exact)
         if plan is not None and plan.span is not None and not _runtime.capturing():
             # these lengths came back (a repeated call, not a token loop): plan them exactly
             # (not under graph capture, where the new plan's table could not be uploaded: the
-            # bucket's plan, whose table exists, serves them)
+            # span's plan, whose table exists, serves them)
             plan = Plan(p, split=split, variant=variant, layout=_layouts.get(layout_key))
             _keep(_exact, exact, plan)
         if plan is None:
             lens = p.kv_lens.reshape(-1)
             plan = _last.get(layout_key)  # a token loop's lengths: its last plan's span, mostly
             if plan is None or not plan.covers(lens):
-                top, q = planned_lengths(lens)
-                key = layout_key + (top.tobytes(), q.tobytes())
+                span = planned_span(lens, p.Nk)
+                key = layout_key + (span[0].tobytes(), span[1].tobytes())
                 plan = _plans.get(key)
                 if plan is None or not plan.serves(lens):
-                    span = (np.maximum(top - q + 1, 0), np.minimum(top, p.Nk))
                     plan = _plan(p, split, variant, layout_key, key, span)
                 _keep(_last, layout_key, plan)
             if exact is not None:
@@ -915,20 +916,21 @@ def _plan(p, split, variant, layout_key, key, span=None):
     return plan
 
 
-def planned_lengths(lens):
-    """The bucket of host lengths `lens` (int64): (top, q), each length L rounded up to top, a
-    multiple of q = max(BUCKET_MIN_KEYS, 2**(floor(log2 L) - BUCKET_SHIFT)), so the bucket holds
-    the lengths top - q < L <= top (a plan for it spans them: the Schedule's `span`)."""
+def planned_span(lens, Nk):
+    """The span (lo, hi) of a new plan of host lengths `lens` (int64, at most Nk each): for each
+    length L, lo = max(L - q, 0) and hi = min(L + q < a multiple of q <= L + 2 q, Nk), with
+    q = max(BUCKET_MIN_KEYS, 2**(floor(log2 L) - BUCKET_SHIFT)): each length may grow q steps or
+    more (or shrink q) before the plan stops serving it (the Schedule's `span`)."""
     e = np.frexp(np.maximum(lens, 1))[1] - 1  # floor(log2 L): L = m 2**(e + 1), m in [0.5, 1)
     q = np.maximum(np.left_shift(1, np.maximum(e - BUCKET_SHIFT, 0)), BUCKET_MIN_KEYS)
-    return -(-lens // q) * q, q
+    return np.maximum(lens - q, 0), np.minimum((lens // q + 2) * q, Nk)
 
 
-# Plans by layout and length bucket: the schedule and its device table depend only on shapes,
-# strides, options and the lengths' bucket, so repeated calls skip the host work, also when the
-# lengths grow by one per call (a token loop) inside their buckets. A new bucket reuses its
-# layout's _Layout and re-plans only the split and the table. Lengths seen a second time get a
-# plan of their own (_exact): a bucket's plan costs up to 3 % of device time (RESULTS.md).
+# Plans by layout and length span: the schedule and its device table depend only on shapes,
+# strides, options and the lengths' span, so repeated calls skip the host work, also when the
+# lengths grow by one per call (a token loop) inside their span. A new span reuses its layout's
+# _Layout and re-plans only the split and the table. Lengths seen a second time get a plan of
+# their own (_exact): a span's plan costs up to 3 % of device time (RESULTS.md).
 _PLAN_CACHE_SIZE = 64
 _plans = {}
 _layouts = {}

@@ -76,17 +76,22 @@ def test_schedule_with_lengths_on_the_device(case, split, layout):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("case", DEVICE_LENS_CASES, ids=[c[0] for c in DEVICE_LENS_CASES])
-def test_schedule_serves_a_length_bucket(case, layout):
-    """Host lengths are planned by bucket (_decode.planned_lengths): one plan, made from one
-    call's lengths, must serve every length of their buckets (a token loop's next steps; the
+def test_schedule_serves_a_length_span(case, layout):
+    """Host lengths are planned with room to grow (_decode.planned_span): one plan, made from one
+    call's lengths, must serve every length of their spans (a token loop's next steps; the
     kernels read the true lengths), the shortest and the longest included."""
     name, B, H, Hkv, Nq, Nk, D, opts = case
     rng = np.random.default_rng(zlib.crc32(f"bucket {name} {layout}".encode()))
     q, k, v = (rng.standard_normal(s) for s in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
     lens = np.array([int(rng.integers(Nk // 4, Nk // 2)), Nk - 3, 700])[:B]
-    top, step = _decode.planned_lengths(lens)
-    assert np.all((top - step < lens) & (lens <= top))
-    low, high = np.maximum(top - step + 1, 0), np.minimum(top, Nk)
+    low, high = _decode.planned_span(lens, Nk)
+    # each length may shrink and grow by its unit q (2**(floor(log2 L) - BUCKET_SHIFT), at
+    # least BUCKET_MIN_KEYS) inside the span, up to Nk
+    unit = np.maximum(2 ** (np.floor(np.log2(lens)).astype(int) - _decode.BUCKET_SHIFT),
+                      _decode.BUCKET_MIN_KEYS)
+    assert np.array_equal(low, np.maximum(lens - unit, 0))
+    assert np.all((high == Nk) | ((high > lens + unit) & (high <= lens + 2 * unit)
+                                 & (high % unit == 0)))
     p = make_problem(q, k, v, kv_lens=lens[:, None], **opts)
     span = (low.repeat(H), high.repeat(H))
     for true in (low, high, rng.integers(low, high + 1)):

@@ -118,17 +118,17 @@ def test_device_kv_lens_window(case, rng, override):
 
 @pytest.mark.parametrize("window", [None, (600, 0)], ids=["full", "window"])
 def test_host_kv_lens_token_loop(window, rng):
-    """Host kv_lens new at every call, as in a token loop: growing by one across a length
-    bucket's edge (_decode.planned_lengths: 1020..1026 crosses 1024), shrinking inside a bucket,
-    then per-head lengths that stop being equal inside a GQA group. The decode plans serve a
-    bucket of lengths and the kernels read the true ones: every call must give the reference's
-    result."""
+    """Host kv_lens new at every call, as in a token loop: growing by one, then past the first
+    plan's span (_decode.planned_span: 1020 is planned up to 1088, 1320 up to 1536), shrinking
+    inside a span, then per-head lengths that stop being equal inside a GQA group. The decode
+    plans serve a span of lengths and the kernels read the true ones: every call must give the
+    reference's result."""
     import cupy
     B, H, Hkv, Nk, D = 2, 8, 2, 1500, 128
     q, k, v = (to_array(cupy, rng.standard_normal(s), dtype_of("bfloat16"))
                for s in ((B, H, 1, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
     options = {} if window is None else dict(window=window)
-    steps = [np.array([[L], [L + 300]]) for L in list(range(1020, 1027)) + [1030, 1026]]
+    steps = [np.array([[L], [L + 300]]) for L in list(range(1020, 1027)) + [1160, 1156]]
     per_head = np.full((B, H), 1100)
     steps += [per_head, np.where(np.arange(H) == 1, 1099, per_head)]
     for lens in steps:

@@ -375,9 +375,9 @@ cupy = fake_cupy.install()
 import cuflash
 from cuflash import _decode
 q, k, v = fake_cupy._inputs(cupy, 4, 8, 2, 1, 4096, 128)
-start = np.array([[1000], [3000], [17], [4000]])
+start = np.array([[1000], [3000], [17], [3900]])
 plans, inside = [], []
-for step in range(40):
+for step in range(100):
     lens = start + step
     cuflash.attention(q, k, v, kv_lens=lens)
     plan = next(iter(_decode._last.values()))
@@ -392,11 +392,11 @@ print(json.dumps([[s for s, _ in plans], inside, len(_decode._plans)]))
 
 def test_a_token_loop_keeps_its_plan_while_it_covers_the_lengths():
     """Host kv_lens growing by one per step: a step takes its layout's last plan while that plan's
-    span holds every length (no bucket arithmetic per token), a new bucket's plan when one
-    leaves it (1000 + 25 passes 1024, its bucket's top), and every step's plan spans its
-    lengths."""
+    span holds every length (no span arithmetic per token), a new span's plan when one leaves
+    it (_decode.planned_span: 1000 + 89 passes 1088, its span's top; each length has room for
+    64 steps or more), and every step's plan spans its lengths."""
     run = subprocess.run([sys.executable, "-c", _TOKEN_LOOP, str(FAKE.parent)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     changes, inside, n_plans = json.loads(run.stdout)
-    assert changes == [0, 25] and all(inside) and n_plans == 2
+    assert changes == [0, 89] and all(inside) and n_plans == 2
