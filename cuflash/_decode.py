@@ -869,17 +869,27 @@ def forward(p):
 
 
 def prepare_lens(p):
-    """The run of every Problem of p's layout whatever its host kv_lens: `forward` (each call
-    finds its plan by its lengths' bucket, `prepare`)."""
-    return forward
+    """The run of every Problem of p's layout whatever its host kv_lens, under the device and test
+    switches of p's call (cuflash._gpu.Repeat keeps it for them): each call finds its plan by its
+    lengths (`prepare`)."""
+    settings = _settings(p)
+    return lambda p: _prepare(p, *settings)(p)
 
 
 def prepare(p):
     """The Plan that runs p (called with p, or with another Problem of p's layout and lengths)."""
+    return _prepare(p, *_settings(p))
+
+
+def _settings(p):
+    """(split, variant, layout key) of p's plans under the current test switches and device."""
     ov = _runtime.overrides()
     forced = ov.path == NAME
     split, variant = (FORCED_SPLIT_KEYS, ov.variant) if forced else (None, None)
-    layout_key = _layout_key(p, split) + (variant,)
+    return split, variant, _layout_key(p, split) + (variant,)
+
+
+def _prepare(p, split, variant, layout_key):
     if p.kv_lens is None:
         plan = _plans.get(layout_key)
         if plan is None:

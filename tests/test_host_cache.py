@@ -73,6 +73,28 @@ def test_the_cached_problem_equals_a_fresh_one(rng, monkeypatch):
     assert cached.q is q2 and cached.k is k2 and cached.v is v2
 
 
+def test_host_kv_lens_arrays_take_the_short_way(rng, monkeypatch):
+    """A NumPy kv_lens of a known signature, plain otherwise (a token loop's call), takes the
+    short way (_validate.repeated_problem): no validation anew, only its values checked; out of
+    [0, Nk] (negative, or above Nk) a ValueError naming the function, as the whole way gives."""
+    q, k, v = _qkv(rng)
+    Nk = k.shape[-2]
+    cuflash.attention(q, k, v, kv_lens=np.array([[6], [7]]))
+
+    def whole_way(*a, **kw):
+        raise AssertionError("took the whole way")
+    monkeypatch.setattr(_validate, "problem", whole_way)
+    lengths = ([[5], [0]], [[Nk], [1]], [[6], [7]])
+    outs = [cuflash.attention(q, k, v, kv_lens=np.array(lens)) for lens in lengths]
+    for bad in ([[-1], [0]], [[0], [Nk + 1]], [[-2**62], [2**62]]):
+        with pytest.raises(ValueError, match=r"^attention: kv_lens must lie in \[0, Nk\]"):
+            cuflash.attention(q, k, v, kv_lens=np.array(bad))
+    monkeypatch.undo()
+    for out, lens in zip(outs, lengths):
+        ref = reference.attention(q, k, v, kv_lens=np.array(lens))
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
+
+
 def test_host_kv_lens_values_share_the_signature(rng, monkeypatch):
     """Host kv_lens are in the signature by type, dtype and shape: a call with new values is
     not validated anew (a token loop's lengths change every step), only its values are checked;
