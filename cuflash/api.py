@@ -561,7 +561,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     return_lse = check_flag("return_lse", return_lse, "attention")
     with _runtime.graph_safe(q):
         # a call of a known repeatable signature (every option but the keyed ones off; kv_lens
-        # and block_table on the device or none): the signature's Problem with the call's arrays
+        # and block_table on the device or none, or a NumPy kv_lens whose values are checked):
+        # the signature's Problem with the call's arrays
         if (window is None and mask is None and bias is None
                 and positions is None and sinks is None
                 and alibi_slopes is None and dropout_seed is None
