@@ -444,6 +444,13 @@ def _keeping_allocations():
         yield
 
 
+def keep_for_graph(x):
+    """Keep CuPy array x's memory until release_graph_memory(): a captured call that reads an
+    array it did not allocate (which graph_safe does not see) reads it again at every replay."""
+    with _lock:
+        _graph_memory.append(x.data)
+
+
 def release_graph_memory():
     """Give back the memory kept for captured graphs (see graph_safe); returns its bytes."""
     with _lock:

@@ -191,6 +191,36 @@ def test_graph_replay(case, rng, override):
     assert cuflash.release_graph_memory() > 0
 
 
+def test_a_graph_keeps_its_host_kv_lens(rng):
+    """Regression: a captured decode call with host kv_lens reads the copy of them that its
+    plan made in the eager call before; an eager call with other lengths afterwards replaced that
+    copy in the plan, which freed it while the graph still read it. Replayed after such calls and
+    after new arrays took the freed memory, the graph must give its captured lengths' result."""
+    import cupy
+    B, H, Hkv, Nk, D = 2, 8, 2, 1500, 128
+    q, k, v = (to_array(cupy, rng.standard_normal(s), dtype_of("bfloat16"))
+               for s in ((B, H, 1, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    lens = np.array([[1000], [1200]])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention(q, k, v, kv_lens=lens)  # the plan and its copy of these lengths
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out, lse = cuflash.attention(q, k, v, kv_lens=lens, return_lse=True)
+        finally:
+            graph = stream.end_capture()
+        for step in (5, 7):  # other lengths (the plan's span serves them)
+            cuflash.attention(q, k, v, kv_lens=lens + step)
+        fill = [cupy.full(B * H, 3, np.int64) for _ in range(64)]  # (into freed memory)
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+    check_forward(out, lse, q, k, v, kv_lens=lens)
+    del graph, fill
+    cuflash.release_graph_memory()
+
+
 def test_device_kv_lens_never_synchronize(rng):
     """A decode step with a CuPy kv_lens enqueues work and nothing else (under stream capture any
     synchronizing call or device-to-host copy raises), also for new lengths."""
