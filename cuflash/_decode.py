@@ -809,8 +809,6 @@ class Plan:
         last = self.last_lens
         if last is None or last[0] != values:
             last = self.last_lens = (values, _runtime.upload(kv_lens.reshape(-1)))
-        elif _runtime.capturing():  # (the next new lengths replace it here, not in the graph)
-            _runtime.keep_for_graph(last[1])
         return last[1]
 
     def _tail(self, scalars, lens, mask, bias, table):

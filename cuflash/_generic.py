@@ -139,9 +139,9 @@ def forward(p):
     args = _runtime.Args(p)
     out, lse = _runtime.outputs(p)
     kern, (bm, _), smem = _prepare("fwd", p)
-    kern(_runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
-         (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type) + _runtime.dropout_args(p),
-         shared_mem=smem)
+    _runtime.launch(kern, _runtime.bh_grid(-(-p.Nq // bm), p.BH), (_config.GENERIC_THREADS,),
+                    (p.q, p.k, p.v, out, lse) + args.flat_tail(p.acc_dtype.type)
+                    + _runtime.dropout_args(p), shared_mem=smem)
     return out, lse
 
 
@@ -154,9 +154,9 @@ def preprocess(p, dout, out, lse):
     kern = _runtime.get_function(BWD_SOURCE, name_expression("bwd_preprocess", p.dtype))
     rows = BH * p.Nq  # one warp a row; the kernel loops beyond the grid
     blocks = min(-(-rows // (_config.GENERIC_THREADS // 32)), _runtime.MAX_GRID_X)
-    kern((blocks,), (_config.GENERIC_THREADS,),
-         (dout, out, lse, lse_eff, delta, np.int64(rows), np.int32(p.Dv),
-          acc.type(_config.lost_lse_limit(acc))))
+    _runtime.launch(kern, (blocks,), (_config.GENERIC_THREADS,),
+                    (dout, out, lse, lse_eff, delta, np.int64(rows), np.int32(p.Dv),
+                     acc.type(_config.lost_lse_limit(acc))))
     return lse_eff, delta
 
 
@@ -178,14 +178,14 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
                                 ((BH, p.Nk, p.Dv), acc))
     drop = _runtime.dropout_args(p)  # (DropoutArgs,) or ()
     kern, (_, bn), smem = _prepare("bwd_dkdv", p)
-    kern(_runtime.bh_grid(-(-p.Nk // bn), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type) + drop,
-         shared_mem=smem)
+    _runtime.launch(kern, _runtime.bh_grid(-(-p.Nk // bn), BH), threads,
+                    (p.q, p.k, p.v, dout, lse_eff, delta, dk, dv) + args.flat_tail(acc.type)
+                    + drop, shared_mem=smem)
     dbias = dbias_buffer(p, acc)
     kern, (bm, _), smem = _prepare("bwd_dq", p)
-    kern(_runtime.bh_grid(-(-p.Nq // bm), BH), threads,
-         (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type)
-         + (_runtime.ptr(dbias),) + drop, shared_mem=smem)
+    _runtime.launch(kern, _runtime.bh_grid(-(-p.Nq // bm), BH), threads,
+                    (p.q, p.k, p.v, dout, lse_eff, delta, dq) + args.flat_tail(acc.type)
+                    + (_runtime.ptr(dbias),) + drop, shared_mem=smem)
     launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=sink_probs, dbias=dbias)
     return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
 

@@ -118,6 +118,7 @@ def append(a):
         # host tables and lengths: device copies cached by content (a capture needs CuPy ones)
         table, lens = (_runtime.on_device(x) if isinstance(x, np.ndarray) else x
                        for x in (a.table, a.lens))
+        _runtime.keep_captured((table, lens))
         for pool, new in ((a.k_pages, a.k_new), (a.v_pages, a.v_new)):
             if new.size == 0:
                 continue

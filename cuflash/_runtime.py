@@ -440,23 +440,50 @@ def _keeping_allocations():
             _graph_memory.append(mem)
         return mem
 
-    with cupy.cuda.using_allocator(keeping):
-        yield
+    before, _capture.keeping = _capture.keeping, True
+    try:
+        with cupy.cuda.using_allocator(keeping):
+            yield
+    finally:
+        _capture.keeping = before
 
 
-def keep_for_graph(x):
-    """Keep CuPy array x's memory until release_graph_memory(): a captured call that reads an
-    array it did not allocate (which graph_safe does not see) reads it again at every replay."""
-    with _lock:
-        _graph_memory.append(x.data)
+class _Capture(threading.local):
+    """keeping: this thread's public call runs under stream capture (graph_safe): besides its
+    allocations, every array a Launch passes is kept (`Launch`)."""
+    keeping = False
+
+
+_capture = _Capture()
+
+
+def keep_captured(args):
+    """Under capture (graph_safe), keep the device arrays and pointers among a launch's
+    arguments until release_graph_memory(): a graph reads them at every replay, also those that
+    the call did not allocate (a plan's tables, a copy of host lengths, a cached table), which
+    the caches that hold them may drop before the graph is gone. Every launch calls it (Launch,
+    `launch`)."""
+    if _capture.keeping:
+        kinds = (_cupy().ndarray, _cuda().MemoryPointer)
+        with _lock:
+            _graph_memory.extend(x for x in args if isinstance(x, kinds))
+
+
+def launch(kern, grid, block, args, shared_mem=0):
+    """A RawKernel call of a few arguments (the generic kernels, the sinks' rows), its arguments
+    kept under capture (keep_captured)."""
+    keep_captured(args)
+    kern(grid, block, args, shared_mem=shared_mem)
 
 
 def release_graph_memory():
-    """Give back the memory kept for captured graphs (see graph_safe); returns its bytes."""
+    """Give back the memory kept for captured graphs (see graph_safe); returns the bytes of the
+    allocations made while capturing (the arrays kept with them are the caller's or cuflash's
+    tables)."""
     with _lock:
-        kept = sum(m.mem.size for m in _graph_memory if getattr(m, "mem", None) is not None)
+        made = {id(m.mem): m.mem for m in _graph_memory if getattr(m, "mem", None) is not None}
         _graph_memory.clear()
-    return kept
+    return sum(mem.size for mem in made.values())
 
 
 # ---- kernel arguments --------------------------------------------------------------------------
@@ -676,6 +703,8 @@ class Launch:
 
     def __call__(self, args):
         cuda = _cuda()
+        if _capture.keeping:  # (keep_captured)
+            keep_captured(args)
         if not PACKED_LAUNCH:  # (a workspace's MemoryPointer passed as its address)
             args = tuple(np.uint64(x.ptr) if isinstance(x, cuda.MemoryPointer) else x
                          for x in args)

@@ -40,7 +40,7 @@ def _launch(expr, rows, *args):
     if rows == 0:
         return
     grid = ((rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK,)
-    _runtime.get_function("sinks.cu", expr)(grid, (32 * _ROWS_PER_BLOCK,), args)
+    _runtime.launch(_runtime.get_function("sinks.cu", expr), grid, (32 * _ROWS_PER_BLOCK,), args)
 
 
 def _kernel(name):

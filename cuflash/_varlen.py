@@ -72,6 +72,8 @@ def rows(packed):
         key = (device, cu.tobytes(), total, n, end_aligned)
         found.append(_rows.build(key, lambda: _build_rows(
             xp, cu if xp is np else _runtime.on_device(cu), total, n, end_aligned)))
+        if xp is not np:  # (a cached Rows: a graph's gathers read it at every replay)
+            _runtime.keep_captured(found[-1][:4])
     return tuple(found)
 
 

@@ -194,8 +194,10 @@ def test_graph_replay(case, rng, override):
 def test_a_graph_keeps_its_host_kv_lens(rng):
     """Regression: a captured decode call with host kv_lens reads the copy of them that its
     plan made in the eager call before; an eager call with other lengths afterwards replaced that
-    copy in the plan, which freed it while the graph still read it. Replayed after such calls and
-    after new arrays took the freed memory, the graph must give its captured lengths' result."""
+    copy in the plan, which freed it while the graph still read it (every array a captured launch
+    reads is now kept until release_graph_memory: _runtime.keep_captured). Replayed after such
+    calls and after new arrays took the freed memory, the graph must give its captured lengths'
+    result."""
     import cupy
     B, H, Hkv, Nk, D = 2, 8, 2, 1500, 128
     q, k, v = (to_array(cupy, rng.standard_normal(s), dtype_of("bfloat16"))

@@ -358,8 +358,9 @@ plan = next(iter(_decode._last.values()))
 copy = plan.last_lens[1]  # what the captured call read
 cuflash.attention(q, k, v, kv_lens=lens + 1)  # new lengths: the plan's copy replaced
 assert plan.last_lens[1] is not copy
-kept = [m for m in _runtime._graph_memory if m.ptr == copy.data.ptr]  # (kept for the graph)
-print(json.dumps("ok" if kept else "the captured call's lengths were not kept"))
+kept = [m for m in _runtime._graph_memory if m is copy]  # (kept for the graph)
+table = [m for m in _runtime._graph_memory if m is plan.items]  # (the plan's too)
+print(json.dumps("ok" if kept and table else "the captured call's lengths or plan not kept"))
 """
 
 
@@ -368,8 +369,8 @@ def test_a_repeated_call_under_capture_uploads_nothing():
     kv_lens seen a second time get an exact decode plan, whose new table was uploaded during
     CUDA graph capture (CuPy refuses a host-to-device copy there). Under capture the span's
     plan, whose table exists, serves them, reading the copy of these lengths its eager call made:
-    that copy is kept for the graph's replays (release_graph_memory), also once new lengths
-    replace it in the plan."""
+    that copy, like the plan's tables, is kept for the graph's replays (release_graph_memory),
+    also once new lengths replace it in the plan."""
     run = subprocess.run([sys.executable, "-c", _CAPTURED, str(FAKE.parent)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
