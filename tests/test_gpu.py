@@ -605,11 +605,11 @@ _SPIN = r"""extern "C" __global__ void spin(long long cycles) {
 
 @pytest.mark.parametrize("case", ["decode", "generic"])
 def test_new_host_kv_lens_do_not_wait_for_the_stream(case, rng):
-    """Regression (issue 17's token loop, measured on the GPU): host kv_lens with new values at
-    every call were copied to the device from pageable memory, which first waits for the stream
-    to drain, so each step of a token loop waited for the last one's kernels. Behind a spin of
-    about 0.1 s, calls with new lengths must return while the spin still runs; their results
-    (after it) must match the reference."""
+    """Host kv_lens with new values at every call (issue 17's token loop) are copied to the
+    device without waiting for the stream (cuflash/_runtime.py upload; a pageable copy does not
+    wait either: this passed before it too). Behind a spin of about 0.1 s, calls with new lengths
+    must return while the spin still runs; their results (after it) must match the
+    reference."""
     import cupy
     if case == "decode":  # the split path's bucket plans (B = 2, 8 / 2 heads, one query)
         q, k, v = (randn(rng, s, "float16") for s in ((2, 8, 1, 64), (2, 2, 2048, 64),
