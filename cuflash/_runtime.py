@@ -321,26 +321,26 @@ _tables = {}
 
 
 def on_device(host):
-    """A device copy of a small host table, cached by content: repeated calls with the same
-    layout (the common case) reuse the copy. (A copy from pageable memory does not wait for the
-    stream: measured, tests/test_gpu.py test_new_host_kv_lens_do_not_wait_for_the_stream.)"""
+    """A device copy of a small host table, cached by content (a new one by `upload`): repeated
+    calls with the same layout (the common case) reuse the copy."""
     if host.nbytes > _TABLE_CACHE_MAX_BYTES:
-        return _cupy().asarray(host)
+        return upload(host)
     key = (current_device(), host.dtype.str, host.shape, host.tobytes())
     table = _tables.get(key)
     if table is None:
         if len(_tables) >= _TABLE_CACHE_SIZE:
             _tables.pop(next(iter(_tables)))  # oldest first
-        table = _tables[key] = _cupy().asarray(host)
+        table = _tables[key] = upload(host)
     return table
 
 
 def upload(host):
-    """A new device copy of a small host array (a call's own data, not cached), enqueued on the
-    current stream without waiting, through one of `_staging`'s pinned buffers: cupy.asarray
-    stages a copy too, at about three times the host time (measured: a token loop's lengths,
-    issue 17). Under CUDA graph capture cupy.asarray, which refuses (a captured copy would read
-    the buffer again at every replay)."""
+    """A new device copy of a host array, enqueued on the current stream without waiting for it
+    (tests/test_gpu.py test_new_host_kv_lens_do_not_wait_for_the_stream), through one of
+    `_staging`'s pinned buffers: cupy.asarray stages a copy too, at about three times the host
+    time (measured: a token loop's lengths, issue 17). Beyond a buffer's size, and under CUDA
+    graph capture, cupy.asarray (which refuses there: a captured copy would read the buffer
+    again at every replay)."""
     cupy = _cupy()
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
@@ -348,9 +348,7 @@ def upload(host):
     if n == 0 or n > _STAGING_MAX_BYTES or capturing():
         return cupy.asarray(host)
     with _lock:
-        ring = _staging.get(current_device())
-        if ring is None:
-            ring = _staging[current_device()] = []
+        ring = _staging.setdefault(current_device(), [])
         if ring and ring[0][2].done:  # the oldest copy through the ring has run
             slot = ring.pop(0)
         elif len(ring) < _STAGING_BUFFERS:

@@ -1107,15 +1107,14 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
             if x is not None:
                 x.flags.writeable = False
         p.BH, p.out_shape, p.lse_shape  # computed once, for every call of the signature
-        p.repeatable = (p.mask is None and p.bias is None and p.kv_lens is None
-                        and p.sinks is None and p.alibi is None
-                        and (p.pages is None or not p.pages.host)  # (a CuPy table is data)
-                        and not p.dropout_p and dropout_seed is None
-                        and not p.copied)  # (a seed is checked per call, even unused)
+        # no per-call data but q, k, v and the lengths (a seed is checked per call, even unused)
+        bare_options = (p.mask is None and p.bias is None and p.sinks is None
+                        and p.alibi is None and not p.dropout_p and dropout_seed is None
+                        and not p.copied)
+        p.repeatable = (bare_options and p.kv_lens is None
+                        and (p.pages is None or not p.pages.host))  # (a CuPy table is data)
         p.plain = p.repeatable and p.lens_map is None and p.pages is None
-        p.lens_repeatable = (p.kv_lens is not None and p.mask is None and p.bias is None
-                             and p.sinks is None and p.alibi is None and p.pages is None
-                             and not p.dropout_p and dropout_seed is None and not p.copied)
+        p.lens_repeatable = bare_options and p.kv_lens is not None and p.pages is None
         bare = object.__new__(Problem)  # the cache keeps no array of the caller's
         bare.__dict__.update(p.__dict__)
         bare.q = bare.k = bare.v = bare.mask = bare.bias = bare.lens_device = bare.sinks = None
