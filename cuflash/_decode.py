@@ -47,6 +47,7 @@ cuflash._gpu.override(path="split") every Problem the kernels can run, `fits`), 
 (BH, Nq, Dv) of T, lse (BH, Nq) of the accumulator dtype, launched on the current stream without
 synchronizing), instantiations.
 """
+import operator
 import threading
 
 import numpy as np
@@ -704,6 +705,8 @@ class Plan:
         self.leader = None  # (serves)
         self.last_lens = None  # (_host_lens)
         self.width = None  # (covers)
+        self.elems = p.lens_elems  # (covers: the caller's element of each (batch, head))
+        self.by_element = None
         with p.q.device:
             self.layout = lay = layout or _Layout(p, variant)
             # capacity needs the kernel (its occupancy), the kernel needs ROWS from the grouping
@@ -747,14 +750,34 @@ class Plan:
             self.leader = leader
         return bool((lens == lens[self.leader]).all())
 
-    def covers(self, lens):
+    def covers(self, lens, values=None, elems=None):
         """Whether this plan runs host lengths `lens` (BH,): each within the span it was planned
-        for, and `serves`."""
+        for, and `serves`. `values`, `elems`: the same lengths as the caller's few values and
+        their map (Problem.lens_values, lens_elems), checked on Python ints when the map is the
+        one of the plan's Problem (a signature's calls share it)."""
+        if values is not None and elems is not None and elems is self.elems:
+            lo, hi, pairs = self.by_element or self._by_element()
+            return (all(map(operator.le, lo, values)) and all(map(operator.le, values, hi))
+                    and all(values[a] == values[b] for a, b in pairs))
         if self.width is None:  # the span as (lo, hi - lo): lo <= L <= hi in one comparison
             lo, hi = self.span or (self.sched.lens,) * 2
             self.width = (lo, (hi - lo).astype(np.uint64))
         lo, width = self.width
         return bool(((lens - lo).view(np.uint64) <= width).all()) and self.serves(lens)
+
+    def _by_element(self):
+        """covers' rule on the caller's elements: each element's span (every (batch, head) that
+        reads it was planned for its one length: the same span) and the pairs of elements that
+        `serves` needs equal (a group's members that read different ones)."""
+        self.serves(self.sched.lens)  # (sets leader)
+        lo, hi = self.span or (self.sched.lens,) * 2
+        elems = self.elems
+        first = np.zeros(int(elems.max(initial=0)) + 1, dtype=np.int64)
+        first[elems] = np.arange(elems.size, dtype=np.int64)  # (any (batch, head) that reads it)
+        pairs = tuple(sorted({(a, b) for a, b in zip(elems.tolist(), elems[self.leader].tolist())
+                              if a != b}))
+        self.by_element = (lo[first].tolist(), hi[first].tolist(), pairs)
+        return self.by_element
 
     def __call__(self, p):
         """run(p); the plan keeps the layout, not the caller's arrays."""
@@ -906,7 +929,7 @@ def _prepare(p, split, variant, layout_key):
         if plan is None:
             lens = p.kv_lens.reshape(-1)
             plan = _last.get(layout_key)  # a token loop's lengths: its last plan's span, mostly
-            if plan is None or not plan.covers(lens):
+            if plan is None or not plan.covers(lens, p.lens_values, p.lens_elems):
                 span = planned_span(lens, p.Nk)
                 key = layout_key + (span[0].tobytes(), span[1].tobytes())
                 plan = _plans.get(key)

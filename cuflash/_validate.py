@@ -71,6 +71,12 @@ class Problem:
     lens_device: Optional[Any] = None
     lens_map: Optional[np.ndarray] = None
     lens_clamped: Optional[Any] = None
+    # host kv_lens of at most LENS_VALUES_MAX elements (no pages): lens_values the caller's values
+    # as Python ints (flattened), lens_elems (BH,) the element each (batch, head) reads, so that a
+    # token loop's checks (the range, a decode plan's span) run on a few ints instead of NumPy
+    # reductions on (BH,) arrays (issue 17); None otherwise
+    lens_values: Optional[tuple] = None
+    lens_elems: Optional[np.ndarray] = None
     # the score transforms (cuflash/_modifiers.py): ((name, scalars), ...) in its table's order
     transforms: tuple = ()
     # attention sinks (cuflash/_sinks.py): sinks (BH,) float64, of q's library, each (batch,
@@ -600,6 +606,20 @@ def _check_kv_lens(fn, kv_lens, lead, Nk, lib):
     return np.ascontiguousarray(np.broadcast_to(arr.astype(np.int64), lead))
 
 
+LENS_VALUES_MAX = 64  # host kv_lens up to this size keep their values as Python ints
+
+
+def _lens_elements(arr, lead):
+    """(lens_values, lens_elems) of checked host kv_lens `arr` (Problem), (None, None) when it is
+    larger than LENS_VALUES_MAX."""
+    if arr.size > LENS_VALUES_MAX:
+        return None, None
+    index = np.arange(arr.size, dtype=np.int64).reshape(arr.shape)
+    elems = np.ascontiguousarray(np.broadcast_to(index, lead)).reshape(-1)
+    elems.flags.writeable = False
+    return tuple(arr.ravel().tolist()), elems
+
+
 def _check_lens_range(fn, arr, Nk):
     if arr.size and (arr.min() < 0 or arr.max() > Nk):
         raise ValueError(f"{fn}: kv_lens must lie in [0, Nk] = [0, {Nk}], "
@@ -1035,7 +1055,7 @@ def repeated_problem(fn, q, k, v, scale, causal, align, precision, dropout_p, kv
         kv_lens = _per_sequence_lens(kv_lens, q.shape[0])
     p = known.with_arrays(q, k, v, None, None, kv_lens, None, None, block_table)
     if host_lens:
-        p.kv_lens, p.key = _with_host_lens(fn, known, kv_lens)
+        p.kv_lens, p.key, p.lens_values = _with_host_lens(fn, known, kv_lens)
     return p
 
 
@@ -1094,7 +1114,7 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
             p = known.with_arrays(q, k, v, mask, bias, kv_lens, sinks, alibi_slopes,
                                   block_table, seed)
             if known.kv_lens is not None:
-                p.kv_lens, p.key = _with_host_lens(fn, known, kv_lens)
+                p.kv_lens, p.key, p.lens_values = _with_host_lens(fn, known, kv_lens)
             return p
     p = _make_problem(q, k, v, scale=scale, causal=causal, align=align, window=window,
                       mask=mask, bias=bias, kv_lens=kv_lens, positions=positions,
@@ -1126,27 +1146,34 @@ def problem(fn, q, k, v, scale, causal, align, window, mask, bias, kv_lens, posi
 
 
 def _with_host_lens(fn, known, kv_lens):
-    """(kv_lens, key) of a call whose signature `known` has, with host kv_lens: their values
-    checked as `_check_kv_lens` checks them, and a key per (signature, values), the signature's
-    own for the values it was made with."""
+    """(kv_lens, key, lens_values) of a call whose signature `known` has, with host kv_lens:
+    their values checked as `_check_kv_lens` checks them, a key per (signature, values), the
+    signature's own for the values it was made with, and the values as Python ints where the
+    signature keeps them (Problem.lens_values)."""
     arr = np.asarray(kv_lens)  # (its type, dtype and shape are the signature's: checked)
     values = arr.tobytes()
 
     def check():
         lens = np.empty(known.lead, dtype=np.int64)
         lens[...] = arr  # (broadcast: the signature checked arr's shape)
-        if lens.size and lens.view(np.uint64).max() > known.Nk:  # (a negative one: above 2**63)
-            _check_lens_range(fn, arr, known.Nk)  # (raises, naming the range)
+        if known.lens_elems is not None:  # a few values: their range on Python ints
+            ints = tuple(arr.ravel().tolist())
+            if ints and (min(ints) < 0 or max(ints) > known.Nk):
+                _check_lens_range(fn, arr, known.Nk)  # (raises, naming the range)
+        else:
+            ints = None
+            if lens.size and lens.view(np.uint64).max() > known.Nk:  # (negative: above 2**63)
+                _check_lens_range(fn, arr, known.Nk)
         if lens.tobytes() == known.kv_lens.tobytes():
-            return known.kv_lens, known.key
+            return known.kv_lens, known.key, known.lens_values
         lens.flags.writeable = False
-        return lens, next(_key_numbers)
+        return lens, next(_key_numbers), ints
 
     return _host_lens.build((known.key, values), check)
 
 
 # (signature number, the caller's kv_lens bytes: dtype and shape are the signature's) ->
-# (kv_lens checked, Problem.key)
+# (kv_lens checked, Problem.key, lens_values)
 _host_lens = _memo.Memo(256)
 
 
@@ -1213,12 +1240,15 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     bias_shape, bias_dtype = (None, None) if bias is None else (tuple(bias.shape), bias.dtype)
     bias = _check_bias(fn, bias, full, lib, acc_dtype)
     dbias = _check_return_dbias(fn, return_dbias, bias)
-    lens_device = lens_map = None
+    lens_device = lens_map = lens_values = lens_elems = None
     if lib == "cupy" and _library(kv_lens) == "cupy":  # read on the device: no synchronization
         lens_map = _check_device_lens(fn, kv_lens, lead, device)
         lens_device, kv_lens = kv_lens, None  # (clamped on demand: clamped_lens)
     else:
+        given_lens = kv_lens
         kv_lens = _check_kv_lens(fn, kv_lens, lead, Nk, lib)
+        if kv_lens is not None and pages is None:
+            lens_values, lens_elems = _lens_elements(np.asarray(given_lens), lead)
     precision = _check_precision(fn, precision)
     # ALiBi's scalar: the positions' offset of the aligned position (its slopes are per head)
     alibi = _check_alibi(fn, alibi_slopes, lead, lib, device)
@@ -1247,6 +1277,7 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
                    left=left, right=right, mask=mask, bias=bias, kv_lens=kv_lens,
                    q_map=maps[0], k_map=maps[1], v_map=maps[2], copied=copied,
                    precision=precision, lens_device=lens_device, lens_map=lens_map,
+                   lens_values=lens_values, lens_elems=lens_elems,
                    transforms=transforms, sinks=_sinks_per_head(xp, q, sinks, lead),
                    sinks_shape=sinks_shape, sinks_dtype=sinks_dtype,
                    alibi=_sinks_per_head(xp, q, alibi_slopes, lead), pages=pages, dbias=dbias,

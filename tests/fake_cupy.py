@@ -659,7 +659,7 @@ def _renumber(events, first_new):
     return walk(events)
 
 
-def profile_case(name, calls=3000):
+def profile_case(name, calls=3000, sort="tottime"):
     import cProfile
     import pstats
     cupy = install()
@@ -673,7 +673,7 @@ def profile_case(name, calls=3000):
             fn()
         prof.disable()
         print(f"---- {name} {fn.__name__}")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats(sort).print_stats(25)
 
 
 def main():
@@ -688,13 +688,14 @@ def main():
     p = sub.add_parser("profile")
     p.add_argument("case")
     p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--sort", default="tottime", help="pstats order (tottime, cumulative, ...)")
     a = ap.parse_args()
     if a.cmd == "time":
         time_cases(a.cases, a.calls)
     elif a.cmd == "trace":
         trace_cases(a.out, a.cases)
     else:
-        profile_case(a.case, a.calls)
+        profile_case(a.case, a.calls, a.sort)
 
 
 if __name__ == "__main__":

@@ -80,15 +80,18 @@ def test_host_kv_lens_arrays_take_the_short_way(rng, monkeypatch):
     q, k, v = _qkv(rng)
     Nk = k.shape[-2]
     cuflash.attention(q, k, v, kv_lens=np.array([[6], [7]]))
+    cuflash.attention(q, k, v, kv_lens=np.array([[6], [7]], dtype=np.uint64))
 
     def whole_way(*a, **kw):
         raise AssertionError("took the whole way")
     monkeypatch.setattr(_validate, "problem", whole_way)
     lengths = ([[5], [0]], [[Nk], [1]], [[6], [7]])
     outs = [cuflash.attention(q, k, v, kv_lens=np.array(lens)) for lens in lengths]
-    for bad in ([[-1], [0]], [[0], [Nk + 1]], [[-2**62], [2**62]]):
+    bad_lens = [np.array(x) for x in ([[-1], [0]], [[0], [Nk + 1]], [[-2**62], [2**62]])]
+    bad_lens.append(np.array([[2**63 + 5], [1]], dtype=np.uint64))  # (negative as an int64)
+    for bad in bad_lens:
         with pytest.raises(ValueError, match=r"^attention: kv_lens must lie in \[0, Nk\]"):
-            cuflash.attention(q, k, v, kv_lens=np.array(bad))
+            cuflash.attention(q, k, v, kv_lens=bad)
     monkeypatch.undo()
     for out, lens in zip(outs, lengths):
         ref = reference.attention(q, k, v, kv_lens=np.array(lens))

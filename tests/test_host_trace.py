@@ -410,3 +410,49 @@ def test_a_token_loop_keeps_its_plan_while_it_covers_the_lengths():
     assert run.returncode == 0, run.stdout + run.stderr
     changes, inside, n_plans = json.loads(run.stdout)
     assert changes == [0, 89] and all(inside) and n_plans == 2
+
+_COVERS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import fake_cupy
+cupy = fake_cupy.install()
+import cuflash
+from cuflash import _decode, _validate
+rng = np.random.default_rng(3)
+# k and v shared by the 4 sequences: sequences of one length share a group (group_heads), so a
+# plan's groups span several of the caller's elements
+q, k, v = fake_cupy._inputs(cupy, 4, 8, 2, 1, 4096, 128)
+k, v = k[:1], v[:1]
+results, pairs = [], []
+for start in ([[1000], [1000], [3000], [3000]], [[500], [2500], [2500], [40]]):
+    lens = np.array(start)
+    p0 = _validate.make_problem(q, k, v, kv_lens=lens)
+    span = _decode.planned_span(p0.kv_lens.reshape(-1), 4096)  # (a token loop's plan)
+    plan = _decode.Plan(p0, span=span)
+    for _ in range(300):
+        new = lens + rng.integers(-150, 150, size=lens.shape)
+        if rng.random() < 0.5:  # equal neighbours, as the plan's groups need
+            new[1] = new[0]
+        new = np.clip(new, 0, 4096)
+        p = _validate.make_problem(q, k, v, kv_lens=new)
+        assert p.lens_elems is p0.lens_elems and p.lens_values == tuple(new.ravel().tolist())
+        flat = p.kv_lens.reshape(-1)
+        fast = plan.covers(flat, p.lens_values, p.lens_elems)
+        results.append([fast, plan.covers(flat)])
+    pairs.append(len(plan.by_element[2]))
+print(json.dumps([results, pairs]))
+"""
+
+
+def test_a_plan_covers_the_callers_few_lengths_as_its_own():
+    """Plan.covers on the caller's few kv_lens values (Python ints, Problem.lens_values) answers
+    as on the (batch, head) lengths: each length within its span, and the members of each group
+    (here groups of two sequences that share k, v and a length) still of one length."""
+    run = subprocess.run([sys.executable, "-c", _COVERS, str(FAKE.parent)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results, pairs = json.loads(run.stdout)
+    assert all(fast == slow for fast, slow in results)
+    assert any(fast for fast, _ in results) and not all(fast for fast, _ in results)
+    assert min(pairs) > 0  # (groups span elements: the equality rule is exercised)
