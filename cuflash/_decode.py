@@ -797,11 +797,12 @@ class Plan:
         # ws_ml: each partial's (max, sum). With splits its own allocation: the caller may keep
         # out and lse (a token loop's outputs), which would keep a workspace carved with them
         # alive; without, it is a row's worth, carved with them.
+        bare = 1 if p.lse_unused else None  # (lse as a pointer: the caller drops it)
         if self.split_any:
-            out, lse = _runtime.carved(self.carving)
+            out, lse = _runtime.carved(self.carving, bare)
             ws_out, ws_ml = _runtime.carved(self.ws_carving)
         else:
-            out, lse, ws_out, ws_ml = _runtime.carved(self.carving)
+            out, lse, ws_out, ws_ml = _runtime.carved(self.carving, bare)
         counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
         head = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters)
         if self.plain_tail is not None and p.plain:
@@ -831,7 +832,7 @@ class Plan:
         values = kv_lens.tobytes()
         last = self.last_lens
         if last is None or last[0] != values:
-            last = self.last_lens = (values, _runtime.upload(kv_lens.reshape(-1)))
+            last = self.last_lens = (values, _runtime.upload(kv_lens.reshape(-1), pointer=True))
         return last[1]
 
     def _tail(self, scalars, lens, mask, bias, table):

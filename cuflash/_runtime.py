@@ -261,14 +261,16 @@ def carve(*specs):
     return carved(carving(*specs))
 
 
-def carved(carving):
-    """The buffers of a carving (`_carving`): one allocation of CuPy's pool."""
+def carved(carving, bare=None):
+    """The buffers of a carving (`_carving`): one allocation of CuPy's pool. `bare`: the index of
+    a part given as its MemoryPointer although it has a shape (an output the caller drops: a
+    forward's lse without return_lse, Problem.lse_unused; an ndarray costs a microsecond)."""
     total, parts = carving
     mem = _cuda().alloc(total)
     buffers = []
-    for at, shape, dtype in parts:
+    for n, (at, shape, dtype) in enumerate(parts):
         ptr = mem + at if at else mem
-        if shape is None:
+        if shape is None or n == bare:
             buffers.append(ptr)
         else:
             buf = _cupy().ndarray(shape, dtype, memptr=ptr)
@@ -334,19 +336,21 @@ def on_device(host):
     return table
 
 
-def upload(host):
+def upload(host, pointer=False):
     """A new device copy of a host array, enqueued on the current stream without waiting for it
     (tests/test_gpu.py test_new_host_kv_lens_do_not_wait_for_the_stream), through one of
     `_staging`'s pinned buffers: cupy.asarray stages a copy too, at about three times the host
     time (measured: a token loop's lengths, issue 17). Beyond a buffer's size, and under CUDA
     graph capture, cupy.asarray (which refuses there: a captured copy would read the buffer
-    again at every replay)."""
+    again at every replay). `pointer`: the copy as a MemoryPointer (a kernel argument), not an
+    ndarray."""
     cupy = _cupy()
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
     n = host.nbytes
     if n == 0 or n > _STAGING_MAX_BYTES or capturing():
-        return cupy.asarray(host)
+        out = cupy.asarray(host)
+        return out.data if pointer else out
     with _lock:
         ring = _staging.setdefault(current_device(), [])
         if ring and ring[0][2].done:  # the oldest copy through the ring has run
@@ -356,12 +360,13 @@ def upload(host):
             slot = (mem, np.frombuffer(mem, np.uint8, _STAGING_MAX_BYTES),
                     cupy.cuda.Event(block=False, disable_timing=True))
         else:  # the stream is that many copies behind
-            return cupy.asarray(host)
+            out = cupy.asarray(host)
+            return out.data if pointer else out
         mem, staged, event = slot
         staged[:n] = host.reshape(-1).view(np.uint8)
-        out = cupy.empty(host.shape, host.dtype)
+        out = cupy.cuda.alloc(n) if pointer else cupy.empty(host.shape, host.dtype)
         stream = cupy.cuda.get_current_stream()
-        out.data.copy_from_host_async(ctypes.c_void_p(mem.ptr), n, stream)
+        (out if pointer else out.data).copy_from_host_async(ctypes.c_void_p(mem.ptr), n, stream)
         event.record(stream)
         ring.append(slot)
     return out
@@ -692,8 +697,9 @@ class Launch:
     def _check(self, args):
         packed, layout = self._layout(args)
         ends = [off for _, off, _ in layout[1:]] + [len(packed)]
-        if (len(packed) != len(self.packed)
-                or [mp for *_, mp in layout] != [mp for *_, mp in self.layout]
+        def kinds(layout):  # (an array or a memory pointer: an address either way)
+            return ["address" if mp is True or mp is False else mp for *_, mp in layout]
+        if (len(packed) != len(self.packed) or kinds(layout) != kinds(self.layout)
                 or any(packed[off:end] != self.packed[off:end]
                        for (_, off, mp), end in zip(layout, ends) if mp is None)):
             raise AssertionError(f"cuflash: a layout parameter of {self.kern.name} changed "
@@ -715,10 +721,18 @@ class Launch:
             elif CHECK_LAUNCHES:
                 self._check(args)
             words = self.buf
+            # (an address slot takes an array or a memory pointer, whichever the first call
+            # passed: a forward's lse is either, Problem.lse_unused)
             for i, w in self.array_slots:
-                words[w] = args[i].data.ptr
+                try:
+                    words[w] = args[i].data.ptr
+                except AttributeError:
+                    words[w] = args[i].ptr
             for i, w in self.pointer_slots:
-                words[w] = args[i].ptr
+                try:
+                    words[w] = args[i].ptr
+                except AttributeError:
+                    words[w] = args[i].data.ptr
             for n, (i, start, end) in enumerate(self.structs):
                 if args[i] is not self.written[n]:  # (a layout's AttnArgs is one object)
                     self.bytes[start:end] = np.frombuffer(args[i].tobytes(), dtype=np.uint8)

@@ -77,6 +77,9 @@ class Problem:
     # reductions on (BH,) arrays (issue 17); None otherwise
     lens_values: Optional[tuple] = None
     lens_elems: Optional[np.ndarray] = None
+    # this call's caller drops lse (attention without return_lse, on the short way): the paths
+    # with a prepared forward (decode, fwd_mma, fwd_wgmma) then give it as a bare MemoryPointer
+    lse_unused: bool = False
     # the score transforms (cuflash/_modifiers.py): ((name, scalars), ...) in its table's order
     transforms: tuple = ()
     # attention sinks (cuflash/_sinks.py): sinks (BH,) float64, of q's library, each (batch,

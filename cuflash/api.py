@@ -572,6 +572,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
                                                  precision, dropout_p, kv_lens, block_table,
                                                  softcap)
             if problem is not None:
+                problem.lse_unused = not return_lse  # (its own Problem: with_arrays' copy)
                 out, lse = _forward(problem)
                 return (out, lse) if return_lse else out
         names = locals()  # (one snapshot of the arguments: each costs a small call's time)

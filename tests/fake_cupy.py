@@ -556,11 +556,11 @@ def _calls(cupy, case, shrink=False):
         options["block_table"] = cupy.empty((B, Nk // size), np.int32)
         options["kv_lens"] = cupy.empty((B,), np.int64)  # (per sequence, as with a table)
 
-    def fwd():
+    def fwd(return_lse=False):  # (a loop's call; the first keeps lse for the backward)
         if grow:
             options["kv_lens"] = options["kv_lens"] + 1  # (a new array, as a loop would make)
-        return cuflash.attention(q, k, v, return_lse=True, **options)
-    out, lse = fwd()
+        return cuflash.attention(q, k, v, return_lse=return_lse, **options)
+    out, lse = fwd(True)
     dout = cupy.empty(out.shape, out.dtype)
 
     def bwd():
