@@ -427,9 +427,11 @@ class _Backward:
         # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq's float32
         # sums; the lost-row kernels' per-row doubles. The gradients in the caller's leading
         # shape (the kernels read pointers, and the caller's reshapes are then none).
-        padded, lead = ((BH, r.nq_pad), np.float32), p.lead
+        # (the kernels' own buffers: pointers, not arrays)
+        padded, lead = ((BH, r.nq_pad), np.float32, _runtime.POINTER), p.lead
         self.scratch = _runtime.carving(padded, padded, BH * -(-Nq // 32) * 4,
-                                        (lead + (Nq, p.Dk), np.float32), *self.lost.scratch)
+                                        (lead + (Nq, p.Dk), np.float32, _runtime.POINTER),
+                                        *self.lost.scratch)
         self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
                                       (lead + (Nk, p.Dk), r.kv_dtype),
                                       (lead + (Nk, p.Dv), r.kv_dtype))

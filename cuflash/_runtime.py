@@ -255,22 +255,27 @@ def carve(*specs):
     """Uninitialized device buffers carved from one allocation of CuPy's pool (a pool call and
     an ndarray cost microseconds each, and a small call's host time is what it costs: issue 17):
     per spec, a (shape, dtype) gives a C-contiguous ndarray, NaN-filled under
-    override(poison=True), a byte count a MemoryPointer (a kernel-only workspace: kernels read
-    pointers; never poisoned, like the flags and partials it holds, which the kernels read only
-    where they wrote them)."""
+    override(poison=True), a (shape, dtype, POINTER) its MemoryPointer (a kernel-only buffer that
+    the kernels must fill: poisoned the same), a byte count a MemoryPointer (a kernel-only
+    workspace: kernels read pointers; never poisoned, like the flags and partials it holds, which
+    the kernels read only where they wrote them)."""
     return carved(carving(*specs))
 
 
 def carved(carving, bare=None):
     """The buffers of a carving (`_carving`): one allocation of CuPy's pool. `bare`: the index of
     a part given as its MemoryPointer although it has a shape (an output the caller drops: a
-    forward's lse without return_lse, Problem.lse_unused; an ndarray costs a microsecond)."""
+    forward's lse without return_lse, Problem.lse_unused; an ndarray costs a microsecond), as
+    are the parts specified with POINTER (a kernel-only buffer); both NaN-filled like the arrays
+    under override(poison=True)."""
     total, parts = carving
     mem = _cuda().alloc(total)
     buffers = []
-    for n, (at, shape, dtype) in enumerate(parts):
+    for n, (at, shape, dtype, pointer) in enumerate(parts):
         ptr = mem + at if at else mem
-        if shape is None or n == bare:
+        if pointer or n == bare:
+            if shape is not None and _overrides.poison:
+                _poison(_cupy().ndarray(shape, dtype, memptr=ptr))
             buffers.append(ptr)
         else:
             buf = _cupy().ndarray(shape, dtype, memptr=ptr)
@@ -283,16 +288,21 @@ def carved(carving, bare=None):
 _carvings = _memo.Memo(256)  # specs -> carving
 
 
+POINTER = "pointer"  # a carve spec's third item: the buffer as its MemoryPointer (`carved`)
+
+
 def _carving(specs):
-    """(total bytes, [(byte offset, shape or None, dtype or None)]) of carve's specs."""
+    """(total bytes, [(byte offset, shape or None, dtype or None, as a pointer)]) of carve's
+    specs."""
     parts, at = [], 0
     for spec in specs:
         if isinstance(spec, (int, np.integer)):
-            size, shape, dtype = int(spec), None, None
+            size, shape, dtype, pointer = int(spec), None, None, True
         else:
             shape, dtype = tuple(spec[0]), np.dtype(spec[1])
             size = math.prod(shape) * dtype.itemsize
-        parts.append((at, shape, dtype))
+            pointer = spec[2:] == (POINTER,)
+        parts.append((at, shape, dtype, pointer))
         at += _aligned(size)
     return at, tuple(parts)
 
