@@ -739,16 +739,20 @@ class Plan:
             self.table = table
             self.split_any = sched.split_any
 
-    def serves(self, lens):
-        """Whether this plan runs host lengths `lens` (BH,) of its span: each of its groups'
-        members still shares one length (the kernels read the group's first)."""
-        if self.leader is None:  # each (batch, head)'s group's first member
+    def _leader(self):
+        """Each (batch, head)'s group's first member (BH,), made once."""
+        if self.leader is None:
             g = self.sched.groups
             leader = np.arange(self.sched.lens.shape[0], dtype=np.int64)
             members = g >= 0
             leader[g[members]] = np.broadcast_to(g[:, :1], g.shape)[members]
             self.leader = leader
-        return bool((lens == lens[self.leader]).all())
+        return self.leader
+
+    def serves(self, lens):
+        """Whether this plan runs host lengths `lens` (BH,) of its span: each of its groups'
+        members still shares one length (the kernels read the group's first)."""
+        return bool((lens == lens[self._leader()]).all())
 
     def covers(self, lens, values=None, elems=None):
         """Whether this plan runs host lengths `lens` (BH,): each within the span it was planned
@@ -769,13 +773,12 @@ class Plan:
         """covers' rule on the caller's elements: each element's span (every (batch, head) that
         reads it was planned for its one length: the same span) and the pairs of elements that
         `serves` needs equal (a group's members that read different ones)."""
-        self.serves(self.sched.lens)  # (sets leader)
         lo, hi = self.span or (self.sched.lens,) * 2
         elems = self.elems
         first = np.zeros(int(elems.max(initial=0)) + 1, dtype=np.int64)
         first[elems] = np.arange(elems.size, dtype=np.int64)  # (any (batch, head) that reads it)
-        pairs = tuple(sorted({(a, b) for a, b in zip(elems.tolist(), elems[self.leader].tolist())
-                              if a != b}))
+        pairs = tuple(sorted({(a, b) for a, b in zip(elems.tolist(),
+                                                     elems[self._leader()].tolist()) if a != b}))
         self.by_element = (lo[first].tolist(), hi[first].tolist(), pairs)
         return self.by_element
 
@@ -797,12 +800,11 @@ class Plan:
         # ws_ml: each partial's (max, sum). With splits its own allocation: the caller may keep
         # out and lse (a token loop's outputs), which would keep a workspace carved with them
         # alive; without, it is a row's worth, carved with them.
-        bare = 1 if p.lse_unused else None  # (lse as a pointer: the caller drops it)
         if self.split_any:
-            out, lse = _runtime.carved(self.carving, bare)
+            out, lse = _runtime.carved_outputs(self.carving, p)
             ws_out, ws_ml = _runtime.carved(self.ws_carving)
         else:
-            out, lse, ws_out, ws_ml = _runtime.carved(self.carving, bare)
+            out, lse, ws_out, ws_ml = _runtime.carved_outputs(self.carving, p)
         counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile
         head = (p.q, p.k, p.v, out, lse, ws_out, ws_ml, counters)
         if self.plain_tail is not None and p.plain:

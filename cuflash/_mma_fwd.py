@@ -204,7 +204,7 @@ class _Forward:
 
     def __call__(self, p):
         _, _, tail = self.args(p)
-        out, lse = _runtime.carved(self.carving, 1 if p.lse_unused else None)
+        out, lse = _runtime.carved_outputs(self.carving, p)
         self.launch((p.q, p.k, p.v, out, lse) + tail + (self.lost, _runtime.ptr(p.sinks))
                     + _runtime.dropout_args(p))
         return out, lse

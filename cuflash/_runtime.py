@@ -327,6 +327,13 @@ def output_carving(p, *workspace):
 _output_carvings = _memo.Memo(256)  # (Problem.layout_key,) + workspace sizes -> carving
 
 
+def carved_outputs(carving, p):
+    """The buffers of an `output_carving` for p's call: out, lse, then the workspaces, lse as its
+    bare MemoryPointer when the caller drops it (Problem.lse_unused: an ndarray costs a
+    microsecond; the prepared forwards take this)."""
+    return carved(carving, 1 if p.lse_unused else None)
+
+
 _TABLE_CACHE_SIZE = 256
 _TABLE_CACHE_MAX_BYTES = 1 << 20
 _tables = {}
@@ -695,8 +702,7 @@ class Launch:
         self.params = self.pointers.ctypes.data  # (a ctypes view per access costs a microsecond)
         self.slots = tuple((i, off // 8, mp) for i, off, mp in self.layout
                            if mp is not None and mp != "struct")
-        self.array_slots = tuple((i, w) for i, w, mp in self.slots if not mp)
-        self.pointer_slots = tuple((i, w) for i, w, mp in self.slots if mp)
+        self.address_slots = tuple((i, w) for i, w, _ in self.slots)
         self.bytes = self.buf.view(np.uint8)
         self.structs = tuple((i, off, off + args[i].dtype.itemsize)
                              for i, off, mp in self.layout if mp == "struct")
@@ -730,19 +736,12 @@ class Launch:
                 self._build(args)
             elif CHECK_LAUNCHES:
                 self._check(args)
-            words = self.buf
+            words, pointer = self.buf, cuda.MemoryPointer
             # (an address slot takes an array or a memory pointer, whichever the first call
             # passed: a forward's lse is either, Problem.lse_unused)
-            for i, w in self.array_slots:
-                try:
-                    words[w] = args[i].data.ptr
-                except AttributeError:
-                    words[w] = args[i].ptr
-            for i, w in self.pointer_slots:
-                try:
-                    words[w] = args[i].ptr
-                except AttributeError:
-                    words[w] = args[i].data.ptr
+            for i, w in self.address_slots:
+                x = args[i]
+                words[w] = x.ptr if isinstance(x, pointer) else x.data.ptr
             for n, (i, start, end) in enumerate(self.structs):
                 if args[i] is not self.written[n]:  # (a layout's AttnArgs is one object)
                     self.bytes[start:end] = np.frombuffer(args[i].tobytes(), dtype=np.uint8)

@@ -620,7 +620,13 @@ def _lens_elements(arr, lead):
     index = np.arange(arr.size, dtype=np.int64).reshape(arr.shape)
     elems = np.ascontiguousarray(np.broadcast_to(index, lead)).reshape(-1)
     elems.flags.writeable = False
-    return tuple(arr.ravel().tolist()), elems
+    return _lens_ints(arr), elems
+
+
+def _lens_ints(arr):
+    """Host kv_lens' values as Python ints, flattened (Problem.lens_values): exact for every
+    integer dtype, so the range check on them needs no int64 view."""
+    return tuple(arr.ravel().tolist())
 
 
 def _check_lens_range(fn, arr, Nk):
@@ -1160,7 +1166,7 @@ def _with_host_lens(fn, known, kv_lens):
         lens = np.empty(known.lead, dtype=np.int64)
         lens[...] = arr  # (broadcast: the signature checked arr's shape)
         if known.lens_elems is not None:  # a few values: their range on Python ints
-            ints = tuple(arr.ravel().tolist())
+            ints = _lens_ints(arr)
             if ints and (min(ints) < 0 or max(ints) > known.Nk):
                 _check_lens_range(fn, arr, known.Nk)  # (raises, naming the range)
         else:

@@ -330,7 +330,7 @@ class _Forward:
     def __call__(self, p):
         launch = _launch(p, self.dims)
         kv_lens, offsets, _ = self.args(p)
-        out, lse = _runtime.carved(self.carving, 1 if p.lse_unused else None)
+        out, lse = _runtime.carved_outputs(self.carving, p)
         # the classes table must live until the launch is enqueued
         classes, _table = (_mask_tiles.classify(p, self.block_m, self.tile.block_n)
                            if launch.mb == MB_CLASSES else (_mask_tiles.NO_CLASSES, None))
