@@ -184,7 +184,7 @@ def tc_fits(p):
 # ---- kernels (compiled by cuflash._runtime) and their occupancy --------------------------------
 _lock = threading.Lock()
 _per_sm = {}      # id(kernel) -> resident blocks per SM
-_counters = {}    # (device, stream ptr) -> cupy uint32 array, all zeros between launches
+_counters = {}    # _runtime.stream_key() -> uint32 array, zeros between launches
 
 
 def _kernel(expr, dyn_smem=0):
@@ -215,19 +215,21 @@ def _blocks_per_sm(func, dyn_smem=0):
 
 
 def _counter_buffer(n):
-    """Per (device, stream) zeroed counters; the kernels reset every counter they use to 0 (the
-    merge counter of each split tile: its last block)."""
-    key = (_runtime.current_device(), _runtime.current_stream())
+    """Zeroed merge counters (one per split row tile) for a launch. The kernels reset every counter
+    they use to 0 (a tile's last block), so launches that follow each other on one stream share a
+    buffer (_runtime.stream_key). Under CUDA graph capture a buffer of the graph's own: a graph may
+    replay on another stream beside this stream's calls, or beside another graph captured here,
+    and launches that run at once must not count in one buffer."""
+    if _runtime.capture_keeping():
+        return _runtime.zeros((max(n, 1),), np.uint32)  # (kept for the graph)
+    key = _runtime.stream_key()
     buf = _counters.get(key)
     if buf is not None and buf.size >= n:
         return buf
-    import cupy
-
     with _lock:
         buf = _counters.get(key)
         if buf is None or buf.size < n:
-            buf = cupy.zeros(max(n, 1024), dtype=np.uint32)
-            _counters[key] = buf
+            buf = _counters[key] = _runtime.zeros((max(n, 1024),), np.uint32)  # (room to grow)
         return buf
 
 
@@ -796,13 +798,12 @@ class Plan:
         p = self.p if p is None else p  # (not kept: threads may share the plan)
         if self.scalars is None:  # the layout's: the same for every call of the Plan
             self._first_run(p)
-        # per-call workspace (from CuPy's pool): concurrent calls on other streams never share;
-        # ws_ml: each partial's (max, sum). With splits its own allocation: the caller may keep
-        # out and lse (a token loop's outputs), which would keep a workspace carved with them
-        # alive; without, it is a row's worth, carved with them.
+        # the workspace (ws_ml: each partial's (max, sum)): with splits the stream's scratch
+        # (calls on other streams never share it), not carved with out and lse, which the caller
+        # may keep (a token loop's outputs); without, a row's worth carved with them
         if self.split_any:
             out, lse = _runtime.carved_outputs(self.carving, p)
-            ws_out, ws_ml = _runtime.carved(self.ws_carving)
+            ws_out, ws_ml = _runtime.stream_scratch(self.ws_carving)
         else:
             out, lse, ws_out, ws_ml = _runtime.carved_outputs(self.carving, p)
         counters = _counter_buffer(self.n_tiles)  # one merge counter per row tile

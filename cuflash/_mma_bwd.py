@@ -446,7 +446,7 @@ class _Backward:
         dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
         if lse.dtype != np.float32 or not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
-        lse2, delta, lost_flags, dq, stats = _runtime.carved(self.scratch)
+        lse2, delta, lost_flags, dq, stats = _runtime.stream_scratch(self.scratch)
         # (with dQ atomics prep zeroes dq, which they add into)
         r.prep((dout, out, lse, lse2, delta) + r.sizes
                + (r.lost, lost_flags, _runtime.NULL if deterministic else dq, self.dk))

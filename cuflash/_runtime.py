@@ -242,6 +242,11 @@ def empty(shape, dtype):
     return buf
 
 
+def zeros(shape, dtype):
+    """A zero-filled device buffer (a device fill: under stream capture, part of the graph)."""
+    return _cupy().zeros(shape, dtype=dtype)
+
+
 def _aligned(nbytes):
     return -(-nbytes // 256) * 256
 
@@ -269,7 +274,10 @@ def carved(carving, bare=None):
     are the parts specified with POINTER (a kernel-only buffer); both NaN-filled like the arrays
     under override(poison=True)."""
     total, parts = carving
-    mem = _cuda().alloc(total)
+    return _parts(_cuda().alloc(total), parts, bare)
+
+
+def _parts(mem, parts, bare):
     buffers = []
     for n, (at, shape, dtype, pointer) in enumerate(parts):
         ptr = mem + at if at else mem
@@ -286,6 +294,57 @@ def carved(carving, bare=None):
 
 
 _carvings = _memo.Memo(256)  # specs -> carving
+
+STREAM_SCRATCH_MAX = 64 << 20  # bytes of scratch a stream keeps between calls (stream_scratch)
+
+
+def stream_key():
+    """The key of buffers that a thread's calls on the current stream share: (device, stream
+    handle, thread). One thread's launches on one stream run in the order it enqueued them, and
+    a call enqueues all of its launches before the thread's next call: buffers that only the
+    launches of one call use are free again for the next. (The thread is part of the key since
+    two threads' calls on one stream, the default one say, interleave their launches; it also
+    tells apart the streams of the per-thread default stream's one handle.)"""
+    return (current_device(), current_stream(), threading.get_ident())
+
+
+class _StreamScratch:
+    """One stream's scratch: an allocation that launches following each other on the stream
+    reuse (none runs beside another), and the buffers of each carving in it."""
+
+    def __init__(self, nbytes):
+        self.buf = zeros((nbytes,), np.uint8)  # (made once: zeroed, like any cached state)
+        self.mem = self.buf.data
+        self.nbytes = nbytes
+        self.parts = {}
+
+    def carved(self, carving):
+        parts = self.parts.get(carving)
+        if parts is None:
+            assert all(pointer for *_, pointer in carving[1]), "stream scratch: pointers only"
+            parts = self.parts[carving] = _parts(self.mem, carving[1], None)
+        return parts
+
+
+_stream_scratch = {}  # stream_key() -> _StreamScratch
+
+
+def stream_scratch(carving):
+    """The buffers of a carving of kernel-only buffers (the kernels write each before they read
+    it), from the current stream's scratch: a repeated call allocates nothing. Under stream
+    capture (a graph may replay beside this stream's launches), beyond STREAM_SCRATCH_MAX bytes
+    and under override(poison=True), the carving's own allocation (`carved`)."""
+    total = carving[0]
+    if _capture.keeping or total > STREAM_SCRATCH_MAX or _overrides.poison:
+        return carved(carving)
+    key = stream_key()
+    scratch = _stream_scratch.get(key)
+    if scratch is None or scratch.nbytes < total:
+        with _lock:
+            scratch = _stream_scratch.get(key)
+            if scratch is None or scratch.nbytes < total:
+                scratch = _stream_scratch[key] = _StreamScratch(total)
+    return scratch.carved(carving)
 
 
 POINTER = "pointer"  # a carve spec's third item: the buffer as its MemoryPointer (`carved`)
@@ -475,6 +534,11 @@ class _Capture(threading.local):
 
 
 _capture = _Capture()
+
+
+def capture_keeping():
+    """Whether this thread's public call runs under stream capture (graph_safe)."""
+    return _capture.keeping
 
 
 def keep_captured(args):

@@ -954,3 +954,42 @@ def test_decode_huge_float16_logits(force, rng, override):
     # lse ~ 1e9: float32 holds it to a relative 2^-24 per rounding
     lse64 = to_host(lse).astype(np.float64)
     assert np.all(np.abs(lse64 - ref_lse) <= 2.0 ** -20 * np.abs(ref_lse))
+
+
+def test_threads_on_one_stream_share_no_scratch(rng):
+    """Two threads calling the backward (four launches per call) and the split decode on one
+    stream at once: their calls' launches interleave on the stream, so the scratch a thread's
+    calls reuse (_runtime.stream_scratch, the decode counters) is that thread's own. Every call
+    gives the bits of a call made alone (the backward deterministic)."""
+    import threading
+
+    import cupy
+    q, k, v, dout = (to_array(cupy, rng.standard_normal((2, 4, 256, 64)), np.float16)
+                     for _ in range(4))
+    qd, kd, vd = (to_array(cupy, rng.standard_normal(s), np.float16)
+                  for s in ((1, 32, 1, 128), (1, 8, 16384, 128), (1, 8, 16384, 128)))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+
+    def calls():
+        return (cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                           deterministic=True)
+                + (cuflash.attention(qd, kd, vd),))
+
+    want = [to_host(x) for x in calls()]
+    got, start = [], threading.Barrier(2)
+
+    def worker():
+        start.wait()
+        mine = [calls() for _ in range(20)]
+        cupy.cuda.get_current_stream().synchronize()
+        got.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 40
+    for result in got:
+        for x, w in zip(result, want):
+            assert np.array_equal(to_host(x), w)

@@ -223,6 +223,38 @@ def test_a_graph_keeps_its_host_kv_lens(rng):
     cuflash.release_graph_memory()
 
 
+def test_a_graph_replays_beside_eager_calls(rng):
+    """Regression (found by reading): the split decode kernels count each row tile's finished
+    blocks in zeroed counters that a stream's launches shared, so a graph captured on one stream
+    and replayed on another beside that stream's eager calls counted in the same buffer (a tile
+    merged before its partials were written). A captured call now has counters of its own: the
+    replays and the eager calls, run at once, all give the first call's bits."""
+    import cupy
+    B, H, Hkv, Nk, D = 1, 32, 8, 16384, 128  # one sequence: every row tile split many ways
+    q, k, v = (to_array(cupy, rng.standard_normal(s), dtype_of("bfloat16"))
+               for s in ((B, H, 1, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with first:
+        want = to_host(cuflash.attention(q, k, v))
+        first.synchronize()
+        first.begin_capture()
+        try:
+            captured = cuflash.attention(q, k, v)
+        finally:
+            graph = first.end_capture()
+        eager, replays = [], []
+        for _ in range(30):
+            graph.launch(second)
+            eager.append(cuflash.attention(q, k, v))  # (on the first stream, beside the replay)
+            second.synchronize()
+            replays.append(to_host(captured))
+        first.synchronize()
+    for out in replays + [to_host(x) for x in eager]:
+        assert np.array_equal(out, want)
+    del graph
+    cuflash.release_graph_memory()
+
+
 def test_device_kv_lens_never_synchronize(rng):
     """A decode step with a CuPy kv_lens enqueues work and nothing else (under stream capture any
     synchronizing call or device-to-host copy raises), also for new lengths."""

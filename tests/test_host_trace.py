@@ -376,6 +376,64 @@ def test_a_repeated_call_under_capture_uploads_nothing():
     assert run.returncode == 0, run.stdout + run.stderr
     assert json.loads(run.stdout) == "ok"
 
+_COUNTERS = r"""
+import json, sys, threading
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import fake_cupy
+cupy = fake_cupy.install()
+import cuflash
+from cuflash import _decode, _runtime
+q, k, v = fake_cupy._inputs(cupy, 2, 8, 2, 1, 8192, 128)  # split: merge counters
+made, got = _decode._counter_buffer, []
+def spy(n):  # the counters buffer each decode launch gets
+    got.append(made(n))
+    return got[-1]
+_decode._counter_buffer = spy
+def counters():
+    return got[-1]
+cuflash.attention(q, k, v)
+first = counters()
+cuflash.attention(q, k, v)
+shared = counters() is first  # one stream: one buffer
+fake_cupy._State.capturing = True
+cuflash.attention(q, k, v)
+captured = counters()
+cuflash.attention(q, k, v)
+own = captured is not first and counters() is not captured  # a buffer per captured call
+kept = any(m is captured for m in _runtime._graph_memory)
+fake_cupy._State.capturing = False
+# two threads on one stream: a buffer each (their calls' launches interleave)
+seen, lock = [], threading.Lock()
+both = threading.Barrier(2)  # (both threads alive: their idents differ)
+def call():
+    with lock:
+        cuflash.attention(q, k, v)
+        seen.append(counters())
+    both.wait()
+threads = [threading.Thread(target=call) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+scratches = {key[2] for key in _runtime._stream_scratch}  # (the split workspace's, by thread)
+per_thread = seen[0] is not seen[1] and seen[0] is not first and len(scratches) == 3
+print(json.dumps([shared, own, kept, per_thread]))
+"""
+
+
+def test_launches_that_may_run_at_once_share_no_buffers():
+    """The split decode kernels count finished blocks per row tile in a zeroed buffer that
+    launches in order on one stream share: a CUDA graph captured with it could replay beside
+    that stream's calls (or beside another graph) and count in the same counters. A captured
+    call takes its own buffer, kept for the graph. Two threads' calls on one stream interleave
+    their launches: each thread has its own buffers (counters and stream scratch)."""
+    run = subprocess.run([sys.executable, "-c", _COUNTERS, str(FAKE.parent)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(run.stdout) == [True, True, True, True]
+
+
 _TOKEN_LOOP = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
