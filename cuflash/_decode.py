@@ -53,7 +53,8 @@ import threading
 import numpy as np
 
 from . import _config, _memo, _modifiers, _runtime
-from ._validate import clamped_lens, element_strides, key_range, reads_in_place
+from ._validate import (LENS_VALUES_MAX, clamped_lens, element_strides, key_range,
+                        reads_in_place)
 
 NAME = "split"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
@@ -95,6 +96,22 @@ SPLIT_OVERHEAD_KEYS = 256
 # 2**(floor(log2 L) - BUCKET_SHIFT)) keys
 BUCKET_SHIFT = 3
 BUCKET_MIN_KEYS = 64
+
+
+# Host kv_lens by value (kernels_cu/decode.cu HostLens, every decode kernel's last parameter): a
+# span's plan of a caller's few lengths (Problem.lens_values) passes them in the launch itself,
+# read through the plan's lens_map like a CuPy kv_lens: no copy to the device per token (issue
+# 17). Other calls pass NO_HOST_LENS.
+HOST_LENS = np.dtype({"names": ["v"], "formats": [(np.int64, (LENS_VALUES_MAX,))]})
+NO_HOST_LENS = np.zeros((), HOST_LENS)[()]
+BY_VALUE = np.int32(-1)  # decode.cu valid_keys' lens_bytes for them
+
+
+def host_lens_arg(values):
+    """The HostLens parameter holding `values` (at most LENS_VALUES_MAX Python ints)."""
+    a = np.zeros(LENS_VALUES_MAX, dtype=np.int64)
+    a[:len(values)] = values
+    return a.view(HOST_LENS)[0]
 
 
 def _storage_size(dtype):
@@ -728,11 +745,17 @@ class Plan:
         parts = [lay.offsets.reshape(-1), sched.lens, sched.groups.reshape(-1),
                  sched.tiles.reshape(-1), sched.items_table().reshape(-1)]
         # a CuPy kv_lens: the kernels read it in place (lens_map: the element of each (batch,
-        # head)), else its clamped (BH,) int64 copy (clamped_lens; each its own)
+        # head)), else its clamped (BH,) int64 copy (clamped_lens; each its own); a span's plan of
+        # a caller's few host lengths: by value (HostLens), through lens_map likewise
         self.in_place = p.lens_device is not None and reads_in_place(p.lens_device)
+        self.by_value = (p.lens_device is None and span is not None
+                         and p.lens_elems is not None)
         if p.lens_device is not None:
             parts.append(p.lens_map if self.in_place else np.arange(p.BH, dtype=np.int64))
             self.lens_bytes = np.int32(p.lens_device.itemsize if self.in_place else 8)
+        elif self.by_value:
+            parts.append(p.lens_elems)
+            self.lens_bytes = BY_VALUE
         bounds = np.cumsum([0] + [x.size for x in parts])
         with p.q.device:  # the one host-to-device copy, cached by content: a pageable copy
             table = _runtime.on_device(np.concatenate(parts))  # would wait for the stream
@@ -812,10 +835,14 @@ class Plan:
             self.launch(head + self.plain_tail)
             return out, lse
         # the true lengths: a CuPy kv_lens' (read in place, or its clamped copy), the host's (the
-        # plan serves their span), or Nk
+        # plan serves their span: by value, or a copy of them), or Nk
+        host = NO_HOST_LENS
         if p.lens_device is not None:
             caller = p.lens_device if self.in_place else clamped_lens(p)
             lens = (self.lens, caller, self.lens_map[0], self.lens_bytes)
+        elif self.by_value and p.lens_elems is self.elems and p.lens_values is not None:
+            lens = (self.lens, _runtime.NULL, self.lens_map[0], BY_VALUE)
+            host = host_lens_arg(p.lens_values)
         else:
             lens = (self.lens if p.kv_lens is None or self.span is None else
                     self._host_lens(p.kv_lens), _runtime.NULL, _runtime.NULL, np.int32(0))
@@ -825,7 +852,7 @@ class Plan:
         if p.pages is not None:  # this call's block table (a host one: its device copy)
             table = (_runtime.on_device(p.pages.table) if p.pages.host else p.pages.table)
             args += (table,) + self.page_scalars
-        self.launch(args)
+        self.launch(args + (host,))
         return out, lse
 
     def _host_lens(self, kv_lens):
@@ -877,7 +904,7 @@ class Plan:
                                  i32(pg.num_pages))
         null = _runtime.NULL
         self.plain_tail = (self._tail(scalars, (self.lens, null, null, i32(0)), null, null, null)
-                           if p.plain else None)
+                           + (NO_HOST_LENS,) if p.plain else None)
         self.scalars = scalars  # (last: run's sign that the rest is here)
 
 

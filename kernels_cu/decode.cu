@@ -575,24 +575,40 @@ __device__ __forceinline__ void finish_item(
       const Acc* __restrict__ bias, long long q_rs, long long k_rs, long long v_rs,          \
       long long mask_rs, long long mask_cs, long long bias_rs, long long bias_cs, int BH,    \
       int Nq, int Dk, int Dv, int G, Acc scale, int left, int right, int bottom_right, int fused
-#define DECODE_ARGS                                                                          \
-  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, kv_lens, lens_map, lens_bytes,   \
+#define DECODE_ARGS_KV(KV)                                                                   \
+  q, k, v, out, lse, ws_out, ws_ml, counters, offsets, lens, KV, lens_map, lens_bytes,        \
       groups, tiles, items, mask, bias,                                                      \
       q_rs, k_rs, v_rs, mask_rs, mask_cs, bias_rs, bias_cs, BH, Nq, Dk, Dv, G, scale, left,    \
       right, bottom_right, fused
+#define DECODE_ARGS DECODE_ARGS_KV(kv_lens)
+
+// Host kv_lens by value: up to HOST_LENS_MAX of the caller's lengths in the launch's parameters
+// (every kernel's last, `host_lens`), read like a CuPy kv_lens of int64 (lens_map[bh] its
+// element) when lens_bytes < 0: a token loop's new lengths need no copy to the device, and a
+// captured graph keeps its call's values (cuflash/_decode.py HostLens, _validate.LENS_VALUES_MAX).
+constexpr int HOST_LENS_MAX = 64;
+struct alignas(16) HostLens {
+  long long v[HOST_LENS_MAX];
+};
+#define DECODE_HOST_LENS const __grid_constant__ HostLens host_lens
+// The lengths the kernel reads: the caller's CuPy kv_lens, or the values in its parameters.
+#define DECODE_LENS_SOURCE                                                                   \
+  (lens_bytes < 0 ? static_cast<const void*>(host_lens.v) : kv_lens)
 
 // The valid keys of (batch, head) bh: lens[bh], the host's lengths (the plan's, or this call's
-// copy), or with the caller's CuPy kv_lens (lens_bytes: its element size, 4 or 8) its element
-// lens_map[bh] clamped to [0, lens[bh]] (the plan then holds Nk there). Read on the device, never
-// checked on the host: out-of-range lengths clamp (DESIGN.md "Lengths on the device").
+// copy), or with the caller's CuPy kv_lens (lens_bytes: its element size, 4 or 8; or -1: the
+// host's values in the launch's parameters, int64, HostLens) its element lens_map[bh] clamped to
+// [0, lens[bh]] (the plan then holds the largest length it serves there: Nk for a CuPy kv_lens).
+// Read on the device, never checked on the host: out-of-range lengths clamp (DESIGN.md "Lengths
+// on the device").
 __device__ __forceinline__ long long valid_keys(const long long* __restrict__ lens,
                                                 const void* __restrict__ kv_lens,
                                                 const long long* __restrict__ lens_map,
                                                 int lens_bytes, long long bh) {
   const long long n = lens[bh];
   if (lens_bytes == 0) return n;
-  const long long x = lens_bytes == 8 ? static_cast<const long long*>(kv_lens)[lens_map[bh]]
-                                      : static_cast<const int*>(kv_lens)[lens_map[bh]];
+  const long long x = lens_bytes == 4 ? static_cast<const int*>(kv_lens)[lens_map[bh]]
+                                      : static_cast<const long long*>(kv_lens)[lens_map[bh]];
   return x < 0 ? 0 : (x > n ? n : x);
 }
 
@@ -914,9 +930,10 @@ __device__ __forceinline__ void decode_split_body(DECODE_PARAMS(Acc), double mod
 template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool ALIGNED,
           typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(DECODE_PARAMS(Acc), double mod0, double mod1, const double* __restrict__ mod_table) {
-  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_ARGS, mod0, mod1,
-                                                                 mod_table, NoPages{});
+decode_split(DECODE_PARAMS(Acc), double mod0, double mod1, const double* __restrict__ mod_table,
+             DECODE_HOST_LENS) {
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(
+      DECODE_ARGS_KV(DECODE_LENS_SOURCE), mod0, mod1, mod_table, NoPages{});
 }
 
 // decode_split on a paged KV cache (k, v the page pools).
@@ -924,9 +941,9 @@ template <typename T, typename Acc, int HEAD_DIM, int ROWS, bool HAS_MB, bool AL
           typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS_PER_SM)
 decode_split_paged(DECODE_PARAMS(Acc), double mod0, double mod1,
-                   const double* __restrict__ mod_table, DECODE_PAGED_PARAMS) {
-  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(DECODE_ARGS, mod0, mod1,
-                                                                 mod_table, DECODE_PAGED_ARG);
+                   const double* __restrict__ mod_table, DECODE_PAGED_PARAMS, DECODE_HOST_LENS) {
+  decode_split_body<T, Acc, HEAD_DIM, ROWS, HAS_MB, ALIGNED, F>(
+      DECODE_ARGS_KV(DECODE_LENS_SOURCE), mod0, mod1, mod_table, DECODE_PAGED_ARG);
 }
 
 // decode_tc's stage copy: keys [row0, row0 + ROWS) of a (row stride rs) matrix into padded shared
@@ -1035,7 +1052,8 @@ __device__ __forceinline__ long long snake_row(int round, int b, int grid) {
 #define DECODE_TC_PARAMS                                                                     \
   DECODE_PARAMS(float), int n_launch, int device_lens, double mod0, double mod1,             \
       const double* __restrict__ mod_table
-#define DECODE_TC_ARGS DECODE_ARGS, n_launch, device_lens, mod0, mod1, mod_table
+#define DECODE_TC_ARGS                                                                       \
+  DECODE_ARGS_KV(DECODE_LENS_SOURCE), n_launch, device_lens, mod0, mod1, mod_table
 
 // The body of decode_tc and decode_tc_paged.
 template <typename T, int HEAD_DIM, int KW, int MINB, typename F, typename Pages>
@@ -1319,13 +1337,14 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
 }
 
 template <typename T, int HEAD_DIM, int KW, int MINB, typename F = NoTransform>
-__global__ void __launch_bounds__(DECODE_THREADS, MINB) decode_tc(DECODE_TC_PARAMS) {
+__global__ void __launch_bounds__(DECODE_THREADS, MINB)
+decode_tc(DECODE_TC_PARAMS, DECODE_HOST_LENS) {
   decode_tc_body<T, HEAD_DIM, KW, MINB, F>(DECODE_TC_ARGS, NoPages{});
 }
 
 // decode_tc on a paged KV cache (k, v the page pools).
 template <typename T, int HEAD_DIM, int KW, int MINB, typename F = NoTransform>
 __global__ void __launch_bounds__(DECODE_THREADS, MINB)
-decode_tc_paged(DECODE_TC_PARAMS, DECODE_PAGED_PARAMS) {
+decode_tc_paged(DECODE_TC_PARAMS, DECODE_PAGED_PARAMS, DECODE_HOST_LENS) {
   decode_tc_body<T, HEAD_DIM, KW, MINB, F>(DECODE_TC_ARGS, DECODE_PAGED_ARG);
 }

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 FAKE = Path(__file__).resolve().parent / "fake_cupy.py"
@@ -62,8 +63,13 @@ def test_addresses_name_allocations(trace):
 
 
 def test_repeated_calls_launch_alike(trace):
-    def alike(name, events):  # a token loop ("grow") uploads its new lengths every step
-        return [e[:3] if e[0] == "upload" and "grow" in name else e for e in events]
+    def alike(name, events):  # a token loop ("grow") passes its new lengths every step: in
+        # the decode kernels' last parameter (by value), or uploaded
+        if "grow" not in name:
+            return events
+        return [e[:3] if e[0] == "upload" else
+                e[:5] + [e[5][:-1]] if e[0] == "launch" and "decode" in e[1] else e
+                for e in events]
     for key in trace:
         name, n = key.rsplit("/", 1)
         if n == "2":
@@ -73,6 +79,21 @@ def test_repeated_calls_launch_alike(trace):
             def kernels(events):
                 return [e[:2] for e in events if e[0] != "upload"]
             assert kernels(trace[name + "/0"]) == kernels(trace[key]), key
+
+
+def test_a_token_loop_passes_its_lengths_by_value(trace):
+    """A token loop's new host lengths (a few values: Problem.lens_values) go to the decode kernel
+    in its last parameter (HostLens): no upload per step, and the parameter holds the step's
+    lengths (4 sequences in the trace's shrunk case, each call's on from the last's)."""
+    steps = [trace[f"decode-grow/fwd/{n}"] for n in (1, 2)]
+    for events in steps:
+        assert not [e for e in events if e[0] == "upload"], events
+    lengths = [[e for e in events if e[0] == "launch" and "decode" in e[1]][-1][5][-1]
+               for events in steps]
+    first, second = (np.array(x[:4]) for x in lengths)
+    step = second - first
+    assert np.all(first > 0) and step[0] > 0 and np.all(step == step[0]), lengths
+    assert not any(lengths[0][4:]) and not any(lengths[1][4:]), lengths  # (unused: 0)
 
 
 def test_the_forward_is_one_launch(trace):
@@ -347,31 +368,41 @@ import numpy as np
 import fake_cupy
 cupy = fake_cupy.install()
 import cuflash
-q, k, v = fake_cupy._inputs(cupy, 2, 8, 2, 1, 2048, 128)
-lens = np.array([[1000], [1500]])
-cuflash.attention(q, k, v, kv_lens=lens)  # the layout's tables, the lengths' upload
+from cuflash import _decode, _runtime
+few = sys.argv[2] == "few"  # a caller's few lengths go by value; more than LENS_VALUES_MAX: a copy
+B = 2 if few else 9
+q, k, v = fake_cupy._inputs(cupy, B, 8, 2, 1, 2048, 128)
+lens = (np.array([[1000], [1500]]) if few else
+        1000 + np.arange(B * 8).reshape(B, 8) // 4 * 50)  # (groups of 4 heads: one length)
+cuflash.attention(q, k, v, kv_lens=lens)  # the layout's tables (and the lengths' upload)
 fake_cupy._State.capturing = True  # (a host-to-device copy now raises, as CuPy's)
 cuflash.attention(q, k, v, kv_lens=lens)
+if few:  # by value: new lengths need no copy either
+    cuflash.attention(q, k, v, kv_lens=lens + 1)
 fake_cupy._State.capturing = False
-from cuflash import _decode, _runtime
 plan = next(iter(_decode._last.values()))
-copy = plan.last_lens[1]  # what the captured call read
-cuflash.attention(q, k, v, kv_lens=lens + 1)  # new lengths: the plan's copy replaced
-assert plan.last_lens[1] is not copy
-kept = [m for m in _runtime._graph_memory if m is copy]  # (kept for the graph)
-table = [m for m in _runtime._graph_memory if m is plan.items]  # (the plan's too)
-print(json.dumps("ok" if kept and table else "the captured call's lengths or plan not kept"))
+table = [m for m in _runtime._graph_memory if m is plan.items]  # (the plan's, kept)
+if few:
+    ok = plan.by_value and plan.last_lens is None and table
+else:
+    copy = plan.last_lens[1]  # what the captured call read
+    cuflash.attention(q, k, v, kv_lens=lens + 1)  # new lengths: the plan's copy replaced
+    kept = [m for m in _runtime._graph_memory if m is copy]  # (kept for the graph)
+    ok = not plan.by_value and plan.last_lens[1] is not copy and kept and table
+print(json.dumps("ok" if ok else "the captured call's lengths or plan not kept"))
 """
 
 
-def test_a_repeated_call_under_capture_uploads_nothing():
+@pytest.mark.parametrize("lengths", ["few", "many"])
+def test_a_repeated_call_under_capture_uploads_nothing(lengths):
     """Regression (found on the GPU, tests/test_gpu.py test_calls_never_synchronize): host
     kv_lens seen a second time get an exact decode plan, whose new table was uploaded during
     CUDA graph capture (CuPy refuses a host-to-device copy there). Under capture the span's
-    plan, whose table exists, serves them, reading the copy of these lengths its eager call made:
-    that copy, like the plan's tables, is kept for the graph's replays (release_graph_memory),
-    also once new lengths replace it in the plan."""
-    run = subprocess.run([sys.executable, "-c", _CAPTURED, str(FAKE.parent)],
+    plan, whose table exists, serves them ("few" lengths: by value in the launch, which new
+    lengths under capture may take too; "many": reading the copy of these lengths its eager call
+    made, which like the plan's tables is kept for the graph's replays (release_graph_memory),
+    also once new lengths replace it in the plan)."""
+    run = subprocess.run([sys.executable, "-c", _CAPTURED, str(FAKE.parent), lengths],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert json.loads(run.stdout) == "ok"
