@@ -134,6 +134,20 @@ def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
     assert _mma_fwd.smem_bytes(head_dim, has_mb) <= 227 * 1024
 
 
+def test_host_lens_struct_matches_its_host_mirror():
+    """kernels_cu/decode.cu HostLens (the decode kernels' last parameter: host kv_lens by value)
+    and cuflash._decode.HOST_LENS: HOST_LENS_MAX int64 lengths, the host's limit on the values
+    it keeps (_validate.LENS_VALUES_MAX), 16-byte aligned as Launch places structs."""
+    import re
+    from cuflash import _decode, _validate
+    src = (_runtime.kernels_dir() / "decode.cu").read_text()
+    n = int(re.search(r"constexpr int HOST_LENS_MAX = (\d+);", src).group(1))
+    assert re.search(r"struct alignas\(16\) HostLens \{\s*long long v\[HOST_LENS_MAX\];\s*\};",
+                     src)
+    assert n == _validate.LENS_VALUES_MAX
+    assert _decode.HOST_LENS.itemsize == 8 * n and _decode.HOST_LENS["v"].shape == (n,)
+
+
 def test_kernel_args_struct_matches_its_host_mirror():
     """kernels_cu/args.cuh AttnArgs, its flat form ATTN_ARGS_PARAMS and cuflash._runtime.ARGS_FIELDS:
     the same fields in the same order with the same C types (NumPy's aligned layout is then C's;
