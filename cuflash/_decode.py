@@ -38,7 +38,8 @@ that a token loop whose lengths grow by one per step re-plans at most once per q
 many sequences it has (a plan per sequence's bucket re-planned whenever any one sequence left
 its bucket: B times as often). The plan then spans every length of the span (a bottom-right
 window's first key moves with the length) and the kernels read the true lengths from the
-device, as they do for a CuPy kv_lens (planned for every length in [0, Nk]). A new span re-plans
+device, as they do for a CuPy kv_lens (planned for every length in [0, Nk]); below the plan's
+length each item takes its share of the shorter extent (decode.cu item_keys). A new span re-plans
 only steps 1-4 and the table: `forward` keeps the rest (kernels, occupancy, offsets: `_Layout`)
 per layout.
 

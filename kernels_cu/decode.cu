@@ -634,6 +634,40 @@ __device__ __forceinline__ DecodeItem read_item(const long long* __restrict__ it
   return it;
 }
 
+// An item's keys at the length the kernel reads. The host plans a row tile's items as pieces of
+// the tile's key extent at the plan's length lens[bh] (a CuPy kv_lens: Nk). With a shorter length
+// read at run time (valid_keys: a CuPy kv_lens, or host lengths inside a plan's span) the extent
+// shrinks, and each item keeps its share of it: a bound k maps from the plan's extent [E0, E1) to
+// the valid one [e0, e1) in proportion, rounded down to a multiple of A keys (the kernel's key
+// pass), with E0 -> e0 and E1 -> e1 exactly. The items then still partition the extent, each with
+// its share of the work (held at the plan's bounds, the later items of a short sequence were
+// empty and its first ones did it all), and the result depends only on the lengths. At the plan's
+// length, or where the plan's extent is empty, the host's bounds stand.
+struct ItemKeys {
+  long long k0, k1;
+};
+template <int ROWS, int A>
+__device__ __forceinline__ ItemKeys item_keys(long long k0, long long k1, long long tile, int G,
+                                              int Nq, long long plan_len, long long len,
+                                              int left, int right, int bottom_right) {
+  if (len == plan_len) return ItemKeys{k0, k1};
+  const long long i0 = tile * ROWS / G;  // the tile's first and last query (rows query-major)
+  const long long last = (tile + 1) * ROWS < static_cast<long long>(G) * Nq
+                             ? (tile + 1) * ROWS - 1 : static_cast<long long>(G) * Nq - 1;
+  const KeyRange P =
+      tile_key_range(make_window(Nq, plan_len, left, right, bottom_right), i0, last / G);
+  const KeyRange V = tile_key_range(make_window(Nq, len, left, right, bottom_right), i0, last / G);
+  const long long E0 = P.lo, E1 = P.hi + 1, e0 = V.lo, e1 = V.hi + 1 > e0 ? V.hi + 1 : e0;
+  if (E1 <= E0) return ItemKeys{k0, k1};
+  auto at = [&](long long k) -> long long {
+    if (k <= E0) return e0;
+    if (k >= E1) return e1;
+    const long long x = (e0 + (k - E0) * (e1 - e0) / (E1 - E0)) / A * A;
+    return x > e0 ? x : e0;
+  };
+  return ItemKeys{at(k0), at(k1)};
+}
+
 // Paged K/V (cuflash/_paged.py): the kernels' `Pages` argument. NoPages: k and v hold each kv
 // head's keys as rows of stride k_rs / v_rs (the offsets table gives the head's first row).
 // PagedKV: key j of the block's sequence is row j % page_size of page table[j / page_size] (a
@@ -700,10 +734,12 @@ __device__ __forceinline__ void decode_split_body(DECODE_PARAMS(Acc), double mod
 
   const DecodeItem it = read_item<Pages::ITEM_COLS>(items, tiles, blockIdx.x);
   const long long bh0 = groups[it.g * G];  // every group's first member exists
-  const Window win = make_window(Nq, valid_keys(lens, kv_lens, lens_map, lens_bytes, bh0), left,
-                                 right, bottom_right);
-  setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
-  const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
+  const long long len = valid_keys(lens, kv_lens, lens_map, lens_bytes, bh0);
+  const Window win = make_window(Nq, len, left, right, bottom_right);
+  const ItemKeys ik = item_keys<ROWS, static_cast<int>(STRIDE)>(
+      it.k0, it.k1, it.tile, G, Nq, lens[bh0], len, left, right, bottom_right);
+  setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, ik.k0, ik.k1);
+  const BlockKeys bk = block_keys<ROWS>(rows, ik.k0, ik.k1);
   const long long blo = bk.blo, bhi = bk.bhi, flo = bk.flo, fhi = bk.fhi;
   // A POSITIONAL transform (ALiBi) per row: a block's rows are the heads of a GQA group, each with
   // its own slope (a padding row, bh < 0, reads none); the others one for all rows (xf).
@@ -1120,14 +1156,18 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
   auto stages_of = [](long long k0, long long k1) {
     return k1 > k0 ? static_cast<int>((k1 - k0 - 1) / BK + 1) : 0;
   };
-  // The end of a launch row's keys: the host's k1, which with lengths on the device (device_lens:
-  // the host planned for Nk keys) stops at the row tile's length too, so that no key past it is
-  // read (it may hold NaN).
-  auto item_end = [&](long long launch_row) -> long long {
+  // A launch row's keys at the valid length (item_keys), which with lengths on the device
+  // (device_lens: the host planned for Nk keys) stop at the row tile's length too, so that no key
+  // past it is read (it may hold NaN).
+  auto item_range = [&](long long launch_row) -> ItemKeys {
     const long long* ir = items + COLS * launch_row;
-    return device_lens ? min(ir[2], valid_keys(lens, kv_lens, lens_map, lens_bytes,
-                                               groups[tiles[4 * ir[0]] * G]))
-                       : ir[2];
+    const long long* tr = tiles + 4 * ir[0];
+    const long long bh0 = groups[tr[0] * G];
+    const long long len = valid_keys(lens, kv_lens, lens_map, lens_bytes, bh0);
+    ItemKeys ik = item_keys<ROWS, BK>(ir[1], ir[2], tr[1], G, Nq, lens[bh0], len, left, right,
+                                      bottom_right);
+    if (device_lens && ik.k1 > len) ik.k1 = len;
+    return ik;
   };
 
   DECODE_MARK(0);
@@ -1137,9 +1177,9 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
   int base = 0;  // stream number of the current item's first stage
   {
     const long long* ir = items + COLS * row;
-    const long long end = item_end(row);
-    if (end > ir[1])
-      request(0, ir[4], ir[5], table_row(ir), static_cast<int>(ir[1]), static_cast<int>(end));
+    const ItemKeys ik = item_range(row);
+    if (ik.k1 > ik.k0)
+      request(0, ir[4], ir[5], table_row(ir), static_cast<int>(ik.k0), static_cast<int>(ik.k1));
     cp_async_commit();
   }
   DECODE_MARK(1);
@@ -1148,17 +1188,19 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
     const DecodeItem it = read_item<COLS>(items, tiles, row);
     const long long koff = items[COLS * row + 4], voff = items[COLS * row + 5];
     const long long toff = table_row(items + COLS * row);
-    const int blo = static_cast<int>(it.k0);
-    const int k1 = static_cast<int>(item_end(row));
-    const int n_own = stages_of(it.k0, k1);
+    const ItemKeys ik = item_range(row);
+    const int blo = static_cast<int>(ik.k0);
+    const int k1 = static_cast<int>(ik.k1);
+    const int n_own = stages_of(ik.k0, ik.k1);
     // The next item: its first stage is requested in this item's last stage.
     const long long next = snake_row(round + 1, blockIdx.x, gridDim.x);
     const bool has_next = next < n_launch;
     long long nk0 = 0, nk1 = 0, nkoff = 0, nvoff = 0, ntoff = 0;
     if (has_next) {
       const long long* nr = items + COLS * next;
-      nk0 = nr[1];
-      nk1 = item_end(next);
+      const ItemKeys nik = item_range(next);
+      nk0 = nik.k0;
+      nk1 = nik.k1;
       nkoff = nr[4];
       nvoff = nr[5];
       ntoff = table_row(nr);
@@ -1167,8 +1209,8 @@ __device__ __forceinline__ void decode_tc_body(DECODE_TC_PARAMS, const Pages pg)
     const long long bh0 = groups[it.g * G];
     const Window win = make_window(Nq, valid_keys(lens, kv_lens, lens_map, lens_bytes, bh0), left,
                                    right, bottom_right);
-    setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, it.k0, it.k1);
-    const BlockKeys bk = block_keys<ROWS>(rows, it.k0, it.k1);
+    setup_rows<ROWS>(rows, groups, it.g, it.tile, G, Nq, win, ik.k0, ik.k1);
+    const BlockKeys bk = block_keys<ROWS>(rows, ik.k0, ik.k1);
 
     // Q rows (any alignment: scalar reads; padding rows 0) into the padded shared tile.
     for (int idx = tid; idx < ROWS * HEAD_DIM; idx += DECODE_THREADS) {

@@ -116,6 +116,32 @@ def test_device_kv_lens_window(case, rng, override):
     check_forward(out, lse, q, k, v, kv_lens=host, **options)
 
 
+# lengths far below the plan's (a CuPy kv_lens is planned at Nk): each item of a row tile takes
+# its share of the tile's shorter extent (decode.cu item_keys), with tiny lengths (fewer keys
+# than items), windows of either alignment and several query rows per tile
+SHARE_OPTIONS = [{}, dict(window=(300, 0)), dict(causal=True, window=(100, 40)),
+                 dict(causal=True, align="top-left"), dict(window=(None, 5), align="top-left")]
+
+
+@pytest.mark.parametrize("Nq", [1, 3])
+@pytest.mark.parametrize("options", SHARE_OPTIONS, ids=lambda o: "-".join(map(str, o.items())))
+@pytest.mark.parametrize("force", [None, "split", "split-simt"])
+def test_device_kv_lens_share_the_items(force, options, Nq, rng, override):
+    """Short CuPy kv_lens on a plan made for Nk (the split kernels rescale each item's keys to
+    the valid extent): the reference's result for every length, and the same bits on a repeat."""
+    import cupy
+    override(path=force, poison=True)
+    B, H, Hkv, Nk, D = 7, 8, 2, 3000, 128
+    q, k, v = (to_array(cupy, rng.standard_normal(s), dtype_of("bfloat16"))
+               for s in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    host = np.array([[0], [1], [17], [333], [1500], [2999], [Nk]])
+    lens = cupy.asarray(host)
+    out, lse = cuflash.attention(q, k, v, kv_lens=lens, return_lse=True, **options)
+    check_forward(out, lse, q, k, v, kv_lens=host, **options)
+    again = cuflash.attention(q, k, v, kv_lens=lens, **options)
+    assert np.array_equal(to_host(out), to_host(again), equal_nan=True)
+
+
 @pytest.mark.parametrize("window", [None, (600, 0)], ids=["full", "window"])
 def test_host_kv_lens_token_loop(window, rng):
     """Host kv_lens new at every call, as in a token loop: growing by one, then past the first
