@@ -49,7 +49,6 @@ cuflash._gpu.override(path="split") every Problem the kernels can run, `fits`), 
 synchronizing), instantiations.
 """
 import operator
-import threading
 
 import numpy as np
 
@@ -200,9 +199,8 @@ def tc_fits(p):
 
 
 # ---- kernels (compiled by cuflash._runtime) and their occupancy --------------------------------
-_lock = threading.Lock()
 _per_sm = {}      # id(kernel) -> resident blocks per SM
-_counters = {}    # _runtime.stream_key() -> uint32 array, zeros between launches
+_counters = _memo.Memo(16)  # _runtime.stream_key() -> uint32 array, zeros between launches
 
 
 def _kernel(expr, dyn_smem=0):
@@ -240,15 +238,12 @@ def _counter_buffer(n):
     and launches that run at once must not count in one buffer."""
     if _runtime.capture_keeping():
         return _runtime.zeros((max(n, 1),), np.uint32)  # (kept for the graph)
-    key = _runtime.stream_key()
+    key = _runtime.stream_key()  # (no two threads share a key: no lock)
     buf = _counters.get(key)
-    if buf is not None and buf.size >= n:
-        return buf
-    with _lock:
-        buf = _counters.get(key)
-        if buf is None or buf.size < n:
-            buf = _counters[key] = _runtime.zeros((max(n, 1024),), np.uint32)  # (room to grow)
-        return buf
+    if buf is None or buf.size < n:
+        buf = _runtime.zeros((max(n, 1024),), np.uint32)  # (room to grow)
+        _counters.put(key, buf)
+    return buf
 
 
 # ---- host scheduling (pure NumPy; tested without a GPU) ----------------------------------------

@@ -316,17 +316,21 @@ class _StreamScratch:
         self.buf = zeros((nbytes,), np.uint8)  # (made once: zeroed, like any cached state)
         self.mem = self.buf.data
         self.nbytes = nbytes
-        self.parts = {}
+        self.parts = _memo.Memo(64)  # carving -> its buffers here
 
     def carved(self, carving):
         parts = self.parts.get(carving)
         if parts is None:
             assert all(pointer for *_, pointer in carving[1]), "stream scratch: pointers only"
-            parts = self.parts[carving] = _parts(self.mem, carving[1], None)
+            parts = _parts(self.mem, carving[1], None)
+            self.parts.put(carving, parts)
         return parts
 
 
-_stream_scratch = {}  # stream_key() -> _StreamScratch
+# stream_key() -> _StreamScratch; bounded (a caller may make a stream per call): a scratch that
+# goes is freed to CuPy's pool for its stream, as a call's own allocation is, so the launches
+# queued there still read it before any later allocation on that stream can take it
+_stream_scratch = _memo.Memo(16)
 
 
 def stream_scratch(carving):
@@ -337,13 +341,11 @@ def stream_scratch(carving):
     total = carving[0]
     if _capture.keeping or total > STREAM_SCRATCH_MAX or _overrides.poison:
         return carved(carving)
-    key = stream_key()
+    key = stream_key()  # (no two threads share a key: no lock)
     scratch = _stream_scratch.get(key)
     if scratch is None or scratch.nbytes < total:
-        with _lock:
-            scratch = _stream_scratch.get(key)
-            if scratch is None or scratch.nbytes < total:
-                scratch = _stream_scratch[key] = _StreamScratch(total)
+        scratch = _StreamScratch(total)
+        _stream_scratch.put(key, scratch)
     return scratch.carved(carving)
 
 
