@@ -238,12 +238,8 @@ def _counter_buffer(n):
     and launches that run at once must not count in one buffer."""
     if _runtime.capture_keeping():
         return _runtime.zeros((max(n, 1),), np.uint32)  # (kept for the graph)
-    key = _runtime.stream_key()  # (no two threads share a key: no lock)
-    buf = _counters.get(key)
-    if buf is None or buf.size < n:
-        buf = _runtime.zeros((max(n, 1024),), np.uint32)  # (room to grow)
-        _counters.put(key, buf)
-    return buf
+    return _runtime.per_stream(_counters, lambda buf: buf.size >= n,
+                               lambda: _runtime.zeros((max(n, 1024),), np.uint32))
 
 
 # ---- host scheduling (pure NumPy; tested without a GPU) ----------------------------------------

@@ -341,12 +341,20 @@ def stream_scratch(carving):
     total = carving[0]
     if _capture.keeping or total > STREAM_SCRATCH_MAX or _overrides.poison:
         return carved(carving)
-    key = stream_key()  # (no two threads share a key: no lock)
-    scratch = _stream_scratch.get(key)
-    if scratch is None or scratch.nbytes < total:
-        scratch = _StreamScratch(total)
-        _stream_scratch.put(key, scratch)
+    scratch = per_stream(_stream_scratch, lambda s: s.nbytes >= total,
+                         lambda: _StreamScratch(total))
     return scratch.carved(carving)
+
+
+def per_stream(table, fits, make):
+    """The entry of bounded memo `table` under the current stream_key(), made by make() when it
+    is missing or not fits(entry). (No two threads share a key: no lock.)"""
+    key = stream_key()
+    entry = table.get(key)
+    if entry is None or not fits(entry):
+        entry = make()
+        table.put(key, entry)
+    return entry
 
 
 POINTER = "pointer"  # a carve spec's third item: the buffer as its MemoryPointer (`carved`)
