@@ -521,6 +521,22 @@ def _check_alibi(fn, slopes, lead, lib, device):
     return True
 
 
+# ALiBi on float32 accumulators (16-bit and float32 inputs on a GPU) computes each distance
+# exactly without an integer conversion (kernels_cu/modifiers.cuh Alibi), which holds while
+# Nq + Nk + |q_start - k_start| stays below this (2^22, less a tile of padding rows).
+ALIBI_SPAN = 2**22 - 256
+
+
+def _check_alibi_span(fn, Nq, Nk, offset):
+    """ALiBi's positions on the GPU kernels with float32 accumulators: below ALIBI_SPAN."""
+    if Nq + Nk + abs(offset) >= ALIBI_SPAN:
+        raise ValueError(
+            f"{fn}: alibi_slopes with float16, bfloat16 or float32 inputs on the GPU needs "
+            f"Nq + Nk + |q_start - k_start| < {ALIBI_SPAN} (the kernels' exact float32 "
+            f"distances), got Nq={Nq}, Nk={Nk}, q_start - k_start={offset}; float64 inputs or "
+            f"NumPy arrays take any length")
+
+
 def _sinks_per_head(xp, q, sinks, lead):
     """A checked sinks as each output (batch, head) reads it: (BH,) float64 on q's device (one
     fill or copy on the current stream), None without sinks."""
@@ -1261,6 +1277,8 @@ def _make_problem(q, k, v, *, scale, causal, align, window, mask, bias, kv_lens,
     precision = _check_precision(fn, precision)
     # ALiBi's scalar: the positions' offset of the aligned position (its slopes are per head)
     alibi = _check_alibi(fn, alibi_slopes, lead, lib, device)
+    if alibi and lib == "cupy" and acc_dtype != np.float64:
+        _check_alibi_span(fn, Nq, Nk, q_start - k_start)
     transforms = _modifiers.check(fn, alibi=(float(q_start - k_start),) if alibi else None,
                                   **modifiers)
     sinks_shape, sinks_dtype = _check_sinks(fn, sinks, lead, lib, device, acc_dtype)

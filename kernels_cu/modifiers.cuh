@@ -112,24 +112,38 @@ struct Softcap {
 // ALiBi (Press et al.; FlashAttention's convention): F(x) = x - slope |p_i - j|, the linear bias
 // by distance between query i's aligned position p_i = i + shift + d (the causal mask's, with
 // d = q_start - k_start of `positions`, the transform's scalar) and key j, with the (batch, head)'s
-// slope from m.table, in the kernel's units (slope * units). dF/dx = 1. The distance is the int32
-// i - j (Nq, Nk < 2^31) converted to Acc, plus p0: one conversion per entry, as FlashAttention's
-// (converting i and j apart, shared by a fragment's rows and columns, kept 2 NF column values
-// live and spilled the 128-key tiles); exact while the positions stay below 2^24 in float (2^53
-// in double). A head index bh < 0 (a decode padding row) reads no slope.
+// slope from m.table, in the kernel's units (slope * units). dF/dx = 1. A head index bh < 0 (a
+// decode padding row) reads no slope.
+// The distance p_i - j = (i - j) + p0 (p0 = shift + d, query 0's aligned position) is exact:
+//   double  the int32 i - j converted, plus p0 (exact below 2^53);
+//   float   without a conversion instruction (I2F runs at the exponential's quarter rate, and one
+//           per score made ALiBi cost a fifth of the forward): the float whose bits are
+//           ALIBI_MAGIC + (i - j) is 1.5 * 2^23 + (i - j) exactly (its ulp is 1 while
+//           |i - j| < 2^22), so one integer add and one subtraction of (1.5 * 2^23 - p0) give
+//           (i - j) + p0 exactly. The host keeps Nq + Nk + |d| below ALIBI_SPAN for float
+//           accumulators (cuflash/_validate.py: |i - j| < 2^22, p0 and the result integers
+//           below 2^23), so every distance is the exact one, as in double.
+constexpr int ALIBI_MAGIC = 0x4B400000;  // the bits of 1.5 * 2^23 (12582912.f)
 template <typename Acc>
 struct Alibi {
   static constexpr int SLOTS = 1;
   static constexpr bool IDENTITY = false, POSITIONAL = true;
-  Acc slope, p0;  // the slope in the kernel's units; query 0's aligned position
+  static constexpr bool MAGIC = sizeof(Acc) == 4;
+  Acc slope, p0;  // the slope in the kernel's units; p0 (double), 1.5 * 2^23 - p0 (float)
   __device__ __forceinline__ static Alibi make(const ModArgs& m, int slot, Acc units) {
     Alibi f;
     f.slope = (m.table != nullptr && m.bh >= 0) ? static_cast<Acc>(m.table[m.bh] * units) : Acc(0);
-    f.p0 = static_cast<Acc>(static_cast<double>(m.shift) + m.v[slot]);
+    const double p0 = static_cast<double>(m.shift) + m.v[slot];
+    f.p0 = static_cast<Acc>(MAGIC ? 12582912.0 - p0 : p0);
     return f;
   }
   __device__ __forceinline__ Acc operator()(Acc x, long long i, long long j) const {
-    const Acc d = static_cast<Acc>(static_cast<int>(i) - static_cast<int>(j)) + p0;
+    const int n = static_cast<int>(i) - static_cast<int>(j);
+    Acc d;
+    if constexpr (MAGIC)
+      d = __int_as_float(ALIBI_MAGIC + n) - p0;
+    else
+      d = static_cast<Acc>(n) + p0;
     return x - slope * abs_acc(d);
   }
   __device__ __forceinline__ Acc apply(Acc x, long long i, long long j, Acc&) const {

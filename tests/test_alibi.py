@@ -304,6 +304,49 @@ def test_bnhd_layout_on_the_gpu(rng, override):
         check_forward(out, lse, q, k, v, causal=True, alibi_slopes=slopes)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["generic", "mma", "wgmma", "wide", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("edge", [-1, 1])
+def test_distances_at_the_span_edge(edge, dtype, path, rng, override):
+    """Query positions as far from the keys as the float32 kernels take (Nq + Nk + |q_start -
+    k_start| = ALIBI_SPAN - 1, either sign): every distance exact (modifiers.cuh Alibi forms it
+    from the bits of 1.5 * 2^23 + (i - j)). Slopes small enough that the rows stay below the
+    lost-row limits (|m| < 2^12 in log2 units: the float kernels settle them, not the float64
+    fix-up); a distance off by a power of two would move the logits by thousands."""
+    import cupy
+    Nq, Nk, D = 70, 200, 64
+    override(poison=True, path=None if path == "auto" else path)
+    q, k, v = _inputs(rng, (2,), (2,), Nq, Nk, D, D, dtype, cupy)
+    offset = edge * (_validate.ALIBI_SPAN - 1 - Nq - Nk)
+    slopes = cupy.asarray([3e-4, 5e-4], dtype=np.float32)  # |m| <= ~3000 in log2 units
+    for opts in (dict(), dict(causal=True)):
+        options = dict(alibi_slopes=slopes, positions=(max(offset, 0), max(-offset, 0)), **opts)
+        if opts and edge < 0:
+            continue  # (every key after every query: causal rows empty)
+        check_call(cupy, rng, q, k, v, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", ["attention", "attention_backward"])
+def test_positions_beyond_the_span_are_refused(fn, rng):
+    """Float32 accumulation (16-bit and float32 CuPy inputs) refuses ALiBi at Nq + Nk +
+    |q_start - k_start| >= ALIBI_SPAN by name before any launch; float64 CuPy inputs and NumPy
+    arrays take it and agree with the reference."""
+    import cupy
+    Nq, Nk, D = 20, 30, 32
+    far = (_validate.ALIBI_SPAN - Nq - Nk, 0)
+    slopes = np.float64(1e-4)
+    for dtype in ("float16", "float32"):
+        q, k, v = _inputs(rng, (2,), (2,), Nq, Nk, D, D, dtype, cupy)
+        with pytest.raises(ValueError, match=f"^{fn}: alibi_slopes with float16, bfloat16 or "
+                                             "float32 inputs on the GPU needs"):
+            call_public(fn, q, k, v, alibi_slopes=slopes, positions=far)
+    for xp, dtype in ((cupy, "float64"), (np, "float32")):
+        q, k, v = _inputs(rng, (2,), (2,), Nq, Nk, D, D, dtype, xp)
+        check_call(xp, rng, q, k, v, alibi_slopes=slopes, positions=far)
+
+
 # ---- decode ----------------------------------------------------------------------------------
 # ALiBi goes to decode_split (decode_tc's rows span several heads of a GQA group): forced with
 # small splits, so that the merge of partials runs too.
