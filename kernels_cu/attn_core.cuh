@@ -85,11 +85,12 @@ __device__ __forceinline__ KeyTiles key_tiles(const long long* kv_lens, long lon
 // READS_INPUTS: whether it reads per-(query, key) inputs (then it must not be asked about padding
 // query rows, i >= Nq). IDENTITY: no per-element work, so that a kernel templated on the modifier
 // leaves the tiles visible by position alone and folds the scale into exp2. HAS_GRAD: the
-// backward multiplies dS by g. POSITIONAL: its transform reads (i, j) (modifiers.cuh). make(...):
+// backward multiplies dS by g (a transform whose derivative is not 1). POSITIONAL: its transform reads (i, j) (modifiers.cuh). make(...):
 // the modifier of head bh from the kernel's inputs (m: at_head's, for the transform).
 struct NoMod {
   static constexpr bool READS_INPUTS = false, IDENTITY = true, HAS_GRAD = false;
   static constexpr bool POSITIONAL = false;
+  using Transform = NoTransform;
   template <typename X>
   __device__ __forceinline__ X operator()(X x, int, long long) const { return x; }
   template <typename X>
@@ -111,8 +112,10 @@ struct NoMod {
 // overflows to -inf (the kernels' lost-row fix-ups settle rows of only such keys).
 template <typename Acc, bool NATURAL = false, bool MB = true, typename F = NoTransform>
 struct ScoreModT {
-  static constexpr bool READS_INPUTS = MB, IDENTITY = false, HAS_GRAD = !F::IDENTITY;
+  static constexpr bool READS_INPUTS = MB, IDENTITY = false;
+  static constexpr bool HAS_GRAD = !F::IDENTITY && !F::ADDITIVE;  // (an additive F: dF/dx = 1)
   static constexpr bool POSITIONAL = F::POSITIONAL;
+  using Transform = F;
   const unsigned char* mask;  // may be null
   const Acc* bias;            // may be null
   long long mask_rs, mask_cs, bias_rs, bias_cs;
@@ -167,6 +170,34 @@ struct ScoreModT {
     return mb;
   }
 };
+// An ADDITIVE transform alone (modifiers.cuh: F(x) = x + g(i, j)) on raw scores, made with
+// units / scale so that scale * units * F(x) is the logit: a kernel keeps the scale folded into
+// its exponent's FFMA (one multiply fewer per score than ScoreModT's) and its folded-max rules.
+template <typename F>
+struct RawTransform {
+  static_assert(F::ADDITIVE && !F::IDENTITY, "an additive transform");
+  static constexpr bool READS_INPUTS = false, IDENTITY = false, HAS_GRAD = false;
+  static constexpr bool POSITIONAL = F::POSITIONAL;
+  using Transform = F;
+  F f;
+  template <typename Acc>
+  __device__ __forceinline__ Acc operator()(Acc x, int i, long long j) const {
+    return F(f)(x, i, j);
+  }
+  template <typename Acc>
+  __device__ __forceinline__ Acc apply(Acc x, int i, long long j, Acc& g) const {
+    return F(f).apply(x, i, j, g);
+  }
+};
+// The RawTransform of F made with `units` (its raw units), or NoMod without one (ON false).
+template <bool ON, typename F, typename Acc>
+__device__ __forceinline__ auto raw_transform(const ModArgs& m, Acc units) {
+  if constexpr (ON) {
+    return RawTransform<F>{F::make(m, 0, units)};
+  } else {
+    return NoMod();
+  }
+}
 template <typename Acc, bool NATURAL = false>
 using MaskBiasModT = ScoreModT<Acc, NATURAL>;
 using MaskBiasMod = MaskBiasModT<float>;  // the 16-bit kernels' (float accumulators, log2 units)

@@ -467,7 +467,12 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, w.shift));
-  const float sl2 = HAS_MB ? 1.f : scale_log2;
+  // FOLD: the scale in exp2's FMA, as without a modifier: an additive transform alone (ALiBi)
+  // goes on the raw scores (attn_core.cuh RawTransform)
+  constexpr bool FOLD = !HAS_MB || (!Mod::READS_INPUTS && Mod::Transform::ADDITIVE);
+  const auto raw = raw_transform<FOLD && HAS_MB, typename Mod::Transform>(
+      at_head(mod_args, bh, w.shift), 1.f / scale);
+  const float sl2 = FOLD ? scale_log2 : 1.f;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
   const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
 
@@ -516,7 +521,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // exp2's FMA (sl); on sm_80 that branch spilled the D=96 tile.
     const int i_last = min(i0 + BLOCK_M, Nq) - 1;
     bool shown = false;
-    if constexpr (WG && HAS_MB && !Mod::HAS_GRAD)
+    if constexpr (WG && HAS_MB && Mod::Transform::IDENTITY)
       shown = mod.bias == nullptr && query_class(it) == TILE_VISIBLE;
     float gr[Mod::HAS_GRAD ? NQF : 1][4];  // the modifier's derivative (HAS_GRAD)
     if (shown) {
@@ -524,9 +529,11 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         mask_key_rows(s, jw, i0, t, Nq, pr, NoMod());
     } else if (Mod::READS_INPUTS || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
       if constexpr (Mod::HAS_GRAD) mask_key_rows(s, jw, i0, t, Nq, pr, with_grad(mod, gr));
+      else if constexpr (FOLD && HAS_MB) mask_key_rows(s, jw, i0, t, Nq, pr, raw);
       else mask_key_rows(s, jw, i0, t, Nq, pr, mod);
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
-      modify_all_keys(s, with_grad(mod, gr), jw, i0, t);
+      if constexpr (FOLD) modify_all_keys(s, raw, jw, i0, t);
+      else modify_all_keys(s, with_grad(mod, gr), jw, i0, t);
     }
     const float sl = shown ? scale_log2 : sl2;
 
@@ -762,7 +769,10 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, w.shift));
-  const float sl2 = HAS_MB ? 1.f : scale_log2;
+  constexpr bool FOLD = !HAS_MB || (!Mod::READS_INPUTS && Mod::Transform::ADDITIVE);  // (dkdv's)
+  const auto raw = raw_transform<FOLD && HAS_MB, typename Mod::Transform>(
+      at_head(mod_args, bh, w.shift), 1.f / scale);
+  const float sl2 = FOLD ? scale_log2 : 1.f;
   const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));
   const int full_hi = static_cast<int>(max(key_range(w, i0).hi, -1LL));
   const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
@@ -809,9 +819,11 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     if (Mod::READS_INPUTS || j0 < full_lo || j0 + BLOCK_N - 1 > full_hi) {
       const int i = i0 + warp * 16 + g;
       if constexpr (Mod::HAS_GRAD) mask_rows(s, i, j0, t, Nq, pr, with_grad(mod, gr));
+      else if constexpr (FOLD && HAS_MB) mask_rows(s, i, j0, t, Nq, pr, raw);
       else mask_rows(s, i, j0, t, Nq, pr, mod);
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
-      modify_all(s, with_grad(mod, gr), i0 + warp * 16 + g, j0, t);
+      if constexpr (FOLD) modify_all(s, raw, i0 + warp * 16 + g, j0, t);
+      else modify_all(s, with_grad(mod, gr), i0 + warp * 16 + g, j0, t);
     }
 
     // dropout: dP's dropped entries 0, the kept ones times 1 / (1 - p) (no code without)

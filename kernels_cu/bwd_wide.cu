@@ -197,7 +197,8 @@ bwd_wide_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
-        modify_all_keys(s[mf], with_grad(mod, gr[mf]), j_thr + mf * 16, i0, t);
+        if constexpr (GR) modify_all_keys(s[mf], with_grad(mod, gr[mf]), j_thr + mf * 16, i0, t);
+        else modify_all_keys(s[mf], mod, j_thr + mf * 16, i0, t);
     }
     // P^T = exp(S^T - lse[query]); this lane's query columns are i0 + 8 nf + 2t + e
     T dl[NQ][2];
@@ -337,7 +338,8 @@ bwd_wide_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
-        modify_all(s[mf], with_grad(mod, gr[mf]), i_thr + mf * 16, j0, t);
+        if constexpr (GR) modify_all(s[mf], with_grad(mod, gr[mf]), i_thr + mf * 16, j0, t);
+        else modify_all(s[mf], mod, i_thr + mf * 16, j0, t);
     }
     T dp[MF][NF][4];
     wide::rows_times_rows<T, PASSES, MF, NF, KDV, PV, PV>(dp, do_lane, vs + (g * PV + 2 * t) * E);

@@ -160,6 +160,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // HAS_MB: a score modifier on every tile; READS: it reads a mask or bias (a score transform
   // alone spares the tiles visible by position the position test)
   constexpr bool HAS_MB = MB != MB_NONE || !F::IDENTITY, READS = MB != MB_NONE;
+  // FOLD: the scale folds into the exponent's FFMA: without a modifier, or with an additive
+  // transform alone (ALiBi), applied to the raw scores (attn_core.cuh RawTransform)
+  constexpr bool FOLD = !HAS_MB || (MB == MB_NONE && F::ADDITIVE);
   constexpr bool STAGED = MB >= MB_STAGED, CLASSES = MB == MB_CLASSES;
   // staged mask / bias slots (MB_STAGED); mask_box_rows, bias_box_rows: rows per staged tile
   // (0: absent, 1: the same for every query row, BLOCK_M)
@@ -281,14 +284,17 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   sm.init(0);
   float o[DF][4];
   zero(o);
-  // With a mask or bias the modifier forms the logits in log2 units; otherwise the scale folds
-  // into the exponent's FFMA.
-  const float sl2 = HAS_MB ? 1.f : scale * LOG2E;
+  // With a mask, bias or a transform that is not additive the modifier forms the logits in log2
+  // units; otherwise (FOLD) the scale folds into the exponent's FFMA.
+  const float sl2 = FOLD ? scale * LOG2E : 1.f;
   const bool global_mb = MB == MB_GLOBAL;
   using Mod = ScoreModT<float, false, true, F>;  // MB_GLOBAL's; its shown() the scale and F
   const Mod mb = Mod::make(global_mb ? mask : nullptr, global_mb ? bias : nullptr, offsets, BH, bh,
                            mask_rs, mask_cs, bias_rs, bias_cs, scale * LOG2E,
                            at_head(FLAT_MOD_ARGS, bh, w.shift));
+  // FOLD's transform on raw scores (units LOG2E / (scale * LOG2E)); NoMod where there is none
+  const auto raw = raw_transform<FOLD && HAS_MB, F>(at_head(FLAT_MOD_ARGS, bh, w.shift),
+                                                    static_cast<float>(1.0 / scale_d));
   float s[1][NF][4];
   u32 p[KN][4];
 
@@ -317,11 +323,14 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
         mask_rows(s[0], i, j0, t, Nq, b32, mb, floor);
       } else if constexpr (F::IDENTITY) {
         mask_rows(s[0], i, j0, t, Nq, b32, NoMod(), floor);
+      } else if constexpr (FOLD) {
+        mask_rows(s[0], i, j0, t, Nq, b32, raw, floor);
       } else {
         mask_rows(s[0], i, j0, t, Nq, b32, mb.shown(), floor);
       }
     } else if constexpr (HAS_MB && !READS) {  // a transform alone, in a tile visible by position
-      modify_all(s[0], mb.shown(), i0 + row_w + g, j0, t);
+      if constexpr (FOLD) modify_all(s[0], raw, i0 + row_w + g, j0, t);
+      else modify_all(s[0], mb.shown(), i0 + row_w + g, j0, t);
     }
   };
   // K's slot is free once S = Q K^T is done, or with staged tiles once they are read too.
@@ -409,8 +418,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     const int i = i0 + r;
     const bool empty = row_empty(i, Nq, b32);
     float inv_l = dz.scaled(sm.out_scale(l_row, empty));  // (dropout: times 1 / (1 - p))
-    refix |= HAS_MB ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())  // fwd_mma.cu's rules
-                    : !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);
+    refix |= !FOLD ? !empty & !(l_row > 0.f && l_row < pos_inf<float>())  // fwd_mma.cu's rules
+                   : !empty & (fabsf(sm.m[0][hh]) > FOLD_LIMIT);
     if constexpr (SINKS) {  // the sink joins the row's softmax (refix read the keys' l, m)
       float lse_row = sm.lse(0, hh, empty, l_row);
       join_sink(sink, inv_l, lse_row);

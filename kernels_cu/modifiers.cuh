@@ -10,6 +10,9 @@
 //   POSITIONAL            it reads the positions i, j (ALiBi): kernels pass the real ones on
 //                         tiles they spare the position test, and kernels whose rows belong to
 //                         several heads (decode_tc) do not take it;
+//   ADDITIVE              F(x) = x + g(i, j) with g made in the given units (ALiBi): a kernel may
+//                         apply it to raw scores with units / scale (attn_core.cuh RawTransform)
+//                         and keep the scale folded into the exponent;
 //   make(m, slot, units)  its values from m.v[slot ..] (the host's cuflash/_modifiers.py puts them
 //                         there) and the head's m.table[m.bh], units = log2e in log2-unit kernels,
 //                         1 in natural-unit ones;
@@ -36,7 +39,7 @@ __device__ __forceinline__ ModArgs at_head(ModArgs m, long long bh, long long sh
 
 struct NoTransform {
   static constexpr int SLOTS = 0;
-  static constexpr bool IDENTITY = true, POSITIONAL = false;
+  static constexpr bool IDENTITY = true, POSITIONAL = false, ADDITIVE = true;
   template <typename Acc>
   __device__ __forceinline__ static NoTransform make(const ModArgs&, int, Acc) {
     return NoTransform();
@@ -81,7 +84,7 @@ constexpr int ARITH_ACCURATE = 0, ARITH_EXP = 1, ARITH_MUFU = 2;
 template <typename Acc, bool NATURAL = false, int ARITH = ARITH_ACCURATE>
 struct Softcap {
   static constexpr int SLOTS = 1;
-  static constexpr bool IDENTITY = false, POSITIONAL = false;
+  static constexpr bool IDENTITY = false, POSITIONAL = false, ADDITIVE = false;
   Acc c, inv_c, k;  // the cap in the kernel's units, its inverse, and 2 / cap (either units)
   __device__ __forceinline__ static Softcap make(const ModArgs& m, int slot, Acc units) {
     Softcap f;
@@ -127,7 +130,7 @@ constexpr int ALIBI_MAGIC = 0x4B400000;  // the bits of 1.5 * 2^23 (12582912.f)
 template <typename Acc>
 struct Alibi {
   static constexpr int SLOTS = 1;
-  static constexpr bool IDENTITY = false, POSITIONAL = true;
+  static constexpr bool IDENTITY = false, POSITIONAL = true, ADDITIVE = true;
   static constexpr bool MAGIC = sizeof(Acc) == 4;
   Acc slope, p0;  // the slope in the kernel's units; p0 (double), 1.5 * 2^23 - p0 (float)
   __device__ __forceinline__ static Alibi make(const ModArgs& m, int slot, Acc units) {
@@ -157,6 +160,7 @@ struct Then {
   static constexpr int SLOTS = F::SLOTS + G::SLOTS;
   static constexpr bool IDENTITY = F::IDENTITY && G::IDENTITY;
   static constexpr bool POSITIONAL = F::POSITIONAL || G::POSITIONAL;
+  static constexpr bool ADDITIVE = false;  // (chains run on the generic kernels, which never fold)
   F f;
   G g2;
   template <typename Acc>
