@@ -218,14 +218,23 @@ NO_DROPOUT_DIMS = ((96, 96),)
 DKDV_TILES_DROPOUT = {d: t for d, t in DKDV_TILES_TF.items() if d not in NO_DROPOUT_DIMS}
 
 
+def wg_modified(has_mb, transforms):
+    """Whether a call takes the wgmma tiles of a modifier: a mask / bias (has_mb here: the mask or
+    bias alone) or a transform that is not additive. Additive transforms alone (ALiBi) keep the
+    plain call's tiles: the kernel folds the scale as without them and keeps no derivative
+    (modifiers.cuh ADDITIVE), and those instantiations compile spill-free."""
+    return has_mb or (bool(transforms) and not _modifiers.additive(transforms))
+
+
 def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias=False):
     """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
     capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
     cuflash._gpu.override(wgmma=False)), else with dropout DKDV_TILES_DROPOUT's, else the
-    DKDV_TILES_LARGE_SMEM tile where shared memory allows it, else the table's. dbias (with a
-    bias, no transform, no dropout): dbias_tile."""
+    DKDV_TILES_LARGE_SMEM tile where shared memory allows it, else the table's. has_mb: a mask or
+    bias; transforms: the transforms' names. dbias (with a bias, no transform, no dropout):
+    dbias_tile."""
     info = _runtime.device_info()
-    wg = wg_tile(dims, has_mb, dq_atomic, dropout)
+    wg = wg_tile(dims, wg_modified(has_mb, transforms), dq_atomic, dropout)
     use_wg = _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
         dkdv_smem_bytes(dims, wg) <= info.smem_optin
     if dropout:
@@ -234,7 +243,7 @@ def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias
         return dbias_tile(dims, dq_atomic, use_wg)
     if use_wg:
         return wg
-    if not has_mb and dims in DKDV_TILES_LARGE_SMEM:
+    if not has_mb and not transforms and dims in DKDV_TILES_LARGE_SMEM:
         big = DKDV_TILES_LARGE_SMEM[dims]
         if dkdv_smem_bytes(dims, big) <= info.smem_optin:
             return big
@@ -297,7 +306,8 @@ def instantiations():
                 if not atomic:
                     exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, tf))
                 if d in DKDV_TILES_WG:
-                    exprs.append(dkdv_expr(dt, d, wg_tile(d, True, atomic), atomic, mb, tf))
+                    exprs.append(dkdv_expr(dt, d, wg_tile(d, wg_modified(mb, tf), atomic),
+                                           atomic, mb, tf))
             # with dropout (no transform): its tiles, with and without a mask / bias and dQ atomics
             for mb in ((False, True) if d in DKDV_TILES_DROPOUT else ()):
                 for atomic in (True, False):
@@ -384,8 +394,7 @@ def _recipe(p, deterministic):
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     dropout = bool(p.dropout_p)
-    tile = dkdv_tile(dims, _modifiers.modified(p), not deterministic, names,  # a modifier's
-                     dropout, p.dbias)
+    tile = dkdv_tile(dims, has_mb, not deterministic, names, dropout, p.dbias)
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
         _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names, dropout),

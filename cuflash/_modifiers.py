@@ -92,6 +92,9 @@ CHAINS = tuple(c for r in range(len(NAMES) + 1) for c in itertools.combinations(
 SINGLE = tuple(c for c in CHAINS if len(c) <= 1)
 # Transforms that read the position (i, j) of a logit (modifiers.cuh POSITIONAL)
 POSITIONAL = ("alibi",)
+# Transforms F(x) = x + g(i, j) (modifiers.cuh ADDITIVE): alone, the Hopper forward and the
+# tensor-core backward keep the scale folded and their registers are those of the plain call
+ADDITIVE = ("alibi",)
 
 
 def check(fn, **values):
@@ -127,6 +130,11 @@ def positional(names):
 def modified(p):
     """Whether the kernels need a score modifier: a mask, a bias or a transform."""
     return p.mask is not None or p.bias is not None or bool(p.transforms)
+
+
+def additive(names):
+    """Whether a chain is additive transforms alone (at least one)."""
+    return bool(names) and all(n in ADDITIVE for n in names)
 
 
 def _b(x):

@@ -311,15 +311,16 @@ def test_bnhd_layout_on_the_gpu(rng, override):
 def test_distances_at_the_span_edge(edge, dtype, path, rng, override):
     """Query positions as far from the keys as the float32 kernels take (Nq + Nk + |q_start -
     k_start| = ALIBI_SPAN - 1, either sign): every distance exact (modifiers.cuh Alibi forms it
-    from the bits of 1.5 * 2^23 + (i - j)). Slopes small enough that the rows stay below the
-    lost-row limits (|m| < 2^12 in log2 units: the float kernels settle them, not the float64
-    fix-up); a distance off by a power of two would move the logits by thousands."""
+    from the bits of 1.5 * 2^23 + (i - j)). Slopes small enough that the logits stay small
+    (terms up to ~24: the float kernels settle the rows, not the float64 fix-up, and lse is not
+    held to ulps of a huge value), large enough that a distance off by the float's 2^22 or 2^23
+    range would move them by 16 or more."""
     import cupy
     Nq, Nk, D = 70, 200, 64
     override(poison=True, path=None if path == "auto" else path)
     q, k, v = _inputs(rng, (2,), (2,), Nq, Nk, D, D, dtype, cupy)
     offset = edge * (_validate.ALIBI_SPAN - 1 - Nq - Nk)
-    slopes = cupy.asarray([3e-4, 5e-4], dtype=np.float32)  # |m| <= ~3000 in log2 units
+    slopes = cupy.asarray([2.0**-18, 3 * 2.0**-19], dtype=np.float32)  # terms up to ~24
     for opts in (dict(), dict(causal=True)):
         options = dict(alibi_slopes=slopes, positions=(max(offset, 0), max(-offset, 0)), **opts)
         if opts and edge < 0:

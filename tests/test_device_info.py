@@ -83,3 +83,26 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
         assert tile.opt & _mma_bwd.OPT_HALVES and not tile.opt & _mma_bwd.OPT_WG
     override(wgmma=False)
     assert not _mma_bwd.dkdv_tile((64, 64), False).opt & _mma_bwd.OPT_WG
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override, atomic):
+    """On the H200: ALiBi alone (an additive transform: the scale stays folded, no derivative
+    array) takes the call without it's wgmma dK/dV tile, D=128's with dQ on wgmma included;
+    with a mask or bias, or softcap, the modifier's tiles; without wgmma the transforms' tiles
+    (never the warp-grid kernel, which takes no modifier)."""
+    from cuflash import _mma_bwd
+
+    monkeypatch.setattr(_runtime, "device_info",
+                        lambda device_id=None: _runtime.DeviceInfo(90, 232448, 132))
+    monkeypatch.setattr(_runtime, "nvrtc_version", lambda: (13, 0))
+    for dims in ((64, 64), (128, 128)):
+        plain = _mma_bwd.dkdv_tile(dims, False, atomic)
+        assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == plain
+        assert plain.opt & _mma_bwd.OPT_WG
+        for has_mb, names in ((True, ("alibi",)), (False, ("softcap",)), (True, ("softcap",))):
+            assert _mma_bwd.dkdv_tile(dims, has_mb, atomic, names) == \
+                _mma_bwd.dkdv_tile(dims, True, atomic), (has_mb, names)
+    override(wgmma=False)
+    for dims in ((64, 64), (128, 128), (256, 256)):
+        assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == _mma_bwd.DKDV_TILES_TF[dims]
