@@ -85,8 +85,9 @@ __device__ __forceinline__ KeyTiles key_tiles(const long long* kv_lens, long lon
 // READS_INPUTS: whether it reads per-(query, key) inputs (then it must not be asked about padding
 // query rows, i >= Nq). IDENTITY: no per-element work, so that a kernel templated on the modifier
 // leaves the tiles visible by position alone and folds the scale into exp2. HAS_GRAD: the
-// backward multiplies dS by g (a transform whose derivative is not 1). POSITIONAL: its transform reads (i, j) (modifiers.cuh). make(...):
-// the modifier of head bh from the kernel's inputs (m: at_head's, for the transform).
+// backward multiplies dS by g (a transform whose derivative is not 1). POSITIONAL: its transform
+// reads (i, j) (modifiers.cuh). make(...): the modifier of head bh from the kernel's inputs (m:
+// at_head's, for the transform).
 struct NoMod {
   static constexpr bool READS_INPUTS = false, IDENTITY = true, HAS_GRAD = false;
   static constexpr bool POSITIONAL = false;
@@ -189,10 +190,18 @@ struct RawTransform {
     return F(f).apply(x, i, j, g);
   }
 };
-// The RawTransform of F made with `units` (its raw units), or NoMod without one (ON false).
-template <bool ON, typename F, typename Acc>
+// Whether a kernel keeps the scale folded into exp2's FFMA for a modifier that reads a mask or
+// bias (READS) with transform F: without any modifier, or with an additive transform alone (then
+// applied on the raw scores: raw_transform). The one rule of the fold's kernels.
+template <bool READS, typename F>
+__device__ __forceinline__ constexpr bool folds_scale() {
+  return !READS && F::ADDITIVE;
+}
+// The RawTransform of F made with `units` (its raw units) where folds_scale holds and there is
+// a transform, else NoMod (unused then).
+template <bool READS, typename F, typename Acc>
 __device__ __forceinline__ auto raw_transform(const ModArgs& m, Acc units) {
-  if constexpr (ON) {
+  if constexpr (folds_scale<READS, F>() && !F::IDENTITY) {
     return RawTransform<F>{F::make(m, 0, units)};
   } else {
     return NoMod();

@@ -467,10 +467,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, w.shift));
-  // FOLD: the scale in exp2's FMA, as without a modifier: an additive transform alone (ALiBi)
-  // goes on the raw scores (attn_core.cuh RawTransform)
-  constexpr bool FOLD = !HAS_MB || (!Mod::READS_INPUTS && Mod::Transform::ADDITIVE);
-  const auto raw = raw_transform<FOLD && HAS_MB, typename Mod::Transform>(
+  // FOLD: the scale in exp2's FMA (attn_core.cuh folds_scale; ALiBi alone goes on the raw scores)
+  constexpr bool FOLD = folds_scale<Mod::READS_INPUTS, typename Mod::Transform>();
+  const auto raw = raw_transform<Mod::READS_INPUTS, typename Mod::Transform>(
       at_head(mod_args, bh, w.shift), 1.f / scale);
   const float sl2 = FOLD ? scale_log2 : 1.f;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
@@ -769,8 +768,8 @@ bwd_mma_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
   const float NEG = neg_inf<float>();
   const float scale_log2 = scale * LOG2E;
   const Mod mod = Mod::make(MOD_INPUTS(bh), scale_log2, at_head(mod_args, bh, w.shift));
-  constexpr bool FOLD = !HAS_MB || (!Mod::READS_INPUTS && Mod::Transform::ADDITIVE);  // (dkdv's)
-  const auto raw = raw_transform<FOLD && HAS_MB, typename Mod::Transform>(
+  constexpr bool FOLD = folds_scale<Mod::READS_INPUTS, typename Mod::Transform>();
+  const auto raw = raw_transform<Mod::READS_INPUTS, typename Mod::Transform>(
       at_head(mod_args, bh, w.shift), 1.f / scale);
   const float sl2 = FOLD ? scale_log2 : 1.f;
   const int full_lo = static_cast<int>(min(key_range(w, qt.i_last).lo, w.L));

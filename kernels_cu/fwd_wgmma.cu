@@ -160,9 +160,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // HAS_MB: a score modifier on every tile; READS: it reads a mask or bias (a score transform
   // alone spares the tiles visible by position the position test)
   constexpr bool HAS_MB = MB != MB_NONE || !F::IDENTITY, READS = MB != MB_NONE;
-  // FOLD: the scale folds into the exponent's FFMA: without a modifier, or with an additive
-  // transform alone (ALiBi), applied to the raw scores (attn_core.cuh RawTransform)
-  constexpr bool FOLD = !HAS_MB || (MB == MB_NONE && F::ADDITIVE);
+  // FOLD: the scale folds into the exponent's FFMA (attn_core.cuh folds_scale)
+  constexpr bool FOLD = folds_scale<READS, F>();
   constexpr bool STAGED = MB >= MB_STAGED, CLASSES = MB == MB_CLASSES;
   // staged mask / bias slots (MB_STAGED); mask_box_rows, bias_box_rows: rows per staged tile
   // (0: absent, 1: the same for every query row, BLOCK_M)
@@ -293,8 +292,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                            mask_rs, mask_cs, bias_rs, bias_cs, scale * LOG2E,
                            at_head(FLAT_MOD_ARGS, bh, w.shift));
   // FOLD's transform on raw scores (units LOG2E / (scale * LOG2E)); NoMod where there is none
-  const auto raw = raw_transform<FOLD && HAS_MB, F>(at_head(FLAT_MOD_ARGS, bh, w.shift),
-                                                    static_cast<float>(1.0 / scale_d));
+  const auto raw = raw_transform<READS, F>(at_head(FLAT_MOD_ARGS, bh, w.shift),
+                                           static_cast<float>(1.0 / scale_d));
   float s[1][NF][4];
   u32 p[KN][4];
 

@@ -119,14 +119,15 @@ struct Softcap {
 // decode padding row) reads no slope.
 // The distance p_i - j = (i - j) + p0 (p0 = shift + d, query 0's aligned position) is exact:
 //   double  the int32 i - j converted, plus p0 (exact below 2^53);
-//   float   without a conversion instruction (I2F runs at the exponential's quarter rate, and one
-//           per score made ALiBi cost a fifth of the forward): the float whose bits are
-//           ALIBI_MAGIC + (i - j) is 1.5 * 2^23 + (i - j) exactly (its ulp is 1 while
+//   float   without a conversion instruction (one I2FP per score of the four that ALiBi added
+//           to the Hopper forward; benchmarks/RESULTS.md, twenty-ninth session): the float whose
+//           bits are ALIBI_MAGIC + (i - j) is 1.5 * 2^23 + (i - j) exactly (its ulp is 1 while
 //           |i - j| < 2^22), so one integer add and one subtraction of (1.5 * 2^23 - p0) give
 //           (i - j) + p0 exactly. The host keeps Nq + Nk + |d| below ALIBI_SPAN for float
 //           accumulators (cuflash/_validate.py: |i - j| < 2^22, p0 and the result integers
 //           below 2^23), so every distance is the exact one, as in double.
-constexpr int ALIBI_MAGIC = 0x4B400000;  // the bits of 1.5 * 2^23 (12582912.f)
+// (an enum, not a constexpr int: NVRTC emits namespace-scope constants as globals)
+enum : int { ALIBI_MAGIC = 0x4B400000 };  // the bits of 1.5 * 2^23 (12582912.f)
 template <typename Acc>
 struct Alibi {
   static constexpr int SLOTS = 1;
