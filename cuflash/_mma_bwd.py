@@ -200,12 +200,14 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
-def wg_tile(dims, has_mb, dq_atomic, dropout=False):
-    """The wgmma dK/dV tile of a call kind, or None: with dQ atomics and no mask / bias the one
-    with dQ on wgmma too where there is one (DKDV_TILES_WG_DQ), else DKDV_TILES_WG / _MB; with
-    dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step spilled
-    8 bytes with dropout; WG_DQ's did not)."""
-    if dq_atomic and not has_mb and dims in DKDV_TILES_WG_DQ:
+def wg_tile(dims, has_mb, dq_atomic, dropout=False, transforms=()):
+    """The wgmma dK/dV tile of a call kind, or None. has_mb: a modifier (wg_modified); transforms:
+    the transforms' names. With dQ atomics the one with dQ on wgmma too where there is one
+    (DKDV_TILES_WG_DQ): without a modifier (dropout included), or with a mask / bias alone (no
+    transform, no dropout: those spilled 88-556 bytes there on sm_90a); else DKDV_TILES_WG / _MB;
+    with dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step
+    spilled 8 bytes with dropout; WG_DQ's did not)."""
+    if dq_atomic and dims in DKDV_TILES_WG_DQ and (not has_mb or not (transforms or dropout)):
         return DKDV_TILES_WG_DQ[dims]
     return (DKDV_TILES_WG_MB if has_mb or dropout else DKDV_TILES_WG).get(dims)
 
@@ -234,7 +236,7 @@ def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias
     bias; transforms: the transforms' names. dbias (with a bias, no transform, no dropout):
     dbias_tile."""
     info = _runtime.device_info()
-    wg = wg_tile(dims, wg_modified(has_mb, transforms), dq_atomic, dropout)
+    wg = wg_tile(dims, wg_modified(has_mb, transforms), dq_atomic, dropout, transforms)
     use_wg = _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
         dkdv_smem_bytes(dims, wg) <= info.smem_optin
     if dropout:
@@ -306,8 +308,8 @@ def instantiations():
                 if not atomic:
                     exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, tf))
                 if d in DKDV_TILES_WG:
-                    exprs.append(dkdv_expr(dt, d, wg_tile(d, wg_modified(mb, tf), atomic),
-                                           atomic, mb, tf))
+                    exprs.append(dkdv_expr(dt, d, wg_tile(d, wg_modified(mb, tf), atomic,
+                                                          False, tf), atomic, mb, tf))
             # with dropout (no transform): its tiles, with and without a mask / bias and dQ atomics
             for mb in ((False, True) if d in DKDV_TILES_DROPOUT else ()):
                 for atomic in (True, False):

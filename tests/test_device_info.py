@@ -65,9 +65,9 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
         assert bool(tile.opt & _mma_bwd.OPT_WG) == want
         if not want and not tile.opt & _mma_bwd.OPT_GRID:  # the table's tile, as elsewhere
             assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[dims]
-        # with dQ atomics and no mask / bias, D=128's wgmma tile with dQ on wgmma too
+        # with dQ atomics, D=128's wgmma tile with dQ on wgmma too (a mask / bias alone included)
         atomic = _mma_bwd.dkdv_tile(dims, has_mb, dq_atomic=True)
-        wg_dq = _mma_bwd.DKDV_TILES_WG_DQ.get(dims) if not has_mb else None
+        wg_dq = _mma_bwd.DKDV_TILES_WG_DQ.get(dims)
         if want and wg_dq is not None and _mma_bwd.dkdv_smem_bytes(dims, wg_dq) <= smem:
             assert atomic == wg_dq and atomic.opt & _mma_bwd.OPT_WG_DQ
         else:
@@ -89,8 +89,8 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
 def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override, atomic):
     """On the H200: ALiBi alone (an additive transform: the scale stays folded, no derivative
     array) takes the call without it's wgmma dK/dV tile, D=128's with dQ on wgmma included;
-    with a mask or bias, or softcap, the modifier's tiles; without wgmma the transforms' tiles
-    (never the warp-grid kernel, which takes no modifier)."""
+    a transform with a mask or bias, or softcap, the modifier's tiles; without wgmma the
+    transforms' tiles (never the warp-grid kernel, which takes no modifier)."""
     from cuflash import _mma_bwd
 
     monkeypatch.setattr(_runtime, "device_info",
@@ -102,7 +102,7 @@ def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override
         assert plain.opt & _mma_bwd.OPT_WG
         for has_mb, names in ((True, ("alibi",)), (False, ("softcap",)), (True, ("softcap",))):
             assert _mma_bwd.dkdv_tile(dims, has_mb, atomic, names) == \
-                _mma_bwd.dkdv_tile(dims, True, atomic), (has_mb, names)
+                _mma_bwd.DKDV_TILES_WG_MB[dims], (has_mb, names)  # (dQ on mma.sync: WG_DQ spills)
     override(wgmma=False)
     for dims in ((64, 64), (128, 128), (256, 256)):
         assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == _mma_bwd.DKDV_TILES_TF[dims]
