@@ -73,6 +73,10 @@ OPT_HALVES = 16
 # OPT_DBIAS: the bias's gradient, P^T (dP^T - delta) stored per pair (tcb::DKDV_DBIAS; with a
 # mask / bias modifier, on the tiles of dbias_tile).
 OPT_DBIAS = 64
+# OPT_SBIAS: a bias comes with each query tile into shared memory (4-byte copies, any strides) and
+# the modifier reads it there (tcb::DKDV_SBIAS; the wgmma mask / bias tiles). No copy without a
+# bias.
+OPT_SBIAS = 128
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -125,9 +129,10 @@ DKDV_TILES_WG = {
                          opt=OPT_SWZ | OPT_WG),
 }
 DKDV_TILES_WG_MB = {
-    (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1, opt=OPT_SWZ | OPT_WG),
+    (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1,
+                       opt=OPT_SWZ | OPT_WG | OPT_SBIAS),
     (128, 128): DkdvTile(block_m=32, warps=8, kv_in_regs=False, min_blocks=1,
-                         opt=OPT_SWZ | OPT_WG),
+                         opt=OPT_SWZ | OPT_WG | OPT_SBIAS),
 }
 # With dQ atomics and no mask / bias, D=128 takes dQ on wgmma too (OPT_WG_DQ: dS^T stored
 # 128-byte swizzled, read as an MN-major A operand). deterministic=True keeps DKDV_TILES_WG's
@@ -182,7 +187,8 @@ def dkdv_blocks(p, tile):
 def dkdv_smem_bytes(dims, tile):
     """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows of max(Dk, Dv) padded by 8
     elements; dS^T (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID:
-    + P^T (as dS^T). OPT_SWZ (Dk == Dv): K, V, Q, dO rows unpadded (head_dim * 2 bytes), plus one
+    + P^T (as dS^T); OPT_SBIAS: + two slots of the bias block (BLOCK_M rows of BLOCK_N + 4
+    floats, tcb::sbias_pitch). OPT_SWZ (Dk == Dv): K, V, Q, dO rows unpadded (head_dim * 2 bytes), plus one
     such row of slack: the kernel rounds its shared base up to a row (its XOR addressing needs
     row-aligned tile bases)."""
     head_dim = max(dims)
@@ -191,8 +197,9 @@ def dkdv_smem_bytes(dims, tile):
     row = head_dim * 2 if swz else (head_dim + 8) * 2
     ps = block_n * (tile.block_m + 8) * 2
     slack = (1024 if tile.opt & OPT_WG else row) if swz else 0  # wgmma: 1024-byte aligned tiles
+    sbias = 2 * tile.block_m * (block_n + 4) * 4 if tile.opt & OPT_SBIAS else 0  # 2 slots
     return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
-        + 4 * tile.block_m * 4 + slack
+        + 4 * tile.block_m * 4 + slack + sbias
 
 
 def dkdv_arch(tile):

@@ -125,18 +125,21 @@ struct ScoreModT {
   // (F is called on a copy: a member function called on the member itself kept the struct in
   // memory and changed the code of the kernels without a transform.)
   __device__ __forceinline__ Acc operator()(Acc x, int i, long long j) const {
-    if (MB && mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<Acc>();
-    x *= scale_units;
-    return biased(F(f)(x, i, j), i, j);
+    return logit(x, i, j, [&] { return bias[i * bias_rs + j * bias_cs]; });
   }
   __device__ __forceinline__ Acc apply(Acc x, int i, long long j, Acc& g) const {
+    return logit(x, i, j, [&] { return bias[i * bias_rs + j * bias_cs]; }, &g);
+  }
+  // The logit of (i, j), its bias read by bias_at() (from memory; bwd_mma.cu's DKDV_SBIAS: from
+  // a staged copy); with g, F's derivative multiplies *g.
+  template <typename BiasAt>
+  __device__ __forceinline__ Acc logit(Acc x, int i, long long j, BiasAt bias_at,
+                                       Acc* g = nullptr) const {
     if (MB && mask != nullptr && !mask[i * mask_rs + j * mask_cs]) return neg_inf<Acc>();
     x *= scale_units;
-    return biased(F(f).apply(x, i, j, g), i, j);
-  }
-  __device__ __forceinline__ Acc biased(Acc x, int i, long long j) const {
+    x = g != nullptr ? F(f).apply(x, i, j, *g) : F(f)(x, i, j);
     if (MB && bias != nullptr) {
-      const Acc b = bias[i * bias_rs + j * bias_cs];
+      const Acc b = bias_at();
       x = NATURAL ? x + b : acc_fma(b, log2e<Acc>(), x);
     }
     return x;

@@ -103,8 +103,62 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 // DKDV_DBIAS: the bias's gradient, P^T (dP^T - delta) per pair into dbias (BH, Nq, Nk)
 //                (attn_core.cuh store_dbias; with DKDV_HALVES by the block of half 0). A mask /
 //                bias modifier only; without it dbias is null and unread.
+// DKDV_SBIAS: a bias comes with each query tile: its [i0, i0 + BLOCK_M) x [j0, j0 + BLOCK_N)
+//                block is copied into the ring slot of the tile's Q and dO (4-byte cp.async along
+//                the bias's rows: any strides; zeros past Nq and Nk), rows of SBIAS_PITCH floats,
+//                and the modifier reads it there (StagedBias), not from global memory in the
+//                key-row orientation, where every load waited on its own round trip. No copy and
+//                no read without a bias.
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
-                     DKDV_DBIAS = 64 };
+                     DKDV_DBIAS = 64, DKDV_SBIAS = 128 };
+
+// DKDV_SBIAS: the staged bias block's row pitch in floats (BLOCK_N + 4: the rows 2 t apart that a
+// quad reads together fall on disjoint banks).
+template <int BLOCK_N>
+__host__ __device__ constexpr int sbias_pitch() {
+  return BLOCK_N + 4;
+}
+
+// The bias block of query rows [i0, i0 + BLOCK_M) and keys [j0, j0 + BLOCK_N) of one head
+// (bias: its (0, 0); strides in elements) into shared memory at dst, rows of PITCH floats, one
+// 4-byte cp.async per element (any strides), zeros past Nq and Nk.
+template <int BLOCK_M, int BLOCK_N, int PITCH, int THREADS>
+__device__ __forceinline__ void copy_bias_block(u32 dst, const float* bias, long long rs,
+                                                long long cs, int i0, int j0, int Nq, int Nk) {
+#pragma unroll 4
+  for (int e = threadIdx.x; e < BLOCK_M * BLOCK_N; e += THREADS) {
+    const int r = e / BLOCK_N, c = e % BLOCK_N;
+    const bool ok = i0 + r < Nq && j0 + c < Nk;
+    const float* src = ok ? bias + (i0 + r) * rs + (j0 + c) * cs : bias;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst + (r * PITCH + c) * 4),
+                 "l"(src), "r"(ok ? 4 : 0) : "memory");
+  }
+}
+
+// DKDV_SBIAS: a modifier (attn_core.cuh ScoreModT) whose bias of (query i, key j) is read from
+// the staged block at `block` (query rows from i0, keys from j0, rows of PITCH floats).
+template <typename Mod, int PITCH>
+struct StagedBias {
+  static constexpr bool READS_INPUTS = Mod::READS_INPUTS, IDENTITY = Mod::IDENTITY;
+  static constexpr bool HAS_GRAD = Mod::HAS_GRAD, POSITIONAL = Mod::POSITIONAL;
+  using Transform = typename Mod::Transform;
+  const Mod& mod;
+  u32 block;
+  int i0, j0;
+  __device__ __forceinline__ float at(int i, long long j) const {
+    float b;
+    asm volatile("ld.shared.f32 %0, [%1];"
+                 : "=f"(b)
+                 : "r"(block + ((i - i0) * PITCH + (static_cast<int>(j) - j0)) * 4));
+    return b;
+  }
+  __device__ __forceinline__ float operator()(float x, int i, long long j) const {
+    return mod.logit(x, i, j, [&] { return at(i, j); });
+  }
+  __device__ __forceinline__ float apply(float x, int i, long long j, float& g) const {
+    return mod.logit(x, i, j, [&] { return at(i, j); }, &g);
+  }
+};
 
 // s[mi][nf][e] = f(s[mi][nf][e], value, mi, nf, e) over S^T-shaped fragments (rows = keys,
 // columns = queries q0 + nf * 8 + 2t + e % 2), value = that query's entry of the shared float
@@ -349,6 +403,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr bool HALVES = (OPT & tcb::DKDV_HALVES) != 0;  // half of dK, dV, dQ's columns
   constexpr bool DBIAS = (OPT & tcb::DKDV_DBIAS) != 0;    // the bias's gradient
   static_assert(!DBIAS || Mod::READS_INPUTS, "DKDV_DBIAS: a modifier that reads the bias");
+  constexpr bool SBIAS = Mod::READS_INPUTS && (OPT & tcb::DKDV_SBIAS) != 0;  // staged bias
+  constexpr int SB_PITCH = tcb::sbias_pitch<16 * NWARPS>();
+  constexpr int SB_BYTES = SBIAS ? BLOCK_M * SB_PITCH * 4 : 0;  // per ring slot
   constexpr int DCK = HALVES ? HEAD_DIM / 2 : HEAD_DIM;    // this block's dK / dQ columns
   constexpr int DCV = HALVES ? DV / 2 : DV;                // and dV columns
   constexpr int DFK = DCK / 8;          // n-fragments of dK (head dim)
@@ -427,10 +484,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
   // lse2, delta [2][BLOCK_M] floats. SWZ: from the first BASE_ALIGN-aligned address (every tile
   // base is then aligned: tc::tile_addr's XOR, wgmma's swizzle).
-  u32 sK, sV, sQ, sdO, sdS, sL, sD;
+  u32 sK, sV, sQ, sdO, sdS, sL, sD, sB;
   shared_regions<SWZ ? BASE_ALIGN : 16>(sK, BLOCK_N * ROW_BYTES, sV, BLOCK_N * ROW_BYTES, sQ,
                                         2 * QT_BYTES, sdO, 2 * QT_BYTES, sdS, BLOCK_N * DS_ROW,
-                                        sL, 2 * BLOCK_M * 4, sD);
+                                        sL, 2 * BLOCK_M * 4, sD, 2 * BLOCK_M * 4, sB);
 
   // Per-lane ldmatrix offsets (mma.cuh layouts), as (row, 16-byte chunk) in
   // tc::chunk_offset; the blocks a lane reads are then tc::tile_addr(tile base + offset, ...):
@@ -450,6 +507,11 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   auto load_query_tile = [&](int slot, int i0) {
     tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ, DV>(sQ, sdO, sL, sD, slot, kb.q, q_rs,
                                                              kb.dout, kb.lse2, kb.delta, i0, Nq);
+    if constexpr (SBIAS) {  // (the modifier, made below, is read only once the copies are issued)
+      if (bias != nullptr)
+        tcb::copy_bias_block<BLOCK_M, BLOCK_N, SB_PITCH, THREADS>(
+            sB + slot * SB_BYTES, bias + offsets[4 * BH + bh], bias_rs, bias_cs, i0, j0, Nq, Nk);
+    }
   };
 
   // Prologue: K, V (zeros from key L on) with the first query tile, one commit group.
@@ -527,9 +589,17 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       if (!tile_all_visible(pr, i0, i_last, j0, BLOCK_N))
         mask_key_rows(s, jw, i0, t, Nq, pr, NoMod());
     } else if (Mod::READS_INPUTS || !tile_all_visible(pr, i0, i_last, j0, BLOCK_N)) {
-      if constexpr (Mod::HAS_GRAD) mask_key_rows(s, jw, i0, t, Nq, pr, with_grad(mod, gr));
-      else if constexpr (FOLD && HAS_MB) mask_key_rows(s, jw, i0, t, Nq, pr, raw);
-      else mask_key_rows(s, jw, i0, t, Nq, pr, mod);
+      if constexpr (SBIAS) {  // the bias from the tile's staged block
+        const tcb::StagedBias<Mod, SB_PITCH> staged{mod, sB + slot * SB_BYTES, i0, j0};
+        if constexpr (Mod::HAS_GRAD) mask_key_rows(s, jw, i0, t, Nq, pr, with_grad(staged, gr));
+        else mask_key_rows(s, jw, i0, t, Nq, pr, staged);
+      } else if constexpr (Mod::HAS_GRAD) {
+        mask_key_rows(s, jw, i0, t, Nq, pr, with_grad(mod, gr));
+      } else if constexpr (FOLD && HAS_MB) {
+        mask_key_rows(s, jw, i0, t, Nq, pr, raw);
+      } else {
+        mask_key_rows(s, jw, i0, t, Nq, pr, mod);
+      }
     } else if constexpr (HAS_MB && !Mod::READS_INPUTS) {  // a transform alone, tile visible
       if constexpr (FOLD) modify_all_keys(s, raw, jw, i0, t);
       else modify_all_keys(s, with_grad(mod, gr), jw, i0, t);
