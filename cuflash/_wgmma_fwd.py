@@ -40,10 +40,14 @@ TILES = {
     ((256, 256), True): _T(32, 2, 2, 240, True),
 }
 # With a score transform and no mask / bias, where the table's tile spills (sm_90a ptxas): at D=64
-# 64 keys per tile (128 spilled 8 bytes).
+# 64 keys per tile (128 spilled: ALiBi 484 bytes, float16's softcap 220) but for the (dtype,
+# transforms) of TRANSFORM_TILES_SPARED, whose 128-key tile compiles spill-free: bfloat16's softcap
+# (tanh.approx), 0.74-0.77 of the call without it against 0.68-0.71 with 64 keys (H100,
+# benchmarks/RESULTS.md twenty-ninth section).
 TRANSFORM_TILES = {
     ((64, 64), False): _T(64, 3, 2, 160, False),
 }
+TRANSFORM_TILES_SPARED = {("bfloat16", ("softcap",))}
 del _T
 DIMS = sorted({dims for dims, _ in TILES})
 
@@ -60,10 +64,11 @@ HEADS_DTYPE = np.dtype([("hdiv", "<i4", (5,)), ("bmul", "<i4", (5,))])
 SHORT_ROW_KEYS = 768
 
 
-def pick_tile(dims, mb, transforms=()):
-    """The tile of a mask / bias reading mb (score transforms keep the tile of the call without
-    them, but where TRANSFORM_TILES says otherwise)."""
-    if transforms and (dims, mb != MB_NONE) in TRANSFORM_TILES:
+def pick_tile(dims, mb, transforms=(), dtype=None):
+    """The tile of a mask / bias reading mb (score transforms, by name, keep the tile of the call
+    without them, but where TRANSFORM_TILES says otherwise for their dtype)."""
+    spared = (_config.dtype_name(dtype), tuple(transforms)) in TRANSFORM_TILES_SPARED
+    if transforms and not spared and (dims, mb != MB_NONE) in TRANSFORM_TILES:
         return TRANSFORM_TILES[(dims, mb != MB_NONE)]
     return TILES[(dims, mb != MB_NONE)]
 
@@ -104,7 +109,7 @@ def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=F
 def instantiations():
     """Every (kernel, dtype name, head dim, source file, name expression) of this path."""
     main = [("fwd_wgmma", dt, dims[0], SOURCE,
-             name_expression(dt, dims, pick_tile(dims, mb, tf), mb, tf, sk))
+             name_expression(dt, dims, pick_tile(dims, mb, tf, dt), mb, tf, sk))
             for dt in _config.MMA_DTYPES for dims in DIMS for tf in TRANSFORMS
             for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES) for sk in (False, True)]
     # with dropout: no transform, no sinks (takes leaves those to fwd_mma or the generic kernels)
@@ -223,7 +228,7 @@ def _maps_layout(p, dims):
     """p's MapsLayout (its arrays' addresses only tried: _encode encodes the call's)."""
     B, H = _mask_tiles.grid_shape(p)
     tile = pick_tile(dims, MB_NONE if p.mask is None and p.bias is None else MB_STAGED,
-                     p.transforms)
+                     _modifiers.names(p), p.dtype)
     bm, bn = block_m(tile), tile.block_n
     found = [_tensor_map(x, x_map, B, H, n, x.shape[-1], (64, rows), _tma.SWIZZLE_128B)
              for x, x_map, n, rows in ((p.q, p.q_map, p.Nq, bm), (p.k, p.k_map, p.Nk, bn),
@@ -272,7 +277,8 @@ def takes(p):
     launch = _launch(p, dims)
     if launch is None:
         return False
-    return smem_bytes(dims, pick_tile(dims, launch.mb, p.transforms), launch.mb) <= \
+    return smem_bytes(dims, pick_tile(dims, launch.mb, _modifiers.names(p), p.dtype),
+                      launch.mb) <= \
         _runtime.device_info().smem_optin
 
 
@@ -284,7 +290,7 @@ def _recipe(p, dims, launch):
     of its staging, `launch`: the numbers of the maps' rows)."""
     mb = launch.mb
     names = _modifiers.names(p)
-    tile = pick_tile(dims, mb, names)
+    tile = pick_tile(dims, mb, names, p.dtype)
     kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb, names,
                                                          p.sinks is not None,
                                                          bool(p.dropout_p)), arch=ARCH)
