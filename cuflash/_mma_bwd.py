@@ -207,14 +207,16 @@ def dkdv_arch(tile):
     return "sm_90a" if tile.opt & OPT_WG else None
 
 
-def wg_tile(dims, has_mb, dq_atomic, dropout=False, transforms=()):
+def wg_tile(dims, has_mb, dq_atomic, dropout=False, transforms=(), bias=False):
     """The wgmma dK/dV tile of a call kind, or None. has_mb: a modifier (wg_modified); transforms:
-    the transforms' names. With dQ atomics the one with dQ on wgmma too where there is one
-    (DKDV_TILES_WG_DQ): without a modifier (dropout included), or with a mask / bias alone (no
-    transform, no dropout: those spilled 88-556 bytes there on sm_90a); else DKDV_TILES_WG / _MB;
-    with dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step
-    spilled 8 bytes with dropout; WG_DQ's did not)."""
-    if dq_atomic and dims in DKDV_TILES_WG_DQ and (not has_mb or not (transforms or dropout)):
+    the transforms' names; bias: the modifier has a bias. With dQ atomics the one with dQ on wgmma
+    too where there is one (DKDV_TILES_WG_DQ): without a modifier (dropout included), or with a
+    mask alone (no bias, transform or dropout: with those it spilled 88-556 bytes on sm_90a, and a
+    bias gains more from DKDV_TILES_WG_MB's staging, OPT_SBIAS); else DKDV_TILES_WG / _MB; with
+    dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step spilled
+    8 bytes with dropout; WG_DQ's did not)."""
+    alone = not has_mb or not (bias or transforms or dropout)
+    if dq_atomic and dims in DKDV_TILES_WG_DQ and alone:
         return DKDV_TILES_WG_DQ[dims]
     return (DKDV_TILES_WG_MB if has_mb or dropout else DKDV_TILES_WG).get(dims)
 
@@ -235,15 +237,16 @@ def wg_modified(has_mb, transforms):
     return has_mb or (bool(transforms) and not _modifiers.additive(transforms))
 
 
-def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias=False):
+def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias=False,
+              bias=False):
     """The dK/dV tile for a call on the current device: the wgmma tile (wg_tile) on compute
     capability 9.0 (sm_90a code runs there only; NVRTC 12.9+ builds it; tests turn it off with
     cuflash._gpu.override(wgmma=False)), else with dropout DKDV_TILES_DROPOUT's, else the
     DKDV_TILES_LARGE_SMEM tile where shared memory allows it, else the table's. has_mb: a mask or
-    bias; transforms: the transforms' names. dbias (with a bias, no transform, no dropout):
-    dbias_tile."""
+    bias; bias: a bias among them; transforms: the transforms' names. dbias (with a bias, no
+    transform, no dropout): dbias_tile."""
     info = _runtime.device_info()
-    wg = wg_tile(dims, wg_modified(has_mb, transforms), dq_atomic, dropout, transforms)
+    wg = wg_tile(dims, wg_modified(has_mb, transforms), dq_atomic, dropout, transforms, bias)
     use_wg = _runtime.overrides().wgmma and wg is not None and _runtime.wgmma_available() and \
         dkdv_smem_bytes(dims, wg) <= info.smem_optin
     if dropout:
@@ -271,7 +274,7 @@ def dbias_tile(dims, dq_atomic, wgmma):
     """The dK/dV tile of a call with the bias's gradient: the mask / bias tile with OPT_DBIAS, the
     wgmma one (wg_tile) where ``wgmma`` (dkdv_tile's rule), else the transforms' (DKDV_TILES_TF:
     smaller query steps where the stores' registers would not fit)."""
-    tile = wg_tile(dims, True, dq_atomic) if wgmma else None
+    tile = wg_tile(dims, True, dq_atomic, bias=True) if wgmma else None
     tile = tile or DKDV_TILES_TF[dims]
     return tile._replace(opt=tile.opt | OPT_DBIAS)
 
@@ -298,8 +301,11 @@ def instantiations():
                 for atomic in (True, False):
                     exprs.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
-                for atomic, mb in itertools.product((True, False), (False, True)):
-                    exprs.append(dkdv_expr(dt, d, wg_tile(d, mb, atomic), atomic, mb))
+                for atomic, mb, bias in ((a, m, b) for a in (True, False) for m in (False, True)
+                                         for b in (False, True)[:1 + m]):
+                    e = dkdv_expr(dt, d, wg_tile(d, mb, atomic, bias=bias), atomic, mb)
+                    if e not in exprs:
+                        exprs.append(e)
             # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
             if d not in DBIAS_DECLINED:
                 for atomic in (True, False):
@@ -403,7 +409,8 @@ def _recipe(p, deterministic):
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     dropout = bool(p.dropout_p)
-    tile = dkdv_tile(dims, has_mb, not deterministic, names, dropout, p.dbias)
+    tile = dkdv_tile(dims, has_mb, not deterministic, names, dropout, p.dbias,
+                     p.bias is not None)
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
         _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names, dropout),

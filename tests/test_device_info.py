@@ -65,13 +65,17 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
         assert bool(tile.opt & _mma_bwd.OPT_WG) == want
         if not want and not tile.opt & _mma_bwd.OPT_GRID:  # the table's tile, as elsewhere
             assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[dims]
-        # with dQ atomics, D=128's wgmma tile with dQ on wgmma too (a mask / bias alone included)
+        # with dQ atomics, D=128's wgmma tile with dQ on wgmma too (a mask alone included); a
+        # bias keeps the mask / bias tile, which stages it in shared memory
         atomic = _mma_bwd.dkdv_tile(dims, has_mb, dq_atomic=True)
         wg_dq = _mma_bwd.DKDV_TILES_WG_DQ.get(dims)
         if want and wg_dq is not None and _mma_bwd.dkdv_smem_bytes(dims, wg_dq) <= smem:
             assert atomic == wg_dq and atomic.opt & _mma_bwd.OPT_WG_DQ
         else:
             assert atomic == tile
+        if has_mb:
+            biased = _mma_bwd.dkdv_tile(dims, True, dq_atomic=True, bias=True)
+            assert biased == tile and bool(biased.opt & _mma_bwd.OPT_SBIAS) == want
     # Dk >= 192: column halves on every device, 128 keys where they fit
     for dims, has_mb in itertools.product(((192, 128), (192, 192), (256, 256)), (False, True)):
         tile = _mma_bwd.dkdv_tile(dims, has_mb)
