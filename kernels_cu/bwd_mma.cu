@@ -539,6 +539,25 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   u32 ka[KV_IN_REGS ? KD : 1][4], va[KV_IN_REGS ? KD : 1][4];
 
+  // dQ[i0 + 16 wm .., col0 ..] = dS K over this block's BLOCK_N keys, into acc; reduction r adds
+  // row half h = r / QF, columns nf = r % QF of it to dq_acc. WG: a tile's reductions go out at
+  // the next tile's top, after its barrier (DEFER_DQ; the last tile's after the loop): the
+  // fence.proxy.async before that barrier (MEMBAR.ALL.CTA) waits for every global access still in
+  // flight, and held each tile's top until all of its reductions had landed (ncu, D=128).
+  constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
+  constexpr int NR = 2 * QF;
+  constexpr bool DEFER_DQ = WG && DQ_ATOMIC;
+  float acc[QF][4];
+  const int wm = warp % WM, col0 = c0 + (warp / WM) * DQ_COLS;
+  auto dq_red = [&](int r, int i0) {
+    const int h = r / QF, nf = r % QF;
+    const int i = i0 + wm * 16 + g + 8 * h;
+    if (i < Nq)
+      red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
+                    acc[nf][2 * h], acc[nf][2 * h + 1]);
+  };
+  int dq_i0 = -1;  // DEFER_DQ: the query tile whose dQ block acc holds, -1: none
+
   // n: the query tiles computed before this one (the ring's sequence)
   for (int it = first, n = 0; it < kb.n_mt; it = next_query_tile(it + 1), ++n) {
     const int i0 = (kb.m_first + it) * BLOCK_M;
@@ -549,6 +568,12 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const int next = next_query_tile(it + 1);
     if (next < kb.n_mt) load_query_tile(slot ^ 1, (kb.m_first + next) * BLOCK_M);
     cp_async_commit();
+    if constexpr (DEFER_DQ) {  // the previous tile's dQ reductions
+      if (dq_i0 >= 0) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) dq_red(r, dq_i0);
+      }
+    }
 
     if (KV_IN_REGS && n == 0) {
 #pragma unroll
@@ -679,11 +704,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     if constexpr (WG)  // dK += dS^T Q, under dQ
       wg::regs_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128>(dk, da, qs);
 
-    // dQ[i0 + 16 wm .., col0 ..] = dS K over this block's BLOCK_N keys, into registers; its
-    // red.global.add go out a few per k-step of dK below (tcb::dq_reductions_at).
-    constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
-    float acc[QF][4];
-    const int wm = warp % WM, col0 = c0 + (warp / WM) * DQ_COLS;
+    // dQ = dS K into acc; its red.global.add go out at the next tile's top (DEFER_DQ), else a few
+    // per k-step of dK below (tcb::dq_reductions_at).
     if constexpr (WG_DQ) {
       wg::fence_shared();  // dS^T is read by wgmma
       __syncthreads();     // dS^T of every warp in shared memory
@@ -705,23 +727,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
       }
     }
-    // Reduction r: row half h = r / QF, columns nf = r % QF; NR of them, spread over the KM
-    // k-steps of dK.
-    constexpr int NR = 2 * QF;
-    auto dq_red = [&](int r) {
-      const int h = r / QF, nf = r % QF;
-      const int i = i0 + wm * 16 + g + 8 * h;
-      if (i < Nq)
-        red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
-                      acc[nf][2 * h], acc[nf][2 * h + 1]);
-    };
-
-    // dK += dS^T Q (WG: issued above; the dQ reductions go out here, then both products land).
+    // dK += dS^T Q (WG: issued above; both products land here, the dQ reductions wait for the
+    // next tile's top).
     if constexpr (WG) {
-      if (DQ_ATOMIC) {
-#pragma unroll
-        for (int r = 0; r < NR; ++r) dq_red(r);
-      }
+      if (DQ_ATOMIC) dq_i0 = i0;
       wg::wait<0>();
       wg::fence_acc(dv);
       wg::fence_acc(dk);
@@ -731,7 +740,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       if (DQ_ATOMIC) {
 #pragma unroll
         for (int r = 0; r < NR; ++r)
-          if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r);
+          if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r, i0);
       }
 #pragma unroll
       for (int p = 0; p < DFK / 2; ++p) {
@@ -739,6 +748,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         ldsm_x4_t(tile_addr<SWZ>(qs + bt_lane, kk * 16 * LROW, c0 * 2 + p * 32), b);
         Mma<T>::run2(dk[2 * p], dk[2 * p + 1], da[kk], b);
       }
+    }
+  }
+
+  if constexpr (DEFER_DQ) {  // the last tile's dQ reductions
+    if (dq_i0 >= 0) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) dq_red(r, dq_i0);
     }
   }
 
