@@ -120,11 +120,27 @@ __host__ __device__ constexpr int sbias_pitch() {
 }
 
 // The bias block of query rows [i0, i0 + BLOCK_M) and keys [j0, j0 + BLOCK_N) of one head
-// (bias: its (0, 0); strides in elements) into shared memory at dst, rows of PITCH floats, one
-// 4-byte cp.async per element (any strides), zeros past Nq and Nk.
+// (bias: its (0, 0); strides in elements) into shared memory at dst, rows of PITCH floats, zeros
+// past Nq and Nk: 16-byte cp.async where the block's rows are whole and 16-byte aligned (unit key
+// stride, row stride and head base multiples of 4 floats, keys j0 + BLOCK_N <= Nk: one test per
+// block), else one 4-byte cp.async per element (any strides).
 template <int BLOCK_M, int BLOCK_N, int PITCH, int THREADS>
 __device__ __forceinline__ void copy_bias_block(u32 dst, const float* bias, long long rs,
                                                 long long cs, int i0, int j0, int Nq, int Nk) {
+  static_assert(BLOCK_N % 4 == 0 && PITCH % 4 == 0, "16-byte chunks of the bias rows");
+  const bool chunks = cs == 1 && rs % 4 == 0 && j0 + BLOCK_N <= Nk &&
+                      reinterpret_cast<unsigned long long>(bias) % 16 == 0;
+  if (chunks) {
+    constexpr int CPR = BLOCK_N / 4;  // chunks per row
+#pragma unroll
+    for (int e = threadIdx.x; e < BLOCK_M * CPR; e += THREADS) {
+      const int r = e / CPR, c = (e % CPR) * 4;
+      const bool ok = i0 + r < Nq;
+      const float* src = ok ? bias + (i0 + r) * rs + j0 + c : bias;
+      tc::cp_async16(dst + (r * PITCH + c) * 4, src, ok ? 16 : 0);
+    }
+    return;
+  }
 #pragma unroll 4
   for (int e = threadIdx.x; e < BLOCK_M * BLOCK_N; e += THREADS) {
     const int r = e / BLOCK_N, c = e % BLOCK_N;
@@ -181,6 +197,22 @@ __device__ __forceinline__ void with_query_values(float (&s)[NQF][4], u32 col, i
                                                   F f) {
   with_query_values(reinterpret_cast<float(&)[1][NQF][4]>(s), col, q0, t,
                     [&](float x, float v, int, int nf, int e) { return f(x, v, nf, e); });
+}
+// The same in two steps: query_values loads the entries ahead of their use (the wgmma kernel
+// issues them under the products whose accumulators they meet), with_query_values applies them.
+template <int NQF>
+__device__ __forceinline__ void query_values(float (&v)[NQF][2], u32 col, int q0, int t) {
+#pragma unroll
+  for (int nf = 0; nf < NQF; ++nf)
+    tc::ld_shared_v2f(col + (q0 + nf * 8 + 2 * t) * 4, v[nf][0], v[nf][1]);
+}
+template <int NQF, typename F>
+__device__ __forceinline__ void with_query_values(float (&s)[NQF][4], const float (&v)[NQF][2],
+                                                  F f) {
+#pragma unroll
+  for (int nf = 0; nf < NQF; ++nf)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nf][e] = f(s[nf][e], v[nf][e % 2], nf, e);
 }
 
 // The dQ reductions of a query tile go out spread over the k-steps of the product that follows
@@ -536,6 +568,11 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const float sl2 = FOLD ? scale_log2 : 1.f;
   const int jw = j0 + warp * 16 + g;  // this thread's keys: jw and jw + 8
   const auto dz = dropout_at<float>(bh, drop...);  // philox.cuh: none without a DropoutArgs
+  // EARLY_QV: a thread's lse2 (then delta) entries loaded under the products whose accumulators
+  // they meet (WG), not after them: D=64 full 2-3 % faster (H100). Not on D=128's 64-query
+  // tiles: with a modifier or dropout they spilled 12-108 bytes, and without, no gain showed
+  // beyond the card's run-to-run drift (3 %).
+  constexpr bool EARLY_QV = WG && (HEAD_DIM == 64 || BLOCK_M == 32);
 
   u32 ka[KV_IN_REGS ? KD : 1][4], va[KV_IN_REGS ? KD : 1][4];
 
@@ -590,10 +627,12 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     // S^T = K Q^T (raw dot products). WG: dP^T = V dO^T is issued with it.
     float s[NQF][4], dp[NQF][4];
+    float qv[EARLY_QV ? NQF : 1][2];  // EARLY_QV: this thread's lse2, then delta entries
     const u32 wg_rows = (warp / 4) * 64 * LROW;  // WG: this warpgroup's K / V rows
     if constexpr (WG) {
       wg::rows_times_rows<T, BLOCK_M, KD, BLOCK_N * 128, BLOCK_M * 128>(s, sK + wg_rows, qs);
       wg::rows_times_rows<T, BLOCK_M, KD, BLOCK_N * 128, BLOCK_M * 128>(dp, sV + wg_rows, dos);
+      if constexpr (EARLY_QV) tcb::query_values(qv, ls, 0, t);
       wg::wait<1>();
       wg::fence_acc(s);
     } else {
@@ -633,9 +672,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     // P^T = exp2(S^T * scale * log2e - lse2[query]); -inf (invisible) and +inf lse2 (empty or
     // padding row) both give exactly 0.
-    tcb::with_query_values(s, ls, 0, t, [&](float x, float l2, int, int) {
-      return ex2(fmaf(x, sl, -l2));
-    });
+    auto probability = [&](float x, float l2, int, int) { return ex2(fmaf(x, sl, -l2)); };
+    if constexpr (EARLY_QV) tcb::with_query_values(s, qv, probability);
+    else tcb::with_query_values(s, ls, 0, t, probability);
 
     // dV += P^T dO: P^T packed straight from the accumulators (k = queries).
     if constexpr (WG) {
@@ -643,6 +682,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
       for (int kk = 0; kk < KM; ++kk) p_operand<T>(s, kk, zb, dz, pa[kk]);
       wg::regs_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128>(dv, pa, dos);
+      if constexpr (EARLY_QV) tcb::query_values(qv, des, 0, t);  // under dP^T and dV
       wg::wait<1>();  // dP^T landed (dV may still run)
       wg::fence_acc(dp);
     }
@@ -665,14 +705,16 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     // dS^T = scale * P^T (dP^T - delta[query]) (times the modifier's derivative), in dp.
     constexpr bool GR = Mod::HAS_GRAD;
-    tcb::with_query_values(dp, des, 0, t, [&](float x, float delta, int nf, int e) {
+    auto score_grad = [&](float x, float delta, int nf, int e) {
       if constexpr (decltype(dz)::ON) x = (zb >> (4 * nf + e)) & 1u ? 0.f : dz.scaled(x);
       if constexpr (DBIAS)  // the bias's gradient (HALVES: by the first block of the two)
         if (half == 0)
           store_dbias(dbias, bh, Nq, Nk, i0 + nf * 8 + 2 * t + e % 2, jw + 8 * (e / 2), s[nf][e],
                       s[nf][e] * (x - delta));
       return scale * s[nf][e] * (x - delta) * grad_of<GR>(gr, nf, e);
-    });
+    };
+    if constexpr (EARLY_QV) tcb::with_query_values(dp, qv, score_grad);
+    else tcb::with_query_values(dp, des, 0, t, score_grad);
 
     // dS^T packed to 16 bits (the A operand of dK += dS^T Q), and with DQ_ATOMIC stored to shared
     // memory for dQ.

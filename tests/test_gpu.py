@@ -142,6 +142,29 @@ def test_tensor_core_backward_kernels(case, dims, kernel, deterministic, dtype, 
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=lambda d: f"{d[0]}x{d[1]}")
+@pytest.mark.parametrize("layout", ["rows", "misaligned", "keys-strided"])
+def test_staged_bias_layouts(layout, dims, rng, override):
+    """The wgmma backward stages each query tile's bias block in shared memory: 16-byte copies
+    where the rows are whole and aligned ("rows": Nk = 260, a multiple of 4; its last key tile is
+    partial and takes 4-byte copies, as do the rows past Nq = 100), 4-byte copies for a head base
+    off 16 bytes ("misaligned": a view one float in) and for a key stride of 2 ("keys-strided")."""
+    import cupy
+    from cuflash import _mma_bwd, _runtime
+    if not _runtime.wgmma_available():
+        pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
+    override(wgmma=True)
+    Nq, Nk, dtype = 100, 260, "bfloat16" if BFLOAT16 is not None else "float16"
+    q = randn(rng, (2, 2, Nq, dims[0]), dtype)
+    k, v = (randn(rng, (2, 2, Nk, d), dtype) for d in dims)
+    full = cupy.asarray(rng.standard_normal((2, Nq, 2 * Nk + 4)), np.float32)  # rows of 4k floats
+    bias = {"rows": cupy.ascontiguousarray(full[:, :, :Nk]), "misaligned": full[:, :, 1:Nk + 1],
+            "keys-strided": full[:, :, :2 * Nk:2]}[layout]
+    tile = _mma_bwd.dkdv_tile(dims, True, True, bias=True)
+    assert tile.opt & _mma_bwd.OPT_SBIAS
+    check(q, k, v, rng, bias=bias, causal=True)
+
+
 # The wide tensor-core path (fwd_wide, bwd_wide: float32 on TF32, three products per GEMM;
 # float64 on DMMA): the sweep's cases plus mask / bias, Dk != Dv within a bucket, the largest buckets and
 # logits beyond the folded exp2's range (float32 rows then go to fwd_lost_rows). Cases whose head
