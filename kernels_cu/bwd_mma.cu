@@ -585,8 +585,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr int NR = 2 * QF;
   constexpr bool DEFER_DQ = WG && DQ_ATOMIC;
   float acc[QF][4];
-  const int wm = warp % WM, col0 = c0 + (warp / WM) * DQ_COLS;
+  // This warp's dQ rows (16 wm ..) and columns (col0 ..): DEFER_DQ holds them through the loop;
+  // the other tiles make them where they are used (held, they spilled D=96's mma.sync mask /
+  // bias tile on sm_90a).
+  const int wm_held = warp % WM, col0_held = c0 + (warp / WM) * DQ_COLS;
   auto dq_red = [&](int r, int i0) {
+    const int wm = DEFER_DQ ? wm_held : warp % WM;
+    const int col0 = DEFER_DQ ? col0_held : c0 + (warp / WM) * DQ_COLS;
     const int h = r / QF, nf = r % QF;
     const int i = i0 + wm * 16 + g + 8 * h;
     if (i < Nq)
@@ -755,6 +760,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       wg::wait<0>();  // (dV and dK land here too)
       wg::fence_acc(acc);
     } else if (DQ_ATOMIC) {
+      const int wm = DEFER_DQ ? wm_held : warp % WM;
+      const int col0 = DEFER_DQ ? col0_held : c0 + (warp / WM) * DQ_COLS;
       __syncthreads();  // dS^T of every warp in shared memory
       zero(acc);
 #pragma unroll
