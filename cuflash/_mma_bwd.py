@@ -73,9 +73,9 @@ OPT_HALVES = 16
 # OPT_DBIAS: the bias's gradient, P^T (dP^T - delta) stored per pair (tcb::DKDV_DBIAS; with a
 # mask / bias modifier, on the tiles of dbias_tile).
 OPT_DBIAS = 64
-# OPT_SBIAS: a bias comes with each query tile into shared memory (4-byte copies, any strides) and
-# the modifier reads it there (tcb::DKDV_SBIAS; the wgmma mask / bias tiles). No copy without a
-# bias.
+# OPT_SBIAS: a bias comes with each query tile into shared memory (tcb::copy_bias_block: 16-byte
+# copies where its rows allow, else 4-byte, any strides) and the modifier reads it there
+# (tcb::DKDV_SBIAS; the wgmma mask / bias tiles). No copy without a bias.
 OPT_SBIAS = 128
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
@@ -301,11 +301,11 @@ def instantiations():
                 for atomic in (True, False):
                     exprs.append(dkdv_expr(dt, d, DKDV_TILES_LARGE_SMEM[d], atomic, False))
             if d in DKDV_TILES_WG:  # (compiled for sm_90a at run time; elsewhere a trap)
-                for atomic, mb, bias in ((a, m, b) for a in (True, False) for m in (False, True)
-                                         for b in (False, True)[:1 + m]):
-                    e = dkdv_expr(dt, d, wg_tile(d, mb, atomic, bias=bias), atomic, mb)
-                    if e not in exprs:
-                        exprs.append(e)
+                for atomic, mb in itertools.product((True, False), (False, True)):
+                    for bias in (False, True) if mb else (False,):  # (a mask, a bias: wg_tile)
+                        e = dkdv_expr(dt, d, wg_tile(d, mb, atomic, bias=bias), atomic, mb)
+                        if e not in exprs:
+                            exprs.append(e)
             # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
             if d not in DBIAS_DECLINED:
                 for atomic in (True, False):

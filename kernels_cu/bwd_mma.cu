@@ -104,8 +104,8 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                (attn_core.cuh store_dbias; with DKDV_HALVES by the block of half 0). A mask /
 //                bias modifier only; without it dbias is null and unread.
 // DKDV_SBIAS: a bias comes with each query tile: its [i0, i0 + BLOCK_M) x [j0, j0 + BLOCK_N)
-//                block is copied into the ring slot of the tile's Q and dO (4-byte cp.async along
-//                the bias's rows: any strides; zeros past Nq and Nk), rows of SBIAS_PITCH floats,
+//                block is copied into the ring slot of the tile's Q and dO (copy_bias_block: any
+//                strides; zeros past Nq and Nk), rows of sbias_pitch floats,
 //                and the modifier reads it there (StagedBias), not from global memory in the
 //                key-row orientation, where every load waited on its own round trip. No copy and
 //                no read without a bias.
