@@ -253,16 +253,18 @@ class BwdLostRows:
     (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator dtype (dbias_buffer; None: none):
     the lost rows' logit gradients are written there. Two small launches that only read flags
     (and lse) when no row is lost. `cast_dq` (the tensor-core backward): the second also rounds
-    the float32 dq to the inputs' dtype into `dq_out` (its grid then also sized for that)."""
+    the float32 dq to the inputs' dtype into `dq_out` (its grid then also sized for that).
+    `group` > 1 (the tensor-core backward's OPT_GROUP): dk, dv are (BH / group, Nk, D), each
+    kv head's, summed over its group of consecutive heads."""
 
-    def __init__(self, p, kv_dtype, prewritten, cast_dq=False):
+    def __init__(self, p, kv_dtype, prewritten, cast_dq=False, group=1):
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
         rows_expr, keys_expr = lost_name_expressions(p.dtype, kv_dtype == p.dtype,
                                                      _modifiers.names(p), bool(p.dropout_p))
         warps = _config.GENERIC_THREADS // 32
         cap = 4 * _runtime.device_info().sm_count  # grid-stride beyond: a few flags per warp
         row_blocks = min(-(-BH * -(-Nq // LOST_SEG) // warps), cap)
-        key_blocks = min(-(-BH * -(-Nk // LOST_SEG) // warps), cap)
+        key_blocks = min(-(-(BH // group) * -(-Nk // LOST_SEG) // warps), cap)
         if cast_dq:  # 4 elements per thread and step
             key_blocks = max(key_blocks,
                              min(-(-BH * Nq * p.Dk // (4 * _config.GENERIC_THREADS)), cap))
@@ -273,6 +275,7 @@ class BwdLostRows:
                                     (key_blocks,), threads)
         self.limit = np.float64(_config.lost_lse_limit(p.acc_dtype))
         self.prewritten = np.int32(prewritten)
+        self.group = np.int32(group)
         # scratch: each row's (max, sum, ...) in double, then the flags where none are prewritten
         flags = () if prewritten else (BH * -(-Nq // LOST_CHUNK) * 4,)
         self.scratch = (BH * Nq * 3 * 8,) + flags
@@ -285,7 +288,7 @@ class BwdLostRows:
         sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         self.rows(common + (dq, self.prewritten) + sinks + (_runtime.ptr(dbias),) + drop)
-        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out)) + drop)
+        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out), self.group) + drop)
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=None, dbias=None):

@@ -77,6 +77,10 @@ OPT_DBIAS = 64
 # copies where its rows allow, else 4-byte, any strides) and the modifier reads it there
 # (tcb::DKDV_SBIAS; the wgmma mask / bias tiles). No copy without a bias.
 OPT_SBIAS = 128
+# OPT_GROUP: GQA in the kernel (tcb::DKDV_GROUP): a block's keys serve the `group` query heads of
+# their kv head, dK and dV summed in registers and stored once per kv head in the inputs' dtype
+# (group_size says when; no float32 buffers, no sum pass after).
+OPT_GROUP = 256
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -179,9 +183,26 @@ def dq_expr(dtype_name, dims, tile, has_mb, transforms=(), dropout=False):
             f"{tile.min_blocks}{', DropoutArgs' if dropout else ''}>")
 
 
-def dkdv_blocks(p, tile):
-    """The dK/dV launch's 1-D grid: a block per key tile per (batch, head), two with OPT_HALVES."""
-    return -(-p.Nk // (16 * tile.warps)) * p.BH * (2 if tile.opt & OPT_HALVES else 1)
+def dkdv_blocks(p, tile, group=1):
+    """The dK/dV launch's 1-D grid: a block per key tile per (batch, head), two with OPT_HALVES;
+    with OPT_GROUP per (batch, kv head) of `group` heads."""
+    return -(-p.Nk // (16 * tile.warps)) * (p.BH // group) * (2 if tile.opt & OPT_HALVES else 1)
+
+
+def group_size(p):
+    """How many query heads one dK/dV block serves (OPT_GROUP), or 1: GQA's group where k and v
+    broadcast over groups of consecutive heads of the last leading axis alone (bh // group is
+    then their own (batch, kv head), as _broadcast.reduce_to_lead sums), on the wgmma tiles,
+    without a mask, bias, transform, dropout, dbias, kv_lens (one window per group) or pages."""
+    lead = tuple(p.lead)
+    if not lead or p.mask is not None or p.bias is not None or p.transforms or p.dropout_p \
+            or p.dbias or p.kv_lens is not None or p.lens_device is not None \
+            or p.pages is not None:
+        return 1
+    kl, vl = (_padded(x.shape[:-2], len(lead)) for x in (p.k, p.v))
+    if kl != vl or kl[:-1] != lead[:-1] or kl[-1] >= lead[-1] or lead[-1] % kl[-1]:
+        return 1
+    return lead[-1] // kl[-1]
 
 
 def dkdv_smem_bytes(dims, tile):
@@ -306,6 +327,11 @@ def instantiations():
                         e = dkdv_expr(dt, d, wg_tile(d, mb, atomic, bias=bias), atomic, mb)
                         if e not in exprs:
                             exprs.append(e)
+                # GQA in the kernel (group_size): the plain tiles with OPT_GROUP
+                for atomic in (True, False):
+                    tile = wg_tile(d, False, atomic)
+                    exprs.append(dkdv_expr(dt, d, tile._replace(opt=tile.opt | OPT_GROUP),
+                                           atomic, False))
             # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
             if d not in DBIAS_DECLINED:
                 for atomic in (True, False):
@@ -393,28 +419,35 @@ def _contiguous16(x):
 
 _prepared = _memo.Memo(256)
 # the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic); sizes: the int32
-# parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv kernel's int32
+# parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv kernel's int32; group: the heads per
+# dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32
 Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes "
-                              "out16_arg")
+                              "out16_arg group group_arg")
 
 
 def _recipe(p, deterministic):
     """What a backward call of this layout launches, and how (shapes, kernels, grids)."""
     BH, Nq = p.BH, p.Nq
     dims = (p.Dk, p.Dv)
-    # dK, dV straight in the inputs' dtype when no broadcast / GQA sum follows (each k and v
-    # matrix is one output (batch, head)'s): no float32 buffers, no cast passes
-    out16 = all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead) for x in (p.k, p.v))
     nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     dropout = bool(p.dropout_p)
     tile = dkdv_tile(dims, has_mb, not deterministic, names, dropout, p.dbias,
                      p.bias is not None)
+    group = group_size(p) if tile.opt & OPT_WG else 1  # GQA in the kernel (OPT_GROUP)
+    if group > 1:
+        tile = tile._replace(opt=tile.opt | OPT_GROUP)
+    # dK, dV straight in the inputs' dtype when no broadcast / GQA sum follows (each k and v
+    # matrix is one output (batch, head)'s, or one kv head's with OPT_GROUP): no float32 buffers,
+    # no cast passes
+    out16 = group > 1 or all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead)
+                             for x in (p.k, p.v))
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
         _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names, dropout),
-                  smem, dkdv_arch(tile)), (dkdv_blocks(p, tile),), (tile.warps * 32,), smem)
+                  smem, dkdv_arch(tile)), (dkdv_blocks(p, tile, group),), (tile.warps * 32,),
+        smem)
     # the mask's tile classes, for its key blocks of 16 * warps keys
     classes = (tile.block_m, 16 * tile.warps) if has_mb else None
     dq = None
@@ -430,7 +463,7 @@ def _recipe(p, deterministic):
     i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
                   np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
-                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16))
+                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group))
 
 
 class _Backward:
@@ -439,7 +472,8 @@ class _Backward:
     (batch, head): dq (..., Nq, Dk), dk (..., Nk, Dk), dv (..., Nk, Dv) of the leading shape
     p.lead; the caller reduces and casts. dq is in the inputs' dtype (rounded from its float32
     sums by bwd_lost_keys); dk and dv are float32 where a broadcast / GQA sum follows, else
-    already in the inputs' dtype. With p.dbias also the logits' gradient (BH, Nq, Nk) float32,
+    already in the inputs' dtype (with OPT_GROUP summed over GQA's groups already: k's leading
+    shape). With p.dbias also the logits' gradient (BH, Nq, Nk) float32,
     stored by the dK/dV kernel. sink_probs (with sinks): the rows' sink probabilities, which the
     lost-row fix overwrites on its rows (_gpu.backward)."""
 
@@ -447,7 +481,7 @@ class _Backward:
         self.deterministic = deterministic
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
-        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True)
+        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
         # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq's float32
         # sums; the lost-row kernels' per-row doubles. The gradients in the caller's leading
@@ -457,9 +491,11 @@ class _Backward:
         self.scratch = _runtime.carving(padded, padded, BH * -(-Nq // 32) * 4,
                                         (lead + (Nq, p.Dk), np.float32, _runtime.POINTER),
                                         *self.lost.scratch)
+        # (OPT_GROUP: dk, dv per kv head, k's leading shape)
+        kv_lead = lead if r.group == 1 else _padded(p.k.shape[:-2], len(lead))
         self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
-                                      (lead + (Nk, p.Dk), r.kv_dtype),
-                                      (lead + (Nk, p.Dv), r.kv_dtype))
+                                      (kv_lead + (Nk, p.Dk), r.kv_dtype),
+                                      (kv_lead + (Nk, p.Dv), r.kv_dtype))
         self.dk = np.int32(p.Dk)
         self.args = _runtime.KeptArgs(p)
 
@@ -484,7 +520,7 @@ class _Backward:
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         padded = tail + r.sizes[2:]  # (nq_pad,)
         r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk,
-                dv, classes) + padded + (r.out16_arg, _runtime.ptr(dbias)) + drop)
+                dv, classes) + padded + (r.out16_arg, _runtime.ptr(dbias), r.group_arg) + drop)
         if deterministic:
             r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + padded + drop)
         # the lost rows' gradients, then dq rounded to the inputs' dtype (dq_out)

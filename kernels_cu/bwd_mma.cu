@@ -109,8 +109,13 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                and the modifier reads it there (StagedBias), not from global memory in the
 //                key-row orientation, where every load waited on its own round trip. No copy and
 //                no read without a bias.
+// DKDV_GROUP: a block's keys serve `group` consecutive (batch, head)s bh = bkv * group + h (GQA:
+//                the query heads of one kv head): its query tiles run head after head through
+//                the one ring, dK and dV accumulate over all of them and are stored once, per
+//                bkv (no sum pass after). No modifier, no dropout, no dbias, one window for the
+//                group (the host's rule, _mma_bwd.group_size).
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
-                     DKDV_DBIAS = 64, DKDV_SBIAS = 128 };
+                     DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256 };
 
 // DKDV_SBIAS: the staged bias block's row pitch in floats (BLOCK_N + 4: the rows 2 t apart that a
 // quad reads together fall on disjoint banks).
@@ -425,7 +430,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const float* __restrict__ delta, float* __restrict__ dq_acc,
              float* __restrict__ dk_acc, float* __restrict__ dv_acc, const TileClasses classes,
              ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16,
-             float* __restrict__ dbias, const Drop... drop) {
+             float* __restrict__ dbias, int group, const Drop... drop) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
@@ -484,7 +489,14 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
   const unsigned blk = HALVES ? blockIdx.x / 2 : blockIdx.x;  // the key tile's block
-  const long long bh = blk / n_ntiles;
+  // GROUP (DKDV_GROUP): the block's query tiles are those of `heads` heads from bh, head after
+  // head; bkv numbers the block's dK / dV rows (the kv head; else bkv = bh).
+  constexpr bool GROUP = (OPT & tcb::DKDV_GROUP) != 0;
+  static_assert(!GROUP || (!HAS_MB && sizeof...(Drop) == 0 && !DBIAS && !HALVES),
+                "DKDV_GROUP: no modifier, dropout, dbias or column halves");
+  const int heads = GROUP ? group : 1;
+  const long long bkv = blk / n_ntiles;
+  const long long bh = bkv * heads;  // (the first head of the group)
   const int j0 = static_cast<int>(blk % n_ntiles) * BLOCK_N;
   const int half = HALVES ? static_cast<int>(blockIdx.x % 2) : 0;
   const int c0 = half * DCK, c0v = half * DCV;  // this block's first dK / dQ and dV column
@@ -535,8 +547,21 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const u32 bt_lane = chunk_offset<SWZ, LROW>(lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
   const u32 ds_lane = (lane % 8 + 8 * (lane / 16)) * DS_ROW + ((lane / 8) % 2) * 16;
 
-  // One query tile into ring slot `slot` (tcb::copy_query_tile).
-  auto load_query_tile = [&](int slot, int i0) {
+  // Tile `it` of the block's sequence: its head (bh + head_of(it); GROUP: n_mt tiles per head)
+  // and its first query row.
+  auto head_of = [&](int it) { return GROUP ? it / kb.n_mt : 0; };
+  auto row_of = [&](int it) {
+    return (kb.m_first + (GROUP ? it - head_of(it) * kb.n_mt : it)) * BLOCK_M;
+  };
+  // One query tile (rows from i0, of head bh + hd) into ring slot `slot` (tcb::copy_query_tile).
+  auto load_query_tile = [&](int slot, int i0, int hd) {
+    if constexpr (GROUP) {  // (the head's rows: as key_block finds them)
+      const long long b = bh + hd;
+      tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ, DV>(
+          sQ, sdO, sL, sD, slot, q + offsets[b], q_rs, dout + b * Nq * DV, lse2 + b * Nq_pad,
+          delta + b * Nq_pad, i0, Nq);
+      return;
+    }
     tcb::copy_query_tile<BLOCK_M, HEAD_DIM, THREADS, T, SWZ, DV>(sQ, sdO, sL, sD, slot, kb.q, q_rs,
                                                              kb.dout, kb.lse2, kb.delta, i0, Nq);
     if constexpr (SBIAS) {  // (the modifier, made below, is read only once the copies are issued)
@@ -550,7 +575,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   if (first < kb.n_mt) {
     cp_tile<BLOCK_N, HEAD_DIM, THREADS, T, SWZ, PD>(sK, kb.k, k_rs, j0, static_cast<int>(w.L));
     cp_tile<BLOCK_N, DV, THREADS, T, SWZ, PD>(sV, kb.v, v_rs, j0, static_cast<int>(w.L));
-    load_query_tile(0, (kb.m_first + first) * BLOCK_M);
+    load_query_tile(0, row_of(first), head_of(first));
   }
   cp_async_commit();
 
@@ -589,31 +614,32 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // the other tiles make them where they are used (held, they spilled D=96's mma.sync mask /
   // bias tile on sm_90a).
   const int wm_held = warp % WM, col0_held = c0 + (warp / WM) * DQ_COLS;
-  auto dq_red = [&](int r, int i0) {
+  auto dq_red = [&](int r, int i0, int hd) {  // (of the tile of rows i0 in head bh + hd)
     const int wm = DEFER_DQ ? wm_held : warp % WM;
     const int col0 = DEFER_DQ ? col0_held : c0 + (warp / WM) * DQ_COLS;
     const int h = r / QF, nf = r % QF;
     const int i = i0 + wm * 16 + g + 8 * h;
     if (i < Nq)
-      red_add_f32x2(dq_acc + (bh * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
+      red_add_f32x2(dq_acc + ((GROUP ? bh + hd : bh) * Nq + i) * HEAD_DIM + col0 + 2 * t + nf * 8,
                     acc[nf][2 * h], acc[nf][2 * h + 1]);
   };
-  int dq_i0 = -1;  // DEFER_DQ: the query tile whose dQ block acc holds, -1: none
+  int dq_i0 = -1, dq_hd = 0;  // DEFER_DQ: the tile whose dQ block acc holds (rows, head), -1: none
 
   // n: the query tiles computed before this one (the ring's sequence)
-  for (int it = first, n = 0; it < kb.n_mt; it = next_query_tile(it + 1), ++n) {
-    const int i0 = (kb.m_first + it) * BLOCK_M;
+  const int n_tiles = heads * kb.n_mt;  // (GROUP: n_mt per head)
+  for (int it = first, n = 0; it < n_tiles; it = next_query_tile(it + 1), ++n) {
+    const int i0 = row_of(it);
     const int slot = n & 1;
     cp_async_wait<0>();
     if (WG) wg::fence_shared();  // the copies are read by wgmma (the async proxy)
     __syncthreads();  // this tile landed; every warp finished the previous one (its slot, dS^T)
     const int next = next_query_tile(it + 1);
-    if (next < kb.n_mt) load_query_tile(slot ^ 1, (kb.m_first + next) * BLOCK_M);
+    if (next < n_tiles) load_query_tile(slot ^ 1, row_of(next), head_of(next));
     cp_async_commit();
     if constexpr (DEFER_DQ) {  // the previous tile's dQ reductions
       if (dq_i0 >= 0) {
 #pragma unroll
-        for (int r = 0; r < NR; ++r) dq_red(r, dq_i0);
+        for (int r = 0; r < NR; ++r) dq_red(r, dq_i0, dq_hd);
       }
     }
 
@@ -779,7 +805,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dK += dS^T Q (WG: issued above; both products land here, the dQ reductions wait for the
     // next tile's top).
     if constexpr (WG) {
-      if (DQ_ATOMIC) dq_i0 = i0;
+      if (DQ_ATOMIC) dq_i0 = i0, dq_hd = head_of(it);
       wg::wait<0>();
       wg::fence_acc(dv);
       wg::fence_acc(dk);
@@ -789,7 +815,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       if (DQ_ATOMIC) {
 #pragma unroll
         for (int r = 0; r < NR; ++r)
-          if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r, i0);
+          if (tcb::dq_reduction_at(r, kk, NR, KM)) dq_red(r, i0, head_of(it));
       }
 #pragma unroll
       for (int p = 0; p < DFK / 2; ++p) {
@@ -803,7 +829,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   if constexpr (DEFER_DQ) {  // the last tile's dQ reductions
     if (dq_i0 >= 0) {
 #pragma unroll
-      for (int r = 0; r < NR; ++r) dq_red(r, dq_i0);
+      for (int r = 0; r < NR; ++r) dq_red(r, dq_i0, dq_hd);
     }
   }
 
@@ -812,8 +838,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bh * Nk + j) * HEAD_DIM + c0 + 2 * t,
-                            (bh * Nk + j) * DV + c0v + 2 * t, dk, dv, h, out16);
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bkv * Nk + j) * HEAD_DIM + c0 + 2 * t,
+                            (bkv * Nk + j) * DV + c0v + 2 * t, dk, dv, h, out16);
     }
   }
 }

@@ -24,7 +24,8 @@
 //                  in `stats` (with attention sinks, the row's sink logit is one more term of m
 //                  and l, and its probability exp(t - m) / l goes to sink_probs), then
 //                  dq += scale * dS K
-//   bwd_lost_keys  one warp per 128 keys of one (batch, head), after bwd_lost_rows: for each key
+//   bwd_lost_keys  one warp per 128 keys of one (batch, head) (with `group` > 1: of one kv head,
+//                  for its group's heads in order), after bwd_lost_rows: for each key
 //                  and each lost row that sees it, in row order: dv += P^T dO, dk += scale dS^T Q;
 //                  then, for the tensor-core backward (dq_out not null), dq_out = dq rounded to
 //                  the inputs' dtype, over the whole grid (every dq row is final by then)
@@ -156,37 +157,54 @@ __device__ __forceinline__ void cast_dq(const Acc* __restrict__ dq, T* __restric
 template <typename T, typename Acc, typename DK, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* __restrict__ dq,
-              T* __restrict__ dq_out, const Drop... drop) {
+              T* __restrict__ dq_out, int group, const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
   const int lane = threadIdx.x % 32;
+  // group > 1 (the tensor-core backward's GQA, _mma_bwd.group_size): dk, dv per (batch, kv head)
+  // bkv, whose keys serve the heads bh = bkv * group + gi (one window, k and v, for all); an item
+  // adds their lost rows in head order, then stores once (each dk / dv row has one owner).
+  const long long BKV = BH / group;
   for (long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
-       item < BH * n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
-  const long long bh = item / n_items;
-  const LostHead<T, Acc, F> h = LOST_HEAD(dout);
-  const auto dz = dropout_at<double>(bh, drop...);
+       item < BKV * n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
+  const long long bkv = item / n_items;
   const long long j0 = (item % n_items) * LOST_SEG;
   const long long j_last = j0 + LOST_SEG - 1 < Nk - 1 ? j0 + LOST_SEG - 1 : Nk - 1;
-  const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
-  if (qr.lo > qr.hi) continue;
-  // the flags of the chunks that hold this item's query rows
-  const int* fl = flags + bh * n_chunks;
+  // the flags of the chunks that hold this item's query rows, in any head of the group
   bool any = false;
-  for (long long c = qr.lo / LOST_CHUNK + lane; c <= qr.hi / LOST_CHUNK; c += 32) any |= fl[c] != 0;
+  for (int gi = 0; gi < group; ++gi) {
+    const long long bh = bkv * group + gi;
+    const LostHead<T, Acc, F> h = LOST_HEAD(dout);
+    const KeyRange qr = tile_query_range(h.w, j0, j_last, Nq);
+    const int* fl = flags + bh * n_chunks;
+    for (long long c = qr.lo / LOST_CHUNK + lane; qr.lo <= qr.hi && c <= qr.hi / LOST_CHUNK;
+         c += 32)
+      any |= fl[c] != 0;
+  }
   if (!__any_sync(FULL_WARP, any)) continue;
 
   for (long long j = j0; j <= j_last; ++j) {
-    const KeyRange rows = tile_query_range(h.w, j, j, Nq);
-    if (rows.lo > rows.hi) continue;
     double kj[LOST_COLS], vj[LOST_COLS], dkj[LOST_COLS], dvj[LOST_COLS];
-    load_row(kj, h.k + j * h.k_rs, Dk);
-    load_row(vj, h.v + j * h.v_rs, Dv);
+    bool touched = false, loaded = false;
+    double scale_h = 0.0;
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) dkj[c] = dvj[c] = 0.0;
-    bool touched = false;
+    for (int gi = 0; gi < group; ++gi) {
+    const long long bh = bkv * group + gi;
+    const LostHead<T, Acc, F> h = LOST_HEAD(dout);
+    const auto dz = dropout_at<double>(bh, drop...);
+    const int* fl = flags + bh * n_chunks;
+    const KeyRange rows = tile_query_range(h.w, j, j, Nq);
+    if (rows.lo > rows.hi) continue;
+    scale_h = h.scale;
     for (long long c = rows.lo / LOST_CHUNK; c <= rows.hi / LOST_CHUNK; ++c) {
       if (!fl[c]) continue;  // warp-uniform
+      if (!loaded) {  // (the group's k and v rows: one for all its heads)
+        load_row(kj, h.k + j * h.k_rs, Dk);
+        load_row(vj, h.v + j * h.v_rs, Dv);
+        loaded = true;
+      }
       const long long i_end = (c + 1) * LOST_CHUNK - 1 < rows.hi ? (c + 1) * LOST_CHUNK - 1 : rows.hi;
       for (long long i = c * LOST_CHUNK > rows.lo ? c * LOST_CHUNK : rows.lo; i <= i_end; ++i) {
         const long long r = bh * Nq + i;
@@ -203,13 +221,14 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* 
         touched = true;
       }
     }
+    }  // heads
     if (!touched) continue;
-    DK* dk_row = dk + (bh * Nk + j) * Dk;
-    DK* dv_row = dv + (bh * Nk + j) * Dv;
+    DK* dk_row = dk + (bkv * Nk + j) * Dk;
+    DK* dv_row = dv + (bkv * Nk + j) * Dv;
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) {
       const int col = lane + 32 * c;
-      if (col < Dk) add_to(dk_row + col, h.scale * dkj[c]);
+      if (col < Dk) add_to(dk_row + col, scale_h * dkj[c]);
       if (col < Dv) add_to(dv_row + col, dvj[c]);
     }
   }

@@ -3,6 +3,7 @@
 for the decode split). Checked without a GPU against a stand-in for CuPy's device queries."""
 import itertools
 
+import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
@@ -110,3 +111,31 @@ def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override
     override(wgmma=False)
     for dims in ((64, 64), (128, 128), (256, 256)):
         assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == _mma_bwd.DKDV_TILES_TF[dims]
+
+
+def test_gqa_group_size():
+    """_mma_bwd.group_size: the query heads per dK/dV block (OPT_GROUP) where k and v broadcast
+    over groups of consecutive heads of the last leading axis alone and the call has no modifier,
+    dropout or kv_lens; else 1 (the float32 buffers and the sum pass)."""
+    from cuflash import _mma_bwd, _validate
+
+    rng = np.random.default_rng(0)
+
+    def problem(ql, kl, vl=None, **options):
+        q = rng.standard_normal(ql + (33, 64)).astype(np.float32)
+        k = rng.standard_normal(kl + (40, 64)).astype(np.float32)
+        v = rng.standard_normal((vl or kl) + (40, 64)).astype(np.float32)
+        return _validate.make_problem(q, k, v, **options)
+
+    assert _mma_bwd.group_size(problem((2, 8), (2, 2))) == 4
+    assert _mma_bwd.group_size(problem((2, 8), (2, 1))) == 8  # MQA
+    assert _mma_bwd.group_size(problem((2, 8), (2, 2), causal=True, window=(5, 0))) == 4
+    assert _mma_bwd.group_size(problem((2, 8), (2, 8))) == 1  # no GQA
+    assert _mma_bwd.group_size(problem((2, 8), (1, 2))) == 1  # the batch broadcast too
+    assert _mma_bwd.group_size(problem((2, 8), (2,))) == 1    # k (2, N, D): heads broadcast
+    assert _mma_bwd.group_size(problem((2, 8), (2, 2), (2, 1))) == 1  # v broadcast otherwise
+    assert _mma_bwd.group_size(problem((8,), (2,))) == 4      # no batch axis
+    assert _mma_bwd.group_size(problem((2, 8), (2, 2), kv_lens=np.array([[40], [30]]))) == 1
+    assert _mma_bwd.group_size(problem((2, 8), (2, 2), softcap=20.0)) == 1
+    assert _mma_bwd.group_size(problem((2, 8), (2, 2), bias=np.zeros((33, 40)))) == 1
+    assert _mma_bwd.group_size(problem((2, 8), (2, 2), mask=np.ones((33, 40), bool))) == 1

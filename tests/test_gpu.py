@@ -165,6 +165,48 @@ def test_staged_bias_layouts(layout, dims, rng, override):
     check(q, k, v, rng, bias=bias, causal=True)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=lambda d: f"{d[0]}x{d[1]}")
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(window=(40, 7))],
+                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gqa_summed_in_the_kernel(options, group, dims, deterministic, rng, override):
+    """GQA on the wgmma backward: each dK/dV block runs its kv head's `group` query heads one
+    after the other and stores dK, dV once per kv head (OPT_GROUP; no float32 buffers, no sum
+    pass). Lengths off the tiles, 2 batches (bh // group is the kv head)."""
+    from cuflash import _mma_bwd, _runtime, _validate
+    if not _runtime.wgmma_available():
+        pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
+    override(wgmma=True)
+    Nq, Nk, hkv = 150, 200, 2
+    dtype = "bfloat16" if BFLOAT16 is not None else "float16"
+    q = randn(rng, (2, hkv * group, Nq, dims[0]), dtype)
+    k, v = (randn(rng, (2, hkv, Nk, d), dtype) for d in dims)
+    p = _validate.make_problem(q, k, v, **options)
+    assert _mma_bwd.group_size(p) == group
+    check(q, k, v, rng, deterministic=deterministic, **options)
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=lambda d: f"{d[0]}x{d[1]}")
+def test_gqa_in_the_kernel_with_lost_rows(dims, rng, override):
+    """Rows whose |lse| is beyond the lost-row limit (logits near 5000) in some query heads of a
+    GQA group: bwd_lost_keys adds their exact gradients to the group's kv rows, heads in order."""
+    from cuflash import _runtime
+    if not _runtime.wgmma_available():
+        pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
+    override(wgmma=True)
+    Nq, Nk, dtype = 70, 150, "bfloat16" if BFLOAT16 is not None else "float16"
+    q = rng.standard_normal((1, 4, Nq, dims[0]))
+    q[0, 1, ::5] = 600.0 / np.sqrt(dims[0] / 64)  # logits ~ 4800: lost rows in head 1
+    q[0, 3, 3] = -600.0 / np.sqrt(dims[0] / 64)   # and one in head 3 (the other kv head's)
+    k = rng.uniform(0.5, 1.5, (1, 2, Nk, dims[0]))
+    q, k = (to_device(x, dtype_of(dtype)) for x in (q, k))
+    v = randn(rng, (1, 2, Nk, dims[1]), dtype)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert (np.abs(to_host(lse)) >= 4096).any()
+    check(q, k, v, rng, causal=True)
+
+
 # The wide tensor-core path (fwd_wide, bwd_wide: float32 on TF32, three products per GEMM;
 # float64 on DMMA): the sweep's cases plus mask / bias, Dk != Dv within a bucket, the largest buckets and
 # logits beyond the folded exp2's range (float32 rows then go to fwd_lost_rows). Cases whose head
