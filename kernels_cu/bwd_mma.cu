@@ -606,9 +606,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // the next tile's top, after its barrier (DEFER_DQ; the last tile's after the loop): the
   // fence.proxy.async before that barrier (MEMBAR.ALL.CTA) waits for every global access still in
   // flight, and held each tile's top until all of its reductions had landed (ncu, D=128).
+  // DQ_UNDER: on the 32-query tiles (dQ on mma.sync) they go out under the next tile's S^T and
+  // dP^T products instead (padding, bias 3 % faster on the H100; D=64's 64-query tile lost 2 %
+  // that way, D=128's WG_DQ tile spilled).
   constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
   constexpr int NR = 2 * QF;
   constexpr bool DEFER_DQ = WG && DQ_ATOMIC;
+  constexpr bool DQ_UNDER = DEFER_DQ && !WG_DQ && BLOCK_M == 32;
   float acc[QF][4];
   // This warp's dQ rows (16 wm ..) and columns (col0 ..): DEFER_DQ holds them through the loop;
   // the other tiles make them where they are used (held, they spilled D=96's mma.sync mask /
@@ -636,7 +640,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const int next = next_query_tile(it + 1);
     if (next < n_tiles) load_query_tile(slot ^ 1, row_of(next), head_of(next));
     cp_async_commit();
-    if constexpr (DEFER_DQ) {  // the previous tile's dQ reductions
+    if constexpr (DEFER_DQ && !DQ_UNDER) {  // the previous tile's dQ reductions
       if (dq_i0 >= 0) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) dq_red(r, dq_i0, dq_hd);
@@ -663,6 +667,12 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     if constexpr (WG) {
       wg::rows_times_rows<T, BLOCK_M, KD, BLOCK_N * 128, BLOCK_M * 128>(s, sK + wg_rows, qs);
       wg::rows_times_rows<T, BLOCK_M, KD, BLOCK_N * 128, BLOCK_M * 128>(dp, sV + wg_rows, dos);
+      if constexpr (DQ_UNDER) {  // the previous tile's dQ reductions, under both products
+        if (dq_i0 >= 0) {
+#pragma unroll
+          for (int r = 0; r < NR; ++r) dq_red(r, dq_i0, dq_hd);
+        }
+      }
       if constexpr (EARLY_QV) tcb::query_values(qv, ls, 0, t);
       wg::wait<1>();
       wg::fence_acc(s);
