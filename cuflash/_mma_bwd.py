@@ -209,9 +209,10 @@ def dkdv_smem_bytes(dims, tile):
     """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows of max(Dk, Dv) padded by 8
     elements; dS^T (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID:
     + P^T (as dS^T); OPT_SBIAS: + two slots of the bias block (BLOCK_M rows of BLOCK_N + 4
-    floats, tcb::sbias_pitch). OPT_SWZ (Dk == Dv): K, V, Q, dO rows unpadded (head_dim * 2 bytes), plus one
-    such row of slack: the kernel rounds its shared base up to a row (its XOR addressing needs
-    row-aligned tile bases)."""
+    floats, tcb::sbias_pitch); OPT_WG with 64 queries: + the dQ block (BLOCK_M rows of
+    head_dim + 8 floats, DQ_BULK). OPT_SWZ (Dk == Dv): K, V, Q, dO rows unpadded (head_dim * 2
+    bytes), plus one such row of slack: the kernel rounds its shared base up to a row (its XOR
+    addressing needs row-aligned tile bases)."""
     head_dim = max(dims)
     block_n = 16 * tile.warps
     swz = bool(tile.opt & OPT_SWZ)  # (never with OPT_GRID)
@@ -219,8 +220,11 @@ def dkdv_smem_bytes(dims, tile):
     ps = block_n * (tile.block_m + 8) * 2
     slack = (1024 if tile.opt & OPT_WG else row) if swz else 0  # wgmma: 1024-byte aligned tiles
     sbias = 2 * tile.block_m * (block_n + 4) * 4 if tile.opt & OPT_SBIAS else 0  # 2 slots
+    # DQ_BULK: the 64-query wgmma tiles (deterministic, transform and dropout calls leave it unused)
+    dq_block = tile.block_m * (head_dim + 8) * 4 if tile.opt & OPT_WG and tile.block_m == 64 \
+        else 0
     return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
-        + 4 * tile.block_m * 4 + slack + sbias
+        + 4 * tile.block_m * 4 + slack + sbias + dq_block
 
 
 def dkdv_arch(tile):

@@ -460,6 +460,15 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr bool WG_DQ = (OPT & tcb::DKDV_WG_DQ) != 0;  // dQ on wgmma (swizzled dS^T)
   // dS^T rows (keys) in shared memory: padded, or 128-byte-swizzled rows of 64 queries (WG_DQ)
   constexpr int DS_ROW = WG_DQ ? BLOCK_M * 2 : (BLOCK_M + 8) * 2;
+  // DQ_BULK (the 64-query wgmma tiles with dQ atomics): a tile's dQ block is stored to shared
+  // memory (rows of DQ_PITCH bytes, 8 banks apart: conflict-free) and added to dq_acc by the bulk
+  // copy engine at the next tile's top, a row per fourth thread (add_dq_block): no
+  // red.global.add for the fences to wait for. Not with a transform or dropout (ALiBi's and
+  // dropout's WG_DQ tiles spilled 24 / 16 bytes); the 32-query tiles keep DQ_UNDER (the bias
+  // backward was 2-3 % slower with DQ_BULK, H100).
+  constexpr bool DQ_BULK = (OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && BLOCK_M == 64 &&
+                           Mod::Transform::IDENTITY && sizeof...(Drop) == 0;
+  constexpr int DQ_PITCH = (HEAD_DIM + 8) * 4;
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
   constexpr int WM = BLOCK_M / 16;
@@ -528,10 +537,11 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // of ROW_BYTES (SWZ: as blocks of 64 columns, tc::cp_tile); dS^T [BLOCK_N] rows of DS_ROW;
   // lse2, delta [2][BLOCK_M] floats. SWZ: from the first BASE_ALIGN-aligned address (every tile
   // base is then aligned: tc::tile_addr's XOR, wgmma's swizzle).
-  u32 sK, sV, sQ, sdO, sdS, sL, sD, sB;
+  u32 sK, sV, sQ, sdO, sdS, sL, sD, sDQ, sB;
   shared_regions<SWZ ? BASE_ALIGN : 16>(sK, BLOCK_N * ROW_BYTES, sV, BLOCK_N * ROW_BYTES, sQ,
                                         2 * QT_BYTES, sdO, 2 * QT_BYTES, sdS, BLOCK_N * DS_ROW,
-                                        sL, 2 * BLOCK_M * 4, sD, 2 * BLOCK_M * 4, sB);
+                                        sL, 2 * BLOCK_M * 4, sD, 2 * BLOCK_M * 4, sDQ,
+                                        DQ_BULK ? BLOCK_M * DQ_PITCH : 0, sB);
 
   // Per-lane ldmatrix offsets (mma.cuh layouts), as (row, 16-byte chunk) in
   // tc::chunk_offset; the blocks a lane reads are then tc::tile_addr(tile base + offset, ...):
@@ -612,7 +622,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
   constexpr int NR = 2 * QF;
   constexpr bool DEFER_DQ = WG && DQ_ATOMIC;
-  constexpr bool DQ_UNDER = DEFER_DQ && !WG_DQ && BLOCK_M == 32;
+  constexpr bool DQ_UNDER = DEFER_DQ && !DQ_BULK && !WG_DQ && BLOCK_M == 32;
   float acc[QF][4];
   // This warp's dQ rows (16 wm ..) and columns (col0 ..): DEFER_DQ holds them through the loop;
   // the other tiles make them where they are used (held, they spilled D=96's mma.sync mask /
@@ -628,6 +638,17 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                     acc[nf][2 * h], acc[nf][2 * h + 1]);
   };
   int dq_i0 = -1, dq_hd = 0;  // DEFER_DQ: the tile whose dQ block acc holds (rows, head), -1: none
+  // DQ_BULK: that block from sDQ into dq_acc, row tid / 4 by thread tid % 4 == 0 (after the
+  // barrier that follows its stores; its bulk group waited for before sDQ is written again).
+  static_assert(!DQ_BULK || THREADS == 4 * BLOCK_M, "DQ_BULK: a row per fourth thread");
+  auto add_dq_block = [&]() {
+    const int r = tid / 4;
+    if (dq_i0 >= 0 && tid % 4 == 0 && dq_i0 + r < Nq) {
+      wg::bulk_add_f32(dq_acc + ((GROUP ? bh + dq_hd : bh) * Nq + dq_i0 + r) * HEAD_DIM,
+                       sDQ + r * DQ_PITCH, HEAD_DIM * 4);
+      wg::bulk_commit();
+    }
+  };
 
   // n: the query tiles computed before this one (the ring's sequence)
   const int n_tiles = heads * kb.n_mt;  // (GROUP: n_mt per head)
@@ -640,7 +661,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const int next = next_query_tile(it + 1);
     if (next < n_tiles) load_query_tile(slot ^ 1, row_of(next), head_of(next));
     cp_async_commit();
-    if constexpr (DEFER_DQ && !DQ_UNDER) {  // the previous tile's dQ reductions
+    if constexpr (DQ_BULK) {
+      add_dq_block();  // the previous tile's dQ block
+    } else if constexpr (DEFER_DQ && !DQ_UNDER) {  // the previous tile's dQ reductions
       if (dq_i0 >= 0) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) dq_red(r, dq_i0, dq_hd);
@@ -790,6 +813,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dQ = dS K into acc; its red.global.add go out at the next tile's top (DEFER_DQ), else a few
     // per k-step of dK below (tcb::dq_reductions_at).
     if constexpr (WG_DQ) {
+      if constexpr (DQ_BULK) wg::bulk_wait_read<0>();  // the last block left sDQ (barrier next)
       wg::fence_shared();  // dS^T is read by wgmma
       __syncthreads();     // dS^T of every warp in shared memory
       wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, sdS, sK + (warp / 4) * KBLK);
@@ -798,6 +822,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     } else if (DQ_ATOMIC) {
       const int wm = DEFER_DQ ? wm_held : warp % WM;
       const int col0 = DEFER_DQ ? col0_held : c0 + (warp / WM) * DQ_COLS;
+      if constexpr (DQ_BULK) wg::bulk_wait_read<0>();  // the last block left sDQ (barrier next)
       __syncthreads();  // dS^T of every warp in shared memory
       zero(acc);
 #pragma unroll
@@ -811,6 +836,15 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
           Mma<T>::run2(acc[2 * p], acc[2 * p + 1], a, b);
         }
       }
+    }
+    if constexpr (DQ_BULK) {  // acc into sDQ (added at the next tile's top)
+#pragma unroll
+      for (int nf = 0; nf < QF; ++nf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          st_shared_v2f(sDQ + (wm_held * 16 + g + 8 * h) * DQ_PITCH +
+                            (col0_held + nf * 8 + 2 * t) * 4,
+                        acc[nf][2 * h], acc[nf][2 * h + 1]);
     }
     // dK += dS^T Q (WG: issued above; both products land here, the dQ reductions wait for the
     // next tile's top).
@@ -836,7 +870,12 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
   }
 
-  if constexpr (DEFER_DQ) {  // the last tile's dQ reductions
+  if constexpr (DQ_BULK) {  // the last tile's dQ block
+    wg::fence_shared();
+    __syncthreads();
+    add_dq_block();
+    wg::bulk_wait_read<0>();  // (sDQ stays until the engine has read it)
+  } else if constexpr (DEFER_DQ) {  // the last tile's dQ reductions
     if (dq_i0 >= 0) {
 #pragma unroll
       for (int r = 0; r < NR; ++r) dq_red(r, dq_i0, dq_hd);

@@ -68,6 +68,27 @@ __device__ __forceinline__ void fence_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
+// dst[0 .. bytes / 4) += the floats at shared address src, by the bulk copy engine (atomic per
+// element, like red.global.add); src and dst 16-byte aligned, bytes a multiple of 16. The
+// issuing thread's bulk group: commit with bulk_commit, and bulk_wait_read<0> before src is
+// written again (or the block exits). src was written by the generic proxy: fence_shared in each
+// writing thread, then the barrier, then this.
+__device__ __forceinline__ void bulk_add_f32(float* dst, u32 src, u32 bytes) {
+#if CUFLASH_WGMMA
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if CUFLASH_WGMMA
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+#if CUFLASH_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+#endif
+}
 // Keeps the compiler from moving accumulator reads or writes across a wait (registers the
 // tensor cores write asynchronously).
 template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {
