@@ -25,6 +25,9 @@
 //                                            dQ block is added to the float32 dq_acc (BH, Nq, Dk,
 //                                            zeroed by bwd_mma_prep) with red.global.add, a few per
 //                                            k-step of this product (tcb::dq_reduction_at).
+//                                            The wgmma form defers them to the next query tile
+//                                            (DEFER_DQ, DQ_UNDER) or hands the block, staged in
+//                                            shared memory, to the bulk copy engine (DQ_BULK).
 //                  With tcb::DKDV_DBIAS, P^T (dP^T - delta) is stored per pair (the bias's
 //                  gradient, attn_core.cuh store_dbias).
 //   bwd_mma_dq     deterministic dQ (no atomics): one block per query tile of 16 * NWARPS rows,
