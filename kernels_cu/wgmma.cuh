@@ -48,25 +48,24 @@ constexpr u32 SW128_SBO = 1024;  // 8 rows of 128 bytes
 constexpr u32 SW128_KSTEP_K = 32;     // K-major: bytes per k-step of 16 elements along the row
 constexpr u32 SW128_KSTEP_MN = 2048;  // MN-major: bytes per k-step of 16 rows
 
-__device__ __forceinline__ void fence() {
+// One instruction of sm_90a's (elsewhere none: kernels that use these trap before reaching them).
 #if CUFLASH_WGMMA
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#define CUFLASH_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define CUFLASH_SM90A_ASM(...) ((void)0)
 #endif
+
+__device__ __forceinline__ void fence() {
+  CUFLASH_SM90A_ASM("wgmma.fence.sync.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void commit() {
-#if CUFLASH_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
+  CUFLASH_SM90A_ASM("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 template <int N> __device__ __forceinline__ void wait() {
-#if CUFLASH_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-#endif
+  CUFLASH_SM90A_ASM("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void fence_shared() {
-#if CUFLASH_WGMMA
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
+  CUFLASH_SM90A_ASM("fence.proxy.async.shared::cta;" ::: "memory");
 }
 // dst[0 .. bytes / 4) += the floats at shared address src, by the bulk copy engine (atomic per
 // element, like red.global.add); src and dst 16-byte aligned, bytes a multiple of 16. The
@@ -74,20 +73,14 @@ __device__ __forceinline__ void fence_shared() {
 // written again (or the block exits). src was written by the generic proxy: fence_shared in each
 // writing thread, then the barrier, then this.
 __device__ __forceinline__ void bulk_add_f32(float* dst, u32 src, u32 bytes) {
-#if CUFLASH_WGMMA
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-               ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-#endif
+  CUFLASH_SM90A_ASM("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                    ::"l"(dst), "r"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() {
-#if CUFLASH_WGMMA
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
+  CUFLASH_SM90A_ASM("cp.async.bulk.commit_group;" ::: "memory");
 }
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
-#if CUFLASH_WGMMA
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-#endif
+  CUFLASH_SM90A_ASM("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 // Keeps the compiler from moving accumulator reads or writes across a wait (registers the
 // tensor cores write asynchronously).
