@@ -134,6 +134,23 @@ def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
     assert _mma_fwd.smem_bytes(head_dim, has_mb) <= 227 * 1024
 
 
+def test_wgmma_backward_tiles_fit_sm90():
+    """Every wgmma dK/dV tile the backward can request (plain, mask / bias, dQ on wgmma, the
+    dbias twins, GQA's OPT_GROUP) fits sm_90's 227 KiB of opt-in shared memory: dkdv_tile takes
+    a tile only where it fits, so a tile that outgrew it (the dQ block of DQ_BULK added 34 KiB
+    at D=128) would silently fall back to a slower kernel."""
+    from cuflash import _mma_bwd
+    tables = (_mma_bwd.DKDV_TILES_WG, _mma_bwd.DKDV_TILES_WG_MB, _mma_bwd.DKDV_TILES_WG_DQ)
+    for dims in _mma_bwd.DKDV_TILES_WG:
+        tiles = [t[dims] for t in tables if dims in t]
+        tiles += [_mma_bwd.dbias_tile(dims, atomic, True) for atomic in (True, False)
+                  if dims not in _mma_bwd.DBIAS_DECLINED]
+        tiles += [t._replace(opt=t.opt | _mma_bwd.OPT_GROUP) for t in tiles]
+        for tile in tiles:
+            assert tile.opt & _mma_bwd.OPT_WG, (dims, tile)
+            assert _mma_bwd.dkdv_smem_bytes(dims, tile) <= 227 * 1024, (dims, tile)
+
+
 def test_host_lens_struct_matches_its_host_mirror():
     """kernels_cu/decode.cu HostLens (the decode kernels' last parameter: host kv_lens by value)
     and cuflash._decode.HOST_LENS: HOST_LENS_MAX int64 lengths, the host's limit on the values
