@@ -81,6 +81,12 @@ OPT_SBIAS = 128
 # their kv head, dK and dV summed in registers and stored once per kv head in the inputs' dtype
 # (group_size says when; no float32 buffers, no sum pass after).
 OPT_GROUP = 256
+# OPT_DQ_BULK: with OPT_WG, 64 queries per step and dQ atomics, each query tile's dQ block goes
+# through shared memory to the bulk copy engine's reduce-add (tcb::DKDV_DQ_BULK; + its block in
+# dkdv_smem_bytes). wg_tile sets it: not with a transform or dropout (ALiBi's and dropout's WG_DQ
+# tiles spilled 24 / 16 bytes with it), not on the 32-query tiles (the bias backward was 2-3 %
+# slower with it than with DQ_UNDER, H100).
+OPT_DQ_BULK = 512
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -209,8 +215,8 @@ def dkdv_smem_bytes(dims, tile):
     """K, V (BLOCK_N rows) + two slots of Q, dO (BLOCK_M rows), rows of max(Dk, Dv) padded by 8
     elements; dS^T (BLOCK_N rows of BLOCK_M + 8); two slots of lse2 and delta (float32); OPT_GRID:
     + P^T (as dS^T); OPT_SBIAS: + two slots of the bias block (BLOCK_M rows of BLOCK_N + 4
-    floats, tcb::sbias_pitch); OPT_WG with 64 queries: + the dQ block (BLOCK_M rows of
-    head_dim + 8 floats, DQ_BULK). OPT_SWZ (Dk == Dv): K, V, Q, dO rows unpadded (head_dim * 2
+    floats, tcb::sbias_pitch); OPT_DQ_BULK: + the dQ block (BLOCK_M rows of head_dim + 8
+    floats). OPT_SWZ (Dk == Dv): K, V, Q, dO rows unpadded (head_dim * 2
     bytes), plus one such row of slack: the kernel rounds its shared base up to a row (its XOR
     addressing needs row-aligned tile bases)."""
     head_dim = max(dims)
@@ -220,9 +226,7 @@ def dkdv_smem_bytes(dims, tile):
     ps = block_n * (tile.block_m + 8) * 2
     slack = (1024 if tile.opt & OPT_WG else row) if swz else 0  # wgmma: 1024-byte aligned tiles
     sbias = 2 * tile.block_m * (block_n + 4) * 4 if tile.opt & OPT_SBIAS else 0  # 2 slots
-    # DQ_BULK: the 64-query wgmma tiles (deterministic, transform and dropout calls leave it unused)
-    dq_block = tile.block_m * (head_dim + 8) * 4 if tile.opt & OPT_WG and tile.block_m == 64 \
-        else 0
+    dq_block = tile.block_m * (head_dim + 8) * 4 if tile.opt & OPT_DQ_BULK else 0
     return (2 * block_n + 4 * tile.block_m) * row + ps * (2 if tile.opt & OPT_GRID else 1) \
         + 4 * tile.block_m * 4 + slack + sbias + dq_block
 
@@ -239,11 +243,15 @@ def wg_tile(dims, has_mb, dq_atomic, dropout=False, transforms=(), bias=False):
     mask alone (no bias, transform or dropout: with those it spilled 88-556 bytes on sm_90a, and a
     bias gains more from DKDV_TILES_WG_MB's staging, OPT_SBIAS); else DKDV_TILES_WG / _MB; with
     dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step spilled
-    8 bytes with dropout; WG_DQ's did not)."""
+    8 bytes with dropout; WG_DQ's did not). OPT_DQ_BULK where its rule holds."""
     alone = not has_mb or not (bias or transforms or dropout)
     if dq_atomic and dims in DKDV_TILES_WG_DQ and alone:
-        return DKDV_TILES_WG_DQ[dims]
-    return (DKDV_TILES_WG_MB if has_mb or dropout else DKDV_TILES_WG).get(dims)
+        tile = DKDV_TILES_WG_DQ[dims]
+    else:
+        tile = (DKDV_TILES_WG_MB if has_mb or dropout else DKDV_TILES_WG).get(dims)
+    if tile is not None and dq_atomic and tile.block_m == 64 and not transforms and not dropout:
+        tile = tile._replace(opt=tile.opt | OPT_DQ_BULK)
+    return tile
 
 
 # With dropout (the keep bits of a thread's P^T entries, philox.cuh dropped_keys; no warp-grid

@@ -117,8 +117,12 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                the one ring, dK and dV accumulate over all of them and are stored once, per
 //                bkv (no sum pass after). No modifier, no dropout, no dbias, one window for the
 //                group (the host's rule, _mma_bwd.group_size).
+// DKDV_DQ_BULK: with DKDV_WGMMA, 64 queries per step and dQ atomics: each tile's dQ block is
+//                stored to shared memory and added to dq_acc by the bulk copy engine at the next
+//                tile's top (add_dq_block). The host sets it (_mma_bwd.wg_tile says when) and
+//                allocates the block (dkdv_smem_bytes).
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
-                     DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256 };
+                     DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256, DKDV_DQ_BULK = 512 };
 
 // DKDV_SBIAS: the staged bias block's row pitch in floats (BLOCK_N + 4: the rows 2 t apart that a
 // quad reads together fall on disjoint banks).
@@ -463,14 +467,11 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr bool WG_DQ = (OPT & tcb::DKDV_WG_DQ) != 0;  // dQ on wgmma (swizzled dS^T)
   // dS^T rows (keys) in shared memory: padded, or 128-byte-swizzled rows of 64 queries (WG_DQ)
   constexpr int DS_ROW = WG_DQ ? BLOCK_M * 2 : (BLOCK_M + 8) * 2;
-  // DQ_BULK (the 64-query wgmma tiles with dQ atomics): a tile's dQ block is stored to shared
-  // memory (rows of DQ_PITCH bytes, 8 banks apart: conflict-free) and added to dq_acc by the bulk
-  // copy engine at the next tile's top, a row per fourth thread (add_dq_block): no
-  // red.global.add for the fences to wait for. Not with a transform or dropout (ALiBi's and
-  // dropout's WG_DQ tiles spilled 24 / 16 bytes); the 32-query tiles keep DQ_UNDER (the bias
-  // backward was 2-3 % slower with DQ_BULK, H100).
-  constexpr bool DQ_BULK = (OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && BLOCK_M == 64 &&
-                           Mod::Transform::IDENTITY && sizeof...(Drop) == 0;
+  // DQ_BULK (DKDV_DQ_BULK): a tile's dQ block is stored to shared memory (rows of DQ_PITCH
+  // bytes, 8 banks apart: conflict-free) and added to dq_acc by the bulk copy engine at the next
+  // tile's top, a row per fourth thread (add_dq_block): no red.global.add for the fences to wait
+  // for.
+  constexpr bool DQ_BULK = (OPT & tcb::DKDV_DQ_BULK) != 0;
   constexpr int DQ_PITCH = (HEAD_DIM + 8) * 4;
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
@@ -643,7 +644,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   int dq_i0 = -1, dq_hd = 0;  // DEFER_DQ: the tile whose dQ block acc holds (rows, head), -1: none
   // DQ_BULK: that block from sDQ into dq_acc, row tid / 4 by thread tid % 4 == 0 (after the
   // barrier that follows its stores; its bulk group waited for before sDQ is written again).
-  static_assert(!DQ_BULK || THREADS == 4 * BLOCK_M, "DQ_BULK: a row per fourth thread");
+  static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && THREADS == 4 * BLOCK_M),
+                "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, a row per fourth thread");
   auto add_dq_block = [&]() {
     const int r = tid / 4;
     if (dq_i0 >= 0 && tid % 4 == 0 && dq_i0 + r < Nq) {

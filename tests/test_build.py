@@ -7,6 +7,7 @@ Runs in CI (no device): NVRTC assembles for real architectures (sm_80, sm_90a) a
 parallel, one process per CPU (the largest first), when the first test asks for one.
 """
 import atexit
+import itertools
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -140,9 +141,11 @@ def test_wgmma_backward_tiles_fit_sm90():
     a tile only where it fits, so a tile that outgrew it (the dQ block of DQ_BULK added 34 KiB
     at D=128) would silently fall back to a slower kernel."""
     from cuflash import _mma_bwd
-    tables = (_mma_bwd.DKDV_TILES_WG, _mma_bwd.DKDV_TILES_WG_MB, _mma_bwd.DKDV_TILES_WG_DQ)
     for dims in _mma_bwd.DKDV_TILES_WG:
-        tiles = [t[dims] for t in tables if dims in t]
+        tiles = [_mma_bwd.wg_tile(dims, mb, atomic, dropout, tf, bias)
+                 for mb, atomic, dropout, tf, bias in itertools.product(
+                     (False, True), (False, True), (False, True), _mma_bwd.TRANSFORMS[:2],
+                     (False, True))]
         tiles += [_mma_bwd.dbias_tile(dims, atomic, True) for atomic in (True, False)
                   if dims not in _mma_bwd.DBIAS_DECLINED]
         tiles += [t._replace(opt=t.opt | _mma_bwd.OPT_GROUP) for t in tiles]

@@ -67,16 +67,23 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
         if not want and not tile.opt & _mma_bwd.OPT_GRID:  # the table's tile, as elsewhere
             assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[dims]
         # with dQ atomics, D=128's wgmma tile with dQ on wgmma too (a mask alone included); a
-        # bias keeps the mask / bias tile, which stages it in shared memory
+        # bias keeps the mask / bias tile, which stages it in shared memory; the 64-query tiles
+        # add dQ through shared memory (OPT_DQ_BULK, its block allocated: taken where it fits)
+        def bulk(t):
+            return t._replace(opt=t.opt | (_mma_bwd.OPT_DQ_BULK if t.block_m == 64 else 0))
+        assert not tile.opt & _mma_bwd.OPT_DQ_BULK  # (no dQ atomics: nothing to add)
+        wg_dq = bulk(_mma_bwd.DKDV_TILES_WG_DQ.get(dims, wg))
         atomic = _mma_bwd.dkdv_tile(dims, has_mb, dq_atomic=True)
-        wg_dq = _mma_bwd.DKDV_TILES_WG_DQ.get(dims)
-        if want and wg_dq is not None and _mma_bwd.dkdv_smem_bytes(dims, wg_dq) <= smem:
-            assert atomic == wg_dq and atomic.opt & _mma_bwd.OPT_WG_DQ
+        if eligible and _mma_bwd.dkdv_smem_bytes(dims, wg_dq) <= smem:
+            assert atomic == wg_dq and bool(atomic.opt & _mma_bwd.OPT_WG_DQ) == (d == 128)
         else:
-            assert atomic == tile
+            assert not atomic.opt & _mma_bwd.OPT_WG
         if has_mb:
             biased = _mma_bwd.dkdv_tile(dims, True, dq_atomic=True, bias=True)
-            assert biased == tile and bool(biased.opt & _mma_bwd.OPT_SBIAS) == want
+            if eligible and _mma_bwd.dkdv_smem_bytes(dims, bulk(wg)) <= smem:
+                assert biased == bulk(wg) and biased.opt & _mma_bwd.OPT_SBIAS
+            else:
+                assert not biased.opt & (_mma_bwd.OPT_WG | _mma_bwd.OPT_SBIAS)
     # Dk >= 192: column halves on every device, 128 keys where they fit
     for dims, has_mb in itertools.product(((192, 128), (192, 192), (256, 256)), (False, True)):
         tile = _mma_bwd.dkdv_tile(dims, has_mb)
@@ -103,8 +110,10 @@ def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override
     monkeypatch.setattr(_runtime, "nvrtc_version", lambda: (13, 0))
     for dims in ((64, 64), (128, 128)):
         plain = _mma_bwd.dkdv_tile(dims, False, atomic)
-        assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == plain
-        assert plain.opt & _mma_bwd.OPT_WG
+        # (less OPT_DQ_BULK, which a transform leaves off: ALiBi's WG_DQ tile spilled with it)
+        no_bulk = plain._replace(opt=plain.opt & ~_mma_bwd.OPT_DQ_BULK)
+        assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == no_bulk
+        assert plain.opt & _mma_bwd.OPT_WG and bool(plain.opt & _mma_bwd.OPT_DQ_BULK) == atomic
         for has_mb, names in ((True, ("alibi",)), (False, ("softcap",)), (True, ("softcap",))):
             assert _mma_bwd.dkdv_tile(dims, has_mb, atomic, names) == \
                 _mma_bwd.DKDV_TILES_WG_MB[dims], (has_mb, names)  # (dQ on mma.sync: WG_DQ spills)
