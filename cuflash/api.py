@@ -333,12 +333,11 @@ def _backward(problem, dout, out, lse, deterministic=False):
         # (beyond the dtype's range: inf, as a cast gives; NumPy would warn)
         with np.errstate(over="ignore") if xp is np else _runtime.NULL_CONTEXT:
             for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
-                if g.size != x.size or g.shape[:-2] == problem.lead:
-                    shape = problem.lead + g.shape[-2:]
-                    g = g if g.shape == shape else g.reshape(shape)
-                    g = _broadcast.reduce_to_lead(xp, g, x.shape)
-                else:  # (summed over GQA's groups already: cuflash._mma_bwd OPT_GROUP)
-                    g = g.reshape(x.shape)
+                if g.size == x.size:  # x not broadcast, or summed over GQA's groups already
+                    g = g.reshape(x.shape)  # (cuflash._mma_bwd OPT_GROUP)
+                else:
+                    g = _broadcast.reduce_to_lead(xp, g.reshape(problem.lead + g.shape[-2:]),
+                                                  x.shape)
                 grads.append(g.astype(problem.dtype, copy=False))
             if problem.dbias:  # dS per (batch, head, query, key), summed where bias broadcasts
                 g = rest[0].reshape(problem.lead + (problem.Nq, problem.Nk))
