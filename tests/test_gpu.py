@@ -603,6 +603,47 @@ def test_strided_and_reversed_inputs(dtype, rng, path):
     check(q, k, v, rng, causal=True)
 
 
+DOUT_LAYOUTS = ["bnhd", "wide-rows", "odd-head-stride", "unaligned-base"]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("layout", DOUT_LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"] if BFLOAT16 is not None else
+                         ["float16"])
+def test_backward_takes_dout_in_any_layout(dtype, layout, deterministic, rng):
+    """dout as a (B, N, H, D) view and as rows of a wider buffer (read in place by the prep
+    kernel, which copies it on the way: _mma_bwd._dout_rows), with head offsets or a base that
+    are not 16-byte multiples (copied first): the gradients equal those of a contiguous dout of
+    the same values (bitwise with deterministic=True) and the float64 reference's."""
+    import cupy
+    B, H, N, D = 2, 4, 200, 64
+    q, k, v = (randn(rng, (B, N, H, D), dtype).swapaxes(1, 2) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = randn(rng, (B, H, N, D), dtype)
+    size = dout.dtype.itemsize
+    if layout == "bnhd":
+        view = cupy.ascontiguousarray(dout.swapaxes(1, 2)).swapaxes(1, 2)
+    elif layout == "wide-rows":  # row stride D + 8 elements
+        view = cupy.zeros((B, H, N, D + 8), dout.dtype)[..., :D]
+    elif layout == "odd-head-stride":  # heads N D + 4 elements apart
+        buf = cupy.zeros(B * H * (N * D + 4), dout.dtype)
+        view = cupy.lib.stride_tricks.as_strided(
+            buf, (B, H, N, D), (H * (N * D + 4) * size, (N * D + 4) * size, D * size, size))
+    else:  # the base 2 elements past a 16-byte boundary
+        view = cupy.zeros(dout.size + 2, dout.dtype)[2:].reshape(dout.shape)
+    view[...] = dout
+    assert bool((view == dout).all())
+    assert view.flags.c_contiguous == (layout == "unaligned-base")
+    want = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                      deterministic=deterministic)
+    got = cuflash.attention_backward(view, q, k, v, out, lse, causal=True,
+                                     deterministic=deterministic)
+    if deterministic:
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert bool((g == w).all()), name
+    check_backward(got, dout, q, k, v, out, lse, causal=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_sizes(dtype, rng):
     q = randn(rng, (2, 5, 16), dtype)

@@ -48,7 +48,7 @@ def trace(tmp_path_factory):
 def test_every_case_traced(trace):
     names = {key.rsplit("/", 1)[0] for key in trace}
     assert {"small/fwd", "small/bwd", "mid/fwd", "mid/bwd", "decode/fwd", "dropout/bwd",
-            "mask/bwd", "fp64/bwd"} <= names
+            "mask/bwd", "fp64/bwd", "bnhd/bwd"} <= names
     for name in names:
         launches = [e for e in trace[name + "/0"] if e[0] in ("launch", "rawkernel")]
         assert launches, name
@@ -120,6 +120,25 @@ def test_the_backward_rounds_dq_in_its_last_kernel(trace):
     dq32 = prep[5][10]  # (dout, out, lse, lse2, delta, BH, Nq, nq_pad, lost, flags, dq_zero, Dk)
     assert dkdv[5][6] == dq32 and keys[5][16] == dq32  # dkdv's dq; lost_keys' (..., dq, dq_out)
     assert keys[5][17] not in (dq32, ["ptr", None])
+
+
+def test_a_bnhd_backward_copies_nothing(trace):
+    """A known shape of the trace: with q, k, v and dout as (B, H, N, D) views of (B, N, H, D)
+    buffers, the backward is the same four launches and nothing else: prep reads dout in place
+    through its offset table and writes the (BH, Nq, Dv) rows the other kernels read (no CuPy
+    copy before it)."""
+    for call in ("bnhd/bwd/1", "bnhd/bwd/2"):
+        events = trace[call]
+        assert [e[0] for e in events] == ["launch"] * 4, call
+        prep, dkdv = events[:2]
+        assert prep[1].startswith("bwd_mma_prep<")
+        # (dout, out, ..., Dk, dout_src, dout_rows): dout a new buffer, dout_src the caller's
+        # (also new: an input of this call), dout_rows a cached table; dkdv reads prep's dout
+        dout, src, rows = prep[5][0], prep[5][12], prep[5][13]
+        assert dout[1][0] == "new" and src[1][0] == "new" and dout != src, call
+        assert rows[1][0] == "table" and dkdv[5][3] == dout, call
+    contiguous = trace["mid/bwd/1"][0]  # the same shape stored (B, H, N, D): no copy, no table
+    assert all(x in ([0], ["ptr", None]) for x in contiguous[5][12:14]), contiguous
 
 
 def test_device_lengths_are_read_in_place(trace):
