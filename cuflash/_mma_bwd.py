@@ -420,20 +420,22 @@ def takes_backward(p):
 
 
 def _dout_rows(dout, tables, lead):
-    """(dout, src, rows) for bwd_mma_prep. dout itself (src, rows None) where it is C-contiguous
-    with a 16-byte aligned base; else, where its rows are 16-byte vectors (unit innermost stride;
-    row stride, matrix offsets and base multiples of 16 bytes: a (B, N, H, D) view among them), a
-    new (lead, Nq, Dv) buffer that prep fills as it reads src = dout through `rows` (its matrix
-    offsets per (batch, head), then its row stride, on the device); else a copy (_contiguous16).
-    tables: the layout's host tables by dout's strides (its shape and dtype are the layout's)."""
+    """(dout, src, rows) for bwd_mma_prep. dout itself (src = rows = dout: nothing to copy) where
+    it is C-contiguous with a 16-byte aligned base; else, where its rows are 16-byte vectors (unit
+    innermost stride; row stride, matrix offsets and base multiples of 16 bytes: a (B, N, H, D)
+    view among them), a new (lead, Nq, Dv) buffer that prep fills as it reads src = dout through
+    `rows` (its matrix offsets per (batch, head), then its row stride, on the device); else a copy
+    (_contiguous16). tables: the layout's host tables by dout's strides (its shape and dtype are
+    the layout's)."""
     if dout.flags.c_contiguous and not dout.data.ptr % 16:
-        return dout, None, None
+        return dout, dout, dout
     host = tables.get(dout.strides, False)
     if host is False:
         host = _rows_table(lead, dout)
         tables.put(dout.strides, host)
     if host is None or dout.data.ptr % 16:
-        return _contiguous16(dout), None, None
+        dout = _contiguous16(dout)
+        return dout, dout, dout
     import cupy
 
     return cupy.empty(dout.shape, dout.dtype), dout, _runtime.on_device(host)
@@ -558,7 +560,7 @@ class _Backward:
         # (with dQ atomics prep zeroes dq, which they add into)
         r.prep((dout, out, lse, lse2, delta) + r.sizes
                + (r.lost, lost_flags, _runtime.NULL if deterministic else dq, self.dk,
-                  _runtime.ptr(dout_src), _runtime.ptr(dout_rows)))
+                  dout_src, dout_rows))
         dq_out, dk, dv = _runtime.carved(self.grads)
         # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
         # table must live until the launch is enqueued)

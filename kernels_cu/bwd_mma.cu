@@ -352,15 +352,17 @@ __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* 
 }  // namespace tcb
 
 // Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads. dout: (BH, Nq, DV) rows
-// read, or, with dout_src (the caller's dO in any layout of 16-byte rows: dout_rows[bh] the
-// element offset of head bh's matrix, dout_rows[BH] its row stride), read there and written to
-// dout, which the other kernels then read: no separate copy pass.
+// read; or, where dout_src is another array (the caller's dO in any layout of 16-byte rows:
+// dout_rows[bh] the element offset of head bh's matrix, dout_rows[BH] its row stride), read
+// there and written to dout, which the other kernels then read: no separate copy pass. (Always
+// two addresses, so that a layout's launch takes either: dout_src = dout_rows = dout for none.)
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
 bwd_mma_prep(T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
              float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
              float lost, int* __restrict__ lost_flags, float* __restrict__ dq_zero, int Dk,
-             const T* __restrict__ dout_src, const long long* __restrict__ dout_rows) {
+             const T* dout_src, const long long* dout_rows) {
+  const bool copy = dout_src != dout;
   constexpr int LPR = 8;              // lanes per row
   constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
@@ -372,15 +374,14 @@ bwd_mma_prep(T* __restrict__ dout, const T* __restrict__ out, const float* __res
   float sum = 0.f;
   if (real) {
     uint4* dc = reinterpret_cast<uint4*>(dout + (bh * Nq + i) * HEAD_DIM);
-    const uint4* d = dout_src != nullptr
-                         ? reinterpret_cast<const uint4*>(dout_src + dout_rows[bh] +
-                                                          i * dout_rows[BH])
-                         : dc;
+    const uint4* d = copy ? reinterpret_cast<const uint4*>(dout_src + dout_rows[bh] +
+                                                           i * dout_rows[BH])
+                          : dc;
     const uint4* o = reinterpret_cast<const uint4*>(out + (bh * Nq + i) * HEAD_DIM);
 #pragma unroll
     for (int c = sub; c < CPR; c += LPR) {
       const uint4 a = d[c], b = o[c];
-      if (dout_src != nullptr) dc[c] = a;
+      if (copy) dc[c] = a;
       const tc::u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
