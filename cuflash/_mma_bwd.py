@@ -36,9 +36,8 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import _broadcast, _config, _generic, _mask_tiles, _memo, _mma_fwd, _modifiers, _runtime
+from . import _config, _generic, _mask_tiles, _memo, _mma_fwd, _modifiers, _runtime
 from ._broadcast import _padded
-from ._validate import element_strides
 
 NAME = "mma"
 TRANSFORMS = _modifiers.SINGLE  # the chains of score transforms its kernels take (cuflash/_gpu.py)
@@ -419,39 +418,6 @@ def takes_backward(p):
     return dkdv_blocks(p, DKDV_TILES[p.Dk, p.Dv]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
-def _dout_rows(dout, tables, lead):
-    """(dout, src, rows) for bwd_mma_prep. dout itself (src = rows = dout: nothing to copy) where
-    it is C-contiguous with a 16-byte aligned base; else, where its rows are 16-byte vectors (unit
-    innermost stride; row stride, matrix offsets and base multiples of 16 bytes: a (B, N, H, D)
-    view among them), a new (lead, Nq, Dv) buffer that prep fills as it reads src = dout through
-    `rows` (its matrix offsets per (batch, head), then its row stride, on the device); else a copy
-    (_contiguous16). tables: the layout's host tables by dout's strides (its shape and dtype are
-    the layout's)."""
-    if dout.flags.c_contiguous and not dout.data.ptr % 16:
-        return dout, dout, dout
-    host = tables.get(dout.strides, False)
-    if host is False:
-        host = _rows_table(lead, dout)
-        tables.put(dout.strides, host)
-    if host is None or dout.data.ptr % 16:
-        dout = _contiguous16(dout)
-        return dout, dout, dout
-    import cupy
-
-    return cupy.empty(dout.shape, dout.dtype), dout, _runtime.on_device(host)
-
-
-def _rows_table(lead, x):
-    """prep's dout_rows for x (lead + (N, D)): its BH matrix offsets and its row stride (int64,
-    elements); None unless every row is a 16-byte vector."""
-    strides = element_strides(x)
-    epc = 16 // x.dtype.itemsize  # elements per 16 bytes
-    offsets = _broadcast.lead_offsets(tuple(lead), x.shape[:-2], strides[:-2]).reshape(-1)
-    if strides[-1] != 1 or strides[-2] % epc or np.any(offsets % epc):
-        return None
-    return np.append(offsets, np.int64(strides[-2]))
-
-
 def _contiguous16(x):
     """x, or a copy of it where it is not C-contiguous with a 16-byte aligned base (its shape
     kept: the kernels read (BH, N, D) from the pointer)."""
@@ -544,15 +510,14 @@ class _Backward:
                                       (kv_lead + (Nk, p.Dv), r.kv_dtype))
         self.dk = np.int32(p.Dk)
         self.args = _runtime.KeptArgs(p)
-        self.dout_tables = _memo.Memo(16)  # _dout_rows' tables by dout's strides
 
     def __call__(self, p, dout, out, lse, sink_probs=None):
         import cupy
 
         r, deterministic = self.r, self.deterministic
         _, _, tail = self.args(p)
-        # (BH, Nq, Dv) rows to the kernels: dout in another layout copied by prep (_dout_rows)
-        dout, dout_src, dout_rows = _dout_rows(dout, self.dout_tables, p.lead)
+        # (BH, Nq, Dv) rows to the kernels: dout in another layout copied by prep on the way
+        dout, dout_src, dout_rows = _generic.dout_rows(p, dout, 16, 16)
         out = _contiguous16(out)
         if lse.dtype != np.float32 or not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)

@@ -608,14 +608,20 @@ DOUT_LAYOUTS = ["bnhd", "wide-rows", "odd-head-stride", "unaligned-base"]
 
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("layout", DOUT_LAYOUTS)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"] if BFLOAT16 is not None else
-                         ["float16"])
-def test_backward_takes_dout_in_any_layout(dtype, layout, deterministic, rng):
-    """dout as a (B, N, H, D) view and as rows of a wider buffer (read in place by the prep
-    kernel, which copies it on the way: _mma_bwd._dout_rows), with head offsets or a base that
-    are not 16-byte multiples (copied first): the gradients equal those of a contiguous dout of
-    the same values (bitwise with deterministic=True) and the float64 reference's."""
+@pytest.mark.parametrize("dtype,path", [("float16", "auto"), ("bfloat16", "auto"),
+                                        ("float32", "auto"), ("float64", "auto"),
+                                        ("float16", "generic")])
+def test_backward_takes_dout_in_any_layout(dtype, path, layout, deterministic, rng, override):
+    """dout as a (B, N, H, D) view and as rows of a wider buffer (read in place by the
+    backward's preprocess kernel, which copies it on the way: _generic.dout_rows), with head
+    offsets or a base that the preprocess cannot read in place (copied first; the tensor-core
+    prep reads 16-byte vectors): on the tensor-core, wide and generic backwards the gradients
+    equal those of a contiguous dout of the same values (bitwise with deterministic=True) and
+    the float64 reference's."""
     import cupy
+    if dtype == "bfloat16" and BFLOAT16 is None:
+        pytest.skip("no bfloat16 dtype")
+    override(path=None if path == "auto" else path)
     B, H, N, D = 2, 4, 200, 64
     q, k, v = (randn(rng, (B, N, H, D), dtype).swapaxes(1, 2) for _ in range(3))
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
