@@ -295,9 +295,10 @@ class BwdLostRows:
     (and lse) when no row is lost. `cast_dq` (the tensor-core backward): the second also rounds
     the float32 dq to the inputs' dtype into `dq_out` (its grid then also sized for that).
     `group` > 1 (the tensor-core backward's OPT_GROUP): dk, dv are (BH / group, Nk, D), each
-    kv head's, summed over its group of consecutive heads."""
+    kv head's, summed over its group of consecutive heads. `like` (the tensor-core backward's
+    gradients in their inputs' layouts): dk, dv and dq_out have k's, v's and q's strides."""
 
-    def __init__(self, p, kv_dtype, prewritten, cast_dq=False, group=1):
+    def __init__(self, p, kv_dtype, prewritten, cast_dq=False, group=1, like=False):
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
         rows_expr, keys_expr = lost_name_expressions(p.dtype, kv_dtype == p.dtype,
                                                      _modifiers.names(p), bool(p.dropout_p))
@@ -316,6 +317,7 @@ class BwdLostRows:
         self.limit = np.float64(_config.lost_lse_limit(p.acc_dtype))
         self.prewritten = np.int32(prewritten)
         self.group = np.int32(group)
+        self.like = np.int32(like)
         # scratch: each row's (max, sum, ...) in double, then the flags where none are prewritten
         flags = () if prewritten else (BH * -(-Nq // LOST_CHUNK) * 4,)
         self.scratch = (BH * Nq * 3 * 8,) + flags
@@ -328,7 +330,7 @@ class BwdLostRows:
         sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         self.rows(common + (dq, self.prewritten) + sinks + (_runtime.ptr(dbias),) + drop)
-        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out), self.group) + drop)
+        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out), self.group, self.like) + drop)
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=None, dbias=None):

@@ -418,6 +418,23 @@ def takes_backward(p):
     return dkdv_blocks(p, DKDV_TILES[p.Dk, p.Dv]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
+# out16_arg: the gradients in their inputs' layouts (bwd_mma.cu tcb::OUT_LIKE_INPUTS)
+OUT_LIKE_INPUTS = 2
+
+
+def _dense(x):
+    """Whether x's elements fill x.size consecutive elements with positive strides (a transpose
+    of a C-contiguous array; axes of size 1 aside): an array of x's strides then fits one
+    allocation of that size."""
+    dims = sorted((s, n) for n, s in zip(x.shape, x.strides) if n != 1)
+    expect = x.dtype.itemsize
+    for s, n in dims:
+        if s != expect:
+            return False
+        expect *= n
+    return True
+
+
 def _contiguous16(x):
     """x, or a copy of it where it is not C-contiguous with a 16-byte aligned base (its shape
     kept: the kernels read (BH, N, D) from the pointer)."""
@@ -455,6 +472,10 @@ def _recipe(p, deterministic):
     # no cast passes
     out16 = group > 1 or all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead)
                              for x in (p.k, p.v))
+    # and then in q's, k's and v's own layouts where one of them is a transpose of a C-contiguous
+    # array (a (B, N, H, D) view) and all are dense: no transpose for the caller to make
+    like = out16 and all(_dense(x) for x in (p.q, p.k, p.v)) and not all(
+        x.flags.c_contiguous for x in (p.q, p.k, p.v))
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
         _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names, dropout),
@@ -475,7 +496,8 @@ def _recipe(p, deterministic):
     i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
                   np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
-                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group))
+                  (i32(BH), i32(Nq), i32(nq_pad)), i32(OUT_LIKE_INPUTS if like else out16),
+                  group, i32(group))
 
 
 class _Backward:
@@ -493,7 +515,9 @@ class _Backward:
         self.deterministic = deterministic
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
-        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group)
+        self.like = like = r.out16_arg == OUT_LIKE_INPUTS
+        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group,
+                                         like=like)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
         # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq's float32
         # sums; the lost-row kernels' per-row doubles. The gradients in the caller's leading
@@ -505,9 +529,13 @@ class _Backward:
                                         *self.lost.scratch)
         # (OPT_GROUP: dk, dv per kv head, k's leading shape)
         kv_lead = lead if r.group == 1 else _padded(p.k.shape[:-2], len(lead))
-        self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
-                                      (kv_lead + (Nk, p.Dk), r.kv_dtype),
-                                      (kv_lead + (Nk, p.Dv), r.kv_dtype))
+        if like:  # (parts of q's, k's, v's sizes, then viewed with their strides)
+            self.grads = _runtime.carving(*(((x.size,), p.dtype) for x in (p.q, p.k, p.v)))
+            self.views = tuple((x.shape, x.strides) for x in (p.q, p.k, p.v))
+        else:
+            self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
+                                          (kv_lead + (Nk, p.Dk), r.kv_dtype),
+                                          (kv_lead + (Nk, p.Dv), r.kv_dtype))
         self.dk = np.int32(p.Dk)
         self.args = _runtime.KeptArgs(p)
 
@@ -527,6 +555,9 @@ class _Backward:
                + (r.lost, lost_flags, _runtime.NULL if deterministic else dq, self.dk,
                   dout_src, dout_rows))
         dq_out, dk, dv = _runtime.carved(self.grads)
+        if self.like:
+            dq_out, dk, dv = (cupy.ndarray(shape, g.dtype, memptr=g.data, strides=strides)
+                              for g, (shape, strides) in zip((dq_out, dk, dv), self.views))
         # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
         # table must live until the launch is enqueued)
         classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes

@@ -164,10 +164,43 @@ __device__ __forceinline__ void cast_dq(const Acc* __restrict__ dq, T* __restric
   }
 }
 
+// dq_out in q's layout (`like`: the host made it with q's strides): a warp per row of the
+// flattened (BH, Nq), its lanes over groups of 4 columns (Dk a multiple of 4; q's row stride and
+// matrix offsets multiples of 4 elements, as the tensor-core backward's 16-byte rows are).
+template <typename T, typename Acc>
+__device__ __forceinline__ void cast_dq_rows(const Acc* __restrict__ dq, T* __restrict__ dq_out,
+                                             long long rows, int Nq, int Dk,
+                                             const long long* __restrict__ q_offsets,
+                                             long long q_rs) {
+  if constexpr (sizeof(Acc) == 4 && sizeof(T) == 2) {
+    auto bits = [](float x) {
+      T t;
+      store_acc(&t, x);
+      return static_cast<unsigned>(t.bits);
+    };
+    const int lane = threadIdx.x % 32;
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+    for (long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps) {
+      const long long bh = row / Nq;
+      const Acc* src = dq + row * Dk;
+      T* dst = dq_out + q_offsets[bh] + (row - bh * Nq) * q_rs;
+      for (int c = 4 * lane; c < Dk; c += 128) {
+        const float4 x = *reinterpret_cast<const float4*>(src + c);
+        *reinterpret_cast<uint2*>(dst + c) =
+            make_uint2(bits(x.x) | bits(x.y) << 16, bits(x.z) | bits(x.w) << 16);
+      }
+    }
+  }
+}
+
+// like (the tensor-core backward's out16 = OUT_LIKE_INPUTS): dk, dv and dq_out have k's, v's
+// and q's strides (rows at their inputs' offsets), else rows of (BH / group, Nk, D) and a
+// contiguous dq_out.
 template <typename T, typename Acc, typename DK, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* __restrict__ dq,
-              T* __restrict__ dq_out, int group, const Drop... drop) {
+              T* __restrict__ dq_out, int group, int like, const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
@@ -233,8 +266,8 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* 
     }
     }  // heads
     if (!touched) continue;
-    DK* dk_row = dk + (bkv * Nk + j) * Dk;
-    DK* dv_row = dv + (bkv * Nk + j) * Dv;
+    DK* dk_row = dk + (like ? offsets[BH + bkv * group] + j * k_rs : (bkv * Nk + j) * Dk);
+    DK* dv_row = dv + (like ? offsets[2 * BH + bkv * group] + j * v_rs : (bkv * Nk + j) * Dv);
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) {
       const int col = lane + 32 * c;
@@ -243,7 +276,12 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* 
     }
   }
   }  // items
-  if (dq_out != nullptr) cast_dq(dq, dq_out, static_cast<long long>(BH) * Nq * Dk);
+  if (dq_out != nullptr) {
+    if (like)
+      cast_dq_rows(dq, dq_out, static_cast<long long>(BH) * Nq, Nq, Dk, offsets, q_rs);
+    else
+      cast_dq(dq, dq_out, static_cast<long long>(BH) * Nq * Dk);
+  }
 }
 
 // Grid: a stride of warps over the tensor-core forward's blocks (fix: one flag per block, in its

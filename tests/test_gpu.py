@@ -650,6 +650,48 @@ def test_backward_takes_dout_in_any_layout(dtype, path, layout, deterministic, r
     check_backward(got, dout, q, k, v, out, lse, causal=True)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"] if BFLOAT16 is not None else
+                         ["float16"])
+def test_gradients_come_back_in_the_inputs_layout(dtype, heads, deterministic, rng):
+    """q, k, v as (B, H, N, D) views of (B, N, H, D) buffers: the tensor-core backward writes dq,
+    dk and dv with q's, k's and v's strides (no transpose left for the caller; GQA's dk, dv
+    summed per kv head in the kernel), equal to the gradients of contiguous copies of the same
+    inputs (bitwise with deterministic=True) and to the float64 reference's. Views that do not
+    fill their buffer (slices of a packed qkv) get C-contiguous gradients."""
+    import cupy
+    B, N, D = 2, 300, 64
+    H, Hkv = heads
+    q = randn(rng, (B, N, H, D), dtype).swapaxes(1, 2)
+    k, v = (randn(rng, (B, N, Hkv, D), dtype).swapaxes(1, 2) for _ in range(2))
+    dout = randn(rng, (B, H, N, D), dtype)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    got = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                     deterministic=deterministic)
+    # (GQA's sum in the kernel takes the wgmma tiles: elsewhere a sum pass, C-contiguous)
+    from cuflash import _runtime
+    like = H == Hkv or _runtime.wgmma_available()
+    for name, g, x in zip(("dq", "dk", "dv"), got, (q, k, v)):
+        assert g.shape == x.shape, name
+        assert g.strides == x.strides if like else g.flags.c_contiguous, (name, g.strides)
+    contiguous = [cupy.ascontiguousarray(x) for x in (q, k, v)]
+    want = cuflash.attention_backward(dout, *contiguous, out, lse, causal=True,
+                                      deterministic=deterministic)
+    if deterministic:
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert bool((g == w).all()), name
+    check_backward(got, dout, q, k, v, out, lse, causal=True)
+    # slices of a packed (B, N, 3, H, D) buffer: not dense, so C-contiguous gradients
+    qkv = randn(rng, (B, N, 3, H, D), dtype)
+    q3, k3, v3 = (qkv[:, :, i].swapaxes(1, 2) for i in range(3))
+    out3, lse3 = cuflash.attention(q3, k3, v3, causal=True, return_lse=True)
+    grads3 = cuflash.attention_backward(dout, q3, k3, v3, out3, lse3, causal=True,
+                                        deterministic=deterministic)
+    assert all(g.flags.c_contiguous for g in grads3)
+    check_backward(grads3, dout, q3, k3, v3, out3, lse3, causal=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_sizes(dtype, rng):
     q = randn(rng, (2, 5, 16), dtype)

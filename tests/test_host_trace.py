@@ -126,7 +126,8 @@ def test_a_bnhd_backward_copies_nothing(trace):
     """A known shape of the trace: with q, k, v and dout as (B, H, N, D) views of (B, N, H, D)
     buffers, the backward is the same four launches and nothing else: prep reads dout in place
     through its offset table and writes the (BH, Nq, Dv) rows the other kernels read (no CuPy
-    copy before it)."""
+    copy before it), and the gradients are written in q's, k's and v's layouts (no transpose
+    after)."""
     for call in ("bnhd/bwd/1", "bnhd/bwd/2"):
         events = trace[call]
         assert [e[0] for e in events] == ["launch"] * 4, call
@@ -137,8 +138,13 @@ def test_a_bnhd_backward_copies_nothing(trace):
         dout, src, rows = prep[5][0], prep[5][12], prep[5][13]
         assert dout[1][0] == "new" and src[1][0] == "new" and dout != src, call
         assert rows[1][0] == "table" and dkdv[5][3] == dout, call
-    contiguous = trace["mid/bwd/1"][0]  # the same shape stored (B, H, N, D): no copy, no table
-    assert contiguous[5][0] == contiguous[5][12] == contiguous[5][13], contiguous
+        # the gradients in the inputs' layouts: dkdv's out16 = OUT_LIKE_INPUTS (before
+        # dbias and group), bwd_lost_keys' `like` (its last parameter)
+        keys = events[3]
+        assert dkdv[5][-3] == [2] and keys[1].startswith("bwd_lost_keys<") and keys[5][-1] == [1]
+    mid = trace["mid/bwd/1"]  # the same shape stored (B, H, N, D): no copy, no table
+    assert mid[0][5][0] == mid[0][5][12] == mid[0][5][13], mid[0]
+    assert mid[1][5][-3] == [1] and mid[3][5][-1] == [0]
 
 
 def test_device_lengths_are_read_in_place(trace):
