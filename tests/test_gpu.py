@@ -692,6 +692,20 @@ def test_gradients_come_back_in_the_inputs_layout(dtype, heads, deterministic, r
     check_backward(grads3, dout, q3, k3, v3, out3, lse3, causal=True)
 
 
+def test_gradients_of_a_broadcast_q_beside_transposed_kv(rng):
+    """q broadcast over the batch, k and v (B, H, N, D) views: dq is summed over the batch (its
+    own shape, C-contiguous: no layout-kept gradients when q is broadcast), every gradient as the
+    float64 reference's."""
+    B, H, N, D = 2, 4, 130, 64
+    q = randn(rng, (H, N, D), "float16")
+    k, v = (randn(rng, (B, N, H, D), "float16").swapaxes(1, 2) for _ in range(2))
+    dout = randn(rng, (B, H, N, D), "float16")
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse)
+    assert grads[0].shape == q.shape and grads[0].flags.c_contiguous
+    check_backward(grads, dout, q, k, v, out, lse)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_sizes(dtype, rng):
     q = randn(rng, (2, 5, 16), dtype)
