@@ -266,16 +266,13 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
 // (row bkv * Nk + j); OUT_LIKE_INPUTS, the host's dk / dv have k's / v's strides (their input
 // row: the offsets table's row `input` (1: k, 2: v) for the block's first head bh, then j rows of
 // the input's row stride rs).
+// (Computed at each store: a struct made before them kept its offsets live beside dK and dV and
+// spilled D=64's register-resident mask tile on sm_90a.)
 constexpr int OUT_LIKE_INPUTS = 2;
-struct RowOffsets {
-  long long base, rs;
-  __device__ __forceinline__ long long at(int j) const { return base + j * rs; }
-};
-__device__ __forceinline__ RowOffsets kv_row_offsets(int out16, const long long* offsets, int BH,
-                                                     long long bh, long long bkv, int Nk,
-                                                     long long rs, int D, int input) {
-  if (out16 == OUT_LIKE_INPUTS) return {offsets[input * BH + bh], rs};
-  return {bkv * Nk * D, D};
+__device__ __forceinline__ long long kv_row_at(int out16, const long long* offsets, int BH,
+                                               long long bh, long long bkv, int Nk, long long rs,
+                                               int D, int input, int j) {
+  return out16 == OUT_LIKE_INPUTS ? offsets[input * BH + bh] + j * rs : (bkv * Nk + j) * D;
 }
 
 // One thread's pairs of a dK and a dV row (row half h of each 16x8 fragment, NFK / NFV fragments 8
@@ -916,14 +913,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
   // Every key row of the tile below Nk is written, zeros where no query sees it: rows of
   // (BH / group, Nk, D), or at their inputs' rows (tcb::kv_row_offsets).
-  const tcb::RowOffsets ko = tcb::kv_row_offsets(out16, offsets, BH, bh, bkv, Nk, k_rs, HEAD_DIM, 1);
-  const tcb::RowOffsets vo = tcb::kv_row_offsets(out16, offsets, BH, bh, bkv, Nk, v_rs, DV, 2);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      tcb::store_kv_rows<T>(dk_acc, dv_acc, ko.at(j) + c0 + 2 * t, vo.at(j) + c0v + 2 * t, dk, dv,
-                            h, out16);
+      const long long ek = tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, k_rs, HEAD_DIM, 1, j);
+      const long long ev = tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, v_rs, DV, 2, j);
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, ek + c0 + 2 * t, ev + c0v + 2 * t, dk, dv, h, out16);
     }
   }
 }
@@ -1359,12 +1355,12 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 
   // Every key row of the tile below Nk is written, zeros where no query sees it (as
   // bwd_mma_dkdv's).
-  const tcb::RowOffsets ko = tcb::kv_row_offsets(out16, offsets, BH, bh, bh, Nk, k_rs, HEAD_DIM, 1);
-  const tcb::RowOffsets vo = tcb::kv_row_offsets(out16, offsets, BH, bh, bh, Nk, v_rs, HEAD_DIM, 2);
   for_frag_rows<MF>(jw0, g, [&](int mi, int h, int j) {
     if (j < Nk) {
-      tcb::store_kv_rows<T>(dk_acc, dv_acc, ko.at(j) + dc0 + 2 * t, vo.at(j) + dc0 + 2 * t,
-                            dk[mi], dv[mi], h, out16);
+      const long long ek = tcb::kv_row_at(out16, offsets, BH, bh, bh, Nk, k_rs, HEAD_DIM, 1, j);
+      const long long ev = tcb::kv_row_at(out16, offsets, BH, bh, bh, Nk, v_rs, HEAD_DIM, 2, j);
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, ek + dc0 + 2 * t, ev + dc0 + 2 * t, dk[mi], dv[mi], h,
+                            out16);
     }
   });
 }
