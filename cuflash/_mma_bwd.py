@@ -474,8 +474,10 @@ def _recipe(p, deterministic):
                              for x in (p.k, p.v))
     # and then in q's, k's and v's own layouts where one of them is a transpose of a C-contiguous
     # array (a (B, N, H, D) view) and all are dense: no transpose for the caller to make
-    # (and q not broadcast: dq is then one matrix per output (batch, head), as dk and dv are)
-    like = out16 and _padded(p.q.shape[:-2], len(p.lead)) == tuple(p.lead) and all(
+    # (and q not broadcast: dq is then one matrix per output (batch, head), as dk and dv are; on
+    # the wgmma tiles: the mma.sync ones, at 255 registers, spilled with the stores' offsets)
+    like = bool(tile.opt & OPT_WG) and out16 and _padded(p.q.shape[:-2], len(p.lead)) == tuple(
+        p.lead) and all(
         _dense(x) for x in (p.q, p.k, p.v)) and not all(
         x.flags.c_contiguous for x in (p.q, p.k, p.v))
     smem = dkdv_smem_bytes(dims, tile)

@@ -266,8 +266,8 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
 // (row bkv * Nk + j); OUT_LIKE_INPUTS, the host's dk / dv have k's / v's strides (their input
 // row: the offsets table's row `input` (1: k, 2: v) for the block's first head bh, then j rows of
 // the input's row stride rs).
-// (Computed at each store: a struct made before them kept its offsets live beside dK and dV and
-// spilled D=64's register-resident mask tile on sm_90a.)
+// (Computed at each store, on the wgmma tiles only: made before the stores, or on the mma.sync
+// tiles, its offsets spilled kernels at 255 registers on sm_90a by 4-36 bytes.)
 constexpr int OUT_LIKE_INPUTS = 2;
 __device__ __forceinline__ long long kv_row_at(int out16, const long long* offsets, int BH,
                                                long long bh, long long bkv, int Nk, long long rs,
@@ -917,8 +917,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      const long long ek = tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, k_rs, HEAD_DIM, 1, j);
-      const long long ev = tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, v_rs, DV, 2, j);
+      // (OUT_LIKE_INPUTS on the wgmma tiles only, _mma_bwd's rule: the mma.sync tiles at 255
+      // registers spilled with its offsets)
+      const long long ek =
+          WG ? tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, k_rs, HEAD_DIM, 1, j)
+             : (bkv * Nk + j) * HEAD_DIM;
+      const long long ev = WG ? tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, v_rs, DV, 2, j)
+                              : (bkv * Nk + j) * DV;
       tcb::store_kv_rows<T>(dk_acc, dv_acc, ek + c0 + 2 * t, ev + c0v + 2 * t, dk, dv, h, out16);
     }
   }
@@ -1353,14 +1358,11 @@ bwd_mma_dkdv_grid(const T* __restrict__ q, const T* __restrict__ k, const T* __r
         [&](int kk) { dq_reds(KM + kk); });
   }
 
-  // Every key row of the tile below Nk is written, zeros where no query sees it (as
-  // bwd_mma_dkdv's).
+  // Every key row of the tile below Nk is written, zeros where no query sees it.
   for_frag_rows<MF>(jw0, g, [&](int mi, int h, int j) {
     if (j < Nk) {
-      const long long ek = tcb::kv_row_at(out16, offsets, BH, bh, bh, Nk, k_rs, HEAD_DIM, 1, j);
-      const long long ev = tcb::kv_row_at(out16, offsets, BH, bh, bh, Nk, v_rs, HEAD_DIM, 2, j);
-      tcb::store_kv_rows<T>(dk_acc, dv_acc, ek + dc0 + 2 * t, ev + dc0 + 2 * t, dk[mi], dv[mi], h,
-                            out16);
+      const long long e = (bh * Nk + j) * HEAD_DIM + dc0 + 2 * t;
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, e, e, dk[mi], dv[mi], h, out16);
     }
   });
 }
