@@ -87,6 +87,11 @@ OPT_GROUP = 256
 # tiles spilled 24 / 16 bytes with it), not on the 32-query tiles (the bias backward was 2-3 %
 # slower with it than with DQ_UNDER, H100).
 OPT_DQ_BULK = 512
+# OPT_DQ_ORDER: deterministic=True on an OPT_DQ_BULK tile: the key blocks of a head add each query
+# row's dQ in one order fixed by the shapes (tcb::dq_turn; the rows' turns in an int32 (BH, Nq)
+# buffer that prep zeroes): the atomics' single pass, no dq kernel recomputing S and dP.
+# ordered_tile says when.
+OPT_DQ_ORDER = 1024
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -303,6 +308,21 @@ def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias
 DBIAS_DECLINED = ((96, 96),)
 
 
+def ordered_tile(p, dims, names, dropout):
+    """The OPT_DQ_ORDER tile of a deterministic call, or None (the dq kernel then): an OPT_DQ_BULK
+    tile, no mask / bias (the tiles a mask skips would break the order's runs of key blocks), and
+    a head's key blocks at most one per multiprocessor (a block may wait for a later block of its
+    head, which must then be resident: with at least one block per multiprocessor, it is once
+    the blocks before it are)."""
+    if p.mask is not None or p.bias is not None:
+        return None
+    tile = dkdv_tile(dims, False, True, names, dropout)
+    if not tile.opt & OPT_DQ_BULK or \
+            -(-p.Nk // (16 * tile.warps)) > _runtime.device_info().sm_count:
+        return None
+    return tile._replace(opt=tile.opt | OPT_DQ_ORDER)
+
+
 def dbias_tile(dims, dq_atomic, wgmma):
     """The dK/dV tile of a call with the bias's gradient: the mask / bias tile with OPT_DBIAS, the
     wgmma one (wg_tile) where ``wgmma`` (dkdv_tile's rule), else the transforms' (DKDV_TILES_TF:
@@ -344,6 +364,12 @@ def instantiations():
                     tile = wg_tile(d, False, atomic)
                     exprs.append(dkdv_expr(dt, d, tile._replace(opt=tile.opt | OPT_GROUP),
                                            atomic, False))
+                # deterministic dQ in order (ordered_tile), with and without OPT_GROUP
+                tile = wg_tile(d, False, True)
+                if tile.opt & OPT_DQ_BULK:
+                    for group in (0, OPT_GROUP):
+                        exprs.append(dkdv_expr(dt, d, tile._replace(
+                            opt=tile.opt | OPT_DQ_ORDER | group), True, False))
             # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
             if d not in DBIAS_DECLINED:
                 for atomic in (True, False):
@@ -447,11 +473,12 @@ def _contiguous16(x):
 
 
 _prepared = _memo.Memo(256)
-# the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic); sizes: the int32
-# parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv kernel's int32; group: the heads per
-# dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32
+# the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic without
+# OPT_DQ_ORDER); sizes: the int32 parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv
+# kernel's int32; group: the heads per dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32;
+# atomic: dQ added by the dK/dV kernel; ordered: in OPT_DQ_ORDER's order
 Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes "
-                              "out16_arg group group_arg")
+                              "out16_arg group group_arg atomic ordered")
 
 
 def _recipe(p, deterministic):
@@ -462,8 +489,10 @@ def _recipe(p, deterministic):
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     dropout = bool(p.dropout_p)
-    tile = dkdv_tile(dims, has_mb, not deterministic, names, dropout, p.dbias,
-                     p.bias is not None)
+    ordered = ordered_tile(p, dims, names, dropout) if deterministic else None
+    atomic = not deterministic or ordered is not None  # dQ added by the dK/dV kernel
+    tile = ordered or dkdv_tile(dims, has_mb, atomic, names, dropout, p.dbias,
+                                p.bias is not None)
     group = group_size(p) if tile.opt & OPT_WG else 1  # GQA in the kernel (OPT_GROUP)
     if group > 1:
         tile = tile._replace(opt=tile.opt | OPT_GROUP)
@@ -482,13 +511,13 @@ def _recipe(p, deterministic):
         x.flags.c_contiguous for x in (p.q, p.k, p.v))
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
-        _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names, dropout),
+        _function(dkdv_expr(p.dtype.name, dims, tile, atomic, has_mb, names, dropout),
                   smem, dkdv_arch(tile)), (dkdv_blocks(p, tile, group),), (tile.warps * 32,),
         smem)
     # the mask's tile classes, for its key blocks of 16 * warps keys
     classes = (tile.block_m, 16 * tile.warps) if has_mb else None
     dq = None
-    if deterministic:  # dq every element, without atomics
+    if not atomic:  # dq every element
         dq_tile = DQ_TILES[dims]
         dq_smem = dq_smem_bytes(dims, dq_tile)
         dq = _runtime.Launch(_function(dq_expr(p.dtype.name, dims, dq_tile, has_mb, names,
@@ -501,7 +530,7 @@ def _recipe(p, deterministic):
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
                   np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
                   (i32(BH), i32(Nq), i32(nq_pad)), i32(OUT_LIKE_INPUTS if like else out16),
-                  group, i32(group))
+                  group, i32(group), atomic, ordered is not None)
 
 
 class _Backward:
@@ -516,7 +545,6 @@ class _Backward:
     lost-row fix overwrites on its rows (_gpu.backward)."""
 
     def __init__(self, p, deterministic):
-        self.deterministic = deterministic
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
         self.like = like = r.out16_arg == OUT_LIKE_INPUTS
@@ -528,9 +556,11 @@ class _Backward:
         # shape (the kernels read pointers, and the caller's reshapes are then none).
         # (the kernels' own buffers: pointers, not arrays)
         padded, lead = ((BH, r.nq_pad), np.float32, _runtime.POINTER), p.lead
+        # (OPT_DQ_ORDER: and the rows' turns, int32 (BH, Nq), zeroed by prep)
+        turns = (BH * Nq * 4,) if r.ordered else ()
         self.scratch = _runtime.carving(padded, padded, BH * -(-Nq // 32) * 4,
                                         (lead + (Nq, p.Dk), np.float32, _runtime.POINTER),
-                                        *self.lost.scratch)
+                                        *self.lost.scratch, *turns)
         # (OPT_GROUP: dk, dv per kv head, k's leading shape)
         kv_lead = lead if r.group == 1 else _padded(p.k.shape[:-2], len(lead))
         if like:  # (parts of q's, k's, v's sizes, then viewed with their strides)
@@ -546,18 +576,19 @@ class _Backward:
     def __call__(self, p, dout, out, lse, sink_probs=None):
         import cupy
 
-        r, deterministic = self.r, self.deterministic
+        r = self.r
         _, _, tail = self.args(p)
         # (BH, Nq, Dv) rows to the kernels: dout in another layout copied by prep on the way
         dout, dout_src, dout_rows = _generic.dout_rows(p, dout, 16, 16)
         out = _contiguous16(out)
         if lse.dtype != np.float32 or not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
-        lse2, delta, lost_flags, dq, stats = _runtime.stream_scratch(self.scratch)
-        # (with dQ atomics prep zeroes dq, which they add into)
+        lse2, delta, lost_flags, dq, stats, *turns = _runtime.stream_scratch(self.scratch)
+        turns = turns[0] if turns else _runtime.NULL
+        # (with dQ atomics prep zeroes dq, which they add into, and OPT_DQ_ORDER's turns)
+        dq_zero = dq if r.atomic else _runtime.NULL
         r.prep((dout, out, lse, lse2, delta) + r.sizes
-               + (r.lost, lost_flags, _runtime.NULL if deterministic else dq, self.dk,
-                  dout_src, dout_rows))
+               + (r.lost, lost_flags, dq_zero, self.dk, dout_src, dout_rows, turns))
         dq_out, dk, dv = _runtime.carved(self.grads)
         if self.like:
             dq_out, dk, dv = (cupy.ndarray(shape, g.dtype, memptr=g.data, strides=strides)
@@ -569,9 +600,9 @@ class _Backward:
         dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         padded = tail + r.sizes[2:]  # (nq_pad,)
-        r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk,
-                dv, classes) + padded + (r.out16_arg, _runtime.ptr(dbias), r.group_arg) + drop)
-        if deterministic:
+        r.dkdv((p.q, p.k, p.v, dout, lse2, delta, dq_zero, dk, dv, classes) + padded
+               + (r.out16_arg, _runtime.ptr(dbias), turns, r.group_arg) + drop)
+        if r.dq is not None:
             r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + padded + drop)
         # the lost rows' gradients, then dq rounded to the inputs' dtype (dq_out)
         self.lost(p, tail, dout, out, lse, dq, dk, dv, stats, lost_flags, sink_probs, dbias,

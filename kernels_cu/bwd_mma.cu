@@ -122,8 +122,48 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                stored to shared memory and added to dq_acc by the bulk copy engine at the next
 //                tile's top (add_dq_block). The host sets it (_mma_bwd.wg_tile says when) and
 //                allocates the block (dkdv_smem_bytes).
+// DKDV_DQ_ORDER: with DKDV_DQ_BULK, deterministic dQ: the key blocks of a head add each query
+//                row's dQ in one order fixed by the shapes (dq_turn), a row's turn counted in
+//                dq_turns (zeroed by prep); each issuing thread waits for its row's turn, adds,
+//                and passes the turn on once the engine's writes are done (at the next sDQ
+//                wait). No modifier (its skipped tiles would break the order's ranges).
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
-                     DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256, DKDV_DQ_BULK = 512 };
+                     DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256, DKDV_DQ_BULK = 512,
+                     DKDV_DQ_ORDER = 1024 };
+
+// DKDV_DQ_ORDER: the place of key block jb (of n_blocks, BLOCK_N keys each) among the blocks of
+// its head that see query tile m (BLOCK_M rows): the blocks whose queries start later (a causal
+// or right-bounded window: they reach tile m first, their first tiles lying further down) go
+// first, `late_first`; otherwise (every block from tile 0 on) in block order. The blocks that see
+// a tile are consecutive (tile_query_range's bounds rise with the keys), so a binary search over
+// the predicate the kernel's own tile range uses finds the first (last) of them.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int dq_turn(const Window& w, int jb, int n_blocks, int m, int Nq,
+                                       bool late_first) {
+  auto sees = [&](int b) {  // key block b sees tile m (b on jb's side of the run)
+    const KeyRange r = tile_query_range(w, static_cast<long long>(b) * BLOCK_N,
+                                        static_cast<long long>(b) * BLOCK_N + BLOCK_N - 1, Nq);
+    return r.lo <= r.hi && (late_first ? r.lo / BLOCK_M <= m : r.hi / BLOCK_M >= m);
+  };
+  int lo = late_first ? jb : 0, hi = late_first ? n_blocks - 1 : jb;
+  while (lo < hi) {  // late_first: the last block that sees m; else the first
+    const int mid = late_first ? (lo + hi + 1) / 2 : (lo + hi) / 2;
+    if (late_first)
+      sees(mid) ? lo = mid : hi = mid - 1;
+    else
+      sees(mid) ? hi = mid : lo = mid + 1;
+  }
+  return late_first ? lo - jb : jb - lo;
+}
+__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
+  int now;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(now) : "l"(turn) : "memory");
+  } while (now != mine);
+}
+__device__ __forceinline__ void pass_turn(int* turn) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
+}
 
 // DKDV_SBIAS: the staged bias block's row pitch in floats (BLOCK_N + 4: the rows 2 t apart that a
 // quad reads together fall on disjoint banks).
@@ -369,12 +409,13 @@ __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* 
 // dout_rows[bh] the element offset of head bh's matrix, dout_rows[BH] its row stride), read
 // there and written to dout, which the other kernels then read: no separate copy pass. (Always
 // two addresses, so that a layout's launch takes either: dout_src = dout_rows = dout for none.)
+// dq_turns (DKDV_DQ_ORDER, else null): zeroed with dq's rows.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
 bwd_mma_prep(T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
              float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
              float lost, int* __restrict__ lost_flags, float* __restrict__ dq_zero, int Dk,
-             const T* dout_src, const long long* dout_rows) {
+             const T* dout_src, const long long* dout_rows, int* __restrict__ dq_turns) {
   const bool copy = dout_src != dout;
   constexpr int LPR = 8;              // lanes per row
   constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
@@ -411,6 +452,7 @@ bwd_mma_prep(T* __restrict__ dout, const T* __restrict__ out, const float* __res
   if (dq_zero != nullptr && real) {  // dQ's float32 rows, which bwd_mma_dkdv's atomics add to
     float4* z = reinterpret_cast<float4*>(dq_zero + (bh * Nq + i) * static_cast<long long>(Dk));
     for (int c = sub; c < Dk / 4; c += LPR) z[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (dq_turns != nullptr && sub == 0) dq_turns[bh * Nq + i] = 0;  // (DKDV_DQ_ORDER)
   }
   const float l = real ? lse[bh * Nq + i] : neg_inf<float>();
   // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
@@ -461,7 +503,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const float* __restrict__ delta, float* __restrict__ dq_acc,
              float* __restrict__ dk_acc, float* __restrict__ dv_acc, const TileClasses classes,
              ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16,
-             float* __restrict__ dbias, int group, const Drop... drop) {
+             float* __restrict__ dbias, int* __restrict__ dq_turns, int group,
+             const Drop... drop) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
@@ -496,6 +539,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // tile's top, a row per fourth thread (add_dq_block): no red.global.add for the fences to wait
   // for.
   constexpr bool DQ_BULK = (OPT & tcb::DKDV_DQ_BULK) != 0;
+  constexpr bool ORDER = (OPT & tcb::DKDV_DQ_ORDER) != 0;  // deterministic dQ (dq_turn)
+  static_assert(!ORDER || (DQ_BULK && !HAS_MB), "DKDV_DQ_ORDER: DQ_BULK, no modifier");
   constexpr int DQ_PITCH = (HEAD_DIM + 8) * 4;
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
@@ -670,14 +715,39 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // barrier that follows its stores; its bulk group waited for before sDQ is written again).
   static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && THREADS == 4 * BLOCK_M),
                 "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, a row per fourth thread");
+  // ORDER: the row's turn first (dq_rank: the block's place for that tile), then passed on once
+  // the engine has written the row (sdq_free).
+  int dq_rank = 0;
+  int* turn = nullptr;
   auto add_dq_block = [&]() {
     const int r = tid / 4;
     if (dq_i0 >= 0 && tid % 4 == 0 && dq_i0 + r < Nq) {
-      wg::bulk_add_f32(dq_acc + ((GROUP ? bh + dq_hd : bh) * Nq + dq_i0 + r) * HEAD_DIM,
-                       sDQ + r * DQ_PITCH, HEAD_DIM * 4);
+      const long long row = (GROUP ? bh + dq_hd : bh) * Nq + dq_i0 + r;
+      if constexpr (ORDER) {
+        turn = dq_turns + row;
+        tcb::wait_turn(turn, dq_rank);
+        wg::fence_global();
+      }
+      wg::bulk_add_f32(dq_acc + row * HEAD_DIM, sDQ + r * DQ_PITCH, HEAD_DIM * 4);
       wg::bulk_commit();
     }
+    if constexpr (ORDER) __syncwarp();  // (the lanes that waited rejoin before the wgmma)
   };
+  auto sdq_free = [&]() {  // the last block's bulk adds have read sDQ (ORDER: and written dq)
+    if constexpr (ORDER) {
+      wg::bulk_wait<0>();
+      if (turn != nullptr) tcb::pass_turn(turn), turn = nullptr;
+    } else {
+      wg::bulk_wait_read<0>();
+    }
+  };
+  // ORDER: dq_turn's order for this head (kb.w): blocks that start further down first where
+  // the last visible key's block starts below tile 0
+  const int jl = w.L > 0 ? static_cast<int>((w.L - 1) / BLOCK_N) : 0;
+  const bool late_first =
+      ORDER && tile_query_range(w, static_cast<long long>(jl) * BLOCK_N,
+                                static_cast<long long>(jl) * BLOCK_N + BLOCK_N - 1, Nq).lo >=
+                   BLOCK_M;
 
   // n: the query tiles computed before this one (the ring's sequence)
   const int n_tiles = heads * kb.n_mt;  // (GROUP: n_mt per head)
@@ -842,7 +912,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dQ = dS K into acc; its red.global.add go out at the next tile's top (DEFER_DQ), else a few
     // per k-step of dK below (tcb::dq_reductions_at).
     if constexpr (WG_DQ) {
-      if constexpr (DQ_BULK) wg::bulk_wait_read<0>();  // the last block left sDQ (barrier next)
+      if constexpr (DQ_BULK) sdq_free();  // the last block left sDQ (barrier next)
       wg::fence_shared();  // dS^T is read by wgmma
       __syncthreads();     // dS^T of every warp in shared memory
       wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, sdS, sK + (warp / 4) * KBLK);
@@ -851,7 +921,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     } else if (DQ_ATOMIC) {
       const int wm = DEFER_DQ ? wm_held : warp % WM;
       const int col0 = DEFER_DQ ? col0_held : c0 + (warp / WM) * DQ_COLS;
-      if constexpr (DQ_BULK) wg::bulk_wait_read<0>();  // the last block left sDQ (barrier next)
+      if constexpr (DQ_BULK) sdq_free();  // the last block left sDQ (barrier next)
       __syncthreads();  // dS^T of every warp in shared memory
       zero(acc);
 #pragma unroll
@@ -879,6 +949,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // next tile's top).
     if constexpr (WG) {
       if (DQ_ATOMIC) dq_i0 = i0, dq_hd = head_of(it);
+      if constexpr (ORDER)
+        dq_rank = tcb::dq_turn<BLOCK_M, BLOCK_N>(w, j0 / BLOCK_N, n_ntiles, i0 / BLOCK_M, Nq,
+                                                 late_first);
       wg::wait<0>();
       wg::fence_acc(dv);
       wg::fence_acc(dk);
@@ -903,7 +976,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     wg::fence_shared();
     __syncthreads();
     add_dq_block();
-    wg::bulk_wait_read<0>();  // (sDQ stays until the engine has read it)
+    sdq_free();  // (sDQ stays until the engine has read it)
   } else if constexpr (DEFER_DQ) {  // the last tile's dQ reductions
     if (dq_i0 >= 0) {
 #pragma unroll

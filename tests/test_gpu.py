@@ -951,6 +951,69 @@ def test_deterministic_backward_is_bitwise_reproducible(dtype, rng):
     check(q, k, v, rng, causal=True)
 
 
+# (name, q leading dims, k/v leading dims, Nq, Nk, options): deterministic dQ in order
+ORDER_CASES = [
+    ("full", (2, 3), (2, 3), 700, 700, {}),
+    ("causal", (2, 3), (2, 3), 700, 700, dict(causal=True)),
+    ("causal-tl-long-k", (1, 2), (1, 2), 200, 900, dict(causal=True, align="top-left")),
+    ("causal-br-long-k", (1, 2), (1, 2), 200, 900, dict(causal=True)),
+    ("causal-br-long-q", (1, 2), (1, 2), 900, 300, dict(causal=True)),
+    ("window", (2, 2), (2, 2), 800, 800, dict(window=(100, 50))),
+    ("window-left-causal", (2, 2), (2, 2), 500, 800, dict(window=(200, None), causal=True)),
+    ("kv_lens-causal", (3, 2), (3, 2), 500, 500, dict(kv_lens=np.array([[0], [137], [500]]),
+                                                      causal=True)),
+    ("positions-window", (2, 2), (2, 1), 300, 330, dict(window=(40, 5), positions=(1000, 990),
+                                                        kv_lens=[[330], [77]])),
+    ("gqa-causal", (2, 6), (2, 2), 600, 600, dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", ORDER_CASES, ids=[c[0] for c in ORDER_CASES])
+def test_deterministic_dq_in_key_block_order(case, D, rng):
+    """deterministic=True on Hopper's bulk-dQ tiles (_mma_bwd.ordered_tile): the key blocks of a
+    head add each query row's dQ in one order, each waiting for its turn (bwd_mma.cu dq_turn):
+    causal and windowed heads latest-starting block first, the others in block order. Every
+    order must match the blocks that really visit a tile (else a block waits forever, or two
+    add at once): odd lengths, both alignments, windows, kv_lens (an empty head), positions and
+    GQA in the kernel. Three runs give the same bits, and the gradients are the reference's."""
+    from cuflash import _mma_bwd, _runtime, _validate
+    name, qlead, kvlead, Nq, Nk, options = case
+    dtype = "bfloat16" if BFLOAT16 is not None else "float16"
+    q = randn(rng, qlead + (Nq, D), dtype)
+    k, v = (randn(rng, kvlead + (Nk, D), dtype) for _ in range(2))
+    if _runtime.wgmma_available():  # (elsewhere the dq kernel: no order to test, the same checks)
+        p = _validate.make_problem(q, k, v, **options)
+        assert _mma_bwd.prepare_backward(p, True).r.ordered, name
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dout = randn(rng, out.shape, dtype)
+    runs = [cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+            for _ in range(3)]
+    for name_g, *gs in zip(("dq", "dk", "dv"), *runs):
+        assert all(np.array_equal(_bits(gs[0]), _bits(g)) for g in gs[1:]), (name, name_g)
+    check_backward(runs[0], dout, q, k, v, out, lse, **options)
+
+
+def test_deterministic_dq_beyond_one_block_per_multiprocessor(rng):
+    """More key blocks per head than multiprocessors: the ordered dQ could wait on a block that
+    is not resident, so the dq kernel takes it (ordered_tile), reproducible and right."""
+    from cuflash import _mma_bwd, _runtime, _validate
+    Nk = _runtime.device_info().sm_count * 128 + 5
+    q = randn(rng, (1, 64, 64), "float16")
+    k, v = (randn(rng, (1, Nk, 64), "float16") for _ in range(2))
+    if _runtime.wgmma_available():
+        assert not _mma_bwd.prepare_backward(_validate.make_problem(q, k, v), True).r.ordered
+        shorter = _validate.make_problem(q, k[:, :Nk - 133], v[:, :Nk - 133])
+        assert _mma_bwd.prepare_backward(shorter, True).r.ordered
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    dout = randn(rng, out.shape, "float16")
+    first, second = (cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+                     for _ in range(2))
+    for a, b in zip(first, second):
+        assert np.array_equal(_bits(a), _bits(b))
+    check_backward(first, dout, q, k, v, out, lse)
+
+
 # ---- the split-KV decode path and issue 12 ------------------------------------------------------
 
 def _bits(x):

@@ -122,6 +122,24 @@ def test_the_backward_rounds_dq_in_its_last_kernel(trace):
     assert keys[5][17] not in (dq32, ["ptr", None])
 
 
+def test_the_deterministic_backward_adds_dq_in_order(trace):
+    """A known shape of the trace: the deterministic bf16 backward on Hopper's bulk-dQ tiles
+    (GQA causal, 132 multiprocessors) is the default's four launches, not five: bwd_mma_dkdv
+    with OPT_DQ_ORDER (and OPT_GROUP) adds dQ in its fixed order, no dq kernel recomputes it;
+    prep zeroes dq's sums and the rows' turns (two parts of the stream's scratch), which dkdv
+    takes."""
+    from cuflash import _mma_bwd
+    events = trace["deterministic/bwd/1"]
+    assert [e[1].split("<")[0] for e in events] == ["bwd_mma_prep", "bwd_mma_dkdv",
+                                                    "bwd_lost_rows", "bwd_lost_keys"]
+    prep, dkdv = events[:2]
+    opt = int(dkdv[1].rsplit(",", 1)[1].strip(" >"))
+    assert opt & _mma_bwd.OPT_DQ_ORDER and opt & _mma_bwd.OPT_GROUP, dkdv[1]
+    dq32, turns = prep[5][10], prep[5][14]  # (..., dq_zero, Dk, dout_src, dout_rows, turns)
+    assert turns[1][0] == "table" and turns != dq32, (turns, dq32)
+    assert dkdv[5][6] == dq32 and dkdv[5][-2] == turns  # (..., dbias, turns, group)
+
+
 def test_a_bnhd_backward_copies_nothing(trace):
     """A known shape of the trace: with q, k, v and dout as (B, H, N, D) views of (B, N, H, D)
     buffers, the backward is the same four launches and nothing else: prep reads dout in place
@@ -139,12 +157,12 @@ def test_a_bnhd_backward_copies_nothing(trace):
         assert dout[1][0] == "new" and src[1][0] == "new" and dout != src, call
         assert rows[1][0] == "table" and dkdv[5][3] == dout, call
         # the gradients in the inputs' layouts: dkdv's out16 = OUT_LIKE_INPUTS (before
-        # dbias and group), bwd_lost_keys' `like` (its last parameter)
+        # dbias, turns and group), bwd_lost_keys' `like` (its last parameter)
         keys = events[3]
-        assert dkdv[5][-3] == [2] and keys[1].startswith("bwd_lost_keys<") and keys[5][-1] == [1]
+        assert dkdv[5][-4] == [2] and keys[1].startswith("bwd_lost_keys<") and keys[5][-1] == [1]
     mid = trace["mid/bwd/1"]  # the same shape stored (B, H, N, D): no copy, no table
     assert mid[0][5][0] == mid[0][5][12] == mid[0][5][13], mid[0]
-    assert mid[1][5][-3] == [1] and mid[3][5][-1] == [0]
+    assert mid[1][5][-4] == [1] and mid[3][5][-1] == [0]
 
 
 def test_device_lengths_are_read_in_place(trace):
