@@ -155,6 +155,19 @@ __device__ __forceinline__ int dq_turn(const Window& w, int jb, int n_blocks, in
   }
   return late_first ? lo - jb : jb - lo;
 }
+// ... and where every block of the head (nb of them: those up to the last visible key's) sees all
+// M query tiles and block b starts at tile s_b = b M / nb (wrapping around): its place by arrival
+// at tile m, (m - s_b) mod M, ties in block order. below(x): the blocks that start at or before
+// tile x.
+__device__ __forceinline__ int spread_turn(int jb, int nb, int M, int m) {
+  auto below = [&](int x) {
+    const long long n = (static_cast<long long>(x + 1) * nb + M - 1) / M;
+    return static_cast<int>(n < nb ? n : nb);
+  };
+  const int s = static_cast<int>(static_cast<long long>(jb) * M / nb);
+  const int ahead = m >= s ? below(m) - below(s) : nb - below(s) + below(m);
+  return ahead + jb - below(s - 1);
+}
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
   int now;
   do {
@@ -591,6 +604,24 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       bottom_right, Nq_pad);
   const Window& w = kb.w;
   const Bounds32& pr = kb.pr;
+  // ORDER: the order of this head's key blocks (kb.w). jl: the block of the last visible key.
+  // late_first (tcb::dq_turn): the later blocks start further down (causal, a right-bounded
+  // window). spread (tcb::spread_turn): every block sees every query tile (no window); block jb
+  // then starts at tile rot = jb * n_mt / (jl + 1) and wraps around, so that the blocks reach a
+  // tile one after another (from one tile, in block order, each would wait for all before it).
+  // Otherwise (a left window alone) block order from tile 0.
+  const int jl = w.L > 0 ? static_cast<int>((w.L - 1) / BLOCK_N) : 0;
+  const int n_qt = (Nq - 1) / BLOCK_M + 1;  // the head's query tiles
+  const bool late_first =
+      ORDER && tile_query_range(w, static_cast<long long>(jl) * BLOCK_N,
+                                static_cast<long long>(jl) * BLOCK_N + BLOCK_N - 1, Nq).lo >=
+                   BLOCK_M;
+  const KeyRange block0 = tile_query_range(w, 0, BLOCK_N - 1, Nq);  // (block 0's queries)
+  const bool spread = ORDER && !late_first && w.L > 0 && block0.lo <= block0.hi &&
+                      block0.hi / BLOCK_M == n_qt - 1;
+  const int rot = spread ? static_cast<int>(static_cast<long long>(j0 / BLOCK_N) * kb.n_mt /
+                                            (jl + 1))
+                         : 0;
   // What the mask shows of query tile m_first + it against this key block (mask_tiles.cuh, with
   // HAS_MB): the tiles it hides are skipped (next_query_tile); the others keep the per-element
   // mask (a shortcut for the tiles it shows entirely spilled the D=96 tile on sm_80).
@@ -634,7 +665,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // and its first query row.
   auto head_of = [&](int it) { return GROUP ? it / kb.n_mt : 0; };
   auto row_of = [&](int it) {
-    return (kb.m_first + (GROUP ? it - head_of(it) * kb.n_mt : it)) * BLOCK_M;
+    const int t = GROUP ? it - head_of(it) * kb.n_mt : it;
+    return (kb.m_first + (ORDER ? (t + rot) % kb.n_mt : t)) * BLOCK_M;
   };
   // One query tile (rows from i0, of head bh + hd) into ring slot `slot` (tcb::copy_query_tile).
   auto load_query_tile = [&](int slot, int i0, int hd) {
@@ -741,13 +773,6 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       wg::bulk_wait_read<0>();
     }
   };
-  // ORDER: dq_turn's order for this head (kb.w): blocks that start further down first where
-  // the last visible key's block starts below tile 0
-  const int jl = w.L > 0 ? static_cast<int>((w.L - 1) / BLOCK_N) : 0;
-  const bool late_first =
-      ORDER && tile_query_range(w, static_cast<long long>(jl) * BLOCK_N,
-                                static_cast<long long>(jl) * BLOCK_N + BLOCK_N - 1, Nq).lo >=
-                   BLOCK_M;
 
   // n: the query tiles computed before this one (the ring's sequence)
   const int n_tiles = heads * kb.n_mt;  // (GROUP: n_mt per head)
@@ -950,8 +975,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     if constexpr (WG) {
       if (DQ_ATOMIC) dq_i0 = i0, dq_hd = head_of(it);
       if constexpr (ORDER)
-        dq_rank = tcb::dq_turn<BLOCK_M, BLOCK_N>(w, j0 / BLOCK_N, n_ntiles, i0 / BLOCK_M, Nq,
-                                                 late_first);
+        dq_rank = spread ? tcb::spread_turn(j0 / BLOCK_N, jl + 1, n_qt, i0 / BLOCK_M)
+                         : tcb::dq_turn<BLOCK_M, BLOCK_N>(w, j0 / BLOCK_N, n_ntiles,
+                                                          i0 / BLOCK_M, Nq, late_first);
       wg::wait<0>();
       wg::fence_acc(dv);
       wg::fence_acc(dk);
