@@ -965,6 +965,10 @@ ORDER_CASES = [
     ("positions-window", (2, 2), (2, 1), 300, 330, dict(window=(40, 5), positions=(1000, 990),
                                                         kv_lens=[[330], [77]])),
     ("gqa-causal", (2, 6), (2, 2), 600, 600, dict(causal=True)),
+    # key block 0 sees no query, blocks 1 and 2 see every tile (a hang before: block 0's empty
+    # range was taken for one that reaches the last tile)
+    ("left-window-empty-block0", (1, 1), (1, 1), 26, 1301, dict(window=(127, None),
+                                                                 kv_lens=[[309]])),
 ]
 
 
