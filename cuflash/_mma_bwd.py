@@ -563,9 +563,8 @@ class _Backward:
                                         *self.lost.scratch, *turns)
         # (OPT_GROUP: dk, dv per kv head, k's leading shape)
         kv_lead = lead if r.group == 1 else _padded(p.k.shape[:-2], len(lead))
-        if like:  # (parts of q's, k's, v's sizes, then viewed with their strides)
-            self.grads = _runtime.carving(*(((x.size,), p.dtype) for x in (p.q, p.k, p.v)))
-            self.views = tuple((x.shape, x.strides) for x in (p.q, p.k, p.v))
+        if like:  # (q's, k's and v's shapes and strides)
+            self.grads = _runtime.carving(*((x.shape, p.dtype, x.strides) for x in (p.q, p.k, p.v)))
         else:
             self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
                                           (kv_lead + (Nk, p.Dk), r.kv_dtype),
@@ -590,9 +589,6 @@ class _Backward:
         r.prep((dout, out, lse, lse2, delta) + r.sizes
                + (r.lost, lost_flags, dq_zero, self.dk, dout_src, dout_rows, turns))
         dq_out, dk, dv = _runtime.carved(self.grads)
-        if self.like:
-            dq_out, dk, dv = (cupy.ndarray(shape, g.dtype, memptr=g.data, strides=strides)
-                              for g, (shape, strides) in zip((dq_out, dk, dv), self.views))
         # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
         # table must live until the launch is enqueued)
         classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
