@@ -92,6 +92,15 @@ OPT_DQ_BULK = 512
 # buffer that prep zeroes): the atomics' single pass, no dq kernel recomputing S and dP.
 # ordered_tile says when.
 OPT_DQ_ORDER = 1024
+# where OPT_DQ_ORDER pays (H100, bf16, deterministic vs default backward, N = 1k / 4k / 4k causal:
+# D=128 +26 / +35 / +38 % against the dq kernel's +36 / +49 / +43 %; D=64 +48 / +58 / +60 %
+# against +24 / +30 / +27 %: its tiles are short beside a turn's hand-over)
+ORDER_DIMS = ((128, 128),)
+# OPT_LIKE: with OPT_WG, no mask / bias, transform, dropout or dbias: dK and dV stored in k's and
+# v's layouts (tcb::DKDV_LIKE; _recipe's `like`: q, k, v dense transposes such as (B, N, H, D)
+# views). Its own instantiations: a runtime switch in the stores changed every wgmma kernel's
+# main-loop schedule (D=64 3 % slower on the H100 where the switch was off).
+OPT_LIKE = 2048
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -314,7 +323,7 @@ def ordered_tile(p, dims, names, dropout):
     a head's key blocks at most one per multiprocessor (a block may wait for a later block of its
     head, which must then be resident: with at least one block per multiprocessor, it is once
     the blocks before it are)."""
-    if p.mask is not None or p.bias is not None:
+    if p.mask is not None or p.bias is not None or dims not in ORDER_DIMS:
         return None
     tile = dkdv_tile(dims, False, True, names, dropout)
     if not tile.opt & OPT_DQ_BULK or \
@@ -364,12 +373,16 @@ def instantiations():
                     tile = wg_tile(d, False, atomic)
                     exprs.append(dkdv_expr(dt, d, tile._replace(opt=tile.opt | OPT_GROUP),
                                            atomic, False))
-                # deterministic dQ in order (ordered_tile), with and without OPT_GROUP
-                tile = wg_tile(d, False, True)
-                if tile.opt & OPT_DQ_BULK:
-                    for group in (0, OPT_GROUP):
-                        exprs.append(dkdv_expr(dt, d, tile._replace(
-                            opt=tile.opt | OPT_DQ_ORDER | group), True, False))
+                # deterministic dQ in order (ordered_tile), and the gradients in the inputs'
+                # layouts (OPT_LIKE), with and without OPT_GROUP
+                for atomic, group in itertools.product((True, False), (0, OPT_GROUP)):
+                    tile = wg_tile(d, False, atomic)
+                    orders = (0, OPT_DQ_ORDER) if atomic and tile.opt & OPT_DQ_BULK and \
+                        d in ORDER_DIMS else (0,)
+                    for order, like in itertools.product(orders, (0, OPT_LIKE)):
+                        if order or like:
+                            exprs.append(dkdv_expr(dt, d, tile._replace(
+                                opt=tile.opt | group | order | like), atomic, False))
             # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
             if d not in DBIAS_DECLINED:
                 for atomic in (True, False):
@@ -444,10 +457,6 @@ def takes_backward(p):
     return dkdv_blocks(p, DKDV_TILES[p.Dk, p.Dv]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
-# out16_arg: the gradients in their inputs' layouts (bwd_mma.cu tcb::OUT_LIKE_INPUTS)
-OUT_LIKE_INPUTS = 2
-
-
 def _dense(x):
     """Whether x's elements fill x.size consecutive elements with positive strides (a transpose
     of a C-contiguous array; axes of size 1 aside): an array of x's strides then fits one
@@ -476,9 +485,10 @@ _prepared = _memo.Memo(256)
 # the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic without
 # OPT_DQ_ORDER); sizes: the int32 parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv
 # kernel's int32; group: the heads per dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32;
-# atomic: dQ added by the dK/dV kernel; ordered: in OPT_DQ_ORDER's order
+# atomic: dQ added by the dK/dV kernel; ordered: in OPT_DQ_ORDER's order; like: the gradients in
+# q's, k's and v's layouts (OPT_LIKE)
 Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes "
-                              "out16_arg group group_arg atomic ordered")
+                              "out16_arg group group_arg atomic ordered like")
 
 
 def _recipe(p, deterministic):
@@ -504,11 +514,14 @@ def _recipe(p, deterministic):
     # and then in q's, k's and v's own layouts where one of them is a transpose of a C-contiguous
     # array (a (B, N, H, D) view) and all are dense: no transpose for the caller to make
     # (and q not broadcast: dq is then one matrix per output (batch, head), as dk and dv are; on
-    # the wgmma tiles: the mma.sync ones, at 255 registers, spilled with the stores' offsets)
-    like = bool(tile.opt & OPT_WG) and out16 and _padded(p.q.shape[:-2], len(p.lead)) == tuple(
-        p.lead) and all(
-        _dense(x) for x in (p.q, p.k, p.v)) and not all(
-        x.flags.c_contiguous for x in (p.q, p.k, p.v))
+    # the wgmma tiles without a modifier, dropout or dbias (OPT_LIKE): the mma.sync ones, at 255
+    # registers, spilled with the stores' offsets)
+    like = bool(tile.opt & OPT_WG) and out16 and not (has_mb or names or dropout or p.dbias) \
+        and _padded(p.q.shape[:-2], len(p.lead)) == tuple(p.lead) \
+        and all(_dense(x) for x in (p.q, p.k, p.v)) \
+        and not all(x.flags.c_contiguous for x in (p.q, p.k, p.v))
+    if like:
+        tile = tile._replace(opt=tile.opt | OPT_LIKE)
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
         _function(dkdv_expr(p.dtype.name, dims, tile, atomic, has_mb, names, dropout),
@@ -529,8 +542,8 @@ def _recipe(p, deterministic):
     i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
                   np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
-                  (i32(BH), i32(Nq), i32(nq_pad)), i32(OUT_LIKE_INPUTS if like else out16),
-                  group, i32(group), atomic, ordered is not None)
+                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group), atomic,
+                  ordered is not None, like)
 
 
 class _Backward:
@@ -547,7 +560,7 @@ class _Backward:
     def __init__(self, p, deterministic):
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
-        self.like = like = r.out16_arg == OUT_LIKE_INPUTS
+        like = r.like
         self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group,
                                          like=like)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags

@@ -127,9 +127,13 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                dq_turns (zeroed by prep); each issuing thread waits for its row's turn, adds,
 //                and passes the turn on once the engine's writes are done (at the next sDQ
 //                wait). No modifier (its skipped tiles would break the order's ranges).
+// DKDV_LIKE: with DKDV_WGMMA, no modifier, dropout or dbias: dK and dV (16-bit) stored in k's and
+//                v's layouts (kv_row_at), the host's rule (_mma_bwd._recipe); a separate
+//                instantiation, since a runtime switch in the stores changed the main loop's
+//                schedule (D=64 3 % slower, H100).
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
                      DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256, DKDV_DQ_BULK = 512,
-                     DKDV_DQ_ORDER = 1024 };
+                     DKDV_DQ_ORDER = 1024, DKDV_LIKE = 2048 };
 
 // DKDV_DQ_ORDER: the place of key block jb (of n_blocks, BLOCK_N keys each) among the blocks of
 // its head that see query tile m (BLOCK_M rows): the blocks whose queries start later (a causal
@@ -315,17 +319,13 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
   }
 }
 
-// Where the dK / dV kernels store key row j of their block: out16 < 2, rows of (BH / group, Nk, D)
-// (row bkv * Nk + j); OUT_LIKE_INPUTS, the host's dk / dv have k's / v's strides (their input
-// row: the offsets table's row `input` (1: k, 2: v) for the block's first head bh, then j rows of
-// the input's row stride rs).
-// (Computed at each store, on the wgmma tiles only: made before the stores, or on the mma.sync
-// tiles, its offsets spilled kernels at 255 registers on sm_90a by 4-36 bytes.)
-constexpr int OUT_LIKE_INPUTS = 2;
-__device__ __forceinline__ long long kv_row_at(int out16, const long long* offsets, int BH,
-                                               long long bh, long long bkv, int Nk, long long rs,
-                                               int D, int input, int j) {
-  return out16 == OUT_LIKE_INPUTS ? offsets[input * BH + bh] + j * rs : (bkv * Nk + j) * D;
+// DKDV_LIKE: where the dK / dV kernels store key row j of their block, the host's dk / dv having
+// k's / v's strides: the offsets table's row `input` (1: k, 2: v) for the block's first head bh,
+// then j rows of the input's row stride rs. (Computed at each store: made before the stores, on
+// the mma.sync tiles, the offsets spilled kernels at 255 registers on sm_90a by 4-36 bytes.)
+__device__ __forceinline__ long long kv_row_at(const long long* offsets, int BH, long long bh,
+                                               long long rs, int input, int j) {
+  return offsets[input * BH + bh] + j * rs;
 }
 
 // One thread's pairs of a dK and a dV row (row half h of each 16x8 fragment, NFK / NFV fragments 8
@@ -553,6 +553,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // for.
   constexpr bool DQ_BULK = (OPT & tcb::DKDV_DQ_BULK) != 0;
   constexpr bool ORDER = (OPT & tcb::DKDV_DQ_ORDER) != 0;  // deterministic dQ (dq_turn)
+  constexpr bool LIKE = (OPT & tcb::DKDV_LIKE) != 0;      // dK, dV in k's, v's layouts
   static_assert(!ORDER || (DQ_BULK && !HAS_MB), "DKDV_DQ_ORDER: DQ_BULK, no modifier");
   constexpr int DQ_PITCH = (HEAD_DIM + 8) * 4;
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
@@ -564,6 +565,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
   static_assert(DV == HEAD_DIM || (!SWZ && !KV_IN_REGS), "Dk != Dv: padded tiles in shared memory");
   constexpr bool WG = (OPT & tcb::DKDV_WGMMA) != 0;  // four products on wgmma (sm_90a)
+  static_assert(!LIKE || (WG && !HAS_MB && sizeof...(Drop) == 0 && !DBIAS),
+                "DKDV_LIKE: the wgmma kernel, no modifier, dropout or dbias");
   static_assert(!WG || (SWZ && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
                         (BLOCK_M == 32 || BLOCK_M == 64) && NWARPS == 8 && !KV_IN_REGS),
                 "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
@@ -1011,18 +1014,15 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   }
 
   // Every key row of the tile below Nk is written, zeros where no query sees it: rows of
-  // (BH / group, Nk, D), or at their inputs' rows (tcb::kv_row_offsets).
+  // (BH / group, Nk, D), or (LIKE) at their inputs' rows (tcb::kv_row_at).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      // (OUT_LIKE_INPUTS on the wgmma tiles only, _mma_bwd's rule: the mma.sync tiles at 255
-      // registers spilled with its offsets)
-      const long long ek =
-          WG ? tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, k_rs, HEAD_DIM, 1, j)
-             : (bkv * Nk + j) * HEAD_DIM;
-      const long long ev = WG ? tcb::kv_row_at(out16, offsets, BH, bh, bkv, Nk, v_rs, DV, 2, j)
-                              : (bkv * Nk + j) * DV;
+      const long long ek = LIKE ? tcb::kv_row_at(offsets, BH, bh, k_rs, 1, j)
+                                : (bkv * Nk + j) * HEAD_DIM;
+      const long long ev = LIKE ? tcb::kv_row_at(offsets, BH, bh, v_rs, 2, j)
+                                : (bkv * Nk + j) * DV;
       tcb::store_kv_rows<T>(dk_acc, dv_acc, ek + c0 + 2 * t, ev + c0v + 2 * t, dk, dv, h, out16);
     }
   }

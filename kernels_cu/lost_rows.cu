@@ -214,7 +214,7 @@ __device__ __forceinline__ void cast_dq_rows(const Acc* __restrict__ dq, T* __re
   }
 }
 
-// like (the tensor-core backward's out16 = OUT_LIKE_INPUTS): dk, dv and dq_out have k's, v's
+// like (the tensor-core backward's OPT_LIKE): dk, dv and dq_out have k's, v's
 // and q's strides (rows at their inputs' offsets), else rows of (BH / group, Nk, D) and a
 // contiguous dq_out.
 template <typename T, typename Acc, typename DK, typename F = NoTransform, typename... Drop>
