@@ -10,7 +10,7 @@ scalars of the C parameter's type (cuflash._runtime.Args: `flat_tail` for the ge
 """
 import numpy as np
 
-from . import _config, _memo, _modifiers, _runtime, _validate
+from . import _broadcast, _config, _memo, _modifiers, _runtime, _validate
 
 NAME = "generic"
 TRANSFORMS = _modifiers.CHAINS  # the chains of score transforms its kernels take (cuflash/_gpu.py)
@@ -145,19 +145,60 @@ def forward(p):
     return out, lse
 
 
+def dout_rows(p, dout, base_align, vector):
+    """(dout, src, rows) for a backward's preprocess kernel (bwd_preprocess here, bwd_mma_prep),
+    which reads the caller's dout in loads of `vector` bytes and hands the main kernels C-contiguous
+    (lead, Nq, Dv) rows at a `base_align`-byte aligned base. dout itself (src = rows = dout:
+    nothing to copy) where it is such; else, where the preprocess can read it in place (unit
+    innermost stride; row stride, matrix offsets and base multiples of `vector` bytes: a
+    (B, N, H, D) view among them), a new buffer that the preprocess fills as it reads src = dout
+    through `rows` (its matrix offsets per (batch, head), then its row stride: a device table kept
+    per layout); else a contiguous copy."""
+    if dout.flags.c_contiguous and not dout.data.ptr % base_align:
+        return dout, dout, dout
+    key = (p.lead, dout.shape, dout.strides, dout.dtype.str, vector)
+    host = _dout_tables.get(key, False)
+    if host is False:
+        host = _dout_table(p.lead, dout, vector // dout.dtype.itemsize)
+        _dout_tables.put(key, host)
+    import cupy
+
+    if host is None or dout.data.ptr % vector:
+        dout = cupy.ascontiguousarray(dout)
+        dout = dout if not dout.data.ptr % base_align else dout.copy()
+        return dout, dout, dout
+    return cupy.empty(dout.shape, dout.dtype), dout, _runtime.on_device(host)
+
+
+def _dout_table(lead, x, align):
+    """dout_rows' table for x (lead + (N, D)): its BH matrix offsets and its row stride (int64,
+    elements); None unless the innermost stride is 1 and the rest are multiples of `align`."""
+    strides = _validate.element_strides(x)
+    offsets = _broadcast.lead_offsets(tuple(lead), x.shape[:-2], strides[:-2]).reshape(-1)
+    if strides[-1] != 1 or strides[-2] % align or np.any(offsets % align):
+        return None
+    return np.append(offsets, np.int64(strides[-2]))
+
+
+_dout_tables = _memo.Memo(64)
+
+
 def preprocess(p, dout, out, lse):
-    """bwd_preprocess: (lse_eff, delta), (BH, Nq) each in the accumulator dtype: delta =
-    rowsum(dout * out); lse_eff = lse, +inf (and delta 0) on lost rows. dout, out contiguous
-    (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator dtype."""
+    """bwd_preprocess: (dout, lse_eff, delta): dout as the main kernels read it, C-contiguous
+    (BH, Nq, Dv) (the caller's, or its copy made on the way: dout_rows); (BH, Nq) each in the
+    accumulator dtype, delta = rowsum(dout * out), lse_eff = lse, +inf (and delta 0) on lost rows.
+    dout in any layout; out contiguous (BH, Nq, Dv); lse contiguous (BH, Nq) in the accumulator
+    dtype. The main kernels read dout's rows at a 16-byte aligned base."""
     BH, acc = p.BH, p.acc_dtype
+    dout, src, rows = dout_rows(p, dout, 16, dout.dtype.itemsize)
     lse_eff, delta = _runtime.carve(((BH, p.Nq), acc), ((BH, p.Nq), acc))  # lse_eff lost: +inf
     kern = _runtime.get_function(BWD_SOURCE, name_expression("bwd_preprocess", p.dtype))
-    rows = BH * p.Nq  # one warp a row; the kernel loops beyond the grid
-    blocks = min(-(-rows // (_config.GENERIC_THREADS // 32)), _runtime.MAX_GRID_X)
+    n = BH * p.Nq  # one warp a row; the kernel loops beyond the grid
+    blocks = min(-(-n // (_config.GENERIC_THREADS // 32)), _runtime.MAX_GRID_X)
     _runtime.launch(kern, (blocks,), (_config.GENERIC_THREADS,),
-                    (dout, out, lse, lse_eff, delta, np.int64(rows), np.int32(p.Dv),
-                     acc.type(_config.lost_lse_limit(acc))))
-    return lse_eff, delta
+                    (dout, out, lse, lse_eff, delta, np.int64(n), np.int32(p.Dv),
+                     acc.type(_config.lost_lse_limit(acc)), src, rows, np.int32(p.Nq)))
+    return dout.reshape(BH, p.Nq, p.Dv), lse_eff, delta
 
 
 def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
@@ -170,10 +211,9 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
 
     args = _runtime.Args(p)
     BH, acc, threads = p.BH, p.acc_dtype, (_config.GENERIC_THREADS,)
-    dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
     out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
     lse = cupy.ascontiguousarray(lse.astype(acc, copy=False)).reshape(BH, p.Nq)
-    lse_eff, delta = preprocess(p, dout, out, lse)
+    dout, lse_eff, delta = preprocess(p, dout, out, lse)
     dq, dk, dv = _runtime.carve(((BH, p.Nq, p.Dk), acc), ((BH, p.Nk, p.Dk), acc),
                                 ((BH, p.Nk, p.Dv), acc))
     drop = _runtime.dropout_args(p)  # (DropoutArgs,) or ()
@@ -255,9 +295,10 @@ class BwdLostRows:
     (and lse) when no row is lost. `cast_dq` (the tensor-core backward): the second also rounds
     the float32 dq to the inputs' dtype into `dq_out` (its grid then also sized for that).
     `group` > 1 (the tensor-core backward's OPT_GROUP): dk, dv are (BH / group, Nk, D), each
-    kv head's, summed over its group of consecutive heads."""
+    kv head's, summed over its group of consecutive heads. `like` (the tensor-core backward's
+    gradients in their inputs' layouts): dk, dv and dq_out have k's, v's and q's strides."""
 
-    def __init__(self, p, kv_dtype, prewritten, cast_dq=False, group=1):
+    def __init__(self, p, kv_dtype, prewritten, cast_dq=False, group=1, like=False):
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
         rows_expr, keys_expr = lost_name_expressions(p.dtype, kv_dtype == p.dtype,
                                                      _modifiers.names(p), bool(p.dropout_p))
@@ -276,6 +317,7 @@ class BwdLostRows:
         self.limit = np.float64(_config.lost_lse_limit(p.acc_dtype))
         self.prewritten = np.int32(prewritten)
         self.group = np.int32(group)
+        self.like = np.int32(like)
         # scratch: each row's (max, sum, ...) in double, then the flags where none are prewritten
         flags = () if prewritten else (BH * -(-Nq // LOST_CHUNK) * 4,)
         self.scratch = (BH * Nq * 3 * 8,) + flags
@@ -288,7 +330,7 @@ class BwdLostRows:
         sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         self.rows(common + (dq, self.prewritten) + sinks + (_runtime.ptr(dbias),) + drop)
-        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out), self.group) + drop)
+        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out), self.group, self.like) + drop)
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=None, dbias=None):

@@ -87,6 +87,20 @@ OPT_GROUP = 256
 # tiles spilled 24 / 16 bytes with it), not on the 32-query tiles (the bias backward was 2-3 %
 # slower with it than with DQ_UNDER, H100).
 OPT_DQ_BULK = 512
+# OPT_DQ_ORDER: deterministic=True on an OPT_DQ_BULK tile: the key blocks of a head add each query
+# row's dQ in one order fixed by the shapes (tcb::dq_turn; the rows' turns in an int32 (BH, Nq)
+# buffer that prep zeroes): the atomics' single pass, no dq kernel recomputing S and dP.
+# ordered_tile says when.
+OPT_DQ_ORDER = 1024
+# where OPT_DQ_ORDER pays (H100, bf16, deterministic vs default backward, N = 1k / 4k / 4k causal:
+# D=128 +26 / +35 / +38 % against the dq kernel's +36 / +49 / +43 %; D=64 +48 / +58 / +60 %
+# against +24 / +30 / +27 %: its tiles are short beside a turn's hand-over)
+ORDER_DIMS = ((128, 128),)
+# OPT_LIKE: with OPT_WG, no mask / bias, transform, dropout or dbias: dK and dV stored in k's and
+# v's layouts (tcb::DKDV_LIKE; _recipe's `like`: q, k, v dense transposes such as (B, N, H, D)
+# views). Its own instantiations: a runtime switch in the stores changed every wgmma kernel's
+# main-loop schedule (D=64 3 % slower on the H100 where the switch was off).
+OPT_LIKE = 2048
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -303,6 +317,21 @@ def dkdv_tile(dims, has_mb, dq_atomic=False, transforms=(), dropout=False, dbias
 DBIAS_DECLINED = ((96, 96),)
 
 
+def ordered_tile(p, dims, names, dropout):
+    """The OPT_DQ_ORDER tile of a deterministic call, or None (the dq kernel then): an OPT_DQ_BULK
+    tile, no mask / bias (the tiles a mask skips would break the order's runs of key blocks), and
+    a head's key blocks at most one per multiprocessor (a block may wait for a later block of its
+    head, which must then be resident: with at least one block per multiprocessor, it is once
+    the blocks before it are)."""
+    if p.mask is not None or p.bias is not None or dims not in ORDER_DIMS:
+        return None
+    tile = dkdv_tile(dims, False, True, names, dropout)
+    if not tile.opt & OPT_DQ_BULK or \
+            -(-p.Nk // (16 * tile.warps)) > _runtime.device_info().sm_count:
+        return None
+    return tile._replace(opt=tile.opt | OPT_DQ_ORDER)
+
+
 def dbias_tile(dims, dq_atomic, wgmma):
     """The dK/dV tile of a call with the bias's gradient: the mask / bias tile with OPT_DBIAS, the
     wgmma one (wg_tile) where ``wgmma`` (dkdv_tile's rule), else the transforms' (DKDV_TILES_TF:
@@ -344,6 +373,16 @@ def instantiations():
                     tile = wg_tile(d, False, atomic)
                     exprs.append(dkdv_expr(dt, d, tile._replace(opt=tile.opt | OPT_GROUP),
                                            atomic, False))
+                # deterministic dQ in order (ordered_tile), and the gradients in the inputs'
+                # layouts (OPT_LIKE), with and without OPT_GROUP
+                for atomic, group in itertools.product((True, False), (0, OPT_GROUP)):
+                    tile = wg_tile(d, False, atomic)
+                    orders = (0, OPT_DQ_ORDER) if atomic and tile.opt & OPT_DQ_BULK and \
+                        d in ORDER_DIMS else (0,)
+                    for order, like in itertools.product(orders, (0, OPT_LIKE)):
+                        if order or like:
+                            exprs.append(dkdv_expr(dt, d, tile._replace(
+                                opt=tile.opt | group | order | like), atomic, False))
             # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
             if d not in DBIAS_DECLINED:
                 for atomic in (True, False):
@@ -418,6 +457,19 @@ def takes_backward(p):
     return dkdv_blocks(p, DKDV_TILES[p.Dk, p.Dv]) < 2**31 and p.BH * -(-p.Nq // 16) < 2**31
 
 
+def _dense(x):
+    """Whether x's elements fill x.size consecutive elements with positive strides (a transpose
+    of a C-contiguous array; axes of size 1 aside): an array of x's strides then fits one
+    allocation of that size."""
+    dims = sorted((s, n) for n, s in zip(x.shape, x.strides) if n != 1)
+    expect = x.dtype.itemsize
+    for s, n in dims:
+        if s != expect:
+            return False
+        expect *= n
+    return True
+
+
 def _contiguous16(x):
     """x, or a copy of it where it is not C-contiguous with a 16-byte aligned base (its shape
     kept: the kernels read (BH, N, D) from the pointer)."""
@@ -430,11 +482,13 @@ def _contiguous16(x):
 
 
 _prepared = _memo.Memo(256)
-# the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic); sizes: the int32
-# parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv kernel's int32; group: the heads per
-# dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32
+# the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic without
+# OPT_DQ_ORDER); sizes: the int32 parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv
+# kernel's int32; group: the heads per dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32;
+# atomic: dQ added by the dK/dV kernel; ordered: in OPT_DQ_ORDER's order; like: the gradients in
+# q's, k's and v's layouts (OPT_LIKE)
 Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes "
-                              "out16_arg group group_arg")
+                              "out16_arg group group_arg atomic ordered like")
 
 
 def _recipe(p, deterministic):
@@ -445,8 +499,10 @@ def _recipe(p, deterministic):
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     dropout = bool(p.dropout_p)
-    tile = dkdv_tile(dims, has_mb, not deterministic, names, dropout, p.dbias,
-                     p.bias is not None)
+    ordered = ordered_tile(p, dims, names, dropout) if deterministic else None
+    atomic = not deterministic or ordered is not None  # dQ added by the dK/dV kernel
+    tile = ordered or dkdv_tile(dims, has_mb, atomic, names, dropout, p.dbias,
+                                p.bias is not None)
     group = group_size(p) if tile.opt & OPT_WG else 1  # GQA in the kernel (OPT_GROUP)
     if group > 1:
         tile = tile._replace(opt=tile.opt | OPT_GROUP)
@@ -455,15 +511,26 @@ def _recipe(p, deterministic):
     # no cast passes
     out16 = group > 1 or all(_padded(x.shape[:-2], len(p.lead)) == tuple(p.lead)
                              for x in (p.k, p.v))
+    # and then in q's, k's and v's own layouts where one of them is a transpose of a C-contiguous
+    # array (a (B, N, H, D) view) and all are dense: no transpose for the caller to make
+    # (and q not broadcast: dq is then one matrix per output (batch, head), as dk and dv are; on
+    # the wgmma tiles without a modifier, dropout or dbias (OPT_LIKE): the mma.sync ones, at 255
+    # registers, spilled with the stores' offsets)
+    like = bool(tile.opt & OPT_WG) and out16 and not (has_mb or names or dropout or p.dbias) \
+        and _padded(p.q.shape[:-2], len(p.lead)) == tuple(p.lead) \
+        and all(_dense(x) for x in (p.q, p.k, p.v)) \
+        and not all(x.flags.c_contiguous for x in (p.q, p.k, p.v))
+    if like:
+        tile = tile._replace(opt=tile.opt | OPT_LIKE)
     smem = dkdv_smem_bytes(dims, tile)
     dkdv = _runtime.Launch(
-        _function(dkdv_expr(p.dtype.name, dims, tile, not deterministic, has_mb, names, dropout),
+        _function(dkdv_expr(p.dtype.name, dims, tile, atomic, has_mb, names, dropout),
                   smem, dkdv_arch(tile)), (dkdv_blocks(p, tile, group),), (tile.warps * 32,),
         smem)
     # the mask's tile classes, for its key blocks of 16 * warps keys
     classes = (tile.block_m, 16 * tile.warps) if has_mb else None
     dq = None
-    if deterministic:  # dq every element, without atomics
+    if not atomic:  # dq every element
         dq_tile = DQ_TILES[dims]
         dq_smem = dq_smem_bytes(dims, dq_tile)
         dq = _runtime.Launch(_function(dq_expr(p.dtype.name, dims, dq_tile, has_mb, names,
@@ -475,7 +542,8 @@ def _recipe(p, deterministic):
     i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
                   np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
-                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group))
+                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group), atomic,
+                  ordered is not None, like)
 
 
 class _Backward:
@@ -490,39 +558,49 @@ class _Backward:
     lost-row fix overwrites on its rows (_gpu.backward)."""
 
     def __init__(self, p, deterministic):
-        self.deterministic = deterministic
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
-        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group)
+        like = r.like
+        self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group,
+                                         like=like)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
         # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq's float32
         # sums; the lost-row kernels' per-row doubles. The gradients in the caller's leading
         # shape (the kernels read pointers, and the caller's reshapes are then none).
         # (the kernels' own buffers: pointers, not arrays)
         padded, lead = ((BH, r.nq_pad), np.float32, _runtime.POINTER), p.lead
+        # (OPT_DQ_ORDER: and the rows' turns, int32 (BH, Nq), zeroed by prep)
+        turns = (BH * Nq * 4,) if r.ordered else ()
         self.scratch = _runtime.carving(padded, padded, BH * -(-Nq // 32) * 4,
                                         (lead + (Nq, p.Dk), np.float32, _runtime.POINTER),
-                                        *self.lost.scratch)
+                                        *self.lost.scratch, *turns)
         # (OPT_GROUP: dk, dv per kv head, k's leading shape)
         kv_lead = lead if r.group == 1 else _padded(p.k.shape[:-2], len(lead))
-        self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
-                                      (kv_lead + (Nk, p.Dk), r.kv_dtype),
-                                      (kv_lead + (Nk, p.Dv), r.kv_dtype))
+        if like:  # (q's, k's and v's shapes and strides)
+            self.grads = _runtime.carving(*((x.shape, p.dtype, x.strides) for x in (p.q, p.k, p.v)))
+        else:
+            self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
+                                          (kv_lead + (Nk, p.Dk), r.kv_dtype),
+                                          (kv_lead + (Nk, p.Dv), r.kv_dtype))
         self.dk = np.int32(p.Dk)
         self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p, dout, out, lse, sink_probs=None):
         import cupy
 
-        r, deterministic = self.r, self.deterministic
+        r = self.r
         _, _, tail = self.args(p)
-        dout, out = _contiguous16(dout), _contiguous16(out)  # (BH, Nq, Dv) to the kernels
+        # (BH, Nq, Dv) rows to the kernels: dout in another layout copied by prep on the way
+        dout, dout_src, dout_rows = _generic.dout_rows(p, dout, 16, 16)
+        out = _contiguous16(out)
         if lse.dtype != np.float32 or not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (BH, Nq)
-        lse2, delta, lost_flags, dq, stats = _runtime.stream_scratch(self.scratch)
-        # (with dQ atomics prep zeroes dq, which they add into)
+        lse2, delta, lost_flags, dq, stats, *turns = _runtime.stream_scratch(self.scratch)
+        turns = turns[0] if turns else _runtime.NULL
+        # (with dQ atomics prep zeroes dq, which they add into, and OPT_DQ_ORDER's turns)
+        dq_zero = dq if r.atomic else _runtime.NULL
         r.prep((dout, out, lse, lse2, delta) + r.sizes
-               + (r.lost, lost_flags, _runtime.NULL if deterministic else dq, self.dk))
+               + (r.lost, lost_flags, dq_zero, self.dk, dout_src, dout_rows, turns))
         dq_out, dk, dv = _runtime.carved(self.grads)
         # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
         # table must live until the launch is enqueued)
@@ -531,9 +609,9 @@ class _Backward:
         dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         padded = tail + r.sizes[2:]  # (nq_pad,)
-        r.dkdv((p.q, p.k, p.v, dout, lse2, delta, _runtime.NULL if deterministic else dq, dk,
-                dv, classes) + padded + (r.out16_arg, _runtime.ptr(dbias), r.group_arg) + drop)
-        if deterministic:
+        r.dkdv((p.q, p.k, p.v, dout, lse2, delta, dq_zero, dk, dv, classes) + padded
+               + (r.out16_arg, _runtime.ptr(dbias), turns, r.group_arg) + drop)
+        if r.dq is not None:
             r.dq((p.q, p.k, p.v, dout, lse2, delta, dq) + padded + drop)
         # the lost rows' gradients, then dq rounded to the inputs' dtype (dq_out)
         self.lost(p, tail, dout, out, lse, dq, dk, dv, stats, lost_flags, sink_probs, dbias,

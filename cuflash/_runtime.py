@@ -260,7 +260,9 @@ def carve(*specs):
     """Uninitialized device buffers carved from one allocation of CuPy's pool (a pool call and
     an ndarray cost microseconds each, and a small call's host time is what it costs: issue 17):
     per spec, a (shape, dtype) gives a C-contiguous ndarray, NaN-filled under
-    override(poison=True), a (shape, dtype, POINTER) its MemoryPointer (a kernel-only buffer that
+    override(poison=True), a (shape, dtype, strides) an ndarray of those byte strides (a dense
+    layout: its elements fill prod(shape) consecutive ones), a (shape, dtype, POINTER) its
+    MemoryPointer (a kernel-only buffer that
     the kernels must fill: poisoned the same), a byte count a MemoryPointer (a kernel-only
     workspace: kernels read pointers; never poisoned, like the flags and partials it holds, which
     the kernels read only where they wrote them)."""
@@ -279,14 +281,14 @@ def carved(carving, bare=None):
 
 def _parts(mem, parts, bare):
     buffers = []
-    for n, (at, shape, dtype, pointer) in enumerate(parts):
+    for n, (at, shape, dtype, pointer, strides) in enumerate(parts):
         ptr = mem + at if at else mem
         if pointer or n == bare:
             if shape is not None and _overrides.poison:
                 _poison(_cupy().ndarray(shape, dtype, memptr=ptr))
             buffers.append(ptr)
         else:
-            buf = _cupy().ndarray(shape, dtype, memptr=ptr)
+            buf = _cupy().ndarray(shape, dtype, memptr=ptr, strides=strides)
             if _overrides.poison:
                 _poison(buf)
             buffers.append(buf)
@@ -321,7 +323,7 @@ class _StreamScratch:
     def carved(self, carving):
         parts = self.parts.get(carving)
         if parts is None:
-            assert all(pointer for *_, pointer in carving[1]), "stream scratch: pointers only"
+            assert all(part[3] for part in carving[1]), "stream scratch: pointers only"
             parts = _parts(self.mem, carving[1], None)
             self.parts.put(carving, parts)
         return parts
@@ -361,17 +363,20 @@ POINTER = "pointer"  # a carve spec's third item: the buffer as its MemoryPointe
 
 
 def _carving(specs):
-    """(total bytes, [(byte offset, shape or None, dtype or None, as a pointer)]) of carve's
-    specs."""
+    """(total bytes, [(byte offset, shape or None, dtype or None, as a pointer, strides or
+    None)]) of carve's specs."""
     parts, at = [], 0
     for spec in specs:
+        strides = None
         if isinstance(spec, (int, np.integer)):
             size, shape, dtype, pointer = int(spec), None, None, True
         else:
             shape, dtype = tuple(spec[0]), np.dtype(spec[1])
             size = math.prod(shape) * dtype.itemsize
             pointer = spec[2:] == (POINTER,)
-        parts.append((at, shape, dtype, pointer))
+            if spec[2:] and not pointer:
+                strides = tuple(spec[2])
+        parts.append((at, shape, dtype, pointer, strides))
         at += _aligned(size)
     return at, tuple(parts)
 

@@ -351,12 +351,9 @@ def backward(p, dout, out, lse, deterministic=False, sink_probs=None):
     dkdv, dq_k = launches
     args = _runtime.Args(p)
     BH, acc = p.BH, p.acc_dtype
-    dout = cupy.ascontiguousarray(dout).reshape(BH, p.Nq, p.Dv)
-    if dout.data.ptr % 16:  # the kernels copy 16-byte rows
-        dout = dout.copy()
     out = cupy.ascontiguousarray(out).reshape(BH, p.Nq, p.Dv)
     lse = cupy.ascontiguousarray(lse.astype(acc, copy=False)).reshape(BH, p.Nq)
-    lse_eff, delta = _generic.preprocess(p, dout, out, lse)
+    dout, lse_eff, delta = _generic.preprocess(p, dout, out, lse)  # (16-byte aligned rows)
     dq, dk, dv = _runtime.carve(((BH, p.Nq, p.Dk), acc), ((BH, p.Nk, p.Dk), acc),
                                 ((BH, p.Nk, p.Dv), acc))
     ins = (p.q, p.k, p.v, dout, lse_eff, delta)

@@ -334,7 +334,7 @@ def _backward(problem, dout, out, lse, deterministic=False):
         with np.errstate(over="ignore") if xp is np else _runtime.NULL_CONTEXT:
             for g, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)):
                 if g.size == x.size:  # x not broadcast, or summed over GQA's groups already
-                    g = g.reshape(x.shape)  # (cuflash._mma_bwd OPT_GROUP)
+                    g = g if g.shape == x.shape else g.reshape(x.shape)  # (_mma_bwd OPT_GROUP)
                 else:
                     g = _broadcast.reduce_to_lead(xp, g.reshape(problem.lead + g.shape[-2:]),
                                                   x.shape)

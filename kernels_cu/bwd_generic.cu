@@ -16,21 +16,32 @@
 #include "generic_tiles.cuh"
 #include "philox.cuh"
 
-// delta[row] = sum_c dout[row, c] * out[row, c]; one warp per row, both inputs contiguous (rows, Dv).
+// delta[row] = sum_c dout[row, c] * out[row, c]; one warp per row, out contiguous (rows, Dv), dout
+// too; or, where dout_src is another array (the caller's dO in any layout of unit column stride:
+// dout_rows[bh] the element offset of head bh's matrix, dout_rows[rows / Nq] its row stride),
+// read there and copied into dout, which the main kernels then read: no separate copy pass.
+// (Always two addresses, so that a layout's launch takes either: dout_src = dout_rows = dout for
+// none.)
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
-bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, const Acc* __restrict__ lse,
+bwd_preprocess(T* __restrict__ dout, const T* __restrict__ out, const Acc* __restrict__ lse,
                Acc* __restrict__ lse_eff, Acc* __restrict__ delta, long long rows, int Dv,
-               Acc lost) {
+               Acc lost, const T* dout_src, const long long* dout_rows, int Nq) {
   constexpr int WARPS = NUM_THREADS / 32;
+  const bool copy = dout_src != dout;
   const int lane = threadIdx.x % 32;
   const long long first = static_cast<long long>(blockIdx.x) * WARPS + threadIdx.x / 32;
   const long long stride = static_cast<long long>(gridDim.x) * WARPS;
   for (long long row = first; row < rows; row += stride) {
-    const T* d = dout + row * Dv;
+    T* dc = dout + row * Dv;
+    const T* d = copy ? dout_src + dout_rows[row / Nq] + (row % Nq) * dout_rows[rows / Nq] : dc;
     const T* o = out + row * Dv;
     Acc sum = Acc(0);
-    for (int c = lane; c < Dv; c += 32) sum += to_acc(d[c]) * to_acc(o[c]);
+    for (int c = lane; c < Dv; c += 32) {
+      const T x = d[c];
+      if (copy) dc[c] = x;
+      sum += to_acc(x) * to_acc(o[c]);
+    }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, offset);
     if (lane == 0) {

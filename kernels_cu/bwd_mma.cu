@@ -6,7 +6,8 @@
 //                  empty row), both float32 in (BH, Nq_pad) buffers padded with (+inf, 0) rows, so
 //                  that the main kernels load them in 16-byte copies with no bounds test, and
 //                  P = exp2(s * scale * log2(e) - lse2) is exactly 0 on empty and padding rows;
-//                  with dQ atomics it also zeroes the row's float32 dQ (dq_zero).
+//                  with dQ atomics it also zeroes the row's float32 dQ (dq_zero); dO in another
+//                  layout is copied to (BH, Nq, Dv) rows on the way.
 //   bwd_mma_dkdv   one block per key tile of BLOCK_N = 16 * NWARPS keys of one (batch, head);
 //                  warp w owns keys [16 w, 16 w + 16) of the tile, K and V stay in shared memory
 //                  (or registers), dK and dV accumulate in float32 registers. The block walks the
@@ -121,8 +122,65 @@ template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, fl
 //                stored to shared memory and added to dq_acc by the bulk copy engine at the next
 //                tile's top (add_dq_block). The host sets it (_mma_bwd.wg_tile says when) and
 //                allocates the block (dkdv_smem_bytes).
+// DKDV_DQ_ORDER: with DKDV_DQ_BULK, deterministic dQ: the key blocks of a head add each query
+//                row's dQ in one order fixed by the shapes (dq_turn), a row's turn counted in
+//                dq_turns (zeroed by prep); each issuing thread waits for its row's turn, adds,
+//                and passes the turn on once the engine's writes are done (at the next sDQ
+//                wait). No modifier (its skipped tiles would break the order's ranges).
+// DKDV_LIKE: with DKDV_WGMMA, no modifier, dropout or dbias: dK and dV (16-bit) stored in k's and
+//                v's layouts (kv_row_at), the host's rule (_mma_bwd._recipe); a separate
+//                instantiation, since a runtime switch in the stores changed the main loop's
+//                schedule (D=64 3 % slower, H100).
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
-                     DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256, DKDV_DQ_BULK = 512 };
+                     DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256, DKDV_DQ_BULK = 512,
+                     DKDV_DQ_ORDER = 1024, DKDV_LIKE = 2048 };
+
+// DKDV_DQ_ORDER: the place of key block jb (of n_blocks, BLOCK_N keys each) among the blocks of
+// its head that see query tile m (BLOCK_M rows): the blocks whose queries start later (a causal
+// or right-bounded window: they reach tile m first, their first tiles lying further down) go
+// first, `late_first`; otherwise (every block from tile 0 on) in block order. The blocks that see
+// a tile are consecutive (tile_query_range's bounds rise with the keys), so a binary search over
+// the predicate the kernel's own tile range uses finds the first (last) of them.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int dq_turn(const Window& w, int jb, int n_blocks, int m, int Nq,
+                                       bool late_first) {
+  auto sees = [&](int b) {  // key block b sees tile m (b on jb's side of the run)
+    const KeyRange r = tile_query_range(w, static_cast<long long>(b) * BLOCK_N,
+                                        static_cast<long long>(b) * BLOCK_N + BLOCK_N - 1, Nq);
+    return r.lo <= r.hi && (late_first ? r.lo / BLOCK_M <= m : r.hi / BLOCK_M >= m);
+  };
+  int lo = late_first ? jb : 0, hi = late_first ? n_blocks - 1 : jb;
+  while (lo < hi) {  // late_first: the last block that sees m; else the first
+    const int mid = late_first ? (lo + hi + 1) / 2 : (lo + hi) / 2;
+    if (late_first)
+      sees(mid) ? lo = mid : hi = mid - 1;
+    else
+      sees(mid) ? hi = mid : lo = mid + 1;
+  }
+  return late_first ? lo - jb : jb - lo;
+}
+// ... and where every block of the head (nb of them: those up to the last visible key's) sees all
+// M query tiles and block b starts at tile s_b = b M / nb (wrapping around): its place by arrival
+// at tile m, (m - s_b) mod M, ties in block order. below(x): the blocks that start at or before
+// tile x.
+__device__ __forceinline__ int spread_turn(int jb, int nb, int M, int m) {
+  auto below = [&](int x) {
+    const long long n = (static_cast<long long>(x + 1) * nb + M - 1) / M;
+    return static_cast<int>(n < nb ? n : nb);
+  };
+  const int s = static_cast<int>(static_cast<long long>(jb) * M / nb);
+  const int ahead = m >= s ? below(m) - below(s) : nb - below(s) + below(m);
+  return ahead + jb - below(s - 1);
+}
+__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
+  int now;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(now) : "l"(turn) : "memory");
+  } while (now != mine);
+}
+__device__ __forceinline__ void pass_turn(int* turn) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
+}
 
 // DKDV_SBIAS: the staged bias block's row pitch in floats (BLOCK_N + 4: the rows 2 t apart that a
 // quad reads together fall on disjoint banks).
@@ -261,6 +319,15 @@ __device__ __forceinline__ void rows_times_queries(float (&acc)[NQF][4], const u
   }
 }
 
+// DKDV_LIKE: where the dK / dV kernels store key row j of their block, the host's dk / dv having
+// k's / v's strides: the offsets table's row `input` (1: k, 2: v) for the block's first head bh,
+// then j rows of the input's row stride rs. (Computed at each store: made before the stores, on
+// the mma.sync tiles, the offsets spilled kernels at 255 registers on sm_90a by 4-36 bytes.)
+__device__ __forceinline__ long long kv_row_at(const long long* offsets, int BH, long long bh,
+                                               long long rs, int input, int j) {
+  return offsets[input * BH + bh] + j * rs;
+}
+
 // One thread's pairs of a dK and a dV row (row half h of each 16x8 fragment, NFK / NFV fragments 8
 // columns apart) at element offsets ek, ev: float32, or the inputs' 16-bit type when out16 (the
 // host's dk / dv are then T arrays: no GQA / broadcast sum follows, so no float32 round trip).
@@ -350,12 +417,19 @@ __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* 
 }
 }  // namespace tcb
 
-// Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads.
+// Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads. dout: (BH, Nq, DV) rows
+// read; or, where dout_src is another array (the caller's dO in any layout of 16-byte rows:
+// dout_rows[bh] the element offset of head bh's matrix, dout_rows[BH] its row stride), read
+// there and written to dout, which the other kernels then read: no separate copy pass. (Always
+// two addresses, so that a layout's launch takes either: dout_src = dout_rows = dout for none.)
+// dq_turns (DKDV_DQ_ORDER, else null): zeroed with dq's rows.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
-bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
+bwd_mma_prep(T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
              float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
-             float lost, int* __restrict__ lost_flags, float* __restrict__ dq_zero, int Dk) {
+             float lost, int* __restrict__ lost_flags, float* __restrict__ dq_zero, int Dk,
+             const T* dout_src, const long long* dout_rows, int* __restrict__ dq_turns) {
+  const bool copy = dout_src != dout;
   constexpr int LPR = 8;              // lanes per row
   constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
@@ -366,11 +440,15 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
   const bool real = valid && i < Nq;
   float sum = 0.f;
   if (real) {
-    const uint4* d = reinterpret_cast<const uint4*>(dout + (bh * Nq + i) * HEAD_DIM);
+    uint4* dc = reinterpret_cast<uint4*>(dout + (bh * Nq + i) * HEAD_DIM);
+    const uint4* d = copy ? reinterpret_cast<const uint4*>(dout_src + dout_rows[bh] +
+                                                           i * dout_rows[BH])
+                          : dc;
     const uint4* o = reinterpret_cast<const uint4*>(out + (bh * Nq + i) * HEAD_DIM);
 #pragma unroll
     for (int c = sub; c < CPR; c += LPR) {
       const uint4 a = d[c], b = o[c];
+      if (copy) dc[c] = a;
       const tc::u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -387,6 +465,7 @@ bwd_mma_prep(const T* __restrict__ dout, const T* __restrict__ out, const float*
   if (dq_zero != nullptr && real) {  // dQ's float32 rows, which bwd_mma_dkdv's atomics add to
     float4* z = reinterpret_cast<float4*>(dq_zero + (bh * Nq + i) * static_cast<long long>(Dk));
     for (int c = sub; c < Dk / 4; c += LPR) z[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (dq_turns != nullptr && sub == 0) dq_turns[bh * Nq + i] = 0;  // (DKDV_DQ_ORDER)
   }
   const float l = real ? lse[bh * Nq + i] : neg_inf<float>();
   // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
@@ -437,7 +516,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const float* __restrict__ delta, float* __restrict__ dq_acc,
              float* __restrict__ dk_acc, float* __restrict__ dv_acc, const TileClasses classes,
              ATTN_INPUTS(float), const AttnArgs a, int Nq_pad, int out16,
-             float* __restrict__ dbias, int group, const Drop... drop) {
+             float* __restrict__ dbias, int* __restrict__ dq_turns, int group,
+             const Drop... drop) {
   using namespace tc;
   ATTN_ARGS_LOCALS(a, float);
   constexpr bool HAS_MB = !Mod::IDENTITY;  // the score modifier works on every element
@@ -472,6 +552,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // tile's top, a row per fourth thread (add_dq_block): no red.global.add for the fences to wait
   // for.
   constexpr bool DQ_BULK = (OPT & tcb::DKDV_DQ_BULK) != 0;
+  constexpr bool ORDER = (OPT & tcb::DKDV_DQ_ORDER) != 0;  // deterministic dQ (dq_turn)
+  constexpr bool LIKE = (OPT & tcb::DKDV_LIKE) != 0;      // dK, dV in k's, v's layouts
+  static_assert(!ORDER || (DQ_BULK && !HAS_MB), "DKDV_DQ_ORDER: DQ_BULK, no modifier");
   constexpr int DQ_PITCH = (HEAD_DIM + 8) * 4;
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
@@ -482,6 +565,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   static_assert(!SWZ || HEAD_DIM % 64 == 0, "DKDV_SWZ: rows of a multiple of 8 chunks");
   static_assert(DV == HEAD_DIM || (!SWZ && !KV_IN_REGS), "Dk != Dv: padded tiles in shared memory");
   constexpr bool WG = (OPT & tcb::DKDV_WGMMA) != 0;  // four products on wgmma (sm_90a)
+  static_assert(!LIKE || (WG && !HAS_MB && sizeof...(Drop) == 0 && !DBIAS),
+                "DKDV_LIKE: the wgmma kernel, no modifier, dropout or dbias");
   static_assert(!WG || (SWZ && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
                         (BLOCK_M == 32 || BLOCK_M == 64) && NWARPS == 8 && !KV_IN_REGS),
                 "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
@@ -522,6 +607,24 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       bottom_right, Nq_pad);
   const Window& w = kb.w;
   const Bounds32& pr = kb.pr;
+  // ORDER: the order of this head's key blocks (kb.w). jl: the block of the last visible key.
+  // late_first (tcb::dq_turn): the later blocks start further down (causal, a right-bounded
+  // window). spread (tcb::spread_turn): every block sees every query tile (no window); block jb
+  // then starts at tile rot = jb * n_mt / (jl + 1) and wraps around, so that the blocks reach a
+  // tile one after another (from one tile, in block order, each would wait for all before it).
+  // Otherwise (a left window alone) block order from tile 0.
+  const int jl = w.L > 0 ? static_cast<int>((w.L - 1) / BLOCK_N) : 0;
+  const int n_qt = (Nq - 1) / BLOCK_M + 1;  // the head's query tiles
+  const bool late_first =
+      ORDER && tile_query_range(w, static_cast<long long>(jl) * BLOCK_N,
+                                static_cast<long long>(jl) * BLOCK_N + BLOCK_N - 1, Nq).lo >=
+                   BLOCK_M;
+  const KeyRange block0 = tile_query_range(w, 0, BLOCK_N - 1, Nq);  // (block 0's queries)
+  const bool spread = ORDER && !late_first && w.L > 0 && block0.lo <= block0.hi &&
+                      block0.hi / BLOCK_M == n_qt - 1;
+  const int rot = spread ? static_cast<int>(static_cast<long long>(j0 / BLOCK_N) * kb.n_mt /
+                                            (jl + 1))
+                         : 0;
   // What the mask shows of query tile m_first + it against this key block (mask_tiles.cuh, with
   // HAS_MB): the tiles it hides are skipped (next_query_tile); the others keep the per-element
   // mask (a shortcut for the tiles it shows entirely spilled the D=96 tile on sm_80).
@@ -565,7 +668,8 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // and its first query row.
   auto head_of = [&](int it) { return GROUP ? it / kb.n_mt : 0; };
   auto row_of = [&](int it) {
-    return (kb.m_first + (GROUP ? it - head_of(it) * kb.n_mt : it)) * BLOCK_M;
+    const int t = GROUP ? it - head_of(it) * kb.n_mt : it;
+    return (kb.m_first + (ORDER ? (t + rot) % kb.n_mt : t)) * BLOCK_M;
   };
   // One query tile (rows from i0, of head bh + hd) into ring slot `slot` (tcb::copy_query_tile).
   auto load_query_tile = [&](int slot, int i0, int hd) {
@@ -646,12 +750,30 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // barrier that follows its stores; its bulk group waited for before sDQ is written again).
   static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && THREADS == 4 * BLOCK_M),
                 "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, a row per fourth thread");
+  // ORDER: the row's turn first (dq_rank: the block's place for that tile), then passed on once
+  // the engine has written the row (sdq_free).
+  int dq_rank = 0;
+  int* turn = nullptr;
   auto add_dq_block = [&]() {
     const int r = tid / 4;
     if (dq_i0 >= 0 && tid % 4 == 0 && dq_i0 + r < Nq) {
-      wg::bulk_add_f32(dq_acc + ((GROUP ? bh + dq_hd : bh) * Nq + dq_i0 + r) * HEAD_DIM,
-                       sDQ + r * DQ_PITCH, HEAD_DIM * 4);
+      const long long row = (GROUP ? bh + dq_hd : bh) * Nq + dq_i0 + r;
+      if constexpr (ORDER) {
+        turn = dq_turns + row;
+        tcb::wait_turn(turn, dq_rank);
+        wg::fence_global();
+      }
+      wg::bulk_add_f32(dq_acc + row * HEAD_DIM, sDQ + r * DQ_PITCH, HEAD_DIM * 4);
       wg::bulk_commit();
+    }
+    if constexpr (ORDER) __syncwarp();  // (the lanes that waited rejoin before the wgmma)
+  };
+  auto sdq_free = [&]() {  // the last block's bulk adds have read sDQ (ORDER: and written dq)
+    if constexpr (ORDER) {
+      wg::bulk_wait<0>();
+      if (turn != nullptr) tcb::pass_turn(turn), turn = nullptr;
+    } else {
+      wg::bulk_wait_read<0>();
     }
   };
 
@@ -818,7 +940,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // dQ = dS K into acc; its red.global.add go out at the next tile's top (DEFER_DQ), else a few
     // per k-step of dK below (tcb::dq_reductions_at).
     if constexpr (WG_DQ) {
-      if constexpr (DQ_BULK) wg::bulk_wait_read<0>();  // the last block left sDQ (barrier next)
+      if constexpr (DQ_BULK) sdq_free();  // the last block left sDQ (barrier next)
       wg::fence_shared();  // dS^T is read by wgmma
       __syncthreads();     // dS^T of every warp in shared memory
       wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, sdS, sK + (warp / 4) * KBLK);
@@ -827,7 +949,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     } else if (DQ_ATOMIC) {
       const int wm = DEFER_DQ ? wm_held : warp % WM;
       const int col0 = DEFER_DQ ? col0_held : c0 + (warp / WM) * DQ_COLS;
-      if constexpr (DQ_BULK) wg::bulk_wait_read<0>();  // the last block left sDQ (barrier next)
+      if constexpr (DQ_BULK) sdq_free();  // the last block left sDQ (barrier next)
       __syncthreads();  // dS^T of every warp in shared memory
       zero(acc);
 #pragma unroll
@@ -855,6 +977,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // next tile's top).
     if constexpr (WG) {
       if (DQ_ATOMIC) dq_i0 = i0, dq_hd = head_of(it);
+      if constexpr (ORDER)
+        dq_rank = spread ? tcb::spread_turn(j0 / BLOCK_N, jl + 1, n_qt, i0 / BLOCK_M)
+                         : tcb::dq_turn<BLOCK_M, BLOCK_N>(w, j0 / BLOCK_N, n_ntiles,
+                                                          i0 / BLOCK_M, Nq, late_first);
       wg::wait<0>();
       wg::fence_acc(dv);
       wg::fence_acc(dk);
@@ -879,7 +1005,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     wg::fence_shared();
     __syncthreads();
     add_dq_block();
-    wg::bulk_wait_read<0>();  // (sDQ stays until the engine has read it)
+    sdq_free();  // (sDQ stays until the engine has read it)
   } else if constexpr (DEFER_DQ) {  // the last tile's dQ reductions
     if (dq_i0 >= 0) {
 #pragma unroll
@@ -887,13 +1013,17 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
   }
 
-  // Every key row of the tile below Nk is written, zeros where no query sees it.
+  // Every key row of the tile below Nk is written, zeros where no query sees it: rows of
+  // (BH / group, Nk, D), or (LIKE) at their inputs' rows (tcb::kv_row_at).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int j = jw + 8 * h;
     if (j < Nk) {
-      tcb::store_kv_rows<T>(dk_acc, dv_acc, (bkv * Nk + j) * HEAD_DIM + c0 + 2 * t,
-                            (bkv * Nk + j) * DV + c0v + 2 * t, dk, dv, h, out16);
+      const long long ek = LIKE ? tcb::kv_row_at(offsets, BH, bh, k_rs, 1, j)
+                                : (bkv * Nk + j) * HEAD_DIM;
+      const long long ev = LIKE ? tcb::kv_row_at(offsets, BH, bh, v_rs, 2, j)
+                                : (bkv * Nk + j) * DV;
+      tcb::store_kv_rows<T>(dk_acc, dv_acc, ek + c0 + 2 * t, ev + c0v + 2 * t, dk, dv, h, out16);
     }
   }
 }

@@ -164,10 +164,63 @@ __device__ __forceinline__ void cast_dq(const Acc* __restrict__ dq, T* __restric
   }
 }
 
+// dq_out in q's layout (`like`: the host made it with q's strides): rows of the flattened
+// (BH, Nq), each lane 4 columns (Dk a multiple of 4; q's row stride and matrix offsets multiples
+// of 4 elements, as the tensor-core backward's 16-byte rows are). A warp takes 32 / (Dk / 4) rows
+// at once where a row has fewer than 32 groups of 4 (Dk = 64: two rows, no idle half-warp), and U
+// of its rows' loads are in flight as in cast_dq (one at a time, the D = 64 cast took longer
+// than the contiguous one by ~0.2 ms on 16k tokens x 32 heads).
+template <typename T, typename Acc>
+__device__ __forceinline__ void cast_dq_rows(const Acc* __restrict__ dq, T* __restrict__ dq_out,
+                                             long long rows, int Nq, int Dk,
+                                             const long long* __restrict__ q_offsets,
+                                             long long q_rs) {
+  if constexpr (sizeof(Acc) == 4 && sizeof(T) == 2) {
+    auto bits = [](float x) {
+      T t;
+      store_acc(&t, x);
+      return static_cast<unsigned>(t.bits);
+    };
+    auto out_row = [&](long long r) {
+      const long long bh = rows < (1LL << 31) ? static_cast<int>(r) / Nq : r / Nq;
+      return dq_out + q_offsets[bh] + (r - bh * Nq) * q_rs;
+    };
+    const int lane = threadIdx.x % 32, groups = Dk / 4;
+    const int per_warp = groups < 32 ? 32 / groups : 1;  // rows a warp takes at once
+    const int sub = lane / groups;                       // this lane's row of those (0 if >= 32)
+    if (sub >= per_warp) return;                         // (groups not dividing 32: idle lanes)
+    constexpr int U = 4;
+    const long long step = static_cast<long long>(gridDim.x) * (blockDim.x / 32) * per_warp;
+    long long r = (static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) *
+                      per_warp + sub;
+    for (int c0 = 4 * (lane % groups); c0 < Dk; c0 += 128) {  // (Dk > 128: more than one)
+      long long row = r;
+      for (; row + (U - 1) * step < rows; row += U * step) {
+        float4 x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          x[u] = *reinterpret_cast<const float4*>(dq + (row + u * step) * Dk + c0);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          *reinterpret_cast<uint2*>(out_row(row + u * step) + c0) = make_uint2(
+              bits(x[u].x) | bits(x[u].y) << 16, bits(x[u].z) | bits(x[u].w) << 16);
+      }
+      for (; row < rows; row += step) {
+        const float4 x = *reinterpret_cast<const float4*>(dq + row * Dk + c0);
+        *reinterpret_cast<uint2*>(out_row(row) + c0) =
+            make_uint2(bits(x.x) | bits(x.y) << 16, bits(x.z) | bits(x.w) << 16);
+      }
+    }
+  }
+}
+
+// like (the tensor-core backward's OPT_LIKE): dk, dv and dq_out have k's, v's
+// and q's strides (rows at their inputs' offsets), else rows of (BH / group, Nk, D) and a
+// contiguous dq_out.
 template <typename T, typename Acc, typename DK, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* __restrict__ dq,
-              T* __restrict__ dq_out, int group, const Drop... drop) {
+              T* __restrict__ dq_out, int group, int like, const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
@@ -233,8 +286,8 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* 
     }
     }  // heads
     if (!touched) continue;
-    DK* dk_row = dk + (bkv * Nk + j) * Dk;
-    DK* dv_row = dv + (bkv * Nk + j) * Dv;
+    DK* dk_row = dk + (like ? offsets[BH + bkv * group] + j * k_rs : (bkv * Nk + j) * Dk);
+    DK* dv_row = dv + (like ? offsets[2 * BH + bkv * group] + j * v_rs : (bkv * Nk + j) * Dv);
 #pragma unroll
     for (int c = 0; c < LOST_COLS; ++c) {
       const int col = lane + 32 * c;
@@ -243,7 +296,12 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* 
     }
   }
   }  // items
-  if (dq_out != nullptr) cast_dq(dq, dq_out, static_cast<long long>(BH) * Nq * Dk);
+  if (dq_out != nullptr) {
+    if (like)
+      cast_dq_rows(dq, dq_out, static_cast<long long>(BH) * Nq, Nq, Dk, offsets, q_rs);
+    else
+      cast_dq(dq, dq_out, static_cast<long long>(BH) * Nq * Dk);
+  }
 }
 
 // Grid: a stride of warps over the tensor-core forward's blocks (fix: one flag per block, in its

@@ -82,6 +82,16 @@ __device__ __forceinline__ void bulk_commit() {
 template <int N> __device__ __forceinline__ void bulk_wait_read() {
   CUFLASH_SM90A_ASM("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
+// ... and until their writes are done (visible to this thread: a release after it publishes
+// them), not only their reads of shared memory.
+template <int N> __device__ __forceinline__ void bulk_wait() {
+  CUFLASH_SM90A_ASM("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+// Orders this thread's generic-proxy global accesses before (an acquire) with its later bulk
+// copies' (async proxy).
+__device__ __forceinline__ void fence_global() {
+  CUFLASH_SM90A_ASM("fence.proxy.async.global;" ::: "memory");
+}
 // Keeps the compiler from moving accumulator reads or writes across a wait (registers the
 // tensor cores write asynchronously).
 template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {

@@ -484,9 +484,13 @@ def _fake_tma():
 
 # ---- the cases ----------------------------------------------------------------------------------
 
-def _inputs(cupy, B, H, Hkv, Nq, Nk, D, dtype="bfloat16"):
+def _inputs(cupy, B, H, Hkv, Nq, Nk, D, dtype="bfloat16", bnhd=False):
+    """q, k, v as (B, H, N, D) arrays; bnhd: as views of (B, N, H, D) buffers."""
     import ml_dtypes  # noqa: F401
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    if bnhd:
+        return tuple(cupy.empty((B, N, h, D), dt).swapaxes(1, 2)
+                     for h, N in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
     q = cupy.empty((B, H, Nq, D), dt)
     k = cupy.empty((B, Hkv, Nk, D), dt)
     v = cupy.empty((B, Hkv, Nk, D), dt)
@@ -520,6 +524,8 @@ CASES = [
     ("deterministic", (2, 8, 2, 256, 256, 128), dict(causal=True, deterministic=True), "bwd"),
     ("sinks-alibi", (2, 8, 8, 256, 256, 64), dict(sinks=(8,), alibi_slopes=(2, 8)), "both"),
     ("dbias", (2, 4, 4, 256, 256, 64), dict(bias=(4, 256, 256), return_dbias=True), "bwd"),
+    # q, k, v and dout as (B, H, N, D) views of (B, N, H, D) buffers (the layout models use)
+    ("bnhd", (4, 16, 16, 512, 512, 128), dict(causal=True, layout="bnhd"), "both"),
 ]
 
 
@@ -534,7 +540,8 @@ def _calls(cupy, case, shrink=False):
     if shrink and Nk > 4608:
         B, Nk = min(B, 4), 4608
     options = dict(options)
-    q, k, v = _inputs(cupy, B, H, Hkv, Nq, Nk, D, options.pop("dtype", "bfloat16"))
+    bnhd = options.pop("layout", "bhnd") == "bnhd"
+    q, k, v = _inputs(cupy, B, H, Hkv, Nq, Nk, D, options.pop("dtype", "bfloat16"), bnhd)
     if "bias" in options:
         options["bias"] = cupy.empty(options["bias"], np.float32)
     if "mask" in options:
@@ -561,7 +568,8 @@ def _calls(cupy, case, shrink=False):
             options["kv_lens"] = options["kv_lens"] + 1  # (a new array, as a loop would make)
         return cuflash.attention(q, k, v, return_lse=return_lse, **options)
     out, lse = fwd(True)
-    dout = cupy.empty(out.shape, out.dtype)
+    dout = (cupy.empty((B, Nq, H, out.shape[-1]), out.dtype).swapaxes(1, 2) if bnhd
+            else cupy.empty(out.shape, out.dtype))
 
     def bwd():
         return cuflash.attention_backward(dout, q, k, v, out, lse, **options, **backward_only)

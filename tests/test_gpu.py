@@ -603,6 +603,111 @@ def test_strided_and_reversed_inputs(dtype, rng, path):
     check(q, k, v, rng, causal=True)
 
 
+DOUT_LAYOUTS = ["bnhd", "wide-rows", "odd-head-stride", "unaligned-base"]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("layout", DOUT_LAYOUTS)
+@pytest.mark.parametrize("dtype,path", [("float16", "auto"), ("bfloat16", "auto"),
+                                        ("float32", "auto"), ("float64", "auto"),
+                                        ("float16", "generic")])
+def test_backward_takes_dout_in_any_layout(dtype, path, layout, deterministic, rng, override):
+    """dout as a (B, N, H, D) view and as rows of a wider buffer (read in place by the
+    backward's preprocess kernel, which copies it on the way: _generic.dout_rows), with head
+    offsets or a base that the preprocess cannot read in place (copied first; the tensor-core
+    prep reads 16-byte vectors): on the tensor-core, wide and generic backwards the gradients
+    equal those of a contiguous dout of the same values (bitwise with deterministic=True) and
+    the float64 reference's."""
+    import cupy
+    if dtype == "bfloat16" and BFLOAT16 is None:
+        pytest.skip("no bfloat16 dtype")
+    override(path=None if path == "auto" else path)
+    B, H, N, D = 2, 4, 200, 64
+    q, k, v = (randn(rng, (B, N, H, D), dtype).swapaxes(1, 2) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = randn(rng, (B, H, N, D), dtype)
+    size = dout.dtype.itemsize
+    if layout == "bnhd":
+        view = cupy.ascontiguousarray(dout.swapaxes(1, 2)).swapaxes(1, 2)
+    elif layout == "wide-rows":  # row stride D + 8 elements
+        view = cupy.zeros((B, H, N, D + 8), dout.dtype)[..., :D]
+    elif layout == "odd-head-stride":  # heads N D + 4 elements apart
+        buf = cupy.zeros(B * H * (N * D + 4), dout.dtype)
+        view = cupy.lib.stride_tricks.as_strided(
+            buf, (B, H, N, D), (H * (N * D + 4) * size, (N * D + 4) * size, D * size, size))
+    else:  # the base 2 elements past a 16-byte boundary
+        view = cupy.zeros(dout.size + 2, dout.dtype)[2:].reshape(dout.shape)
+    view[...] = dout
+    assert bool((view == dout).all())
+    assert view.flags.c_contiguous == (layout == "unaligned-base")
+    want = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                      deterministic=deterministic)
+    got = cuflash.attention_backward(view, q, k, v, out, lse, causal=True,
+                                     deterministic=deterministic)
+    if deterministic:
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert bool((g == w).all()), name
+    check_backward(got, dout, q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("heads", [(3, 3), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"] if BFLOAT16 is not None else
+                         ["float16"])
+def test_gradients_come_back_in_the_inputs_layout(dtype, heads, D, deterministic, rng):
+    """q, k, v as (B, H, N, D) views of (B, N, H, D) buffers: the tensor-core backward writes dq,
+    dk and dv with q's, k's and v's strides (no transpose left for the caller; GQA's dk, dv
+    summed per kv head in the kernel), equal to the gradients of contiguous copies of the same
+    inputs (bitwise with deterministic=True) and to the float64 reference's. Views that do not
+    fill their buffer (slices of a packed qkv) get C-contiguous gradients. (B * H * N odd: the
+    dq cast's warps take two rows at once at D = 64, the last one alone.)"""
+    import cupy
+    B, N = 3, 301
+    H, Hkv = heads
+    q = randn(rng, (B, N, H, D), dtype).swapaxes(1, 2)
+    k, v = (randn(rng, (B, N, Hkv, D), dtype).swapaxes(1, 2) for _ in range(2))
+    dout = randn(rng, (B, H, N, D), dtype)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    got = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                     deterministic=deterministic)
+    # (on the wgmma tiles, Hopper: elsewhere C-contiguous)
+    from cuflash import _runtime
+    like = _runtime.wgmma_available()
+    for name, g, x in zip(("dq", "dk", "dv"), got, (q, k, v)):
+        assert g.shape == x.shape, name
+        assert g.strides == x.strides if like else g.flags.c_contiguous, (name, g.strides)
+    contiguous = [cupy.ascontiguousarray(x) for x in (q, k, v)]
+    want = cuflash.attention_backward(dout, *contiguous, out, lse, causal=True,
+                                      deterministic=deterministic)
+    if deterministic:
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert bool((g == w).all()), name
+    check_backward(got, dout, q, k, v, out, lse, causal=True)
+    # slices of a packed (B, N, 3, H, D) buffer: not dense, so C-contiguous gradients
+    qkv = randn(rng, (B, N, 3, H, D), dtype)
+    q3, k3, v3 = (qkv[:, :, i].swapaxes(1, 2) for i in range(3))
+    out3, lse3 = cuflash.attention(q3, k3, v3, causal=True, return_lse=True)
+    grads3 = cuflash.attention_backward(dout, q3, k3, v3, out3, lse3, causal=True,
+                                        deterministic=deterministic)
+    assert all(g.flags.c_contiguous for g in grads3)
+    check_backward(grads3, dout, q3, k3, v3, out3, lse3, causal=True)
+
+
+def test_gradients_of_a_broadcast_q_beside_transposed_kv(rng):
+    """q broadcast over the batch, k and v (B, H, N, D) views: dq is summed over the batch (its
+    own shape, C-contiguous: no layout-kept gradients when q is broadcast), every gradient as the
+    float64 reference's."""
+    B, H, N, D = 2, 4, 130, 64
+    q = randn(rng, (H, N, D), "float16")
+    k, v = (randn(rng, (B, N, H, D), "float16").swapaxes(1, 2) for _ in range(2))
+    dout = randn(rng, (B, H, N, D), "float16")
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse)
+    assert grads[0].shape == q.shape and grads[0].flags.c_contiguous
+    check_backward(grads, dout, q, k, v, out, lse)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_sizes(dtype, rng):
     q = randn(rng, (2, 5, 16), dtype)
@@ -844,6 +949,73 @@ def test_deterministic_backward_is_bitwise_reproducible(dtype, rng):
     for a, b in zip(first, second):
         assert np.array_equal(to_host(a).view(np.uint16), to_host(b).view(np.uint16))
     check(q, k, v, rng, causal=True)
+
+
+# (name, q leading dims, k/v leading dims, Nq, Nk, options): deterministic dQ in order
+ORDER_CASES = [
+    ("full", (2, 3), (2, 3), 700, 700, {}),
+    ("causal", (2, 3), (2, 3), 700, 700, dict(causal=True)),
+    ("causal-tl-long-k", (1, 2), (1, 2), 200, 900, dict(causal=True, align="top-left")),
+    ("causal-br-long-k", (1, 2), (1, 2), 200, 900, dict(causal=True)),
+    ("causal-br-long-q", (1, 2), (1, 2), 900, 300, dict(causal=True)),
+    ("window", (2, 2), (2, 2), 800, 800, dict(window=(100, 50))),
+    ("window-left-causal", (2, 2), (2, 2), 500, 800, dict(window=(200, None), causal=True)),
+    ("kv_lens-causal", (3, 2), (3, 2), 500, 500, dict(kv_lens=np.array([[0], [137], [500]]),
+                                                      causal=True)),
+    ("positions-window", (2, 2), (2, 1), 300, 330, dict(window=(40, 5), positions=(1000, 990),
+                                                        kv_lens=[[330], [77]])),
+    ("gqa-causal", (2, 6), (2, 2), 600, 600, dict(causal=True)),
+    # key block 0 sees no query, blocks 1 and 2 see every tile (a hang before: block 0's empty
+    # range was taken for one that reaches the last tile)
+    ("left-window-empty-block0", (1, 1), (1, 1), 26, 1301, dict(window=(127, None),
+                                                                 kv_lens=[[309]])),
+]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", ORDER_CASES, ids=[c[0] for c in ORDER_CASES])
+def test_deterministic_dq_in_key_block_order(case, D, rng):
+    """deterministic=True on Hopper's bulk-dQ tiles (_mma_bwd.ordered_tile): the key blocks of a
+    head add each query row's dQ in one order, each waiting for its turn (bwd_mma.cu dq_turn):
+    causal and windowed heads latest-starting block first, the others in block order. Every
+    order must match the blocks that really visit a tile (else a block waits forever, or two
+    add at once): odd lengths, both alignments, windows, kv_lens (an empty head), positions and
+    GQA in the kernel. Three runs give the same bits, and the gradients are the reference's."""
+    from cuflash import _mma_bwd, _runtime, _validate
+    name, qlead, kvlead, Nq, Nk, options = case
+    dtype = "bfloat16" if BFLOAT16 is not None else "float16"
+    q = randn(rng, qlead + (Nq, D), dtype)
+    k, v = (randn(rng, kvlead + (Nk, D), dtype) for _ in range(2))
+    if _runtime.wgmma_available():  # (elsewhere, and at D=64, the dq kernel: the same checks)
+        p = _validate.make_problem(q, k, v, **options)
+        assert _mma_bwd.prepare_backward(p, True).r.ordered == ((D, D) in _mma_bwd.ORDER_DIMS)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dout = randn(rng, out.shape, dtype)
+    runs = [cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+            for _ in range(3)]
+    for name_g, *gs in zip(("dq", "dk", "dv"), *runs):
+        assert all(np.array_equal(_bits(gs[0]), _bits(g)) for g in gs[1:]), (name, name_g)
+    check_backward(runs[0], dout, q, k, v, out, lse, **options)
+
+
+def test_deterministic_dq_beyond_one_block_per_multiprocessor(rng):
+    """More key blocks per head than multiprocessors: the ordered dQ could wait on a block that
+    is not resident, so the dq kernel takes it (ordered_tile), reproducible and right."""
+    from cuflash import _mma_bwd, _runtime, _validate
+    Nk = _runtime.device_info().sm_count * 128 + 5
+    q = randn(rng, (1, 64, 128), "float16")
+    k, v = (randn(rng, (1, Nk, 128), "float16") for _ in range(2))
+    if _runtime.wgmma_available():
+        assert not _mma_bwd.prepare_backward(_validate.make_problem(q, k, v), True).r.ordered
+        shorter = _validate.make_problem(q, k[:, :Nk - 133], v[:, :Nk - 133])
+        assert _mma_bwd.prepare_backward(shorter, True).r.ordered
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    dout = randn(rng, out.shape, "float16")
+    first, second = (cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+                     for _ in range(2))
+    for a, b in zip(first, second):
+        assert np.array_equal(_bits(a), _bits(b))
+    check_backward(first, dout, q, k, v, out, lse)
 
 
 # ---- the split-KV decode path and issue 12 ------------------------------------------------------

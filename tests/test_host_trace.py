@@ -48,7 +48,7 @@ def trace(tmp_path_factory):
 def test_every_case_traced(trace):
     names = {key.rsplit("/", 1)[0] for key in trace}
     assert {"small/fwd", "small/bwd", "mid/fwd", "mid/bwd", "decode/fwd", "dropout/bwd",
-            "mask/bwd", "fp64/bwd"} <= names
+            "mask/bwd", "fp64/bwd", "bnhd/bwd"} <= names
     for name in names:
         launches = [e for e in trace[name + "/0"] if e[0] in ("launch", "rawkernel")]
         assert launches, name
@@ -120,6 +120,55 @@ def test_the_backward_rounds_dq_in_its_last_kernel(trace):
     dq32 = prep[5][10]  # (dout, out, lse, lse2, delta, BH, Nq, nq_pad, lost, flags, dq_zero, Dk)
     assert dkdv[5][6] == dq32 and keys[5][16] == dq32  # dkdv's dq; lost_keys' (..., dq, dq_out)
     assert keys[5][17] not in (dq32, ["ptr", None])
+
+
+def test_the_deterministic_backward_adds_dq_in_order(trace):
+    """A known shape of the trace: the deterministic bf16 backward on Hopper's bulk-dQ tiles
+    (GQA causal, 132 multiprocessors) is the default's four launches, not five: bwd_mma_dkdv
+    with OPT_DQ_ORDER (and OPT_GROUP) adds dQ in its fixed order, no dq kernel recomputes it;
+    prep zeroes dq's sums and the rows' turns (two parts of the stream's scratch), which dkdv
+    takes."""
+    from cuflash import _mma_bwd
+    events = trace["deterministic/bwd/1"]
+    assert [e[1].split("<")[0] for e in events] == ["bwd_mma_prep", "bwd_mma_dkdv",
+                                                    "bwd_lost_rows", "bwd_lost_keys"]
+    prep, dkdv = events[:2]
+    opt = int(dkdv[1].rsplit(",", 1)[1].strip(" >"))
+    assert opt & _mma_bwd.OPT_DQ_ORDER and opt & _mma_bwd.OPT_GROUP, dkdv[1]
+    dq32, turns = prep[5][10], prep[5][14]  # (..., dq_zero, Dk, dout_src, dout_rows, turns)
+    assert turns[1][0] == "table" and turns != dq32, (turns, dq32)
+    assert dkdv[5][6] == dq32 and dkdv[5][-2] == turns  # (..., dbias, turns, group)
+
+
+def test_a_bnhd_backward_copies_nothing(trace):
+    """A known shape of the trace: with q, k, v and dout as (B, H, N, D) views of (B, N, H, D)
+    buffers, the backward is the same four launches and nothing else: prep reads dout in place
+    through its offset table and writes the (BH, Nq, Dv) rows the other kernels read (no CuPy
+    copy before it), and the gradients are written in q's, k's and v's layouts (no transpose
+    after)."""
+    from cuflash import _mma_bwd
+
+    def opt(launch):  # a bwd_mma_dkdv launch's OPT
+        return int(launch[1].rsplit(",", 1)[1].strip(" >"))
+
+    for call in ("bnhd/bwd/1", "bnhd/bwd/2"):
+        events = trace[call]
+        assert [e[0] for e in events] == ["launch"] * 4, call
+        prep, dkdv = events[:2]
+        assert prep[1].startswith("bwd_mma_prep<")
+        # (dout, out, ..., Dk, dout_src, dout_rows): dout a new buffer, dout_src the caller's
+        # (also new: an input of this call), dout_rows a cached table; dkdv reads prep's dout
+        dout, src, rows = prep[5][0], prep[5][12], prep[5][13]
+        assert dout[1][0] == "new" and src[1][0] == "new" and dout != src, call
+        assert rows[1][0] == "table" and dkdv[5][3] == dout, call
+        # the gradients in the inputs' layouts: dkdv with OPT_LIKE (its last template
+        # argument), bwd_lost_keys' `like` (its last parameter)
+        keys = events[3]
+        assert opt(dkdv) & _mma_bwd.OPT_LIKE, dkdv[1]
+        assert keys[1].startswith("bwd_lost_keys<") and keys[5][-1] == [1]
+    mid = trace["mid/bwd/1"]  # the same shape stored (B, H, N, D): no copy, no table
+    assert mid[0][5][0] == mid[0][5][12] == mid[0][5][13], mid[0]
+    assert not opt(mid[1]) & _mma_bwd.OPT_LIKE and mid[3][5][-1] == [0]
 
 
 def test_device_lengths_are_read_in_place(trace):
