@@ -135,18 +135,21 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* _
 // dq_out = dq rounded to T, 4 elements per thread and step of the grid: the tensor-core
 // backward's float32 dq (Acc) into its 16-bit inputs' dtype (n a multiple of 4, both buffers
 // 16-byte aligned); a no-op for other types, which never pass a dq_out.
+template <typename T>
+__device__ __forceinline__ uint2 pack4(const float4& x) {  // four floats as 16-bit T, in order
+  auto bits = [](float f) {
+    T t;
+    store_acc(&t, f);
+    return static_cast<unsigned>(t.bits);
+  };
+  return make_uint2(bits(x.x) | bits(x.y) << 16, bits(x.z) | bits(x.w) << 16);
+}
 template <typename T, typename Acc>
 __device__ __forceinline__ void cast_dq(const Acc* __restrict__ dq, T* __restrict__ dq_out,
                                         long long n) {
   if constexpr (sizeof(Acc) == 4 && sizeof(T) == 2) {
-    auto bits = [](float x) {
-      T t;
-      store_acc(&t, x);
-      return static_cast<unsigned>(t.bits);
-    };
     auto cast4 = [&](long long e, const float4& x) {
-      *reinterpret_cast<uint2*>(dq_out + e) =
-          make_uint2(bits(x.x) | bits(x.y) << 16, bits(x.z) | bits(x.w) << 16);
+      *reinterpret_cast<uint2*>(dq_out + e) = pack4<T>(x);
     };
     // U loads in flight per thread (the kernel runs a few warps per multiprocessor: one load at
     // a time read 1.9 TB/s), then the rest one by one
@@ -176,11 +179,6 @@ __device__ __forceinline__ void cast_dq_rows(const Acc* __restrict__ dq, T* __re
                                              const long long* __restrict__ q_offsets,
                                              long long q_rs) {
   if constexpr (sizeof(Acc) == 4 && sizeof(T) == 2) {
-    auto bits = [](float x) {
-      T t;
-      store_acc(&t, x);
-      return static_cast<unsigned>(t.bits);
-    };
     auto out_row = [&](long long r) {
       const long long bh = rows < (1LL << 31) ? static_cast<int>(r) / Nq : r / Nq;
       return dq_out + q_offsets[bh] + (r - bh * Nq) * q_rs;
@@ -202,13 +200,11 @@ __device__ __forceinline__ void cast_dq_rows(const Acc* __restrict__ dq, T* __re
           x[u] = *reinterpret_cast<const float4*>(dq + (row + u * step) * Dk + c0);
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          *reinterpret_cast<uint2*>(out_row(row + u * step) + c0) = make_uint2(
-              bits(x[u].x) | bits(x[u].y) << 16, bits(x[u].z) | bits(x[u].w) << 16);
+          *reinterpret_cast<uint2*>(out_row(row + u * step) + c0) = pack4<T>(x[u]);
       }
       for (; row < rows; row += step) {
         const float4 x = *reinterpret_cast<const float4*>(dq + row * Dk + c0);
-        *reinterpret_cast<uint2*>(out_row(row) + c0) =
-            make_uint2(bits(x.x) | bits(x.y) << 16, bits(x.z) | bits(x.w) << 16);
+        *reinterpret_cast<uint2*>(out_row(row) + c0) = pack4<T>(x);
       }
     }
   }
