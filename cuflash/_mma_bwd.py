@@ -560,9 +560,8 @@ class _Backward:
     def __init__(self, p, deterministic):
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
-        like = r.like
         self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group,
-                                         like=like)
+                                         like=r.like)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
         # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq's float32
         # sums; the lost-row kernels' per-row doubles. The gradients in the caller's leading
@@ -576,7 +575,7 @@ class _Backward:
                                         *self.lost.scratch, *turns)
         # (OPT_GROUP: dk, dv per kv head, k's leading shape)
         kv_lead = lead if r.group == 1 else _padded(p.k.shape[:-2], len(lead))
-        if like:  # (q's, k's and v's shapes and strides)
+        if r.like:  # (q's, k's and v's shapes and strides)
             self.grads = _runtime.carving(*((x.shape, p.dtype, x.strides) for x in (p.q, p.k, p.v)))
         else:
             self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
