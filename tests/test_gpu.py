@@ -969,8 +969,8 @@ ORDER_CASES = [
     # range was taken for one that reaches the last tile)
     ("left-window-empty-block0", (1, 1), (1, 1), 26, 1301, dict(window=(127, None),
                                                                  kv_lens=[[309]])),
-    # several waves of key blocks (80 heads x 8 blocks on ~132 multiprocessors): a wave boundary
-    # splits a head, whose first blocks then wait for blocks launched a wave later
+    # several waves of key blocks (256-640 blocks of 8 per head on ~132 multiprocessors): a wave
+    # boundary splits a head, whose first blocks then wait for blocks launched a wave later
     ("waves-full", (5, 16), (5, 16), 1000, 1000, {}),
     ("waves-causal", (5, 16), (5, 16), 1000, 1000, dict(causal=True)),
     ("waves-window", (3, 16), (3, 16), 1000, 1000, dict(window=(300, 100))),
