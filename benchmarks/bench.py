@@ -4,7 +4,7 @@ CuPy attention, on one GPU.
 
 Run on a GPU machine from the repository root::
 
-    python benchmarks/bench.py                       # the whole matrix (dense, options, wide, decode)
+    python benchmarks/bench.py                       # the whole matrix (dense, det, options, ...)
     python benchmarks/bench.py --quick               # a small subset, for smoke runs
     python benchmarks/bench.py --cases options       # only the option cases
     python benchmarks/bench.py --layouts bnhd        # only (B, N, H, D)-stored inputs
@@ -17,6 +17,10 @@ What it measures
 * Dense prefill (issue 3; --cases fwd,bwd): 16k tokens in total (batch = 16384 // N), heads x head
   dim = 2048, head dim 64 and 128, N = 512 ... 16k, causal and not, fp16 and bf16, forward and
   backward, in each storage layout of --layouts.
+* Deterministic backward (issue 15; --cases det): the dense grid's backward cases (the same
+  --dtypes, --heads-dims, --seqlens, --layouts and --quick), timed for cuflash's default backward
+  and for cuflash-det, the same call with deterministic=True; each cuflash-det row's note gives
+  its cost over the default ("det cost +x %"). No peers (the bwd set times them).
 * Layouts: "bhnd" stores q, k, v and dout as (B, H, N, D); "bnhd" as (B, N, H, D). Every
   implementation reads the same buffers: cuflash and SDPA through (B, H, N, D) views (swapaxes of
   the bnhd buffers), FA4 through (B, N, H, D) views (swapaxes of the bhnd buffers).
@@ -223,21 +227,24 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=FLOP_CONVENTION)
     p.add_argument("--quick", action="store_true",
-                   help="small subset: dense N = 1k, 4k, bf16, D = 128; every option case; wide "
-                        "fp32 N = 1k; decode B=8 L=32k + uneven; 0.15 s per measurement")
+                   help="small subset: dense and det N = 1k, 4k, bf16, D = 128; every option "
+                        "case; wide fp32 N = 1k; decode B=8 L=32k + uneven; 0.15 s per "
+                        "measurement")
     p.add_argument("--cases", type=_csv(str, CASE_SETS), default=list(CASE_SETS),
                    help="comma list of " + ",".join(CASE_SETS) + " (fwd, bwd: the dense grid; "
+                        "det: its backward, cuflash with and without deterministic=True; "
                         "options and wide: forward and backward each; default all)")
     p.add_argument("--layouts", type=_csv(str, LAYOUTS), default=list(LAYOUTS),
-                   help="storage layouts of the prefill inputs (dense, options, wide), comma list "
-                        "of bhnd,bnhd (default both; decode is bhnd)")
+                   help="storage layouts of the prefill inputs (dense, det, options, wide), comma "
+                        "list of bhnd,bnhd (default both; decode is bhnd)")
     p.add_argument("--dtypes", type=_csv(str, DTYPES), default=None,
-                   help="comma list of bf16,fp16 (dense grid; options and decode are bf16, wide "
-                        "fp32 and fp64)")
+                   help="comma list of bf16,fp16 (dense grid and det; options and decode are "
+                        "bf16, wide fp32 and fp64)")
     p.add_argument("--heads-dims", type=_csv(int), default=None,
-                   help="comma list of dense head dims (default 64,128; heads = 2048 // D)")
+                   help="comma list of dense and det head dims (default 64,128; "
+                        "heads = 2048 // D)")
     p.add_argument("--seqlens", type=_csv(int), default=None,
-                   help="comma list of dense N (default 512,...,16384)")
+                   help="comma list of dense and det N (default 512,...,16384)")
     p.add_argument("--options", type=_csv(str), default=None,
                    help="comma list of the option cases to run (their names, e.g. dropout10; "
                         "default all)")

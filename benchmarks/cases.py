@@ -15,7 +15,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
 PREFILL_KINDS = ("fwd", "bwd")
 LAYOUTS = ("bhnd", "bnhd")           # how q, k, v and dout are stored: (B, H, N, D) or (B, N, H, D)
-CASE_SETS = ("fwd", "bwd", "decode", "options", "wide", "wide-options", "small")
+CASE_SETS = ("fwd", "bwd", "det", "decode", "options", "wide", "wide-options", "small")
 
 # Options: one shape (N = 4096, 16k tokens, bf16, D = 128 and hidden 2048 unless the case says),
 # forward and backward, one case per feature
@@ -54,9 +54,12 @@ DENSE_IMPLS = ("cuflash", "fa4", "torch-flash", "torch-cudnn", "torch-efficient"
 OPTION_IMPLS = ("cuflash", "fa4", "torch-flash", "torch-cudnn", "torch-efficient", "flex")
 # cuflash-tf32: cuflash with precision="high" (float32 only)
 WIDE_IMPLS = ("cuflash", "cuflash-tf32", "torch-efficient", "torch-math", "naive")
+# cuflash-det: cuflash's backward with deterministic=True, timed against cuflash only (issue 15:
+# at most 15 % over the default backward; the peers are timed in the bwd set)
+DET_IMPLS = ("cuflash", "cuflash-det")
 DECODE_IMPLS = ("cuflash", "fa4", "torch-flash", "torch-cudnn")
 TORCH_IMPLS = ("torch-flash", "torch-cudnn", "torch-efficient", "torch-math")  # SDPA's backends
-ALL_IMPLS = ("cuflash", "cuflash-tf32", "fa4") + TORCH_IMPLS + ("flex", "naive")
+ALL_IMPLS = ("cuflash", "cuflash-tf32", "cuflash-det", "fa4") + TORCH_IMPLS + ("flex", "naive")
 
 NAIVE_MAX_N = 8192                   # naive is skipped for N >= this (time; 28-56 GiB there)
 NAIVE_MAX_BYTES = 40 * 2**30         # ... and whenever its N x N buffers would pass this
@@ -91,6 +94,7 @@ class Case:
     softcap: Optional[float] = None  # logit softcapping, cap * tanh(x / cap)
     dropout: float = 0.0             # attention dropout's p (cuflash: a fixed seed)
     option: Optional[str] = None     # the name of an options case
+    det: bool = False                # the det set's copy of a bwd grid case (DET_IMPLS time it)
 
     @property
     def d_v(self):
@@ -102,7 +106,9 @@ class Case:
         if self.kind == "decode":
             return "decode"
         shape = self.option or f"d{self.d}_{'causal' if self.causal else 'full'}"
-        return f"{self.kind}_{self.dtype}_{shape}_{self.layout}"
+        # det cases get their own group and label: the bwd set may time the same shape in the
+        # same run, and the ratios pair rows by label
+        return f"{'det' if self.det else self.kind}_{self.dtype}_{shape}_{self.layout}"
 
     @property
     def label(self):
@@ -117,6 +123,12 @@ def prefill_cases(kinds, dtypes, head_dims, seqlens, layouts):
                  layout=layout)
             for kind in kinds for dtype in dtypes for d in head_dims for causal in (False, True)
             for layout in layouts for n in seqlens]
+
+
+def det_cases(dtypes, head_dims, seqlens, layouts):
+    """The dense backward grid again, for cuflash against cuflash-det (the det set)."""
+    return [replace(c, det=True) for c in prefill_cases(("bwd",), dtypes, head_dims, seqlens,
+                                                        layouts)]
 
 
 def option_cases(layouts):
@@ -176,6 +188,8 @@ def decode_cases(shapes, uneven=True, seed=0):
 def build_cases(args):
     kinds = [c for c in args.cases if c in PREFILL_KINDS]
     cases = prefill_cases(kinds, args.dtypes, args.heads_dims, args.seqlens, args.layouts)
+    if "det" in args.cases:
+        cases += det_cases(args.dtypes, args.heads_dims, args.seqlens, args.layouts)
     if "options" in args.cases:
         cases += [c for c in option_cases(args.layouts)
                   if getattr(args, "options", None) is None or c.option in args.options]
@@ -196,6 +210,8 @@ def build_cases(args):
 def impls_for(case, selected):
     if case.kind == "decode":
         table = DECODE_IMPLS
+    elif case.det:
+        table = DET_IMPLS
     elif case.option and case.dtype in WIDE_DTYPES:
         # naive CuPy attention takes no options; cuflash-tf32 is float32's
         table = tuple(n for n in WIDE_IMPLS
@@ -422,8 +438,12 @@ def self_test():
            4 * b * 32 * 128 * n * (n + 1) // 2)
     dec_mask = visible_mask(dec)
     expect("decode uneven mask counts kv_lens", int(dec_mask.sum()), 40)
+    det = det_cases(DTYPES, HEAD_DIMS, SEQLENS, LAYOUTS)
+    expect("det cases: cuflash and cuflash-det only",
+           {tuple(impls_for(c, ALL_IMPLS)) for c in det}, {DET_IMPLS})
 
     everything = (prefill_cases(PREFILL_KINDS, DTYPES, HEAD_DIMS, SEQLENS, LAYOUTS)
+                  + det
                   + option_cases(LAYOUTS)
                   + prefill_cases(PREFILL_KINDS, WIDE_DTYPES, WIDE_HEAD_DIMS, WIDE_SEQLENS, LAYOUTS)
                   + wide_option_cases(LAYOUTS)

@@ -179,7 +179,7 @@ class Prepared:
     memory: str                       # "cupy" or "torch": whose allocator to watch
 
 
-def prepare_cuflash(env, case, x, precision=None):
+def prepare_cuflash(env, case, x, precision=None, deterministic=False):
     cf = env.cf
     opts = {"causal": case.causal}
     if precision is not None:
@@ -202,7 +202,8 @@ def prepare_cuflash(env, case, x, precision=None):
         return Prepared(lambda: cf.attention(q, k, v, **opts), contextlib.nullcontext, {}, "cupy")
     out, lse = cf.attention(q, k, v, return_lse=True, **opts)
     dout = as_layout(x["dout"], case.layout, "bhnd")
-    return Prepared(lambda: cf.attention_backward(dout, q, k, v, out, lse, **opts),
+    return Prepared(lambda: cf.attention_backward(dout, q, k, v, out, lse,
+                                                  deterministic=deterministic, **opts),
                     contextlib.nullcontext, {}, "cupy")
 
 
@@ -413,7 +414,8 @@ def prepare_naive(env, case, x):
 
 PREPARE = {"cuflash": prepare_cuflash, "fa4": prepare_fa4, "flex": prepare_flex,
            "naive": prepare_naive,
-           "cuflash-tf32": lambda env, case, x: prepare_cuflash(env, case, x, precision="high")}
+           "cuflash-tf32": lambda env, case, x: prepare_cuflash(env, case, x, precision="high"),
+           "cuflash-det": lambda env, case, x: prepare_cuflash(env, case, x, deterministic=True)}
 
 
 def prepare(env, case, x, impl):

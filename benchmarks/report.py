@@ -89,7 +89,8 @@ def collect_meta(cp, cf, torch, args, bf16_dlpack):
 # ---- ratios -----------------------------------------------------------------------------------
 
 def add_ratios(rows):
-    """On every peer row: cuflash / peer = peer time / cuflash time (> 1: cuflash is faster)."""
+    """On every peer row: cuflash / peer = peer time / cuflash time (> 1: cuflash is faster); on a
+    cuflash-det row, deterministic=True's time over the default backward's."""
     cuflash_ms = {r["label"]: r["ms"] for r in rows if r["impl"] == "cuflash" and "ms" in r}
     for r in rows:
         if r["impl"] != "cuflash" and "ms" in r and r["label"] in cuflash_ms:
@@ -145,9 +146,12 @@ def format_table(rows, copy):
             lines.append("")
         previous = r["group"]
         ratio = r.get("cuflash_over_peer")
+        notes = [str(v) for v in (r.get("notes") or {}).values()]
+        if r["impl"] == "cuflash-det" and ratio:
+            # issue 15 bounds deterministic=True's cost: its rows spell their ratio as that cost
+            notes.insert(0, f"det cost {100 * (ratio - 1):+.1f} %")
         note = r.get("error") or r.get("skipped") or "; ".join(
-            [str(v) for v in (r.get("notes") or {}).values()]
-            + (["host-bound?"] if "host_bound_warning" in r else []))
+            notes + (["host-bound?"] if "host_bound_warning" in r else []))
         peak = r.get("peak_bytes")
         lines.append(
             f"{case:<34} {r['nk'] if r['kind'] == 'decode' else r['nq']:>6} {r['impl']:<16} "
