@@ -162,15 +162,30 @@ __device__ __forceinline__ int dq_turn(const Window& w, int jb, int n_blocks, in
 // ... and where every block of the head (nb of them: those up to the last visible key's) sees all
 // M query tiles and block b starts at tile s_b = b M / nb (wrapping around): its place by arrival
 // at tile m, (m - s_b) mod M, ties in block order. below(x): the blocks that start at or before
-// tile x.
+// tile x. In 32 bits (M (nb + 1) <= 2^32, _mma_bwd.ordered_tile): 64-bit divisions are a software
+// routine, four per tile and thread.
 __device__ __forceinline__ int spread_turn(int jb, int nb, int M, int m) {
+  const unsigned unb = nb, uM = M;
   auto below = [&](int x) {
-    const long long n = (static_cast<long long>(x + 1) * nb + M - 1) / M;
-    return static_cast<int>(n < nb ? n : nb);
+    const unsigned n = (static_cast<unsigned>(x + 1) * unb + uM - 1) / uM;
+    return static_cast<int>(n < unb ? n : unb);
   };
-  const int s = static_cast<int>(static_cast<long long>(jb) * M / nb);
+  const int s = static_cast<int>(static_cast<unsigned>(jb) * uM / unb);
   const int ahead = m >= s ? below(m) - below(s) : nb - below(s) + below(m);
   return ahead + jb - below(s - 1);
+}
+// A row's turn: read early by a relaxed load (peek_turn, a tile ahead: its latency hides under
+// the tile's products), waited for (wait_turn, acquire) only if that read had not seen it yet;
+// passed (pass_turn) by a relaxed add once the bulk adds are complete (cp.async.bulk.wait_group
+// 0), without a release: a release is a GPU-scope membar that waits for the next tile's copies
+// in flight. Why the order holds: the predecessor's bulk adds are performed at L2 before its
+// pass is issued, and this block's bulk add is issued only after its load returned the passed
+// value (a control dependency: stores are not issued speculatively). Only the run-to-run
+// determinism rests on it; the sum is atomic either way.
+__device__ __forceinline__ int peek_turn(const int* turn) {
+  int now;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(now) : "l"(turn) : "memory");
+  return now;
 }
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
   int now;
@@ -179,7 +194,7 @@ __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
   } while (now != mine);
 }
 __device__ __forceinline__ void pass_turn(int* turn) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
 }
 
 // DKDV_SBIAS: the staged bias block's row pitch in floats (BLOCK_N + 4: the rows 2 t apart that a
@@ -750,17 +765,21 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // barrier that follows its stores; its bulk group waited for before sDQ is written again).
   static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && THREADS == 4 * BLOCK_M),
                 "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, a row per fourth thread");
-  // ORDER: the row's turn first (dq_rank: the block's place for that tile), then passed on once
-  // the engine has written the row (sdq_free).
-  int dq_rank = 0;
+  // ORDER: the row's turn first (dq_rank: the block's place for that tile; seen: the turn as
+  // peek_turn read it when the tile's products were issued), then passed on once the engine has
+  // written the row (sdq_free).
+  int dq_rank = 0, seen = -1;
   int* turn = nullptr;
+  auto dq_row = [&](int i0, int hd) {  // the row this thread adds of the tile (rows i0, head hd)
+    return (GROUP ? bh + hd : bh) * Nq + i0 + tid / 4;
+  };
   auto add_dq_block = [&]() {
     const int r = tid / 4;
     if (dq_i0 >= 0 && tid % 4 == 0 && dq_i0 + r < Nq) {
-      const long long row = (GROUP ? bh + dq_hd : bh) * Nq + dq_i0 + r;
+      const long long row = dq_row(dq_i0, dq_hd);
       if constexpr (ORDER) {
         turn = dq_turns + row;
-        tcb::wait_turn(turn, dq_rank);
+        if (seen != dq_rank) tcb::wait_turn(turn, dq_rank);
         wg::fence_global();
       }
       wg::bulk_add_f32(dq_acc + row * HEAD_DIM, sDQ + r * DQ_PITCH, HEAD_DIM * 4);
@@ -977,10 +996,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // next tile's top).
     if constexpr (WG) {
       if (DQ_ATOMIC) dq_i0 = i0, dq_hd = head_of(it);
-      if constexpr (ORDER)
+      if constexpr (ORDER) {
         dq_rank = spread ? tcb::spread_turn(j0 / BLOCK_N, jl + 1, n_qt, i0 / BLOCK_M)
                          : tcb::dq_turn<BLOCK_M, BLOCK_N>(w, j0 / BLOCK_N, n_ntiles,
                                                           i0 / BLOCK_M, Nq, late_first);
+        if (tid % 4 == 0 && i0 + tid / 4 < Nq)
+          seen = tcb::peek_turn(dq_turns + dq_row(i0, dq_hd));
+      }
       wg::wait<0>();
       wg::fence_acc(dv);
       wg::fence_acc(dk);
