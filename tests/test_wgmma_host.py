@@ -1,6 +1,7 @@
-"""The Hopper forward's host decisions that need no device (cuflash/_wgmma_fwd.py, _tma.py): how
+"""The Hopper kernels' host decisions that need no device (cuflash/_wgmma_fwd.py, _tma.py): how
 an input's (batch, head) matrices map onto a 4-D tensor map, which problems may stage their mask
-and bias tiles, and which it leaves to fwd_mma."""
+and bias tiles, and which it leaves to fwd_mma; and which backwards add dQ in key-block order
+(cuflash/_mma_bwd.py)."""
 import numpy as np
 import pytest
 
@@ -103,3 +104,27 @@ def test_launch_cache_follows_the_bounds(rng, monkeypatch):
         p = dataclasses.replace(p, **{n: _DeviceLike(getattr(p, n), 1 << (20 + i))
                                       for i, n in enumerate(("q", "k", "v"))})
         assert _wgmma_fwd._launch(p, (64, 64)).mb is aligned, options
+
+
+def test_ordered_dq_takes_problems_its_turns_count_in_32_bits(monkeypatch):
+    """deterministic=True in key-block order (_mma_bwd.ordered_tile): tcb::spread_turn counts
+    query tiles x (key blocks + 1) in 32-bit arithmetic, so a problem beyond 2^32 of them goes to
+    the dq kernel (a wrapped count would rank blocks wrongly and hang their waits)."""
+    from types import SimpleNamespace
+
+    from cuflash import _mma_bwd, _runtime
+    monkeypatch.setattr(_runtime, "device_info", lambda *a: _runtime.DeviceInfo(90, 232448, 132))
+    monkeypatch.setattr(_runtime, "wgmma_available", lambda: True)
+
+    def ordered(Nq, Nk):
+        p = SimpleNamespace(mask=None, bias=None, Nq=Nq, Nk=Nk)
+        return _mma_bwd.ordered_tile(p, (128, 128), (), False)
+
+    tile = ordered(1024, 1024)
+    assert tile is not None and tile.opt & _mma_bwd.OPT_DQ_ORDER
+    blocks = 132  # one key block per multiprocessor, the most ordered_tile takes
+    Nk = blocks * 16 * tile.warps
+    assert ordered(1024, Nk) is not None and ordered(1024, Nk + 1) is None
+    most = 2**32 // (blocks + 1) * tile.block_m  # the longest Nq whose tiles' count fits
+    assert most < 2**31
+    assert ordered(most, Nk) is not None and ordered(most + 1, Nk) is None
