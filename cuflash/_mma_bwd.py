@@ -322,8 +322,8 @@ def ordered_tile(p, dims, names, dropout):
     tile, no mask / bias (the tiles a mask skips would break the order's runs of key blocks), and
     a head's key blocks at most one per multiprocessor (a block may wait for a later block of its
     head, which must then be resident: with at least one block per multiprocessor, it is once
-    the blocks before it are). tcb::spread_turn counts in 32 bits: query tiles
-    times (key blocks + 1) at most 2^32."""
+    the blocks before it are). And query tiles x (key blocks + 1) at most 2^32: tcb::spread_turn
+    counts in 32 bits."""
     if p.mask is not None or p.bias is not None or dims not in ORDER_DIMS:
         return None
     tile = dkdv_tile(dims, False, True, names, dropout)
