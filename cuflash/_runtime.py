@@ -26,6 +26,7 @@ import io
 import math
 import os
 import re
+import struct
 import sys
 import threading
 from collections import namedtuple
@@ -747,7 +748,7 @@ class Launch:
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = int(shared_mem)
         self.lock = threading.Lock()
-        self.slots = None  # (argument index, word of the buffer, is a MemoryPointer)
+        self.fill = None  # writes a call's addresses into the buffer (_address_filler)
         self.structs = ()  # (argument index, byte offset, bytes) of the structured scalars
 
     @staticmethod
@@ -773,21 +774,21 @@ class Launch:
         return bytes(buf), slots
 
     def _build(self, args):
+        cuda = _cuda()
         self.packed, self.layout = self._layout(args)
-        self.buf = np.frombuffer(bytearray(self.packed + bytes(-len(self.packed) % 8)),
-                                 dtype=np.uint64)
+        raw = bytearray(self.packed + bytes(-len(self.packed) % 8))
+        self.buf = np.frombuffer(raw, dtype=np.uint64)  # (over `raw`: the driver reads it)
         base = self.buf.ctypes.data
         self.pointers = np.array([base + off for _, off, _ in self.layout], dtype=np.uint64)
         self.params = self.pointers.ctypes.data  # (a ctypes view per access costs a microsecond)
-        self.slots = tuple((i, off // 8, mp) for i, off, mp in self.layout
-                           if mp is not None and mp != "struct")
-        self.address_slots = tuple((i, w) for i, w, _ in self.slots)
+        self.fill = _address_filler(raw, [(i, off) for i, off, mp in self.layout
+                                          if mp is True or mp is False], cuda.MemoryPointer)
         self.bytes = self.buf.view(np.uint8)
         self.structs = tuple((i, off, off + args[i].dtype.itemsize)
                              for i, off, mp in self.layout if mp == "struct")
         self.written = [args[i] for i, *_ in self.structs]  # the structs in the buffer
-        self.func = self.kern.kernel.ptr
-        self.head = (self.func,) + self.grid + self.block + (self.shared_mem,)
+        self.head = (self.kern.kernel.ptr,) + self.grid + self.block + (self.shared_mem,)
+        self.launch_kernel, self.current_stream = cuda.driver.launchKernel, cuda.get_current_stream
 
     def _check(self, args):
         packed, layout = self._layout(args)
@@ -801,31 +802,49 @@ class Launch:
                                  "between two calls of one recipe")
 
     def __call__(self, args):
-        cuda = _cuda()
         if _capture.keeping:  # (keep_captured)
             keep_captured(args)
         if not PACKED_LAUNCH:  # (a workspace's MemoryPointer passed as its address)
-            args = tuple(np.uint64(x.ptr) if isinstance(x, cuda.MemoryPointer) else x
-                         for x in args)
+            pointer = _cuda().MemoryPointer
+            args = tuple(np.uint64(x.ptr) if isinstance(x, pointer) else x for x in args)
             self.kern(self.grid, self.block, args, shared_mem=self.shared_mem)
             return
-        stream = cuda.get_current_stream().ptr
         with self.lock:
-            if self.slots is None:
+            if self.fill is None:
                 self._build(args)
             elif CHECK_LAUNCHES:
                 self._check(args)
-            words, pointer = self.buf, cuda.MemoryPointer
-            # (an address slot takes an array or a memory pointer, whichever the first call
-            # passed: a forward's lse is either, Problem.lse_unused)
-            for i, w in self.address_slots:
-                x = args[i]
-                words[w] = x.ptr if isinstance(x, pointer) else x.data.ptr
+            self.fill(args)
             for n, (i, start, end) in enumerate(self.structs):
                 if args[i] is not self.written[n]:  # (a layout's AttnArgs is one object)
                     self.bytes[start:end] = np.frombuffer(args[i].tobytes(), dtype=np.uint8)
                     self.written[n] = args[i]
-            cuda.driver.launchKernel(*self.head, stream, self.params, 0)
+            self.launch_kernel(*self.head, self.current_stream().ptr, self.params, 0)
+
+
+def _address_filler(raw, slots, pointer):
+    """fill(args): writes the addresses of the arrays and memory pointers args[i] at byte offsets
+    `off` of `raw` for (i, off) in slots, one struct.pack_into per run of adjacent 8-byte words:
+    a generated function, since a loop over the slots with a NumPy store each cost a third of a
+    small backward's host time (issue 17). A slot takes an array or a memory pointer, whichever
+    a call passes (a forward's lse is either, Problem.lse_unused)."""
+    runs = []  # [byte offset, [argument indices]]
+    for i, off in slots:
+        if runs and runs[-1][0] + 8 * len(runs[-1][1]) == off:
+            runs[-1][1].append(i)
+        else:
+            runs.append([off, [i]])
+    used = sorted({i for i, _ in slots})
+    lines = ["def fill(args):", f"    {', '.join(f'a{i}' for i in used)}, = "
+             f"{', '.join(f'args[{i}]' for i in used)},"]
+    names = {"raw": raw, "MP": pointer}
+    for r, (off, indices) in enumerate(runs):
+        names[f"pack{r}"] = struct.Struct(f"<{len(indices)}Q").pack_into
+        values = ", ".join(f"a{i}.ptr if a{i}.__class__ is MP else a{i}.data.ptr"
+                           for i in indices)
+        lines.append(f"    pack{r}(raw, {off}, {values})")
+    exec("\n".join(lines), names)  # (its source: the offsets and indices above, no input)
+    return names["fill"]
 
 
 @functools.cache
