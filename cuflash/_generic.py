@@ -291,14 +291,17 @@ class BwdLostRows:
     (the tensor-core path's), else made here from lse. With sinks (p.sinks) the sink joins each
     lost row's max and sum, and the row's exact sink probability is written into ``sink_probs``
     (BH, Nq) float64. ``dbias`` (BH, Nq, Nk) in the accumulator dtype (dbias_buffer; None: none):
-    the lost rows' logit gradients are written there. Two small launches that only read flags
-    (and lse) when no row is lost. `cast_dq` (the tensor-core backward): the second also rounds
-    the float32 dq to the inputs' dtype into `dq_out` (its grid then also sized for that).
+    the lost rows' logit gradients are written there (by the second kernel, after every kernel
+    that stores dbias). Two small launches that only read flags (and lse) when no row is lost;
+    one where the rows' part is `settled` already (the tensor-core prep did it). `cast_dq` (the
+    tensor-core backward): the second also rounds the float32 dq to the inputs' dtype into
+    `dq_out` (its grid then also sized for that).
     `group` > 1 (the tensor-core backward's OPT_GROUP): dk, dv are (BH / group, Nk, D), each
     kv head's, summed over its group of consecutive heads. `like` (the tensor-core backward's
     gradients in their inputs' layouts): dk, dv and dq_out have k's, v's and q's strides."""
 
-    def __init__(self, p, kv_dtype, prewritten, cast_dq=False, group=1, like=False):
+    def __init__(self, p, kv_dtype, prewritten, cast_dq=False, group=1, like=False,
+                 settled=False):
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
         rows_expr, keys_expr = lost_name_expressions(p.dtype, kv_dtype == p.dtype,
                                                      _modifiers.names(p), bool(p.dropout_p))
@@ -310,8 +313,8 @@ class BwdLostRows:
             key_blocks = max(key_blocks,
                              min(-(-BH * Nq * p.Dk // (4 * _config.GENERIC_THREADS)), cap))
         threads = (_config.GENERIC_THREADS,)
-        self.rows = _runtime.Launch(_runtime.get_function(LOST_SOURCE, rows_expr),
-                                    (row_blocks,), threads)
+        self.rows = None if settled else _runtime.Launch(
+            _runtime.get_function(LOST_SOURCE, rows_expr), (row_blocks,), threads)
         self.keys = _runtime.Launch(_runtime.get_function(LOST_SOURCE, keys_expr),
                                     (key_blocks,), threads)
         self.limit = np.float64(_config.lost_lse_limit(p.acc_dtype))
@@ -329,8 +332,10 @@ class BwdLostRows:
         common = (p.q, p.k, p.v, dout, out, lse) + tail + (self.limit, stats, flags)
         sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
-        self.rows(common + (dq, self.prewritten) + sinks + (_runtime.ptr(dbias),) + drop)
-        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out), self.group, self.like) + drop)
+        if self.rows is not None:
+            self.rows(common + (dq, self.prewritten) + sinks + drop)
+        self.keys(common + (dk, dv, dq, _runtime.ptr(dq_out), self.group, self.like,
+                            _runtime.ptr(dbias)) + drop)
 
 
 def launch_lost(args, dout, out, lse, dq, dk, dv, sink_probs=None, dbias=None):

@@ -3,8 +3,9 @@ the tile rule, takes_backward, backward().
 
 float16 / bfloat16 on sm_80 and newer, (Dk, Dv) in HEAD_DIMS: Dk == Dv in (32, 64, 96, 128, 192,
 256), and (192, 128). Three kernels per call:
-  bwd_mma_prep   delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty rows), float32,
-                 padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch, head);
+  bwd_mma_prep   (lost_rows.cu) delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf on empty
+                 and lost rows), float32, padded to Nq_pad = round_up(Nq, LSE_PAD) rows per (batch,
+                 head); with dQ atomics it zeroes dQ's sums and adds the lost rows' exact dQ;
   bwd_mma_dkdv   one block per key tile: dK, dV in registers (float32 out), and by default dQ added
                  to a zeroed float32 buffer with red.global.add (order of additions varies run to run);
   bwd_mma_dq     only with deterministic=True: dQ recomputed per query tile with plain stores, and
@@ -104,7 +105,8 @@ OPT_LIKE = 2048
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
-# dkdv, plus 2 x 7 x 2 dq and 2 x 6 prep (by Dv), plus the LARGE_SMEM and wgmma tiles below.
+# dkdv, plus 2 x 7 x 2 dq, plus the LARGE_SMEM and wgmma tiles below, and the prep kernels
+# (lost_rows.cu: by lost-row columns, transforms and dropout; prep_expr).
 DKDV_TILES = {
     (32, 32): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1),
     (64, 64): DkdvTile(block_m=64, warps=8, kv_in_regs=True, min_blocks=1, opt=OPT_SWZ),
@@ -167,9 +169,11 @@ def _b(x):
     return "true" if x else "false"
 
 
-def prep_expr(dtype_name, dims):
-    """The prep kernel reads dout and out: rows of Dv."""
-    return f"bwd_mma_prep<{_CTYPE[dtype_name]}, {dims[1]}>"
+def prep_expr(dtype_name, dims, transforms=(), dropout=False):
+    """The prep kernel (lost_rows.cu, which settles the lost rows too): COLS = 4 lost-row columns
+    per lane up to head dim 128, else 8; the transforms and dropout of the lost-row kernels."""
+    return (f"bwd_mma_prep<{_CTYPE[dtype_name]}, {4 if max(dims) <= 128 else 8}"
+            f"{_generic._transform_arg(transforms, 'double', dropout=dropout)}>")
 
 
 # With a mask / bias and a transform that reads positions (ALiBi), the dims whose dQ tile spills
@@ -354,8 +358,6 @@ def instantiations():
     for dt in _config.MMA_DTYPES:
         exprs = []
         for d in HEAD_DIMS:
-            if prep_expr(dt, d) not in exprs:
-                exprs.append(prep_expr(dt, d))
             for mb in (False, True):
                 tile = (DKDV_TILES_MB if mb else DKDV_TILES)[d]
                 exprs.append(dkdv_expr(dt, d, tile, True, mb))
@@ -412,6 +414,10 @@ def instantiations():
                 exprs.append(dq_expr(dt, d, DQ_TILES[d], mb, (), True))
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]
+        # the prep kernels (lost_rows.cu), each transform chain and dropout without one
+        preps = [prep_expr(dt, d, tf) for tf in TRANSFORMS for d in ((64, 64), (256, 256))]
+        preps += [prep_expr(dt, d, (), True) for d in ((64, 64), (256, 256))]
+        out += [("bwd_mma_prep", dt, None, _generic.LOST_SOURCE, e) for e in preps]
         # the lost-row fix, with dk / dv in the inputs' dtype (no sum follows) or in float32
         for tf in TRANSFORMS:
             rows, keys16 = _generic.lost_name_expressions(dt, True, tf)
@@ -489,7 +495,7 @@ _prepared = _memo.Memo(256)
 # kernel's int32; group: the heads per dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32;
 # atomic: dQ added by the dK/dV kernel; ordered: in OPT_DQ_ORDER's order; like: the gradients in
 # q's, k's and v's layouts (OPT_LIKE)
-Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep lost dkdv dkdv_classes dq sizes "
+Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep dkdv dkdv_classes dq sizes "
                               "out16_arg group group_arg atomic ordered like")
 
 
@@ -539,13 +545,12 @@ def _recipe(p, deterministic):
                                                dropout), dq_smem),
                              (-(-Nq // (16 * dq_tile.warps)) * BH,), (dq_tile.warps * 32,),
                              dq_smem)
-    prep = _runtime.Launch(_function(prep_expr(p.dtype.name, dims), 0),
-                           (-(-BH * nq_pad * 8 // 256),), (256,))
+    prep = _runtime.Launch(_runtime.get_function(_generic.LOST_SOURCE, prep_expr(
+        p.dtype.name, dims, names, dropout)), (-(-BH * nq_pad * 8 // 256),), (256,))
     i32 = np.int32
-    return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep,
-                  np.float32(_config.lost_lse_limit(np.float32)), dkdv, classes, dq,
-                  (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group), atomic,
-                  ordered is not None, like)
+    return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep, dkdv,
+                  classes, dq, (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group),
+                  atomic, ordered is not None, like)
 
 
 class _Backward:
@@ -562,8 +567,10 @@ class _Backward:
     def __init__(self, p, deterministic):
         self.r = r = _recipe(p, deterministic)  # dkdv_tile reads the switch
         BH, Nq, Nk = p.BH, p.Nq, p.Nk
+        # (with dQ atomics prep settles the lost rows: the pair's first kernel is not launched)
         self.lost = _generic.BwdLostRows(p, r.kv_dtype, True, cast_dq=True, group=r.group,
-                                         like=r.like)
+                                         like=r.like, settled=r.atomic)
+        self.settle = np.int32(r.atomic)
         # scratch, one allocation: lse2, delta (BH, Nq_pad) float32 and the lost-row flags
         # (BH, ceil(Nq / 32)) int32 for lost_rows.cu, every entry written by prep; dq's float32
         # sums; the lost-row kernels' per-row doubles. The gradients in the caller's leading
@@ -583,7 +590,6 @@ class _Backward:
             self.grads = _runtime.carving((lead + (Nq, p.Dk), p.dtype),
                                           (kv_lead + (Nk, p.Dk), r.kv_dtype),
                                           (kv_lead + (Nk, p.Dv), r.kv_dtype))
-        self.dk = np.int32(p.Dk)
         self.args = _runtime.KeptArgs(p)
 
     def __call__(self, p, dout, out, lse, sink_probs=None):
@@ -600,15 +606,17 @@ class _Backward:
         turns = turns[0] if turns else _runtime.NULL
         # (with dQ atomics prep zeroes dq, which they add into, and OPT_DQ_ORDER's turns)
         dq_zero = dq if r.atomic else _runtime.NULL
-        r.prep((dout, out, lse, lse2, delta) + r.sizes
-               + (r.lost, lost_flags, dq_zero, self.dk, dout_src, dout_rows, turns))
+        sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
+        drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
+        r.prep((p.q, p.k, p.v, dout, out, lse) + tail
+               + (self.lost.limit, stats, lost_flags, lse2, delta, r.sizes[2], dq_zero, turns,
+                  dout_src, dout_rows, self.settle) + sinks + drop)
         dq_out, dk, dv = _runtime.carved(self.grads)
         # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
         # table must live until the launch is enqueued)
         classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
                            else (_mask_tiles.NO_CLASSES, None))
         dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
-        drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         padded = tail + r.sizes[2:]  # (nq_pad,)
         r.dkdv((p.q, p.k, p.v, dout, lse2, delta, dq_zero, dk, dv, classes) + padded
                + (r.out16_arg, _runtime.ptr(dbias), turns, r.group_arg) + drop)

@@ -2,12 +2,13 @@
 // On sm_90a the dK/dV kernel has a wgmma form (tcb::DKDV_WGMMA, wgmma.cuh): the same body,
 // with its four key-row products as warpgroup instructions.
 //
-//   bwd_mma_prep   per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for an
-//                  empty row), both float32 in (BH, Nq_pad) buffers padded with (+inf, 0) rows, so
-//                  that the main kernels load them in 16-byte copies with no bounds test, and
-//                  P = exp2(s * scale * log2(e) - lse2) is exactly 0 on empty and padding rows;
-//                  with dQ atomics it also zeroes the row's float32 dQ (dq_zero); dO in another
-//                  layout is copied to (BH, Nq, Dv) rows on the way.
+//   bwd_mma_prep   (lost_rows.cu) per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e)
+//                  (+inf for an empty or lost row), both float32 in (BH, Nq_pad) buffers padded
+//                  with (+inf, 0) rows, so that the main kernels load them in 16-byte copies with
+//                  no bounds test, and P = exp2(s * scale * log2(e) - lse2) is exactly 0 on empty
+//                  and padding rows; with dQ atomics it also zeroes the row's float32 dQ (dq_zero)
+//                  and adds the lost rows' exact dQ; dO in another layout is copied to
+//                  (BH, Nq, Dv) rows on the way.
 //   bwd_mma_dkdv   one block per key tile of BLOCK_N = 16 * NWARPS keys of one (batch, head);
 //                  warp w owns keys [16 w, 16 w + 16) of the tile, K and V stay in shared memory
 //                  (or registers), dK and dV accumulate in float32 registers. The block walks the
@@ -57,20 +58,6 @@ constexpr int LSE_PAD = 128;
 
 namespace tcb {
 using tc::u32;
-
-// Two 16-bit values packed in one 32-bit word, as floats (lo = the lower address).
-template <typename T> __device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi);
-template <> __device__ __forceinline__ void unpack2<bf16_t>(u32 x, float& lo, float& hi) {
-  lo = __uint_as_float(x << 16);
-  hi = __uint_as_float(x & 0xffff0000u);
-}
-template <> __device__ __forceinline__ void unpack2<half_t>(u32 x, float& lo, float& hi) {
-  half_t a, b;
-  a.bits = static_cast<unsigned short>(x & 0xffffu);
-  b.bits = static_cast<unsigned short>(x >> 16);
-  lo = to_float(a);
-  hi = to_float(b);
-}
 
 // bwd_mma_dkdv OPT bits (0: the mma.sync kernel on padded tiles):
 //   DKDV_SWZ     K, V, Q and dO tiles unpadded (rows of HEAD_DIM * 2 bytes, a multiple of 128)
@@ -431,72 +418,6 @@ __device__ __forceinline__ KeyBlock<T> key_block(long long bh, int j0, const T* 
   return b;
 }
 }  // namespace tcb
-
-// Grid: 1-D over BH * Nq_pad * 8 threads; 8 lanes per row, 16-byte loads. dout: (BH, Nq, DV) rows
-// read; or, where dout_src is another array (the caller's dO in any layout of 16-byte rows:
-// dout_rows[bh] the element offset of head bh's matrix, dout_rows[BH] its row stride), read
-// there and written to dout, which the other kernels then read: no separate copy pass. (Always
-// two addresses, so that a layout's launch takes either: dout_src = dout_rows = dout for none.)
-// dq_turns (DKDV_DQ_ORDER, else null): zeroed with dq's rows.
-template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(256)
-bwd_mma_prep(T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
-             float* __restrict__ lse2, float* __restrict__ delta, int BH, int Nq, int Nq_pad,
-             float lost, int* __restrict__ lost_flags, float* __restrict__ dq_zero, int Dk,
-             const T* dout_src, const long long* dout_rows, int* __restrict__ dq_turns) {
-  const bool copy = dout_src != dout;
-  constexpr int LPR = 8;              // lanes per row
-  constexpr int CPR = HEAD_DIM / 8;   // 16-byte chunks per row
-  const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
-  const int sub = threadIdx.x % LPR;
-  const bool valid = row < static_cast<long long>(BH) * Nq_pad;
-  const long long bh = row / Nq_pad;
-  const int i = static_cast<int>(row % Nq_pad);
-  const bool real = valid && i < Nq;
-  float sum = 0.f;
-  if (real) {
-    uint4* dc = reinterpret_cast<uint4*>(dout + (bh * Nq + i) * HEAD_DIM);
-    const uint4* d = copy ? reinterpret_cast<const uint4*>(dout_src + dout_rows[bh] +
-                                                           i * dout_rows[BH])
-                          : dc;
-    const uint4* o = reinterpret_cast<const uint4*>(out + (bh * Nq + i) * HEAD_DIM);
-#pragma unroll
-    for (int c = sub; c < CPR; c += LPR) {
-      const uint4 a = d[c], b = o[c];
-      if (copy) dc[c] = a;
-      const tc::u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float a0, a1, b0, b1;
-        tcb::unpack2<T>(av[e], a0, a1);
-        tcb::unpack2<T>(bv[e], b0, b1);
-        sum = fmaf(a0, b0, sum);
-        sum = fmaf(a1, b1, sum);
-      }
-    }
-  }
-#pragma unroll
-  for (int off = LPR / 2; off > 0; off /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, off, LPR);
-  if (dq_zero != nullptr && real) {  // dQ's float32 rows, which bwd_mma_dkdv's atomics add to
-    float4* z = reinterpret_cast<float4*>(dq_zero + (bh * Nq + i) * static_cast<long long>(Dk));
-    for (int c = sub; c < Dk / 4; c += LPR) z[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (dq_turns != nullptr && sub == 0) dq_turns[bh * Nq + i] = 0;  // (DKDV_DQ_ORDER)
-  }
-  const float l = real ? lse[bh * Nq + i] : neg_inf<float>();
-  // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
-  // Lost rows (finite |lse| >= lost: lse cannot carry log(l)) likewise, with delta 0: they
-  // contribute nothing here, and lost_rows.cu adds their exact gradients; this block's 32 rows
-  // (one (batch, head): Nq_pad is a multiple of 32) share one flag there. A NaN lse stays NaN.
-  const bool is_lost = l - l == 0.f && fabsf(l) >= lost;
-  const bool skip = l == neg_inf<float>() || is_lost;
-  if (valid && sub == 0) {
-    lse2[row] = skip ? pos_inf<float>() : l * LOG2E;
-    delta[row] = real && !skip ? sum : 0.f;
-  }
-  const int any = __syncthreads_or(is_lost);
-  const int i0 = static_cast<int>((static_cast<long long>(blockIdx.x) * (256 / LPR)) % Nq_pad);
-  if (threadIdx.x == 0 && i0 < Nq) lost_flags[bh * ((Nq + 31) / 32) + i0 / 32] = any;
-}
 
 // P^T's fragments 2 kk, 2 kk + 1 as the A operand of dV += P^T dO; with dropout (philox.cuh
 // dropped_keys' bits `zb`) the dropped entries 0 and the kept ones times rscale.

@@ -45,20 +45,78 @@
       const T *__restrict__ dout, const T *__restrict__ out, const Acc *__restrict__ lse,      \
       ATTN_INPUTS(Acc), const AttnArgs a, double lost, double *__restrict__ stats,              \
       int *__restrict__ flags
+// One warp's exact backward of lost row `row` of the flattened (BH, Nq): its max m, sum l and
+// delta into stats (BH, Nq, 3); with a sink (sinks: (BH,) each (batch, head)'s sink logit, -inf:
+// none; nullptr without sinks) the sink is one more term of m and l, and its probability goes to
+// sink_probs (BH, Nq); then dq's row += scale * dS K. dout_row: the row of dO (the caller's or
+// the contiguous copy). COLS: head-dim columns per lane (COLS * 32 >= Dk, Dv).
+template <typename T, typename Acc, typename F, int COLS, typename... Drop>
+__device__ __forceinline__ void lost_row_backward(LOST_PARAMS, Acc* __restrict__ dq,
+                                                  const double* __restrict__ sinks,
+                                                  double* __restrict__ sink_probs,
+                                                  const T* dout_row, long long row,
+                                                  const Drop... drop) {
+  ATTN_ARGS_LOCALS(a, double);
+  const int lane = threadIdx.x % 32;
+  const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
+  const long long bh = row / Nq, i = row % Nq;
+  const LostHead<T, Acc, F> h = LOST_HEAD(dout);
+  const auto dz = dropout_at<double>(bh, drop...);
+  double qi[COLS], doi[COLS], dqi[COLS];
+  load_row(qi, h.q + i * h.q_rs, Dk);
+  load_row(doi, dout_row, Dv);
+  const double delta = dot(doi, out + (bh * Nq + i) * Dv, Dv);
+  const KeyRange kr = key_range(h.w, i);
+  // The row's max and sum, online (a -inf logit adds nothing).
+  double m = neg_inf, l = 0.0;
+  for (long long j = kr.lo; j <= kr.hi; ++j) {
+    double x, g = 1.0;
+    const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+    if (!h.logit(x, qk, i, j, g) || x == neg_inf) continue;
+    add_logit(m, l, x);
+  }
+  if (sinks != nullptr && sinks[bh] != neg_inf) {  // the sink column: a logit of value 0
+    add_logit(m, l, sinks[bh]);
+    if (lane == 0) sink_probs[row] = exp(sinks[bh] - m) / l;
+  }
+  if (lane == 0) {
+    stats[3 * row + 0] = m;
+    stats[3 * row + 1] = l;
+    stats[3 * row + 2] = delta;
+  }
+  // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta) F'.
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) dqi[c] = 0.0;
+  for (long long j = kr.lo; j <= kr.hi; ++j) {
+    double x, g = 1.0;
+    const double qk = dot(qi, h.k + j * h.k_rs, Dk);
+    if (!h.logit(x, qk, i, j, g)) continue;
+    const double p = exp(x - m) / l;
+    const bool kept = dz.keep(i, j);  // warp-uniform
+    const double ds =
+        p * ((kept ? dz.scaled(dot(doi, h.v + j * h.v_rs, Dv)) : 0.0) - delta) * g;
+    axpy(dqi, ds, h.k + j * h.k_rs, Dk);
+  }
+  Acc* dq_row = dq + row * Dk;
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    const int col = lane + 32 * c;
+    if (col < Dk) add_to(dq_row + col, h.scale * dqi[c]);
+  }
+}
+
 // Grid: a stride of warps over items of 128 rows of one (batch, head). flags: (BH, ceil(Nq / 32)),
 // one per 32 rows of a (batch, head): read when `prewritten` (the tensor-core preprocess wrote
-// them), else written here from lse. stats: (BH, Nq, 3) = m, l, delta of lost rows only. sinks:
-// (BH,) each (batch, head)'s sink logit (-inf: none), or nullptr without sinks; sink_probs:
-// (BH, Nq), the lost rows' sink probabilities written (nullptr without sinks). dbias (nullptr:
-// none): (BH, Nq, Nk), the lost rows' logit gradients P (dP - delta) written over the visible keys.
+// them), else written here from lse. stats: (BH, Nq, 3) = m, l, delta of lost rows only; sinks,
+// sink_probs as lost_row_backward takes them. (The lost rows' logit gradients, dbias, are
+// bwd_lost_keys', which runs after every kernel that stores dbias.)
 template <typename T, typename Acc, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* __restrict__ sinks,
-              double* __restrict__ sink_probs, Acc* __restrict__ dbias,
-              const Drop... drop) {
-  ATTN_ARGS_LOCALS(a, double);
+              double* __restrict__ sink_probs, const Drop... drop) {
+  const int Nq = a.Nq, Dv = a.Dv;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
-  const long long n_items = static_cast<long long>(BH) * ((Nq + LOST_SEG - 1) / LOST_SEG);
+  const long long n_items = static_cast<long long>(a.BH) * ((Nq + LOST_SEG - 1) / LOST_SEG);
   const int lane = threadIdx.x % 32;
   for (long long item = static_cast<long long>(blockIdx.x) * LOST_WARPS + threadIdx.x / 32;
        item < n_items; item += static_cast<long long>(gridDim.x) * LOST_WARPS) {
@@ -76,57 +134,121 @@ bwd_lost_rows(LOST_PARAMS, Acc* __restrict__ dq, int prewritten, const double* _
     if (lane == e) bits = b;
   }
   const long long row0 = bh * Nq + static_cast<long long>(c_first) * LOST_CHUNK;
-  const double neg_inf = -__longlong_as_double(0x7ff0000000000000LL);
   for_each_row(bits, row0, [&](long long row) {
-    const long long bh = row / Nq, i = row % Nq;
-    const LostHead<T, Acc, F> h = LOST_HEAD(dout);
-    const auto dz = dropout_at<double>(bh, drop...);
-    double qi[LOST_COLS], doi[LOST_COLS], dqi[LOST_COLS];
-    load_row(qi, h.q + i * h.q_rs, Dk);
-    load_row(doi, h.dout + i * Dv, Dv);
-    const double delta = dot(doi, out + (bh * Nq + i) * Dv, Dv);
-    const KeyRange kr = key_range(h.w, i);
-    // The row's max and sum, online (a -inf logit adds nothing).
-    double m = neg_inf, l = 0.0;
-    for (long long j = kr.lo; j <= kr.hi; ++j) {
-      double x, g = 1.0;
-      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-      if (!h.logit(x, qk, i, j, g) || x == neg_inf) continue;
-      add_logit(m, l, x);
-    }
-    if (sinks != nullptr && sinks[bh] != neg_inf) {  // the sink column: a logit of value 0
-      add_logit(m, l, sinks[bh]);
-      if (lane == 0) sink_probs[row] = exp(sinks[bh] - m) / l;
-    }
-    if (lane == 0) {
-      stats[3 * row + 0] = m;
-      stats[3 * row + 1] = l;
-      stats[3 * row + 2] = delta;
-    }
-    // dq = scale * sum_j dS_ij k_j with P = exp(x - m) / l, dS = P (dO . v_j - delta) F'.
-#pragma unroll
-    for (int c = 0; c < LOST_COLS; ++c) dqi[c] = 0.0;
-    for (long long j = kr.lo; j <= kr.hi; ++j) {
-      double x, g = 1.0;
-      const double qk = dot(qi, h.k + j * h.k_rs, Dk);
-      if (!h.logit(x, qk, i, j, g)) continue;
-      const double p = exp(x - m) / l;
-      const bool kept = dz.keep(i, j);  // warp-uniform
-      const double dlogit =
-          p * ((kept ? dz.scaled(dot(doi, h.v + j * h.v_rs, Dv)) : 0.0) - delta);
-      if (dbias != nullptr && lane == 0)  // the bias's gradient (before F')
-        dbias[row * Nk + j] = static_cast<Acc>(p == 0.0 ? 0.0 : dlogit);
-      const double ds = dlogit * g;
-      axpy(dqi, ds, h.k + j * h.k_rs, Dk);
-    }
-    Acc* dq_row = dq + row * Dk;
-#pragma unroll
-    for (int c = 0; c < LOST_COLS; ++c) {
-      const int col = lane + 32 * c;
-      if (col < Dk) add_to(dq_row + col, h.scale * dqi[c]);
-    }
+    lost_row_backward<T, Acc, F, LOST_COLS>(q, k, v, dout, out, lse, offsets, mask, bias,
+                                            kv_lens, a, lost, stats, flags, dq, sinks,
+                                            sink_probs, dout + row * Dv, row, drop...);
   });
   }  // items
+}
+
+// Half h (0: the low 16 bits) of a 32-bit word of two 16-bit T, as float.
+template <typename T>
+__device__ __forceinline__ float half_word(unsigned w, int h) {
+  T t;
+  t.bits = static_cast<unsigned short>(h ? w >> 16 : w & 0xffffu);
+  return to_float(t);
+}
+
+// The tensor-core backward's preprocess (cuflash/_mma_bwd.py), with its lost rows' backward.
+// Grid: 1-D over BH * Nq_pad * 8 threads, 256 a block (32 rows of one (batch, head): Nq_pad is a
+// multiple of 32; one lost-row flag); 8 lanes per row, 16-byte loads. Per row: delta =
+// rowsum(dO * O) and lse2 = lse * log2(e), float32, padded to Nq_pad rows per (batch, head); an
+// empty or lost row gets lse2 = +inf and delta = 0, so that the main kernels skip it. dout: (BH,
+// Nq, Dv) rows read; or, where dout_src is another array (the caller's dO in any layout of
+// 16-byte rows: dout_rows[bh] the element offset of head bh's matrix, dout_rows[BH] its row
+// stride), read there and written to dout, which the other kernels then read: no separate copy
+// pass. (Always two addresses, so that a layout's launch takes either: dout_src = dout_rows =
+// dout for none.) dq_zero (dQ added by the dK/dV kernel's atomics, else null): dQ's float32
+// rows zeroed, and dq_turns (DKDV_DQ_ORDER, else null) with them. Then, with `settle` (dQ
+// zeroed here), the block's lost rows' exact backward (lost_row_backward, a warp a row, into the
+// zeroed dq, before any dK/dV block adds to it); without, bwd_lost_rows runs it after the dQ
+// kernel. COLS: head-dim columns per lane of the lost rows (COLS * 32 >= Dk, Dv).
+template <typename T, int COLS, typename F = NoTransform, typename... Drop>
+__global__ void __launch_bounds__(256, 1)
+bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+             T* dout, const T* __restrict__ out, const float* __restrict__ lse,
+             ATTN_INPUTS(float), const AttnArgs a, double lost, double* __restrict__ stats,
+             int* __restrict__ flags, float* __restrict__ lse2, float* __restrict__ delta,
+             int Nq_pad, float* __restrict__ dq_zero, int* __restrict__ dq_turns,
+             const T* dout_src, const long long* dout_rows, int settle,
+             const double* __restrict__ sinks, double* __restrict__ sink_probs,
+             const Drop... drop) {
+  const int BH = a.BH, Nq = a.Nq, Dk = a.Dk, Dv = a.Dv;
+  const bool copy = dout_src != dout;
+  constexpr int LPR = 8;  // lanes per row
+  const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
+  const int sub = threadIdx.x % LPR;
+  const bool valid = row < static_cast<long long>(BH) * Nq_pad;
+  const long long bh = row / Nq_pad;
+  const int i = static_cast<int>(row % Nq_pad);
+  const bool real = valid && i < Nq;
+  const T* src = nullptr;  // this row of the caller's dO
+  float sum = 0.f;
+  if (real) {
+    uint4* dc = reinterpret_cast<uint4*>(dout + (bh * Nq + i) * Dv);
+    src = copy ? dout_src + dout_rows[bh] + i * dout_rows[BH] : dout + (bh * Nq + i) * Dv;
+    const uint4* d = reinterpret_cast<const uint4*>(src);
+    const uint4* o = reinterpret_cast<const uint4*>(out + (bh * Nq + i) * Dv);
+    // the row's 16-byte chunks c = sub, sub + 8, ... < Dv / 8 (at most COLS / 2 per lane)
+    uint4 av[COLS / 2], bv[COLS / 2];
+#pragma unroll
+    for (int u = 0; u < COLS / 2; ++u) {
+      if (sub + LPR * u < Dv / 8) {
+        av[u] = d[sub + LPR * u];
+        bv[u] = o[sub + LPR * u];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < COLS / 2; ++u) {
+      if (sub + LPR * u < Dv / 8) {
+        if (copy) dc[sub + LPR * u] = av[u];
+        const unsigned aw[4] = {av[u].x, av[u].y, av[u].z, av[u].w};
+        const unsigned bw[4] = {bv[u].x, bv[u].y, bv[u].z, bv[u].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // elements 2 e (the word's low half) and 2 e + 1
+          sum = fmaf(half_word<T>(aw[e], 0), half_word<T>(bw[e], 0), sum);
+          sum = fmaf(half_word<T>(aw[e], 1), half_word<T>(bw[e], 1), sum);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off /= 2) sum += __shfl_xor_sync(FULL_WARP, sum, off, LPR);
+  if (dq_zero != nullptr && real) {  // dQ's float32 rows, which bwd_mma_dkdv's atomics add to
+    float4* z = reinterpret_cast<float4*>(dq_zero + (bh * Nq + i) * static_cast<long long>(Dk));
+    for (int c = sub; c < Dk / 4; c += LPR) z[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (dq_turns != nullptr && sub == 0) dq_turns[bh * Nq + i] = 0;  // (DKDV_DQ_ORDER)
+  }
+  const float l = real ? lse[bh * Nq + i] : neg_inf<float>();
+  // -inf (empty row) -> +inf: exp2(x - lse2) = 0 for every finite or -inf x, no test needed.
+  // Lost rows (finite |lse| >= lost: lse cannot carry log(l)) likewise, with delta 0: they
+  // contribute nothing in the main kernels. A NaN lse stays NaN.
+  const bool row_lost = real && is_lost(static_cast<double>(l), lost);
+  const bool skip = l == neg_inf<float>() || row_lost;
+  if (valid && sub == 0) {
+    lse2[row] = skip ? pos_inf<float>() : l * LOG2E;
+    delta[row] = real && !skip ? sum : 0.f;
+  }
+  __shared__ unsigned char lost_rows[256 / LPR];  // the block's rows that are lost
+  if (sub == 0) lost_rows[threadIdx.x / LPR] = row_lost;
+  const int any = __syncthreads_or(row_lost);  // (also: dq's zeroed rows seen by the block)
+  const long long row0 = static_cast<long long>(blockIdx.x) * (256 / LPR);  // (padded index)
+  const int i0 = static_cast<int>(row0 % Nq_pad);
+  if (threadIdx.x == 0 && i0 < Nq) flags[(row0 / Nq_pad) * ((Nq + 31) / 32) + i0 / 32] = any;
+  if (!any || !settle) return;
+  const int warp = threadIdx.x / 32;
+#pragma unroll 1
+  for (int r = warp; r < 256 / LPR; r += 256 / 32) {
+    if (!lost_rows[r]) continue;  // warp-uniform
+    const long long lrow = (row0 / Nq_pad) * Nq + i0 + r;
+    // (the caller's dO row: this block's copy of it may not be visible to this warp's loads)
+    const T* dout_row = copy ? dout_src + dout_rows[row0 / Nq_pad] + (i0 + r) * dout_rows[BH]
+                             : dout + lrow * Dv;
+    lost_row_backward<T, float, F, COLS>(q, k, v, dout, out, lse, offsets, mask, bias, kv_lens,
+                                         a, lost, stats, flags, dq_zero, sinks, sink_probs,
+                                         dout_row, lrow, drop...);
+  }
 }
 
 // Grid: ceil(BH * ceil(Nk / LOST_SEG) / LOST_WARPS) blocks, after bwd_lost_rows (stats, flags):
@@ -216,7 +338,8 @@ __device__ __forceinline__ void cast_dq_rows(const Acc* __restrict__ dq, T* __re
 template <typename T, typename Acc, typename DK, typename F = NoTransform, typename... Drop>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
 bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* __restrict__ dq,
-              T* __restrict__ dq_out, int group, int like, const Drop... drop) {
+              T* __restrict__ dq_out, int group, int like, Acc* __restrict__ dbias,
+              const Drop... drop) {
   ATTN_ARGS_LOCALS(a, double);
   const long long n_items = (Nk + LOST_SEG - 1) / LOST_SEG;
   const int n_chunks = (Nq + LOST_CHUNK - 1) / LOST_CHUNK;
@@ -274,7 +397,11 @@ bwd_lost_keys(LOST_PARAMS, DK* __restrict__ dk, DK* __restrict__ dv, const Acc* 
         const double* st = stats + 3 * r;
         const double p = exp(x - st[0]) / st[1];
         const bool kept = dz.keep(i, j);  // warp-uniform
-        const double ds = p * ((kept ? dz.scaled(dot(vj, h.dout + i * Dv, Dv)) : 0.0) - st[2]) * g;
+        const double dlogit =
+            p * ((kept ? dz.scaled(dot(vj, h.dout + i * Dv, Dv)) : 0.0) - st[2]);
+        if (dbias != nullptr && lane == 0)  // the bias's gradient (before F')
+          dbias[r * Nk + j] = static_cast<Acc>(p == 0.0 ? 0.0 : dlogit);
+        const double ds = dlogit * g;
         axpy(dkj, ds, h.q + i * h.q_rs, Dk);
         if (kept) axpy(dvj, dz.scaled(p), h.dout + i * Dv, Dv);
         touched = true;

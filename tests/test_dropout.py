@@ -338,7 +338,8 @@ def test_which_paths_take_dropout():
     the mma.sync and Hopper forwards' tiles without transforms or sinks (each settles its own
     lost rows: no fwd_lost_rows) and
     the tensor-core backward's without transforms (dK/dV with and without dQ atomics on the
-    mma.sync tiles and, at D = 64 and 128, the wgmma ones; dQ; no grid, not D=96)."""
+    mma.sync tiles and, at D = 64 and 128, the wgmma ones; dQ; no grid, not D=96; its prep,
+    which settles lost rows, by lost-row columns)."""
     for path in _gpu.PATHS:
         assert path.DROPOUT is (path in (_generic, _mma_fwd, _mma_bwd, _wgmma_fwd)), path.__name__
     exprs = [e for *_, e in _gpu.instantiations() if "DropoutArgs" in e]
@@ -346,10 +347,10 @@ def test_which_paths_take_dropout():
     for e in exprs:
         kinds[e.split("<")[0]] = kinds.get(e.split("<")[0], 0) + 1
     assert kinds == {"fwd_generic": 64, "bwd_dkdv": 64, "bwd_dq": 64, "bwd_lost_rows": 16,
-                     "bwd_lost_keys": 18, "fwd_mma": 24,
+                     "bwd_lost_keys": 18, "fwd_mma": 24, "bwd_mma_prep": 4,
                      "bwd_mma_dkdv": 64, "bwd_mma_dq": 24, "fwd_wgmma": 40}
-    assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs if e.startswith(("fwd_mma",
-                                                                                 "bwd_mma")))
+    assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs
+               if e.startswith(("fwd_mma", "bwd_mma_dkdv", "bwd_mma_dq")))
     assert all("NoTransform, false, DropoutArgs" in e for e in exprs if e.startswith("fwd_wgmma"))
     assert not any(e.startswith("bwd_mma_dkdv_grid") for e in exprs)
     wg = {e for e in exprs if e.startswith("bwd_mma_dkdv") and int(e.rsplit(",", 2)[-2]) &

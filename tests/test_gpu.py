@@ -207,6 +207,29 @@ def test_gqa_in_the_kernel_with_lost_rows(dims, rng, override):
     check(q, k, v, rng, causal=True)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (256, 256)], ids=lambda d: f"{d[0]}x{d[1]}")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_lost_rows_settled_by_the_prep_in_any_layout(dims, deterministic, rng):
+    """Lost rows (logits near 4800) with q, k, v and dout as (B, H, N, D) views of (B, N, H, D)
+    buffers: with dQ atomics the tensor-core prep settles them (bwd_mma_prep reads the caller's
+    dO row, whose contiguous copy it writes, and adds each lost row's exact dQ into the sums it
+    zeroed; no bwd_lost_rows), its lost-row columns 4 (D = 64) and 8 (D = 256) per lane;
+    deterministic (a dQ kernel with plain stores at these dims): bwd_lost_rows after it."""
+    B, H, Nq, Nk, dtype = 1, 4, 70, 150, "bfloat16" if BFLOAT16 is not None else "float16"
+    q = rng.standard_normal((B, Nq, H, dims[0]))
+    q[0, ::5, 1] = 600.0 / np.sqrt(dims[0] / 64)  # logits ~ 4800: lost rows in head 1
+    q[0, 3, 3] = -600.0 / np.sqrt(dims[0] / 64)   # and one in head 3
+    k = rng.uniform(0.5, 1.5, (B, Nk, H, dims[0]))
+    v = rng.standard_normal((B, Nk, H, dims[1]))
+    q, k, v = (to_device(x, dtype_of(dtype)).swapaxes(1, 2) for x in (q, k, v))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert (np.abs(to_host(lse)) >= 4096).sum() >= 14
+    dout = to_device(rng.standard_normal((B, Nq, H, dims[1])), dtype_of(dtype)).swapaxes(1, 2)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                       deterministic=deterministic)
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
 # The wide tensor-core path (fwd_wide, bwd_wide: float32 on TF32, three products per GEMM;
 # float64 on DMMA): the sweep's cases plus mask / bias, Dk != Dv within a bucket, the largest buckets and
 # logits beyond the folded exp2's range (float32 rows then go to fwd_lost_rows). Cases whose head

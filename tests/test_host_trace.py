@@ -23,6 +23,10 @@ import pytest
 
 FAKE = Path(__file__).resolve().parent / "fake_cupy.py"
 
+# bwd_mma_prep's parameters (lost_rows.cu): q, k, v, dout, out, lse, the four ATTN_INPUTS,
+# AttnArgs, lost, stats, flags, lse2, delta, Nq_pad, then these
+PREP_DQ, PREP_SRC, PREP_SETTLE = 17, 19, 21  # dq_zero (dq_turns next); dout_src, dout_rows; settle
+
 
 def _trace(tmp_path, *cases):
     out = tmp_path / "trace.json"
@@ -109,40 +113,42 @@ def test_the_forward_is_one_launch(trace):
 
 
 def test_the_backward_rounds_dq_in_its_last_kernel(trace):
-    """A known shape of the trace: the dense bf16 backward on the tensor cores is four launches and
-    nothing else (no memset, no CuPy cast): prep zeroes dq's float32 sums, bwd_mma_dkdv adds into
-    them, and bwd_lost_keys, last, rounds them into the dq it returns."""
+    """A known shape of the trace: the dense bf16 backward on the tensor cores is three launches
+    and nothing else (no memset, no CuPy cast): prep zeroes dq's float32 sums (and settles the
+    lost rows into them: no bwd_lost_rows), bwd_mma_dkdv adds into them, and bwd_lost_keys, last,
+    rounds them into the dq it returns."""
     events = trace["small/bwd/1"]
-    assert [e[0] for e in events] == ["launch"] * 4
-    prep, dkdv, rows, keys = events
+    assert [e[0] for e in events] == ["launch"] * 3
+    prep, dkdv, keys = events
     assert [e[1].split("<")[0] for e in events] == ["bwd_mma_prep", "bwd_mma_dkdv",
-                                                    "bwd_lost_rows", "bwd_lost_keys"]
-    dq32 = prep[5][10]  # (dout, out, lse, lse2, delta, BH, Nq, nq_pad, lost, flags, dq_zero, Dk)
+                                                    "bwd_lost_keys"]
+    dq32 = prep[5][PREP_DQ]
+    assert prep[5][PREP_SETTLE] == [1]
     assert dkdv[5][6] == dq32 and keys[5][16] == dq32  # dkdv's dq; lost_keys' (..., dq, dq_out)
     assert keys[5][17] not in (dq32, ["ptr", None])
 
 
 def test_the_deterministic_backward_adds_dq_in_order(trace):
     """A known shape of the trace: the deterministic bf16 backward on Hopper's bulk-dQ tiles
-    (GQA causal, 132 multiprocessors) is the default's four launches, not five: bwd_mma_dkdv
+    (GQA causal, 132 multiprocessors) is the default's three launches, not five: bwd_mma_dkdv
     with OPT_DQ_ORDER (and OPT_GROUP) adds dQ in its fixed order, no dq kernel recomputes it;
     prep zeroes dq's sums and the rows' turns (two parts of the stream's scratch), which dkdv
     takes."""
     from cuflash import _mma_bwd
     events = trace["deterministic/bwd/1"]
     assert [e[1].split("<")[0] for e in events] == ["bwd_mma_prep", "bwd_mma_dkdv",
-                                                    "bwd_lost_rows", "bwd_lost_keys"]
+                                                    "bwd_lost_keys"]
     prep, dkdv = events[:2]
     opt = int(dkdv[1].rsplit(",", 1)[1].strip(" >"))
     assert opt & _mma_bwd.OPT_DQ_ORDER and opt & _mma_bwd.OPT_GROUP, dkdv[1]
-    dq32, turns = prep[5][10], prep[5][14]  # (..., dq_zero, Dk, dout_src, dout_rows, turns)
+    dq32, turns = prep[5][PREP_DQ], prep[5][PREP_DQ + 1]  # (..., dq_zero, dq_turns, ...)
     assert turns[1][0] == "table" and turns != dq32, (turns, dq32)
     assert dkdv[5][6] == dq32 and dkdv[5][-2] == turns  # (..., dbias, turns, group)
 
 
 def test_a_bnhd_backward_copies_nothing(trace):
     """A known shape of the trace: with q, k, v and dout as (B, H, N, D) views of (B, N, H, D)
-    buffers, the backward is the same four launches and nothing else: prep reads dout in place
+    buffers, the backward is the same three launches and nothing else: prep reads dout in place
     through its offset table and writes the (BH, Nq, Dv) rows the other kernels read (no CuPy
     copy before it), and the gradients are written in q's, k's and v's layouts (no transpose
     after)."""
@@ -153,22 +159,22 @@ def test_a_bnhd_backward_copies_nothing(trace):
 
     for call in ("bnhd/bwd/1", "bnhd/bwd/2"):
         events = trace[call]
-        assert [e[0] for e in events] == ["launch"] * 4, call
+        assert [e[0] for e in events] == ["launch"] * 3, call
         prep, dkdv = events[:2]
         assert prep[1].startswith("bwd_mma_prep<")
-        # (dout, out, ..., Dk, dout_src, dout_rows): dout a new buffer, dout_src the caller's
+        # (q, k, v, dout, ..., dout_src, dout_rows): dout a new buffer, dout_src the caller's
         # (also new: an input of this call), dout_rows a cached table; dkdv reads prep's dout
-        dout, src, rows = prep[5][0], prep[5][12], prep[5][13]
+        dout, src, rows = prep[5][3], prep[5][PREP_SRC], prep[5][PREP_SRC + 1]
         assert dout[1][0] == "new" and src[1][0] == "new" and dout != src, call
         assert rows[1][0] == "table" and dkdv[5][3] == dout, call
         # the gradients in the inputs' layouts: dkdv with OPT_LIKE (its last template
-        # argument), bwd_lost_keys' `like` (its last parameter)
-        keys = events[3]
+        # argument), bwd_lost_keys' `like` (its parameter 19: ..., group, like, dbias)
+        keys = events[2]
         assert opt(dkdv) & _mma_bwd.OPT_LIKE, dkdv[1]
-        assert keys[1].startswith("bwd_lost_keys<") and keys[5][-1] == [1]
+        assert keys[1].startswith("bwd_lost_keys<") and keys[5][19] == [1]
     mid = trace["mid/bwd/1"]  # the same shape stored (B, H, N, D): no copy, no table
-    assert mid[0][5][0] == mid[0][5][12] == mid[0][5][13], mid[0]
-    assert not opt(mid[1]) & _mma_bwd.OPT_LIKE and mid[3][5][-1] == [0]
+    assert mid[0][5][3] == mid[0][5][PREP_SRC] == mid[0][5][PREP_SRC + 1], mid[0]
+    assert not opt(mid[1]) & _mma_bwd.OPT_LIKE and mid[2][5][19] == [0]
 
 
 def test_device_lengths_are_read_in_place(trace):
