@@ -338,7 +338,7 @@ def _backward(problem, dout, out, lse, deterministic=False):
                 else:
                     g = _broadcast.reduce_to_lead(xp, g.reshape(problem.lead + g.shape[-2:]),
                                                   x.shape)
-                grads.append(g.astype(problem.dtype, copy=False))
+                grads.append(g if g.dtype == problem.dtype else g.astype(problem.dtype))
             if problem.dbias:  # dS per (batch, head, query, key), summed where bias broadcasts
                 g = rest[0].reshape(problem.lead + (problem.Nq, problem.Nk))
                 dbias = _broadcast.sum_to_shape(xp, g, problem.bias_shape).astype(
