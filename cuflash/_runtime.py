@@ -289,7 +289,7 @@ def _parts(mem, parts, bare):
                 _poison(_cupy().ndarray(shape, dtype, memptr=ptr))
             buffers.append(ptr)
         else:
-            buf = _cupy().ndarray(shape, dtype, memptr=ptr, strides=strides)
+            buf = _cupy().ndarray(shape, dtype, ptr, strides)  # (positional: cheaper)
             if _overrides.poison:
                 _poison(buf)
             buffers.append(buf)
