@@ -825,9 +825,9 @@ class Launch:
 def _address_filler(raw, slots, pointer):
     """fill(args): writes the addresses of the arrays and memory pointers args[i] at byte offsets
     `off` of `raw` for (i, off) in slots, one struct.pack_into per run of adjacent 8-byte words:
-    a generated function, since a loop over the slots with a NumPy store each cost a third of a
-    small backward's host time (issue 17). A slot takes an array or a memory pointer, whichever
-    a call passes (a forward's lse is either, Problem.lse_unused)."""
+    a generated function, with no loop and no NumPy store per slot (a small call's host time is
+    its cost: issue 17; RESULTS thirty-sixth section). A slot takes an array or a memory pointer,
+    whichever a call passes (a forward's lse is either, Problem.lse_unused)."""
     runs = []  # [byte offset, [argument indices]]
     for i, off in slots:
         if runs and runs[-1][0] + 8 * len(runs[-1][1]) == off:
@@ -835,8 +835,10 @@ def _address_filler(raw, slots, pointer):
         else:
             runs.append([off, [i]])
     used = sorted({i for i, _ in slots})
-    lines = ["def fill(args):", f"    {', '.join(f'a{i}' for i in used)}, = "
-             f"{', '.join(f'args[{i}]' for i in used)},"]
+    lines = ["def fill(args):", "    pass"]
+    if used:
+        lines.append(f"    {', '.join(f'a{i}' for i in used)}, = "
+                     f"{', '.join(f'args[{i}]' for i in used)},")
     names = {"raw": raw, "MP": pointer}
     for r, (off, indices) in enumerate(runs):
         names[f"pack{r}"] = struct.Struct(f"<{len(indices)}Q").pack_into

@@ -173,3 +173,34 @@ def test_launch_packs_numbers_and_structs_at_their_alignment():
     assert packed[offsets[3]:offsets[4]] == a.tobytes()
     with pytest.raises(TypeError, match="kernel argument 1"):
         _runtime.Launch._layout((np.int32(1), 5))
+
+
+def test_address_filler_writes_only_the_address_words():
+    """_runtime._address_filler (Launch's per-call writer): each slot's address, an array's
+    (.data.ptr) or a memory pointer's (.ptr), whichever a call passes, lands at its byte offset,
+    in runs of adjacent words and alone; the bytes between (numbers, structs) stay as packed;
+    a launch without addresses writes nothing."""
+    from cuflash import _runtime
+
+    class Pointer:  # (as cupy.cuda.MemoryPointer)
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    class Array:  # (as cupy.ndarray)
+        def __init__(self, ptr):
+            self.data = Pointer(ptr)
+
+    raw = bytearray(range(64))
+    before = bytes(raw)
+    fill = _runtime._address_filler(raw, [(0, 0), (1, 8), (3, 24), (5, 40)], Pointer)
+    fill((Array(11), Pointer(12), np.int32(7), Array(13), np.int32(8), Pointer(14)))
+    words = np.frombuffer(bytes(raw), np.uint64)
+    assert list(words[[0, 1, 3, 5]]) == [11, 12, 13, 14]
+    assert bytes(raw[16:24]) == before[16:24] and bytes(raw[32:40]) == before[32:40]
+    assert bytes(raw[48:]) == before[48:]
+    # the same slot given the other kind on a later call
+    fill((Pointer(21), Array(22), np.int32(7), Pointer(23), np.int32(8), Array(24)))
+    assert list(np.frombuffer(bytes(raw), np.uint64)[[0, 1, 3, 5]]) == [21, 22, 23, 24]
+    none = bytearray(16)
+    _runtime._address_filler(none, [], Pointer)((np.int32(1),))
+    assert none == bytearray(16)
