@@ -491,11 +491,11 @@ def _contiguous16(x):
 
 _prepared = _memo.Memo(256)
 # the launches (_runtime.Launch) prep, dkdv and dq (None unless deterministic without
-# OPT_DQ_ORDER); sizes: the int32 parameters (BH, Nq, nq_pad); out16_arg: out16 as the dkdv
+# OPT_DQ_ORDER); nq_pad_arg: nq_pad as the kernels' int32; out16_arg: out16 as the dkdv
 # kernel's int32; group: the heads per dK/dV block (OPT_GROUP, else 1), group_arg: it as an int32;
 # atomic: dQ added by the dK/dV kernel; ordered: in OPT_DQ_ORDER's order; like: the gradients in
 # q's, k's and v's layouts (OPT_LIKE)
-Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep dkdv dkdv_classes dq sizes "
+Recipe = namedtuple("Recipe", "out16 kv_dtype nq_pad prep dkdv dkdv_classes dq nq_pad_arg "
                               "out16_arg group group_arg atomic ordered like")
 
 
@@ -549,7 +549,7 @@ def _recipe(p, deterministic):
         p.dtype.name, dims, names, dropout)), (-(-BH * nq_pad * 8 // 256),), (256,))
     i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep, dkdv,
-                  classes, dq, (i32(BH), i32(Nq), i32(nq_pad)), i32(out16), group, i32(group),
+                  classes, dq, i32(nq_pad), i32(out16), group, i32(group),
                   atomic, ordered is not None, like)
 
 
@@ -609,7 +609,7 @@ class _Backward:
         sinks = (_runtime.NULL, _runtime.NULL) if p.sinks is None else (p.sinks, sink_probs)
         drop = _runtime.dropout_args(p)  # (DropoutArgs,) or (): this call's seed and offset
         r.prep((p.q, p.k, p.v, dout, out, lse) + tail
-               + (self.lost.limit, stats, lost_flags, lse2, delta, r.sizes[2], dq_zero, turns,
+               + (self.lost.limit, stats, lost_flags, lse2, delta, r.nq_pad_arg, dq_zero, turns,
                   dout_src, dout_rows, self.settle) + sinks + drop)
         dq_out, dk, dv = _runtime.carved(self.grads)
         # dkdv: dk, dv every element; with dQ atomics dq += this kernel's dQ (the mask's classes
@@ -617,7 +617,7 @@ class _Backward:
         classes, _table = (_mask_tiles.classify(p, *r.dkdv_classes) if r.dkdv_classes
                            else (_mask_tiles.NO_CLASSES, None))
         dbias = _generic.dbias_buffer(p, np.float32)  # with p.dbias: the dkdv kernel stores it
-        padded = tail + r.sizes[2:]  # (nq_pad,)
+        padded = tail + (r.nq_pad_arg,)
         r.dkdv((p.q, p.k, p.v, dout, lse2, delta, dq_zero, dk, dv, classes) + padded
                + (r.out16_arg, _runtime.ptr(dbias), turns, r.group_arg) + drop)
         if r.dq is not None:

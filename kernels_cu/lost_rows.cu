@@ -183,12 +183,11 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const long long bh = row / Nq_pad;
   const int i = static_cast<int>(row % Nq_pad);
   const bool real = valid && i < Nq;
-  const T* src = nullptr;  // this row of the caller's dO
   float sum = 0.f;
   if (real) {
     uint4* dc = reinterpret_cast<uint4*>(dout + (bh * Nq + i) * Dv);
-    src = copy ? dout_src + dout_rows[bh] + i * dout_rows[BH] : dout + (bh * Nq + i) * Dv;
-    const uint4* d = reinterpret_cast<const uint4*>(src);
+    const uint4* d = reinterpret_cast<const uint4*>(  // this row of the caller's dO
+        copy ? dout_src + dout_rows[bh] + i * dout_rows[BH] : dout + (bh * Nq + i) * Dv);
     const uint4* o = reinterpret_cast<const uint4*>(out + (bh * Nq + i) * Dv);
     // the row's 16-byte chunks c = sub, sub + 8, ... < Dv / 8 (at most COLS / 2 per lane)
     uint4 av[COLS / 2], bv[COLS / 2];
