@@ -151,8 +151,8 @@ __device__ __forceinline__ float half_word(unsigned w, int h) {
 }
 
 // The tensor-core backward's preprocess (cuflash/_mma_bwd.py), with its lost rows' backward.
-// Grid: 1-D over BH * Nq_pad * 8 threads, 256 a block (32 rows of one (batch, head): Nq_pad is a
-// multiple of 32; one lost-row flag); 8 lanes per row, 16-byte loads. Per row: delta =
+// Grid: 1-D over BH * Nq_pad / 32 blocks of 32 * LPR threads (32 rows of one (batch, head): Nq_pad
+// is a multiple of 32; one lost-row flag); LPR lanes per row, 16-byte loads. Per row: delta =
 // rowsum(dO * O) and lse2 = lse * log2(e), float32, padded to Nq_pad rows per (batch, head); an
 // empty or lost row gets lse2 = +inf and delta = 0, so that the main kernels skip it. dout: (BH,
 // Nq, Dv) rows read; or, where dout_src is another array (the caller's dO in any layout of
@@ -163,9 +163,10 @@ __device__ __forceinline__ float half_word(unsigned w, int h) {
 // rows zeroed, and dq_turns (DKDV_DQ_ORDER, else null) with them. Then, with `settle` (dQ
 // zeroed here), the block's lost rows' exact backward (lost_row_backward, a warp a row, into the
 // zeroed dq, before any dK/dV block adds to it); without, bwd_lost_rows runs it after the dQ
-// kernel. COLS: head-dim columns per lane of the lost rows (COLS * 32 >= Dk, Dv).
-template <typename T, int COLS, typename F = NoTransform, typename... Drop>
-__global__ void __launch_bounds__(256, 1)
+// kernel. COLS: head-dim columns per lane of the lost rows (COLS * 32 >= Dk, Dv); LPR: lanes per
+// row of the rowsum, 4 * COLS / LPR 16-byte chunks of dO and of O each (the table: _mma_bwd.py).
+template <typename T, int COLS, int LPR, typename F = NoTransform, typename... Drop>
+__global__ void __launch_bounds__(32 * LPR, 1)
 bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* dout, const T* __restrict__ out, const float* __restrict__ lse,
              ATTN_INPUTS(float), const AttnArgs a, double lost, double* __restrict__ stats,
@@ -176,7 +177,8 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const Drop... drop) {
   const int BH = a.BH, Nq = a.Nq, Dk = a.Dk, Dv = a.Dv;
   const bool copy = dout_src != dout;
-  constexpr int LPR = 8;  // lanes per row
+  constexpr int THREADS = 32 * LPR, CHUNKS = 4 * COLS / LPR;  // (a lane's chunks of a row)
+  static_assert(CHUNKS * LPR == 4 * COLS && CHUNKS >= 1, "COLS * 32 columns in 16-byte chunks");
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
   const int sub = threadIdx.x % LPR;
   const bool valid = row < static_cast<long long>(BH) * Nq_pad;
@@ -189,17 +191,17 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const uint4* d = reinterpret_cast<const uint4*>(  // this row of the caller's dO
         copy ? dout_src + dout_rows[bh] + i * dout_rows[BH] : dout + (bh * Nq + i) * Dv);
     const uint4* o = reinterpret_cast<const uint4*>(out + (bh * Nq + i) * Dv);
-    // the row's 16-byte chunks c = sub, sub + 8, ... < Dv / 8 (at most COLS / 2 per lane)
-    uint4 av[COLS / 2], bv[COLS / 2];
+    // the row's 16-byte chunks c = sub, sub + LPR, ... < Dv / 8 (at most CHUNKS per lane)
+    uint4 av[CHUNKS], bv[CHUNKS];
 #pragma unroll
-    for (int u = 0; u < COLS / 2; ++u) {
+    for (int u = 0; u < CHUNKS; ++u) {
       if (sub + LPR * u < Dv / 8) {
         av[u] = d[sub + LPR * u];
         bv[u] = o[sub + LPR * u];
       }
     }
 #pragma unroll
-    for (int u = 0; u < COLS / 2; ++u) {
+    for (int u = 0; u < CHUNKS; ++u) {
       if (sub + LPR * u < Dv / 8) {
         if (copy) dc[sub + LPR * u] = av[u];
         const unsigned aw[4] = {av[u].x, av[u].y, av[u].z, av[u].w};
@@ -229,16 +231,16 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     lse2[row] = skip ? pos_inf<float>() : l * LOG2E;
     delta[row] = real && !skip ? sum : 0.f;
   }
-  __shared__ unsigned char lost_rows[256 / LPR];  // the block's rows that are lost
+  __shared__ unsigned char lost_rows[32];  // the block's rows that are lost
   if (sub == 0) lost_rows[threadIdx.x / LPR] = row_lost;
   const int any = __syncthreads_or(row_lost);  // (also: dq's zeroed rows seen by the block)
-  const long long row0 = static_cast<long long>(blockIdx.x) * (256 / LPR);  // (padded index)
+  const long long row0 = static_cast<long long>(blockIdx.x) * 32;  // (padded index)
   const int i0 = static_cast<int>(row0 % Nq_pad);
   if (threadIdx.x == 0 && i0 < Nq) flags[(row0 / Nq_pad) * ((Nq + 31) / 32) + i0 / 32] = any;
   if (!any || !settle) return;
   const int warp = threadIdx.x / 32;
 #pragma unroll 1
-  for (int r = warp; r < 256 / LPR; r += 256 / 32) {
+  for (int r = warp; r < 32; r += THREADS / 32) {
     if (!lost_rows[r]) continue;  // warp-uniform
     const long long lrow = (row0 / Nq_pad) * Nq + i0 + r;
     // (the caller's dO row: this block's copy of it may not be visible to this warp's loads)

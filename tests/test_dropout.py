@@ -347,7 +347,7 @@ def test_which_paths_take_dropout():
     for e in exprs:
         kinds[e.split("<")[0]] = kinds.get(e.split("<")[0], 0) + 1
     assert kinds == {"fwd_generic": 64, "bwd_dkdv": 64, "bwd_dq": 64, "bwd_lost_rows": 16,
-                     "bwd_lost_keys": 18, "fwd_mma": 24, "bwd_mma_prep": 4,
+                     "bwd_lost_keys": 18, "fwd_mma": 24, "bwd_mma_prep": 6,
                      "bwd_mma_dkdv": 64, "bwd_mma_dq": 24, "fwd_wgmma": 40}
     assert all("NoMod" in e or "MaskBiasMod" in e for e in exprs
                if e.startswith(("fwd_mma", "bwd_mma_dkdv", "bwd_mma_dq")))
