@@ -177,6 +177,11 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const Drop... drop) {
   const int BH = a.BH, Nq = a.Nq, Dk = a.Dk, Dv = a.Dv;
   const bool copy = dout_src != dout;
+  // row i of head bh of the caller's dO (a block's lost rows read it there too: this block's
+  // copy of it may not be visible to the loads of another warp)
+  auto caller_row = [&](long long bh, long long i) {
+    return copy ? dout_src + dout_rows[bh] + i * dout_rows[BH] : dout + (bh * Nq + i) * Dv;
+  };
   constexpr int THREADS = 32 * LPR, CHUNKS = 4 * COLS / LPR;  // (a lane's chunks of a row)
   static_assert(CHUNKS * LPR == 4 * COLS && CHUNKS >= 1, "COLS * 32 columns in 16-byte chunks");
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
@@ -188,8 +193,7 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   float sum = 0.f;
   if (real) {
     uint4* dc = reinterpret_cast<uint4*>(dout + (bh * Nq + i) * Dv);
-    const uint4* d = reinterpret_cast<const uint4*>(  // this row of the caller's dO
-        copy ? dout_src + dout_rows[bh] + i * dout_rows[BH] : dout + (bh * Nq + i) * Dv);
+    const uint4* d = reinterpret_cast<const uint4*>(caller_row(bh, i));
     const uint4* o = reinterpret_cast<const uint4*>(out + (bh * Nq + i) * Dv);
     // the row's 16-byte chunks c = sub, sub + LPR, ... < Dv / 8 (at most CHUNKS per lane)
     uint4 av[CHUNKS], bv[CHUNKS];
@@ -242,13 +246,10 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll 1
   for (int r = warp; r < 32; r += THREADS / 32) {
     if (!lost_rows[r]) continue;  // warp-uniform
-    const long long lrow = (row0 / Nq_pad) * Nq + i0 + r;
-    // (the caller's dO row: this block's copy of it may not be visible to this warp's loads)
-    const T* dout_row = copy ? dout_src + dout_rows[row0 / Nq_pad] + (i0 + r) * dout_rows[BH]
-                             : dout + lrow * Dv;
     lost_row_backward<T, float, F, COLS>(q, k, v, dout, out, lse, offsets, mask, bias, kv_lens,
                                          a, lost, stats, flags, dq_zero, sinks, sink_probs,
-                                         dout_row, lrow, drop...);
+                                         caller_row(row0 / Nq_pad, i0 + r),
+                                         (row0 / Nq_pad) * Nq + i0 + r, drop...);
   }
 }
 
