@@ -169,21 +169,12 @@ def _b(x):
     return "true" if x else "false"
 
 
-# The prep kernel's shape by its lost-row columns per lane COLS (COLS * 32 >= the head dims):
-# LPR lanes per row of its rowsum, a block of 32 rows (32 * LPR threads).
-PREP_LANES = {2: 4, 4: 8, 8: 8}
-
-
-def prep_shape(dims):
-    """(COLS, LPR) of the prep kernel at these head dims."""
-    cols = 2 if max(dims) <= 64 else 4 if max(dims) <= 128 else 8
-    return cols, PREP_LANES[cols]
-
-
 def prep_expr(dtype_name, dims, transforms=(), dropout=False):
-    """The prep kernel (lost_rows.cu, which settles the lost rows too) of prep_shape(dims); the
-    transforms and dropout of the lost-row kernels."""
-    return (f"bwd_mma_prep<{_CTYPE[dtype_name]}, {', '.join(map(str, prep_shape(dims)))}"
+    """The prep kernel (lost_rows.cu, which settles the lost rows too): COLS = 2, 4 or 8 lost-row
+    columns per lane (COLS * 32 >= the head dims; fewer registers, more blocks per
+    multiprocessor); the transforms and dropout of the lost-row kernels."""
+    cols = 2 if max(dims) <= 64 else 4 if max(dims) <= 128 else 8
+    return (f"bwd_mma_prep<{_CTYPE[dtype_name]}, {cols}"
             f"{_generic._transform_arg(transforms, 'double', dropout=dropout)}>")
 
 
@@ -557,8 +548,7 @@ def _recipe(p, deterministic):
                              (-(-Nq // (16 * dq_tile.warps)) * BH,), (dq_tile.warps * 32,),
                              dq_smem)
     prep = _runtime.Launch(_runtime.get_function(_generic.LOST_SOURCE, prep_expr(
-        p.dtype.name, dims, names, dropout)), (BH * nq_pad // 32,),
-        (32 * prep_shape(dims)[1],))
+        p.dtype.name, dims, names, dropout)), (BH * nq_pad // 32,), (128,))
     i32 = np.int32
     return Recipe(out16, p.dtype if out16 else np.dtype(np.float32), nq_pad, prep, dkdv,
                   classes, dq, i32(nq_pad), i32(out16), group, i32(group),

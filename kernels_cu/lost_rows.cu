@@ -151,8 +151,8 @@ __device__ __forceinline__ float half_word(unsigned w, int h) {
 }
 
 // The tensor-core backward's preprocess (cuflash/_mma_bwd.py), with its lost rows' backward.
-// Grid: 1-D over BH * Nq_pad / 32 blocks of 32 * LPR threads (32 rows of one (batch, head): Nq_pad
-// is a multiple of 32; one lost-row flag); LPR lanes per row, 16-byte loads. Per row: delta =
+// Grid: 1-D over BH * Nq_pad / 32 blocks of 128 threads (32 rows of one (batch, head): Nq_pad is a
+// multiple of 32; one lost-row flag); 4 lanes per row, 16-byte loads. Per row: delta =
 // rowsum(dO * O) and lse2 = lse * log2(e), float32, padded to Nq_pad rows per (batch, head); an
 // empty or lost row gets lse2 = +inf and delta = 0, so that the main kernels skip it. dout: (BH,
 // Nq, Dv) rows read; or, where dout_src is another array (the caller's dO in any layout of
@@ -163,10 +163,12 @@ __device__ __forceinline__ float half_word(unsigned w, int h) {
 // rows zeroed, and dq_turns (DKDV_DQ_ORDER, else null) with them. Then, with `settle` (dQ
 // zeroed here), the block's lost rows' exact backward (lost_row_backward, a warp a row, into the
 // zeroed dq, before any dK/dV block adds to it); without, bwd_lost_rows runs it after the dQ
-// kernel. COLS: head-dim columns per lane of the lost rows (COLS * 32 >= Dk, Dv); LPR: lanes per
-// row of the rowsum, 4 * COLS / LPR 16-byte chunks of dO and of O each (the table: _mma_bwd.py).
-template <typename T, int COLS, int LPR, typename F = NoTransform, typename... Drop>
-__global__ void __launch_bounds__(32 * LPR, 1)
+// kernel. COLS: head-dim columns per lane of the lost rows (COLS * 32 >= Dk, Dv); a row's rowsum
+// takes 4 lanes, each with COLS 16-byte chunks of dO and of O in flight (8 lanes of fewer chunks
+// each, or 2 of more, were no faster: H100, RESULTS thirty-seventh section).
+constexpr int PREP_LANES = 4;  // lanes per row; a block is 32 rows
+template <typename T, int COLS, typename F = NoTransform, typename... Drop>
+__global__ void __launch_bounds__(32 * PREP_LANES, 1)
 bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* dout, const T* __restrict__ out, const float* __restrict__ lse,
              ATTN_INPUTS(float), const AttnArgs a, double lost, double* __restrict__ stats,
@@ -182,8 +184,8 @@ bwd_mma_prep(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   auto caller_row = [&](long long bh, long long i) {
     return copy ? dout_src + dout_rows[bh] + i * dout_rows[BH] : dout + (bh * Nq + i) * Dv;
   };
-  constexpr int THREADS = 32 * LPR, CHUNKS = 4 * COLS / LPR;  // (a lane's chunks of a row)
-  static_assert(CHUNKS * LPR == 4 * COLS && CHUNKS >= 1, "COLS * 32 columns in 16-byte chunks");
+  constexpr int LPR = PREP_LANES, THREADS = 32 * LPR, CHUNKS = COLS;  // (chunks: a lane's)
+  static_assert(CHUNKS * LPR * 8 == 32 * COLS, "COLS * 32 columns in 16-byte chunks");
   const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / LPR;
   const int sub = threadIdx.x % LPR;
   const bool valid = row < static_cast<long long>(BH) * Nq_pad;
