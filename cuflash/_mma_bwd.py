@@ -417,8 +417,9 @@ def instantiations():
         out += [(e.split("<", 1)[0], dt, int(e.split(",")[1].strip(" >")), SOURCE, e)
                 for e in exprs]
         # the prep kernels (lost_rows.cu), each transform chain and dropout without one
-        preps = [prep_expr(dt, d, tf) for tf in TRANSFORMS for d in ((64, 64), (128, 128), (256, 256))]
-        preps += [prep_expr(dt, d, (), True) for d in ((64, 64), (128, 128), (256, 256))]
+        cols = ((64, 64), (128, 128), (256, 256))  # (COLS 2, 4, 8)
+        preps = [prep_expr(dt, d, tf) for tf in TRANSFORMS for d in cols]
+        preps += [prep_expr(dt, d, (), True) for d in cols]
         out += [("bwd_mma_prep", dt, None, _generic.LOST_SOURCE, e) for e in preps]
         # the lost-row fix, with dk / dv in the inputs' dtype (no sum follows) or in float32
         for tf in TRANSFORMS:
