@@ -278,7 +278,7 @@ __device__ __forceinline__ void cast_dq(const Acc* __restrict__ dq, T* __restric
       *reinterpret_cast<uint2*>(dq_out + e) = pack4<T>(x);
     };
     // U loads in flight per thread, predicated (one block of 256 threads per multiprocessor: one
-    // load at a time read 1.9 TB/s; 4, then the rest one by one, took 5-12 % longer, 8 1-4 %)
+    // load at a time read 1.9 TB/s; 4, then the rest one by one, took 5-12 % longer, 8 up to 4 %)
     constexpr int U = 16;
     const long long step = 4LL * gridDim.x * blockDim.x;
     for (long long e = 4LL * (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x);
