@@ -9,6 +9,10 @@
              decode (32, 8192) and (1, 131072), and torch SDPA flash's backward on the same
              inputs), after one warm-up call each: for ncu, filtered by kernel name.
              `profile bwd` / `profile decode`: only those.
+    launches each launch of one backward replayed alone under CUDA events (median µs per kernel,
+             then the whole call), bf16, over a few shapes of both layouts: the prep, dK/dV and
+             cast kernels' times without ncu. `launches B,H,N,D[,causal][,bnhd] ...`: those
+             shapes. Run it once per tree, PYTHONPATH=<tree>, for an A/B.
 
 On the device machine (Firecracker kinds; see the device README for ncu's --clock-control none):
 
@@ -128,6 +132,58 @@ def profile(which="all"):
     return 0
 
 
+def launches(*shapes):
+    import cupy as cp
+    import ml_dtypes
+
+    import cuflash
+    from cuflash import _runtime
+
+    def median_us(fn, reps=50):
+        times = []
+        for _ in range(reps):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+        return float(np.median(times))
+
+    rng = np.random.default_rng(0)
+    shapes = shapes or ("1,32,4096,64", "2,32,4096,64,causal", "8,32,1024,64,bnhd",
+                        "1,16,8192,128,causal", "4,16,1024,128", "4,16,1024,128,bnhd",
+                        "4,8,1024,256")
+    for shape in shapes:
+        B, H, N, D, *flags = shape.split(",")
+        B, H, N, D = int(B), int(H), int(N), int(D)
+        causal = "causal" in flags
+        bnhd = "bnhd" in flags
+        q, k, v, do = (_arr(cp, rng, (B, N, H, D) if bnhd else (B, H, N, D),
+                            ml_dtypes.bfloat16) for _ in range(4))
+        if bnhd:
+            q, k, v, do = (x.transpose(0, 2, 1, 3) for x in (q, k, v, do))
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+
+        def backward():
+            cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)
+        backward()  # (compilation, plans)
+        seen, launch = [], _runtime.Launch.__call__
+        _runtime.Launch.__call__ = lambda self, args: (seen.append((self, args)),
+                                                       launch(self, args))
+        try:
+            backward()
+        finally:
+            _runtime.Launch.__call__ = launch
+        names = {id(f): key[2] for key, (_, f) in _runtime._functions.items()}
+        parts = [f"{names.get(id(lau.kern), '?').split('<')[0]} "
+                 f"{median_us(lambda lau=lau, args=args: launch(lau, args)):.1f}"
+                 for lau, args in seen]
+        print(f"{shape:24s} " + " | ".join(parts) + f" | whole {median_us(backward):.1f}",
+              flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "small"
-    sys.exit({"small": small, "profile": profile}[mode](*sys.argv[2:]))
+    sys.exit({"small": small, "profile": profile, "launches": launches}[mode](*sys.argv[2:]))
