@@ -68,6 +68,24 @@ print("Packed: cu_seqlens_q=[0, 2, 5], cu_seqlens_k=[0, 4, 6] (Lq, Lk = 2, 4 and
 show([(f"align='{a}'", visible_packed([0, 2, 5], [0, 4, 6], causal=True, align=a))
       for a in ("bottom-right", "top-left")])
 
+# ALiBi changes no visibility, only the weights: with q = k = 0, out[i, j] is the weight query i
+# gives key j, exp(-s |p - j|) over its row's sum; slope s = ln 2 halves it per key of distance.
+def weights(nq, nk, **options):
+    q, k, v = xp.zeros((nq, 1)), xp.zeros((nk, 1)), xp.eye(nk)
+    w = to_host(cuflash.attention(q, k, v, **options))
+    assert np.allclose(w, cuflash.reference.attention(q, k, v, **options), atol=1e-12)
+    return w
+
+
+print("ALiBi, alibi_slopes=ln 2 (the weight halves per key of distance), Nq = Nk = 5")
+grids = [(title, [" ".join(f"{x:.2f}" if x > 0 else " .  " for x in row) for row in w])
+         for title, w in (("causal=True", weights(5, 5, causal=True, alibi_slopes=np.log(2))),
+                          ("window=(1, 1)", weights(5, 5, window=(1, 1),
+                                                    alibi_slopes=np.log(2))))]
+for line in zip(*[[title.ljust(28)] + [r.ljust(28) for r in rows] for title, rows in grids]):
+    print("".join(line).rstrip())
+print()
+
 # The seed's worked example: N = 4 tokens, d = 2, query row 0. Raw dot products q0·k_j are
 # [1, 0, 1, 0]; the default scale 1/sqrt(d) = 1/sqrt(2) gives the scores [0.707, 0, 0.707, 0].
 q = xp.asarray([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])

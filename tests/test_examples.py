@@ -31,6 +31,15 @@ def test_masks_and_alignment_reproduces_the_worked_example():
     assert "0.830" in out and "1.170" in out
 
 
+def test_readme_alibi_weights_are_the_examples_output():
+    """The README's ALiBi weights picture is what masks_and_alignment.py prints from real calls
+    (which the example checks against the float64 reference)."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    block = readme.split("ALiBi leaves visibility alone", 1)[1].split("```\n", 2)[1]
+    assert "causal=True" in block and "0.52" in block
+    assert block in run_example("masks_and_alignment.py")
+
+
 @pytest.mark.parametrize("name", ["quickstart.py", "train_tiny_attention.py", "ring_attention.py",
                                   "decode_loop.py"])
 def test_example_runs(name):
