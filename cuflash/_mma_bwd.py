@@ -548,6 +548,7 @@ def _recipe(p, deterministic):
                                                dropout), dq_smem),
                              (-(-Nq // (16 * dq_tile.warps)) * BH,), (dq_tile.warps * 32,),
                              dq_smem)
+    # a block of 32 rows x lost_rows.cu's PREP_LANES = 4 lanes each
     prep = _runtime.Launch(_runtime.get_function(_generic.LOST_SOURCE, prep_expr(
         p.dtype.name, dims, names, dropout)), (BH * nq_pad // 32,), (128,))
     i32 = np.int32
