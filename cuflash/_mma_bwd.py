@@ -58,11 +58,12 @@ DkdvTile = namedtuple("DkdvTile", "block_m warps kv_in_regs min_blocks opt", def
 # (tcb::DKDV_SWZ; head dims that are multiples of 64).
 OPT_SWZ = 1
 # OPT_WG: sm_90a only. The four products whose rows are keys on wgmma, 64 keys per warpgroup
-# (tcb::DKDV_WGMMA, with OPT_SWZ; D=64 or 128, BLOCK_M 32 or 64, 8 warps, K / V in shared
-# memory). Compiled with -arch=sm_90a (dkdv_arch).
+# (tcb::DKDV_WGMMA, with OPT_SWZ; D=64 or 128, BLOCK_M 32 or 64 (D=64: or 128), 8 warps, K / V
+# in shared memory). Compiled with -arch=sm_90a (dkdv_arch).
 OPT_WG = 2
-# OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64, dQ atomics, no mask / bias: dQ on wgmma too
-# (tcb::DKDV_WG_DQ; DKDV_TILES_WG_DQ).
+# OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64 (or D=64, BLOCK_M 128), dQ atomics: dQ on wgmma
+# too, and dK's A operand dS^T read from shared memory (tcb::DKDV_WG_DQ; DKDV_TILES_WG_DQ,
+# DKDV_TILES_WG_PLAIN).
 OPT_WG_DQ = 4
 # OPT_GRID (host-side bit, not an OPT of bwd_mma_dkdv): the FA2-style warp-grid kernel
 # bwd_mma_dkdv_grid<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, no mask /
@@ -165,6 +166,13 @@ DKDV_TILES_WG_MB = {
 # (its dkdv kernel has no dQ part).
 DKDV_TILES_WG_DQ = {(128, 128): DkdvTile(block_m=64, warps=8, kv_in_regs=False, min_blocks=1,
                                          opt=OPT_SWZ | OPT_WG | OPT_WG_DQ)}
+# Plain calls (no mask / bias, transform or dropout) at D=64: 128 queries per step (S^T and dP^T
+# as 64 x 128 products), dQ on wgmma with dQ atomics, warpgroup h taking query rows [64 h,
+# 64 h + 64). Their modifier, transform and dropout twins spilled (sm_90a ptxas).
+DKDV_TILES_WG_PLAIN = {(64, 64): DkdvTile(block_m=128, warps=8, kv_in_regs=False, min_blocks=1,
+                                          opt=OPT_SWZ | OPT_WG)}
+
+
 def _b(x):
     return "true" if x else "false"
 
@@ -265,11 +273,15 @@ def wg_tile(dims, has_mb, dq_atomic, dropout=False, transforms=(), bias=False):
     dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step spilled
     8 bytes with dropout; WG_DQ's did not). OPT_DQ_BULK where its rule holds."""
     alone = not has_mb or not (bias or transforms or dropout)
-    if dq_atomic and dims in DKDV_TILES_WG_DQ and alone:
+    if dims in DKDV_TILES_WG_PLAIN and not (has_mb or transforms or dropout):
+        tile = DKDV_TILES_WG_PLAIN[dims]
+        if dq_atomic:
+            tile = tile._replace(opt=tile.opt | OPT_WG_DQ)
+    elif dq_atomic and dims in DKDV_TILES_WG_DQ and alone:
         tile = DKDV_TILES_WG_DQ[dims]
     else:
         tile = (DKDV_TILES_WG_MB if has_mb or dropout else DKDV_TILES_WG).get(dims)
-    if tile is not None and dq_atomic and tile.block_m == 64 and not transforms and not dropout:
+    if tile is not None and dq_atomic and tile.block_m >= 64 and not transforms and not dropout:
         tile = tile._replace(opt=tile.opt | OPT_DQ_BULK)
     return tile
 

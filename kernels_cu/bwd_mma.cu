@@ -77,12 +77,15 @@ using tc::u32;
 //                stays on mma.sync) and the dQ reductions (issued together, while dK runs). Needs
 //                DKDV_SWZ, HEAD_DIM 64 or 128 (tiles stored as blocks of 64 columns), BLOCK_M 32 or
 //                64, 8 warps, K and V in shared memory; tile bases 1024-aligned.
-//   DKDV_WG_DQ   with DKDV_WGMMA at HEAD_DIM 128, BLOCK_M 64, dQ atomics (_mma_bwd.DKDV_TILES_WG_DQ):
-//                dQ = dS K on wgmma too. dS^T goes to shared memory 128-byte-swizzled (rows = keys,
-//                64 queries of 128 bytes), read as an MN-major A; warpgroup h takes dQ's columns
-//                [64 h, 64 h + 64) over all 128 keys with K's column block h as an MN-major B. Its
-//                fragments are the mma.sync dQ layout's (WM 4 x WD 2), so the reductions are the
-//                same.
+//   DKDV_WG_DQ   with DKDV_WGMMA, dQ atomics, at HEAD_DIM 128 and BLOCK_M 64 or HEAD_DIM 64 and
+//                BLOCK_M 128 (_mma_bwd.DKDV_TILES_WG_DQ, DKDV_TILES_WG_PLAIN): dQ = dS K on wgmma
+//                too. dS^T goes to shared memory 128-byte-swizzled (rows = keys, blocks of 64
+//                queries of 128 bytes), read as an MN-major A; at D=128 warpgroup h takes dQ's
+//                columns [64 h, 64 h + 64) over all 128 keys with K's column block h as an
+//                MN-major B, at D=64 its query rows [64 h, 64 h + 64) (dS^T's block h). Its
+//                fragments are the mma.sync dQ layout's (WM x WD warps), so the reductions are the
+//                same. At 128 queries dK += dS^T Q reads its A from those rows too (K-major,
+//                after a barrier of the warpgroup), not from registers: 32 registers fewer.
 //   DKDV_HALVES  head dims whose dK + dV accumulators do not fit a warp's registers (192,
 //                256): two blocks per key tile (blockIdx.x = 2 * tile + half), block `half` owns
 //                the second or first half of dK's, dV's and dQ's columns; S^T and dP^T (full head
@@ -481,8 +484,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr int LROW = SWZ ? 128 : ROW_BYTES;
   constexpr u32 KBLK = SWZ && HEAD_DIM > 64 ? BLOCK_N * 128 : 0;
   constexpr bool WG_DQ = (OPT & tcb::DKDV_WG_DQ) != 0;  // dQ on wgmma (swizzled dS^T)
-  // dS^T rows (keys) in shared memory: padded, or 128-byte-swizzled rows of 64 queries (WG_DQ)
-  constexpr int DS_ROW = WG_DQ ? BLOCK_M * 2 : (BLOCK_M + 8) * 2;
+  // dS^T rows (keys) in shared memory: padded, or (WG_DQ) 128-byte-swizzled rows of 64 queries,
+  // in blocks of DS_BLK bytes (BLOCK_N rows) per 64 queries
+  constexpr int DS_ROW = WG_DQ ? 128 : (BLOCK_M + 8) * 2;
+  constexpr u32 DS_BLK = BLOCK_N * 128;
   // DQ_BULK (DKDV_DQ_BULK): a tile's dQ block is stored to shared memory (rows of DQ_PITCH
   // bytes, 8 banks apart: conflict-free) and added to dq_acc by the bulk copy engine at the next
   // tile's top, a row per fourth thread (add_dq_block): no red.global.add for the fences to wait
@@ -504,14 +509,16 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   static_assert(!LIKE || (WG && !HAS_MB && sizeof...(Drop) == 0 && !DBIAS),
                 "DKDV_LIKE: the wgmma kernel, no modifier, dropout or dbias");
   static_assert(!WG || (SWZ && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
-                        (BLOCK_M == 32 || BLOCK_M == 64) && NWARPS == 8 && !KV_IN_REGS),
-                "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 x 128 tile, K / V in "
-                "shared memory");
+                        (BLOCK_M == 32 || BLOCK_M == 64 || (BLOCK_M == 128 && HEAD_DIM == 64)) &&
+                        NWARPS == 8 && !KV_IN_REGS),
+                "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 (D=64: or 128) x 128 "
+                "tile, K / V in shared memory");
   static_assert(!SWZ || HEAD_DIM == 64 || WG, "DKDV_SWZ's mma.sync products: one column block");
   static_assert(!HALVES || (!SWZ && !KV_IN_REGS && DCK % 16 == 0 && DCV % 16 == 0),
                 "DKDV_HALVES: padded tiles, K / V in shared memory, halves of 16-column steps");
-  static_assert(!WG_DQ || (WG && HEAD_DIM == 128 && BLOCK_M == 64 && DQ_ATOMIC),
-                "DKDV_WG_DQ: the wgmma kernel at D=128, 64 queries per step, dQ atomics");
+  static_assert(!WG_DQ || (WG && BLOCK_M * HEAD_DIM == 64 * 128 && DQ_ATOMIC),
+                "DKDV_WG_DQ: the wgmma kernel, 64 queries per step at D=128 or 128 at D=64, dQ "
+                "atomics");
   // Shared tile bases: swizzled tiles start on a row (tc::tile_addr's XOR must not carry into the
   // base), wgmma's 128-byte swizzle on 8 rows (it swizzles absolute addresses).
   constexpr u32 BASE_ALIGN = WG ? 8 * LROW : LROW;
@@ -582,8 +589,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // base is then aligned: tc::tile_addr's XOR, wgmma's swizzle).
   u32 sK, sV, sQ, sdO, sdS, sL, sD, sDQ, sB;
   shared_regions<SWZ ? BASE_ALIGN : 16>(sK, BLOCK_N * ROW_BYTES, sV, BLOCK_N * ROW_BYTES, sQ,
-                                        2 * QT_BYTES, sdO, 2 * QT_BYTES, sdS, BLOCK_N * DS_ROW,
-                                        sL, 2 * BLOCK_M * 4, sD, 2 * BLOCK_M * 4, sDQ,
+                                        2 * QT_BYTES, sdO, 2 * QT_BYTES, sdS,
+                                        WG_DQ ? BLOCK_M / 64 * DS_BLK : BLOCK_N * DS_ROW, sL,
+                                        2 * BLOCK_M * 4, sD, 2 * BLOCK_M * 4, sDQ,
                                         DQ_BULK ? BLOCK_M * DQ_PITCH : 0, sB);
 
   // Per-lane ldmatrix offsets (mma.cuh layouts), as (row, 16-byte chunk) in
@@ -651,7 +659,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // they meet (WG), not after them: D=64 full 2-3 % faster (H100). Not on D=128's 64-query
   // tiles: with a modifier or dropout they spilled 12-108 bytes, and without, no gain showed
   // beyond the card's run-to-run drift (3 %).
-  constexpr bool EARLY_QV = WG && (HEAD_DIM == 64 || BLOCK_M == 32);
+  constexpr bool EARLY_QV = WG && BLOCK_M <= 64 && (HEAD_DIM == 64 || BLOCK_M == 32);
 
   u32 ka[KV_IN_REGS ? KD : 1][4], va[KV_IN_REGS ? KD : 1][4];
 
@@ -682,21 +690,23 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                     acc[nf][2 * h], acc[nf][2 * h + 1]);
   };
   int dq_i0 = -1, dq_hd = 0;  // DEFER_DQ: the tile whose dQ block acc holds (rows, head), -1: none
-  // DQ_BULK: that block from sDQ into dq_acc, row tid / 4 by thread tid % 4 == 0 (after the
+  // DQ_BULK: that block from sDQ into dq_acc, row tid / DQ_T by thread tid % DQ_T == 0 (after the
   // barrier that follows its stores; its bulk group waited for before sDQ is written again).
-  static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && THREADS == 4 * BLOCK_M),
-                "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, a row per fourth thread");
+  constexpr int DQ_T = THREADS / BLOCK_M;  // threads per dQ row
+  static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC &&
+                             DQ_T * BLOCK_M == THREADS),
+                "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, whole threads per row");
   // ORDER: the row's turn first (dq_rank: the block's place for that tile; seen: the turn as
   // peek_turn read it when the tile's products were issued), then passed on once the engine has
   // written the row (sdq_free).
   int dq_rank = 0, seen = -1;
   int* turn = nullptr;
   auto dq_row = [&](int i0, int hd) {  // the row this thread adds of the tile (rows i0, head hd)
-    return (GROUP ? bh + hd : bh) * Nq + i0 + tid / 4;
+    return (GROUP ? bh + hd : bh) * Nq + i0 + tid / DQ_T;
   };
   auto add_dq_block = [&]() {
-    const int r = tid / 4;
-    if (dq_i0 >= 0 && tid % 4 == 0 && dq_i0 + r < Nq) {
+    const int r = tid / DQ_T;
+    if (dq_i0 >= 0 && tid % DQ_T == 0 && dq_i0 + r < Nq) {
       const long long row = dq_row(dq_i0, dq_hd);
       if constexpr (ORDER) {
         turn = dq_turns + row;
@@ -859,8 +869,9 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         // share r % 8): 8 rows x 4 words per store, conflict-free.
         if constexpr (WG_DQ) {
           const int key = warp * 16 + g;
-          const u32 row = sdS + chunk_offset<true, DS_ROW>(key, 2 * kk) + 4 * t;
-          const u32 row8 = sdS + chunk_offset<true, DS_ROW>(key, 2 * kk + 1) + 4 * t;
+          const u32 blk = sdS + (kk / 4) * DS_BLK;  // (the block of queries 16 kk ..)
+          const u32 row = blk + chunk_offset<true, DS_ROW>(key, (2 * kk) % 8) + 4 * t;
+          const u32 row8 = blk + chunk_offset<true, DS_ROW>(key, (2 * kk + 1) % 8) + 4 * t;
           st_shared_b32(row, da[kk][0]);
           st_shared_b32(row + 8 * DS_ROW, da[kk][1]);
           st_shared_b32(row8, da[kk][2]);
@@ -874,8 +885,17 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
       }
     }
-    if constexpr (WG)  // dK += dS^T Q, under dQ
+    // dK += dS^T Q, under dQ. WG_DQ at 128 queries: A = this warpgroup's rows of the dS^T just
+    // stored (a barrier of its 128 threads), not the packed registers, which are then free (from
+    // registers it spilled; at D=128's 64 queries the shared A was 4 % slower, H100).
+    if constexpr (WG_DQ && BLOCK_M == 128) {
+      wg::fence_shared();
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + warp / 4) : "memory");
+      wg::tile_times_tile<T, HEAD_DIM, KM, DS_BLK, BLOCK_M * 128>(dk, sdS + (warp / 4) * 64 * 128,
+                                                                   qs);
+    } else if constexpr (WG) {
       wg::regs_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128>(dk, da, qs);
+    }
 
     // dQ = dS K into acc; its red.global.add go out at the next tile's top (DEFER_DQ), else a few
     // per k-step of dK below (tcb::dq_reductions_at).
@@ -883,7 +903,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       if constexpr (DQ_BULK) sdq_free();  // the last block left sDQ (barrier next)
       wg::fence_shared();  // dS^T is read by wgmma
       __syncthreads();     // dS^T of every warp in shared memory
-      wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, sdS, sK + (warp / 4) * KBLK);
+      // warpgroup h: dQ's columns [64 h, 64 h + 64) at D=128, its query rows [64 h, 64 h + 64)
+      // (dS^T's block h) at D=64
+      const u32 ds_blk = sdS + (BLOCK_M / 64 - 1) * (warp / 4) * DS_BLK;
+      wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, ds_blk, sK + (warp / 4) * KBLK);
       wg::wait<0>();  // (dV and dK land here too)
       wg::fence_acc(acc);
     } else if (DQ_ATOMIC) {
@@ -921,7 +944,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         dq_rank = spread ? tcb::spread_turn(j0 / BLOCK_N, jl + 1, n_qt, i0 / BLOCK_M)
                          : tcb::dq_turn<BLOCK_M, BLOCK_N>(w, j0 / BLOCK_N, n_ntiles,
                                                           i0 / BLOCK_M, Nq, late_first);
-        if (tid % 4 == 0 && i0 + tid / 4 < Nq)
+        if (tid % DQ_T == 0 && i0 + tid / DQ_T < Nq)
           seen = tcb::peek_turn(dq_turns + dq_row(i0, dq_hd));
       }
       wg::wait<0>();

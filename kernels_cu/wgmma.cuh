@@ -227,6 +227,20 @@ __device__ __forceinline__ void regs_times_tile(float (&d)[N / 8][4], const u32 
     Mma<T, N>::template rs<1, 1>(d, a[kk], desc_sw128(b + kk * SW128_KSTEP_MN, B_BLK, SW128_SBO));
   if (COMMIT) commit();
 }
+// d (64 x N) += A B over K = 16 KSTEPS: A K-major from shared memory (64 rows at a, A_BLK bytes
+// per 64-column block, as rows_times_rows's), B MN-major (as regs_times_tile's, B_BLK bytes per
+// 64-column block). (dK += dS^T Q with dS^T stored for dQ.)
+template <typename T, int N, int KSTEPS, u32 A_BLK, u32 B_BLK>
+__device__ __forceinline__ void tile_times_tile(float (&d)[N / 8][4], u32 a, u32 b) {
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const u64 da = desc_sw128(a + (kk / 4) * A_BLK + (kk % 4) * SW128_KSTEP_K, 0, SW128_SBO);
+    const u64 db = desc_sw128(b + kk * SW128_KSTEP_MN, B_BLK, SW128_SBO);
+    Mma<T, N>::template ss<1, 1>(d, da, db);
+  }
+  commit();
+}
 // d (64 x N) = A B over K = 16 KSTEPS, both operands 128-byte-swizzled tiles read MN-major: A
 // (64 wide) from shared address a, B (N wide, B_BLK bytes per 64-column block) from b; k-step kk is
 // rows 16 kk .. 16 kk + 15 of both. (dQ = dS K with dS^T stored: rows = keys.)

@@ -59,23 +59,29 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
     monkeypatch.setattr(_runtime, "nvrtc_version", lambda: nvrtc)
     for d, has_mb in ((64, False), (64, True), (128, False), (128, True)):
         dims = (d, d)
-        wg = (_mma_bwd.DKDV_TILES_WG_MB if has_mb else _mma_bwd.DKDV_TILES_WG)[dims]
+        # (plain calls at D=64: 128 queries per step, DKDV_TILES_WG_PLAIN)
+        wg = _mma_bwd.DKDV_TILES_WG_MB[dims] if has_mb else \
+            _mma_bwd.DKDV_TILES_WG_PLAIN.get(dims, _mma_bwd.DKDV_TILES_WG[dims])
         want = eligible and _mma_bwd.dkdv_smem_bytes(dims, wg) <= smem
         tile = _mma_bwd.dkdv_tile(dims, has_mb)
         assert (tile == wg) == want, (dims, has_mb, tile)
         assert bool(tile.opt & _mma_bwd.OPT_WG) == want
         if not want and not tile.opt & _mma_bwd.OPT_GRID:  # the table's tile, as elsewhere
             assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[dims]
-        # with dQ atomics, D=128's wgmma tile with dQ on wgmma too (a mask alone included); a
-        # bias keeps the mask / bias tile, which stages it in shared memory; the 64-query tiles
-        # add dQ through shared memory (OPT_DQ_BULK, its block allocated: taken where it fits)
+        # with dQ atomics, D=128's wgmma tile with dQ on wgmma too (a mask alone included), and
+        # D=64's plain one; a bias keeps the mask / bias tile, which stages it in shared memory;
+        # the 64- and 128-query tiles add dQ through shared memory (OPT_DQ_BULK, its block
+        # allocated: taken where it fits)
         def bulk(t):
-            return t._replace(opt=t.opt | (_mma_bwd.OPT_DQ_BULK if t.block_m == 64 else 0))
+            return t._replace(opt=t.opt | (_mma_bwd.OPT_DQ_BULK if t.block_m >= 64 else 0))
         assert not tile.opt & _mma_bwd.OPT_DQ_BULK  # (no dQ atomics: nothing to add)
-        wg_dq = bulk(_mma_bwd.DKDV_TILES_WG_DQ.get(dims, wg))
+        plain = not has_mb and dims in _mma_bwd.DKDV_TILES_WG_PLAIN
+        wg_dq = bulk(wg._replace(opt=wg.opt | _mma_bwd.OPT_WG_DQ) if plain
+                     else _mma_bwd.DKDV_TILES_WG_DQ.get(dims, wg))
         atomic = _mma_bwd.dkdv_tile(dims, has_mb, dq_atomic=True)
         if eligible and _mma_bwd.dkdv_smem_bytes(dims, wg_dq) <= smem:
-            assert atomic == wg_dq and bool(atomic.opt & _mma_bwd.OPT_WG_DQ) == (d == 128)
+            assert atomic == wg_dq
+            assert bool(atomic.opt & _mma_bwd.OPT_WG_DQ) == (d == 128 or plain)
         else:
             assert not atomic.opt & _mma_bwd.OPT_WG
         if has_mb:
@@ -100,7 +106,8 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
 @pytest.mark.parametrize("atomic", [True, False])
 def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override, atomic):
     """On the H200: ALiBi alone (an additive transform: the scale stays folded, no derivative
-    array) takes the call without it's wgmma dK/dV tile, D=128's with dQ on wgmma included;
+    array) takes the call without it's wgmma dK/dV tile (D=64: the 64-query one), D=128's with
+    dQ on wgmma included;
     a transform with a mask or bias, or softcap, the modifier's tiles; without wgmma the
     transforms' tiles (never the warp-grid kernel, which takes no modifier)."""
     from cuflash import _mma_bwd
@@ -110,8 +117,10 @@ def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override
     monkeypatch.setattr(_runtime, "nvrtc_version", lambda: (13, 0))
     for dims in ((64, 64), (128, 128)):
         plain = _mma_bwd.dkdv_tile(dims, False, atomic)
-        # (less OPT_DQ_BULK, which a transform leaves off: ALiBi's WG_DQ tile spilled with it)
-        no_bulk = plain._replace(opt=plain.opt & ~_mma_bwd.OPT_DQ_BULK)
+        # (less OPT_DQ_BULK, which a transform leaves off: ALiBi's WG_DQ tile spilled with it;
+        # at D=64 the 64-query tile: the 128-query one spilled with ALiBi)
+        base = _mma_bwd.DKDV_TILES_WG[dims] if dims in _mma_bwd.DKDV_TILES_WG_PLAIN else plain
+        no_bulk = base._replace(opt=base.opt & ~_mma_bwd.OPT_DQ_BULK)
         assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == no_bulk
         assert plain.opt & _mma_bwd.OPT_WG and bool(plain.opt & _mma_bwd.OPT_DQ_BULK) == atomic
         for has_mb, names in ((True, ("alibi",)), (False, ("softcap",)), (True, ("softcap",))):
