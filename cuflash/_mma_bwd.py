@@ -17,8 +17,9 @@ cuflash/_generic.py's backward; the caller sums GQA / broadcast groups and casts
 a device.
 
 Which dK/dV tile a call gets (dkdv_tile): on compute capability 9.0 at head dims 64 and 128 the
-wgmma form (DKDV_TILES_WG / _MB / _DQ, OPT_WG: compiled for sm_90a), where warpgroup h owns keys
-[64 h, 64 h + 64) of the 128-key tile and S^T, dP^T, dV and dK are warpgroup products; elsewhere
+wgmma form (DKDV_TILES_WG / _MB / _DQ / _PLAIN, OPT_WG: compiled for sm_90a), where warpgroup h
+owns keys [64 h, 64 h + 64) of the 128-key tile and S^T, dP^T, dV and dK are warpgroup products
+(D=64 calls without a modifier or dropout: 128 queries per step); elsewhere
 the DKDV_TILES_LARGE_SMEM tiles (D=128: the warp-grid kernel; (192, 128), 256) where shared memory
 allows, else DKDV_TILES / DKDV_TILES_MB. Dk >= 192 splits dK, dV and dQ's columns over two blocks
 per key tile (OPT_HALVES); Dk != Dv tiles are rows of max(Dk, Dv). Tiles are chosen by ptxas spill
