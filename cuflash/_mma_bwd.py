@@ -63,8 +63,8 @@ OPT_SWZ = 1
 # in shared memory). Compiled with -arch=sm_90a (dkdv_arch).
 OPT_WG = 2
 # OPT_WG_DQ: with OPT_WG at D=128, BLOCK_M 64 (or D=64, BLOCK_M 128), dQ atomics: dQ on wgmma
-# too, and dK's A operand dS^T read from shared memory (tcb::DKDV_WG_DQ; DKDV_TILES_WG_DQ,
-# DKDV_TILES_WG_PLAIN).
+# too (at 128 queries dK's A operand dS^T read from shared memory as well) (tcb::DKDV_WG_DQ;
+# DKDV_TILES_WG_DQ, DKDV_TILES_WG_PLAIN).
 OPT_WG_DQ = 4
 # OPT_GRID (host-side bit, not an OPT of bwd_mma_dkdv): the FA2-style warp-grid kernel
 # bwd_mma_dkdv_grid<T, HEAD_DIM, BLOCK_M, DQ_ATOMIC, MIN_BLOCKS> (8 warps, 128 keys, no mask /
@@ -267,7 +267,9 @@ def dkdv_arch(tile):
 
 def wg_tile(dims, has_mb, dq_atomic, dropout=False, transforms=(), bias=False):
     """The wgmma dK/dV tile of a call kind, or None. has_mb: a modifier (wg_modified); transforms:
-    the transforms' names; bias: the modifier has a bias. With dQ atomics the one with dQ on wgmma
+    the transforms' names; bias: the modifier has a bias. A call without a modifier, transform or
+    dropout takes DKDV_TILES_WG_PLAIN's tile where there is one (with dQ atomics, OPT_WG_DQ on
+    it). Otherwise, with dQ atomics the one with dQ on wgmma
     too where there is one (DKDV_TILES_WG_DQ): without a modifier (dropout included), or with a
     mask alone (no bias, transform or dropout: with those it spilled 88-556 bytes on sm_90a, and a
     bias gains more from DKDV_TILES_WG_MB's staging, OPT_SBIAS); else DKDV_TILES_WG / _MB; with

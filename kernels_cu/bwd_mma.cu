@@ -490,7 +490,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr u32 DS_BLK = BLOCK_N * 128;
   // DQ_BULK (DKDV_DQ_BULK): a tile's dQ block is stored to shared memory (rows of DQ_PITCH
   // bytes, 8 banks apart: conflict-free) and added to dq_acc by the bulk copy engine at the next
-  // tile's top, a row per fourth thread (add_dq_block): no red.global.add for the fences to wait
+  // tile's top, a row per DQ_T-th thread (add_dq_block): no red.global.add for the fences to wait
   // for.
   constexpr bool DQ_BULK = (OPT & tcb::DKDV_DQ_BULK) != 0;
   constexpr bool ORDER = (OPT & tcb::DKDV_DQ_ORDER) != 0;  // deterministic dQ (dq_turn)
