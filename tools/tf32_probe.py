@@ -1,0 +1,243 @@
+"""TF32 wgmma on the device: the operand layouts a float32 Hopper forward would use, checked against
+NumPy, and the instruction's throughput (issue 16; NOTES' design sketch for float32 on wgmma).
+
+    PYTHONPATH=. python3 tools/tf32_probe.py          # check, then time (an sm_90a device)
+    python3 tools/tf32_probe.py compile               # NVRTC + ptxas only (no device needed)
+
+check: one warpgroup, float32 tiles in shared memory with the 128-byte swizzle (column blocks of
+32 floats, 16-byte chunk c of row r at c ^ (r % 8), bases 1024-aligned), then
+  S = Q K^T   wgmma m64n64k8 .tf32, A = Q and B = K both K-major in shared memory;
+  O = P V     wgmma m64n64k8 .tf32, A = P from S's accumulators (no shuffle), B = V^T K-major,
+              its keys permuted within each group of 8 (k-slot s holds key 2s for s < 4, key
+              2 (s - 4) + 1 else), so that A = {s0, s2, s1, s3} of each 8-key accumulator block.
+Each result is compared with float64 products of the inputs truncated to TF32 (the top 19 bits)
+and rounded to nearest TF32: either within 1e-3 of the largest entry means the layout is right
+(a wrong one is off by the entries themselves), the smaller says which the hardware reads.
+time: 2 warpgroups per block, one block per SM, a chain of m64n128k8 products on resident tiles:
+the TF32 tensor rate an attention kernel could reach (TFLOP/s).
+"""
+import sys
+
+import numpy as np
+
+SRC = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ u64 desc_sw128(u32 addr) {  // K-major, SBO 1024, 128-byte swizzle
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// element (r, c) of a float tile stored as column blocks of 32 floats, rows of 128 bytes
+__device__ __forceinline__ u32 sw_offset(int r, int c, int rows) {
+  return (c / 32) * rows * 128 + r * 128 + ((((c % 32) / 4) ^ (r % 8)) * 16) + (c % 4) * 4;
+}
+__device__ __forceinline__ int perm8(int s) { return s < 4 ? 2 * s : 2 * (s - 4) + 1; }
+
+#define D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define DOPS8(d, j) D4(d, j), D4(d, j + 1), D4(d, j + 2), D4(d, j + 3), \
+  D4(d, j + 4), D4(d, j + 5), D4(d, j + 6), D4(d, j + 7)
+#define S32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define S64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+__device__ __forceinline__ void ss_n64(float (&d)[8][4], u64 a, u64 b, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " S32
+               ", %32, %33, p, 1, 1;\n}\n"
+               : DOPS8(d, 0) : "l"(a), "l"(b), "r"(acc));
+}
+__device__ __forceinline__ void rs_n64(float (&d)[8][4], const u32 (&a)[4], u64 b, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " S32
+               ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+               : DOPS8(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+}
+__device__ __forceinline__ void ss_n128(float (&d)[16][4], u64 a, u64 b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 " S64
+               ", %64, %65, p, 1, 1;\n}\n"
+               : DOPS8(d, 0), DOPS8(d, 8) : "l"(a), "l"(b), "r"(1));
+}
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+// q (64 x 64), k (64 x 64), v (64 x 64) row-major float32; s_out, o_out (64 x 64)
+extern "C" __global__ void __launch_bounds__(128) probe(const float* q, const float* k,
+                                                        const float* v, float* s_out,
+                                                        float* o_out) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  const u32 base = (smem_u32(raw) + 1023u) & ~1023u;
+  const u32 sQ = base, sK = sQ + 64 * 64 * 4, sVt = sK + 64 * 64 * 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  for (int i = tid; i < 64 * 64; i += 128) {
+    const int r = i / 64, c = i % 64;
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sQ + sw_offset(r, c, 64)), "f"(q[i]));
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sK + sw_offset(r, c, 64)), "f"(k[i]));
+    // V^T: row d = c, key position p holds key 8 (p / 8) + perm8(p % 8); here key r -> p
+    const int p = 8 * (r / 8) + ((r % 2) ? 4 + (r % 8) / 2 : (r % 8) / 2);
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(sVt + sw_offset(c, p, 64)), "f"(v[i]));
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  float s[8][4];
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {  // 8 k-steps of 8 floats: 4 per 128-byte row, 2 blocks
+    const u32 off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
+    ss_n64(s, desc_sw128(sQ + off), desc_sw128(sK + off), kk > 0);
+  }
+  commit();
+  wait0();
+  const int r0 = 16 * warp + g;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    s_out[r0 * 64 + 8 * j + 2 * t] = s[j][0];
+    s_out[r0 * 64 + 8 * j + 2 * t + 1] = s[j][1];
+    s_out[(r0 + 8) * 64 + 8 * j + 2 * t] = s[j][2];
+    s_out[(r0 + 8) * 64 + 8 * j + 2 * t + 1] = s[j][3];
+  }
+  float o[8][4];
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {  // keys 8 kk .. 8 kk + 7: S's accumulator block kk as A
+    const u32 a[4] = {__float_as_uint(s[kk][0]), __float_as_uint(s[kk][2]),
+                      __float_as_uint(s[kk][1]), __float_as_uint(s[kk][3])};
+    rs_n64(o, a, desc_sw128(sVt + (kk / 4) * 64 * 128 + (kk % 4) * 32), kk > 0);
+  }
+  commit();
+  wait0();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    o_out[r0 * 64 + 8 * j + 2 * t] = o[j][0];
+    o_out[r0 * 64 + 8 * j + 2 * t + 1] = o[j][1];
+    o_out[(r0 + 8) * 64 + 8 * j + 2 * t] = o[j][2];
+    o_out[(r0 + 8) * 64 + 8 * j + 2 * t + 1] = o[j][3];
+  }
+}
+
+// reps chains of 16 k-steps (K = 128) of m64n128k8 per warpgroup on resident tiles
+extern "C" __global__ void __launch_bounds__(256) rate(int reps, float* sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  const u32 base = (smem_u32(raw) + 1023u) & ~1023u;
+  const u32 sA = base + (threadIdx.x / 128) * 64 * 128 * 4, sB = base + 2 * 64 * 128 * 4;
+  for (int i = threadIdx.x; i < (2 * 64 + 128) * 128; i += 256)
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(base + 4 * i), "f"(1e-3f * (i % 7)));
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  float d[16][4];
+  for (int j = 0; j < 16; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+  for (int r = 0; r < reps; ++r) {
+    fence();
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+      const u32 off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
+      ss_n128(d, desc_sw128(sA + off), desc_sw128(sB + (kk / 4) * 128 * 128 + (kk % 4) * 32));
+    }
+    commit();
+    wait0();
+  }
+  float x = 0.f;
+  for (int j = 0; j < 16; ++j) x += d[j][0] + d[j][1] + d[j][2] + d[j][3];
+  if (x == 12345.f) sink[0] = x;  // (keeps the products)
+}
+"""
+
+
+def tf32_trunc(x):
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def tf32_round(x):
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def module():
+    import cupy as cp
+    return cp.RawModule(code=SRC, options=("-arch=sm_90a", "--std=c++17"),
+                        name_expressions=None)
+
+
+def compile_only():
+    """NVRTC + ptxas for sm_90a with no device (registers and spills of both kernels)."""
+    from cupy.cuda import compiler
+    import io
+    prog = compiler._NVRTCProgram(SRC, "tf32_probe.cu")
+    log = io.StringIO()
+    prog.compile(("-arch=sm_90a", "--std=c++17", "--ptxas-options=-v"), log)
+    print(log.getvalue())
+    return 0
+
+
+def check(mod):
+    import cupy as cp
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(3))
+    s_out = cp.zeros((64, 64), cp.float32)
+    o_out = cp.zeros((64, 64), cp.float32)
+    f = mod.get_function("probe")
+    f.max_dynamic_shared_size_bytes = 3 * 64 * 64 * 4 + 1024
+    f((1,), (128,), (cp.asarray(q), cp.asarray(k), cp.asarray(v), s_out, o_out),
+      shared_mem=3 * 64 * 64 * 4 + 1024)
+    s, o = s_out.get(), o_out.get()
+    ok = True
+    for name, got, ref_of in (
+            ("S = Q K^T", s, lambda cv: cv(q).astype(np.float64) @ cv(k).astype(np.float64).T),
+            ("O = S V", o, lambda cv: cv(s).astype(np.float64) @ cv(v).astype(np.float64))):
+        errs = {}
+        for how, cv in (("truncated", tf32_trunc), ("rounded", tf32_round)):
+            ref = ref_of(cv)
+            errs[how] = float(np.abs(got - ref).max() / np.abs(ref).max())
+        good = min(errs.values()) < 1e-3  # (a wrong layout gives errors of order 1)
+        ok &= good
+        print(f"{name}: max error / max |ref| against inputs truncated to TF32 "
+              f"{errs['truncated']:.2e}, rounded to nearest {errs['rounded']:.2e} -> "
+              f"{'layout OK' if good else 'FAIL (layout)'}")
+    return ok
+
+
+def time_rate(mod, reps=2000):
+    import cupy as cp
+    f = mod.get_function("rate")
+    smem = (2 * 64 + 128) * 128 * 4 + 1024
+    f.max_dynamic_shared_size_bytes = smem
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sink = cp.zeros(1, cp.float32)
+    f((sms,), (256,), (np.int32(10), sink), shared_mem=smem)
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    best = None
+    for _ in range(3):
+        s.record()
+        f((sms,), (256,), (np.int32(reps), sink), shared_mem=smem)
+        e.record()
+        e.synchronize()
+        ms = cp.cuda.get_elapsed_time(s, e)
+        best = ms if best is None else min(best, ms)
+    flops = 2 * 64 * 128 * 128 * 2 * reps * sms  # per block: 2 warpgroups x (64 x 128 x 128)
+    print(f"TF32 wgmma m64n128k8, {sms} SMs x 2 warpgroups: {flops / best / 1e9:.1f} TFLOP/s "
+          f"({best:.3f} ms)")
+
+
+def main(argv):
+    if argv and argv[0] == "compile":
+        return compile_only()
+    mod = module()
+    ok = check(mod)
+    time_rate(mod)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
