@@ -13,6 +13,9 @@ check: one warpgroup, float32 tiles in shared memory with the 128-byte swizzle (
 Each result is compared with float64 products of the inputs truncated to TF32 (the top 19 bits)
 and rounded to nearest TF32: either within 1e-3 of the largest entry means the layout is right
 (a wrong one is off by the entries themselves), the smaller says which the hardware reads.
+accuracy: O = P V over 4096 keys (P in [0, 1), V normal) with one TF32 product or three (hi + lo
+splits), accumulated on the tensor cores or in a fresh accumulator per 64-key tile added in
+float32 (the tensor cores' sums round toward zero: tools/tf32_rounding.py), against float64.
 time: 2 warpgroups per block, one block per SM, a chain of m64n128k8 products on resident tiles:
 the TF32 tensor rate an attention kernel could reach (TFLOP/s).
 """
@@ -108,15 +111,91 @@ extern "C" __global__ void __launch_bounds__(128) probe(const float* q, const fl
     s_out[(r0 + 8) * 64 + 8 * j + 2 * t + 1] = s[j][3];
   }
   float o[8][4];
-  fence();
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {  // keys 8 kk .. 8 kk + 7: S's accumulator block kk as A
     const u32 a[4] = {__float_as_uint(s[kk][0]), __float_as_uint(s[kk][2]),
                       __float_as_uint(s[kk][1]), __float_as_uint(s[kk][3])};
+    fence();  // (registers written since the last wgmma)
     rs_n64(o, a, desc_sw128(sVt + (kk / 4) * 64 * 128 + (kk % 4) * 32), kk > 0);
   }
   commit();
   wait0();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    o_out[r0 * 64 + 8 * j + 2 * t] = o[j][0];
+    o_out[r0 * 64 + 8 * j + 2 * t + 1] = o[j][1];
+    o_out[(r0 + 8) * 64 + 8 * j + 2 * t] = o[j][2];
+    o_out[(r0 + 8) * 64 + 8 * j + 2 * t + 1] = o[j][3];
+  }
+}
+
+__device__ __forceinline__ u32 tf32_rn(float x) {
+  u32 r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// O (64 x 64) = P (64 x 64 T) V (64 T x 64), key tile after key tile (64 keys each), V^T staged in
+// shared memory (unpermuted: A's k-slots in key order, P read from global memory). mode: bit 0
+// three TF32 products (P and V split hi + lo, hi = tf32_rn(x), lo = tf32_rn(x - hi); without it
+// one product of the raw floats), bit 1 a fresh accumulator per tile added to O in float32
+// (without it every tile accumulates into O on the tensor cores).
+extern "C" __global__ void __launch_bounds__(128) chain(const float* p, const float* v, int T,
+                                                       int mode, float* o_out) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  const u32 base = (smem_u32(raw) + 1023u) & ~1023u;
+  const u32 sHi = base, sLo = base + 64 * 64 * 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const bool three = mode & 1, fresh = mode & 2;
+  const int K = 64 * T, r0 = 16 * warp + g;
+  float o[8][4], pv[8][4];
+  for (int j = 0; j < 8; ++j)
+    for (int e = 0; e < 4; ++e) o[j][e] = pv[j][e] = 0.f;
+  for (int tile = 0; tile < T; ++tile) {
+    __syncthreads();  // the previous tile's products are done with the staged V^T
+    for (int i = tid; i < 64 * 64; i += 128) {
+      const int key = i / 64, d = i % 64;
+      const float x = v[(64 * tile + key) * 64 + d];
+      const float hi = three ? __uint_as_float(tf32_rn(x)) : x;
+      asm volatile("st.shared.f32 [%0], %1;" ::"r"(sHi + sw_offset(d, key, 64)), "f"(hi));
+      asm volatile("st.shared.f32 [%0], %1;" ::"r"(sLo + sw_offset(d, key, 64)),
+                   "f"(__uint_as_float(tf32_rn(x - hi))));
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const int c = 64 * tile + 8 * kk + t;
+      const float x[4] = {p[r0 * K + c], p[(r0 + 8) * K + c], p[r0 * K + c + 4],
+                          p[(r0 + 8) * K + c + 4]};
+      u32 hi[4], lo[4];
+      for (int e = 0; e < 4; ++e) {
+        hi[e] = three ? tf32_rn(x[e]) : __float_as_uint(x[e]);
+        lo[e] = tf32_rn(x[e] - __uint_as_float(hi[e]));
+      }
+      const u32 off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
+      const int acc = fresh ? kk > 0 : 1;
+      fence();  // (registers written since the last wgmma)
+      if (fresh) {
+        rs_n64(pv, hi, desc_sw128(sHi + off), acc);
+        if (three) {
+          rs_n64(pv, hi, desc_sw128(sLo + off), 1);
+          rs_n64(pv, lo, desc_sw128(sHi + off), 1);
+        }
+      } else {
+        rs_n64(o, hi, desc_sw128(sHi + off), acc);
+        if (three) {
+          rs_n64(o, hi, desc_sw128(sLo + off), 1);
+          rs_n64(o, lo, desc_sw128(sHi + off), 1);
+        }
+      }
+    }
+    commit();
+    wait0();
+    if (fresh)
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) o[j][e] += pv[j][e];
+  }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     o_out[r0 * 64 + 8 * j + 2 * t] = o[j][0];
@@ -208,6 +287,36 @@ def check(mod):
     return ok
 
 
+def accuracy(mod, T=64):
+    """O = P V over 64 T keys (P in [0, 1), like softmax weights; V normal) in four modes against
+    float64, beside float32 NumPy (BLAS) and the float32 sum of exact products in key order."""
+    import cupy as cp
+    rng = np.random.default_rng(1)
+    p = rng.random((64, 64 * T)).astype(np.float32)
+    v = rng.standard_normal((64 * T, 64)).astype(np.float32)
+    ref = p.astype(np.float64) @ v.astype(np.float64)
+    scale = np.abs(ref).max()
+    f = mod.get_function("chain")
+    f.max_dynamic_shared_size_bytes = 2 * 64 * 64 * 4 + 1024
+    out = cp.zeros((64, 64), cp.float32)
+    rows = []
+    for mode, name in ((0, "1 x TF32, accumulated on the tensor cores"),
+                       (2, "1 x TF32, a fresh accumulator per 64-key tile"),
+                       (1, "3 x TF32, accumulated on the tensor cores"),
+                       (3, "3 x TF32, a fresh accumulator per 64-key tile")):
+        f((1,), (128,), (cp.asarray(p), cp.asarray(v), np.int32(T), np.int32(mode), out),
+          shared_mem=2 * 64 * 64 * 4 + 1024)
+        rows.append((name, float(np.abs(out.get() - ref).max() / scale)))
+    rows.append(("float32 NumPy (BLAS)", float(np.abs(p @ v - ref).max() / scale)))
+    seq = np.zeros((64, 64), np.float32)
+    for j in range(64 * T):  # (the naive loop's order: one rounding per key)
+        seq += p[:, j:j + 1] * v[j]
+    rows.append(("float32, key after key (naive)", float(np.abs(seq - ref).max() / scale)))
+    print(f"O = P V over {64 * T} keys, max error / max |O| against float64:")
+    for name, err in rows:
+        print(f"  {name:48s} {err:.2e}")
+
+
 def time_rate(mod, reps=2000):
     import cupy as cp
     f = mod.get_function("rate")
@@ -235,6 +344,7 @@ def main(argv):
         return compile_only()
     mod = module()
     ok = check(mod)
+    accuracy(mod)
     time_rate(mod)
     return 0 if ok else 1
 
