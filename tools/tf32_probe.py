@@ -238,9 +238,9 @@ def tf32_trunc(x):
 
 
 def tf32_round(x):
+    """To nearest, ties away (cvt.rna.tf32.f32; tools/tf32_rounding.py's tf32)."""
     u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
-    return u.astype(np.uint32).view(np.float32)
+    return ((u + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
 
 
 def module():
