@@ -3,6 +3,11 @@
 round toward zero), next to a naive float32 dot product, against float64.
 
     python tools/tf32_rounding.py [--trials 200]
+    python tools/tf32_rounding.py --pv [--trials 300]
+
+--pv: a float32 Hopper forward's O = P V (tools/tf32_probe.py, NOTES' float32-on-wgmma sketch)
+over K = 4096 keys, P uniform in [0, 1), V normal: one TF32 product (operands rounded or
+truncated) or three, accumulated in place or in a fresh accumulator per 64 keys.
 
 Model of one m16n8k8 TF32 mma (per output element): the exact sum of c and eight exact products,
 each term truncated to the float32 grid of the largest term's exponent, then rounded toward zero
@@ -44,10 +49,60 @@ def wide_dot(a, b, G):
     return s
 
 
+def truncated(x):
+    """float32 -> TF32 by dropping the low 13 bits (an operand read as raw float32 bits)."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def pv_dot(a, b, G, three, rounded):
+    """One P V entry: k-steps of 8 keys, one product (operands rounded or truncated to TF32) or
+    three (hi + lo), a fresh accumulator per G k-steps (G = 0: one accumulator throughout)."""
+    ah, bh = (tf32(a), tf32(b)) if three or rounded else (truncated(a), truncated(b))
+    al, bl = tf32(a - ah), tf32(b - bh)
+    s, c = np.float32(0), np.float32(0)
+    for k in range(len(a) // 8):
+        i = slice(8 * k, 8 * k + 8)
+        c = mma(mma(mma(c, al[i], bh[i]), ah[i], bl[i]), ah[i], bh[i]) if three else \
+            mma(c, ah[i], bh[i])
+        if G and (k + 1) % G == 0:
+            s, c = np.float32(s + c), np.float32(0)
+    return np.float32(s + c)
+
+
+def pv_main(trials, K=4096):
+    rng = np.random.default_rng(0)
+    rules = {"1 x TF32 rounded, in place": (0, False, True),
+             "1 x TF32 truncated, in place": (0, False, False),
+             "1 x TF32 truncated, fresh per 64 keys": (8, False, False),
+             "3 x TF32, in place": (0, True, True),
+             "3 x TF32, fresh per 64 keys": (8, True, True)}
+    errs = {name: [] for name in list(rules) + ["naive float32", "NumPy pairwise float32"]}
+    scale = []
+    for _ in range(trials):
+        a = rng.random(K).astype(np.float32)
+        b = rng.standard_normal(K).astype(np.float32)
+        exact = float(np.dot(a.astype(np.float64), b.astype(np.float64)))
+        scale.append(abs(exact))
+        for name, rule in rules.items():
+            errs[name].append(abs(float(pv_dot(a, b, *rule)) - exact))
+        got = np.float32(0)
+        for x, y in zip(a, b):  # fma: one rounding per step
+            got = np.float32(float(got) + float(x) * float(y))
+        errs["naive float32"].append(abs(float(got) - exact))
+        errs["NumPy pairwise float32"].append(abs(float(np.sum(a * b, dtype=np.float32)) - exact))
+    print(f"K={K}, mean |exact| {np.mean(scale):.1f}")
+    for name, e in errs.items():
+        print(f"{name:40s} mean {np.mean(e):.2e}  max {max(e):.2e}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--trials", type=int, default=None)
+    ap.add_argument("--pv", action="store_true")
     args = ap.parse_args()
+    if args.pv:
+        return pv_main(args.trials or 300)
+    args.trials = args.trials or 200
     rng = np.random.default_rng(0)
     for K in (32, 64, 96, 128):
         KD = K // 8
