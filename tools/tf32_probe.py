@@ -19,61 +19,50 @@ float32 (the tensor cores' sums round toward zero: tools/tf32_rounding.py), agai
 time: 2 warpgroups per block, one block per SM, a chain of m64n128k8 products on resident tiles:
 the TF32 tensor rate an attention kernel could reach (TFLOP/s).
 """
+import os
 import sys
 
 import numpy as np
 
-SRC = r"""
-typedef unsigned int u32;
-typedef unsigned long long u64;
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tf32_rounding import tf32 as tf32_round, truncated as tf32_trunc  # noqa: E402
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ u64 desc_sw128(u32 addr) {  // K-major, SBO 1024, 128-byte swizzle
-  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+# The project's wgmma helpers (kernels_cu/wgmma.cuh: descriptors, fences, operand macros) and
+# the probe's kernels after them; the .tf32 instructions are the probe's own.
+PROBE_SRC = r"""
+using tc::u32;
+using tc::smem_u32;
+using wg::u64;
+
+__device__ __forceinline__ u64 desc(u32 addr) {  // K-major, 128-byte swizzle (rows_times_rows's)
+  return wg::desc_sw128(addr, 0, wg::SW128_SBO);
 }
 // element (r, c) of a float tile stored as column blocks of 32 floats, rows of 128 bytes
 __device__ __forceinline__ u32 sw_offset(int r, int c, int rows) {
   return (c / 32) * rows * 128 + r * 128 + ((((c % 32) / 4) ^ (r % 8)) * 16) + (c % 4) * 4;
 }
-__device__ __forceinline__ int perm8(int s) { return s < 4 ? 2 * s : 2 * (s - 4) + 1; }
-
-#define D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define DOPS8(d, j) D4(d, j), D4(d, j + 1), D4(d, j + 2), D4(d, j + 3), \
-  D4(d, j + 4), D4(d, j + 5), D4(d, j + 6), D4(d, j + 7)
-#define S32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define S64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 __device__ __forceinline__ void ss_n64(float (&d)[8][4], u64 a, u64 b, int acc) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " S32
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" CUFLASH_WG_DSTR32 "}"
                ", %32, %33, p, 1, 1;\n}\n"
-               : DOPS8(d, 0) : "l"(a), "l"(b), "r"(acc));
+               : CUFLASH_WG_DOPS32(d) : "l"(a), "l"(b), "r"(acc));
 }
 __device__ __forceinline__ void rs_n64(float (&d)[8][4], const u32 (&a)[4], u64 b, int acc) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " S32
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" CUFLASH_WG_DSTR32 "}"
                ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-               : DOPS8(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+               : CUFLASH_WG_DOPS32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
 }
 __device__ __forceinline__ void ss_n128(float (&d)[16][4], u64 a, u64 b) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 " S64
+               "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {" CUFLASH_WG_DSTR64 "}"
                ", %64, %65, p, 1, 1;\n}\n"
-               : DOPS8(d, 0), DOPS8(d, 8) : "l"(a), "l"(b), "r"(1));
+               : CUFLASH_WG_DOPS64(d) : "l"(a), "l"(b), "r"(1));
 }
-__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
+using wg::fence;
+using wg::commit;
 
 // q (64 x 64), k (64 x 64), v (64 x 64) row-major float32; s_out, o_out (64 x 64)
 extern "C" __global__ void __launch_bounds__(128) probe(const float* q, const float* k,
@@ -87,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(128) probe(const float* q, const fl
     const int r = i / 64, c = i % 64;
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(sQ + sw_offset(r, c, 64)), "f"(q[i]));
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(sK + sw_offset(r, c, 64)), "f"(k[i]));
-    // V^T: row d = c, key position p holds key 8 (p / 8) + perm8(p % 8); here key r -> p
+    // V^T: row d = c; position s of each 8 holds key 2 s (s < 4) or 2 (s - 4) + 1: key r -> p
     const int p = 8 * (r / 8) + ((r % 2) ? 4 + (r % 8) / 2 : (r % 8) / 2);
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(sVt + sw_offset(c, p, 64)), "f"(v[i]));
   }
@@ -98,10 +87,10 @@ extern "C" __global__ void __launch_bounds__(128) probe(const float* q, const fl
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {  // 8 k-steps of 8 floats: 4 per 128-byte row, 2 blocks
     const u32 off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
-    ss_n64(s, desc_sw128(sQ + off), desc_sw128(sK + off), kk > 0);
+    ss_n64(s, desc(sQ + off), desc(sK + off), kk > 0);
   }
   commit();
-  wait0();
+  wg::wait<0>();
   const int r0 = 16 * warp + g;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -116,10 +105,10 @@ extern "C" __global__ void __launch_bounds__(128) probe(const float* q, const fl
     const u32 a[4] = {__float_as_uint(s[kk][0]), __float_as_uint(s[kk][2]),
                       __float_as_uint(s[kk][1]), __float_as_uint(s[kk][3])};
     fence();  // (registers written since the last wgmma)
-    rs_n64(o, a, desc_sw128(sVt + (kk / 4) * 64 * 128 + (kk % 4) * 32), kk > 0);
+    rs_n64(o, a, desc(sVt + (kk / 4) * 64 * 128 + (kk % 4) * 32), kk > 0);
   }
   commit();
-  wait0();
+  wg::wait<0>();
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     o_out[r0 * 64 + 8 * j + 2 * t] = o[j][0];
@@ -177,21 +166,21 @@ extern "C" __global__ void __launch_bounds__(128) chain(const float* p, const fl
       const int acc = fresh ? kk > 0 : 1;
       fence();  // (registers written since the last wgmma)
       if (fresh) {
-        rs_n64(pv, hi, desc_sw128(sHi + off), acc);
+        rs_n64(pv, hi, desc(sHi + off), acc);
         if (three) {
-          rs_n64(pv, hi, desc_sw128(sLo + off), 1);
-          rs_n64(pv, lo, desc_sw128(sHi + off), 1);
+          rs_n64(pv, hi, desc(sLo + off), 1);
+          rs_n64(pv, lo, desc(sHi + off), 1);
         }
       } else {
-        rs_n64(o, hi, desc_sw128(sHi + off), acc);
+        rs_n64(o, hi, desc(sHi + off), acc);
         if (three) {
-          rs_n64(o, hi, desc_sw128(sLo + off), 1);
-          rs_n64(o, lo, desc_sw128(sHi + off), 1);
+          rs_n64(o, hi, desc(sLo + off), 1);
+          rs_n64(o, lo, desc(sHi + off), 1);
         }
       }
     }
     commit();
-    wait0();
+    wg::wait<0>();
     if (fresh)
       for (int j = 0; j < 8; ++j)
         for (int e = 0; e < 4; ++e) o[j][e] += pv[j][e];
@@ -221,10 +210,10 @@ extern "C" __global__ void __launch_bounds__(256) rate(int reps, float* sink) {
 #pragma unroll
     for (int kk = 0; kk < 16; ++kk) {
       const u32 off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
-      ss_n128(d, desc_sw128(sA + off), desc_sw128(sB + (kk / 4) * 128 * 128 + (kk % 4) * 32));
+      ss_n128(d, desc(sA + off), desc(sB + (kk / 4) * 128 * 128 + (kk % 4) * 32));
     }
     commit();
-    wait0();
+    wg::wait<0>();
   }
   float x = 0.f;
   for (int j = 0; j < 16; ++j) x += d[j][0] + d[j][1] + d[j][2] + d[j][3];
@@ -233,29 +222,24 @@ extern "C" __global__ void __launch_bounds__(256) rate(int reps, float* sink) {
 """
 
 
-def tf32_trunc(x):
-    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
-
-
-def tf32_round(x):
-    """To nearest, ties away (cvt.rna.tf32.f32; tools/tf32_rounding.py's tf32)."""
-    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+def source():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from cuflash import _runtime
+    return _runtime.source("wgmma.cuh") + PROBE_SRC
 
 
 def module():
     import cupy as cp
-    return cp.RawModule(code=SRC, options=("-arch=sm_90a", "--std=c++17"),
-                        name_expressions=None)
+    return cp.RawModule(code=source(), options=("-arch=sm_90a", "-std=c++17"))
 
 
 def compile_only():
     """NVRTC + ptxas for sm_90a with no device (registers and spills of both kernels)."""
     from cupy.cuda import compiler
     import io
-    prog = compiler._NVRTCProgram(SRC, "tf32_probe.cu")
+    prog = compiler._NVRTCProgram(source(), "tf32_probe.cu")
     log = io.StringIO()
-    prog.compile(("-arch=sm_90a", "--std=c++17", "--ptxas-options=-v"), log)
+    prog.compile(("-arch=sm_90a", "-std=c++17", "--ptxas-options=-v"), log)
     print(log.getvalue())
     return 0
 
