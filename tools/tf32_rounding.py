@@ -37,26 +37,15 @@ def mma(c, a, b):
     return np.nextafter(f, np.float32(0)) if abs(float(f)) > abs(s) else f
 
 
-def wide_dot(a, b, G):
-    ah, bh = tf32(a), tf32(b)
-    al, bl = tf32(a - ah), tf32(b - bh)
-    s, c = np.float32(0), np.float32(0)
-    for k in range(len(a) // 8):
-        i = slice(8 * k, 8 * k + 8)
-        c = mma(mma(mma(c, al[i], bh[i]), ah[i], bl[i]), ah[i], bh[i])
-        if (k + 1) % G == 0:
-            s, c = np.float32(s + c), np.float32(0)
-    return s
-
-
 def truncated(x):
     """float32 -> TF32 by dropping the low 13 bits (an operand read as raw float32 bits)."""
     return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def pv_dot(a, b, G, three, rounded):
-    """One P V entry: k-steps of 8 keys, one product (operands rounded or truncated to TF32) or
-    three (hi + lo), a fresh accumulator per G k-steps (G = 0: one accumulator throughout)."""
+    """One dot product (the wide path's, or a P V entry): k-steps of 8, one product (operands
+    rounded or truncated to TF32) or three (hi + lo), a fresh accumulator per G k-steps (G = 0:
+    one accumulator throughout)."""
     ah, bh = (tf32(a), tf32(b)) if three or rounded else (truncated(a), truncated(b))
     al, bl = tf32(a - ah), tf32(b - bh)
     s, c = np.float32(0), np.float32(0)
@@ -119,7 +108,7 @@ def main():
                     for x, y in zip(a, b):  # fma: one rounding per step
                         got = np.float32(float(got) + float(x) * float(y))
                 else:
-                    got = wide_dot(a, b, G)
+                    got = pv_dot(a, b, G, True, True)
                 errs[name].append(abs(float(got) - exact))
         naive = max(errs["naive float32"])
         for name, e in errs.items():
