@@ -34,6 +34,7 @@ step: larger steps spill. dq (deterministic mode): 64 query rows (4 warps) x 64 
 ring, 2 blocks per SM.
 """
 import itertools
+import math
 from collections import namedtuple
 
 import numpy as np
@@ -104,6 +105,10 @@ ORDER_DIMS = ((128, 128),)
 # views). Its own instantiations: a runtime switch in the stores changed every wgmma kernel's
 # main-loop schedule (D=64 3 % slower on the H100 where the switch was off).
 OPT_LIKE = 2048
+# OPT_DQ_T: with OPT_WG_DQ and OPT_DQ_BULK at D=128, 80 queries per step: dQ made transposed
+# (dQ^T = K^T dS^T; 80 is no multiple of wgmma's M), dS stored as rows of queries
+# (tcb::DKDV_DQ_T); lse2 / delta padded to a multiple of 640 (nq_padded).
+OPT_DQ_T = 8192
 DqTile = namedtuple("DqTile", "block_n warps stages min_blocks")
 
 # (Dk, Dv) -> tile. Instantiations: 2 dtypes x 7 head dim pairs x 2 (HAS_MB) x 2 (deterministic)
@@ -169,9 +174,12 @@ DKDV_TILES_WG_DQ = {(128, 128): DkdvTile(block_m=64, warps=8, kv_in_regs=False, 
                                          opt=OPT_SWZ | OPT_WG | OPT_WG_DQ)}
 # Plain calls (no mask / bias, transform or dropout) at D=64: 128 queries per step (S^T and dP^T
 # as 64 x 128 products), dQ on wgmma with dQ atomics, warpgroup h taking query rows [64 h,
-# 64 h + 64). Their modifier, transform and dropout twins spilled (sm_90a ptxas).
+# 64 h + 64). Their modifier, transform and dropout twins spilled (sm_90a ptxas). At D=128, with
+# dQ atomics only (OPT_DQ_T: no form without dQ), 80 queries per step.
 DKDV_TILES_WG_PLAIN = {(64, 64): DkdvTile(block_m=128, warps=8, kv_in_regs=False, min_blocks=1,
-                                          opt=OPT_SWZ | OPT_WG)}
+                                          opt=OPT_SWZ | OPT_WG),
+                       (128, 128): DkdvTile(block_m=80, warps=8, kv_in_regs=False, min_blocks=1,
+                                            opt=OPT_SWZ | OPT_WG | OPT_DQ_T)}
 
 
 def _b(x):
@@ -260,6 +268,12 @@ def dkdv_smem_bytes(dims, tile):
         + 4 * tile.block_m * 4 + slack + sbias + dq_block
 
 
+def nq_padded(Nq, tile):
+    """lse2 / delta rows per (batch, head): Nq rounded up to LSE_PAD and the tile's query step."""
+    pad = math.lcm(LSE_PAD, tile.block_m)
+    return -(-Nq // pad) * pad
+
+
 def dkdv_arch(tile):
     """The NVRTC target a dK/dV tile needs beyond CuPy's default (OPT_WG: sm_90a), or None."""
     return "sm_90a" if tile.opt & OPT_WG else None
@@ -276,10 +290,9 @@ def wg_tile(dims, has_mb, dq_atomic, dropout=False, transforms=(), bias=False):
     dropout DKDV_TILES_WG_MB's in place of DKDV_TILES_WG's (D=128's 64 queries per step spilled
     8 bytes with dropout; WG_DQ's did not). OPT_DQ_BULK where its rule holds."""
     alone = not has_mb or not (bias or transforms or dropout)
-    if dims in DKDV_TILES_WG_PLAIN and not (has_mb or transforms or dropout):
-        tile = DKDV_TILES_WG_PLAIN[dims]
-        if dq_atomic:
-            tile = tile._replace(opt=tile.opt | OPT_WG_DQ)
+    plain = DKDV_TILES_WG_PLAIN.get(dims) if not (has_mb or transforms or dropout) else None
+    if plain is not None and (dq_atomic or not plain.opt & OPT_DQ_T):
+        tile = plain._replace(opt=plain.opt | OPT_WG_DQ) if dq_atomic else plain
     elif dq_atomic and dims in DKDV_TILES_WG_DQ and alone:
         tile = DKDV_TILES_WG_DQ[dims]
     else:
@@ -347,12 +360,21 @@ def ordered_tile(p, dims, names, dropout):
     counts in 32 bits."""
     if p.mask is not None or p.bias is not None or dims not in ORDER_DIMS:
         return None
-    tile = dkdv_tile(dims, False, True, names, dropout)
+    tile = orderable(dims, dkdv_tile(dims, False, True, names, dropout))
     blocks = -(-p.Nk // (16 * tile.warps))
     if not tile.opt & OPT_DQ_BULK or blocks > _runtime.device_info().sm_count or \
             -(-p.Nq // tile.block_m) * (blocks + 1) > 1 << 32:
         return None
     return tile._replace(opt=tile.opt | OPT_DQ_ORDER)
+
+
+def orderable(dims, tile):
+    """The tile that takes OPT_DQ_ORDER where `tile` would be taken: itself, but for the dQ^T
+    tile (OPT_DQ_T), which has no ordered form: the 64-query one with dQ on wgmma."""
+    if tile.opt & OPT_DQ_T:
+        tile = DKDV_TILES_WG_DQ[dims]
+        return tile._replace(opt=tile.opt | OPT_DQ_BULK)
+    return tile
 
 
 def dbias_tile(dims, dq_atomic, wgmma):
@@ -402,8 +424,9 @@ def instantiations():
                         d in ORDER_DIMS else (0,)
                     for order, like in itertools.product(orders, (0, OPT_LIKE)):
                         if order or like:
-                            exprs.append(dkdv_expr(dt, d, tile._replace(
-                                opt=tile.opt | group | order | like), atomic, False))
+                            t = orderable(d, tile) if order else tile
+                            exprs.append(dkdv_expr(dt, d, t._replace(
+                                opt=t.opt | group | order | like), atomic, False))
             # the bias's gradient: the OPT_DBIAS twins of the mask / bias tiles (dbias_tile)
             if d not in DBIAS_DECLINED:
                 for atomic in (True, False):
@@ -521,7 +544,6 @@ def _recipe(p, deterministic):
     """What a backward call of this layout launches, and how (shapes, kernels, grids)."""
     BH, Nq = p.BH, p.Nq
     dims = (p.Dk, p.Dv)
-    nq_pad = -(-Nq // LSE_PAD) * LSE_PAD
     has_mb = p.mask is not None or p.bias is not None
     names = _modifiers.names(p)
     dropout = bool(p.dropout_p)
@@ -529,6 +551,7 @@ def _recipe(p, deterministic):
     atomic = not deterministic or ordered is not None  # dQ added by the dK/dV kernel
     tile = ordered or dkdv_tile(dims, has_mb, atomic, names, dropout, p.dbias,
                                 p.bias is not None)
+    nq_pad = nq_padded(Nq, tile)
     group = group_size(p) if tile.opt & OPT_WG else 1  # GQA in the kernel (OPT_GROUP)
     if group > 1:
         tile = tile._replace(opt=tile.opt | OPT_GROUP)

@@ -86,6 +86,13 @@ using tc::u32;
 //                fragments are the mma.sync dQ layout's (WM x WD warps), so the reductions are the
 //                same. At 128 queries dK += dS^T Q reads its A from those rows too (K-major,
 //                after a barrier of the warpgroup), not from registers: 32 registers fewer.
+//   DKDV_DQ_T    with DKDV_WG_DQ and DKDV_DQ_BULK at HEAD_DIM 128, BLOCK_M 80 (_mma_bwd
+//                DKDV_TILES_WG_PLAIN): 80 queries are no multiple of wgmma's M = 64, so dQ is made
+//                transposed, dQ^T = K^T dS^T: warpgroup h takes dQ's columns [64 h, 64 h + 64) as
+//                its M (K's column block h read MN-major), N = the 80 queries, from dS stored as
+//                rows of queries (K-major B; stmatrix .trans of the packed dS^T fragments), and
+//                puts them in the dQ block transposed (rows of HEAD_DIM + 4 floats: conflict-free).
+//                The host pads lse2 / delta to a multiple of 640 (LSE_PAD and 80).
 //   DKDV_HALVES  head dims whose dK + dV accumulators do not fit a warp's registers (192,
 //                256): two blocks per key tile (blockIdx.x = 2 * tile + half), block `half` owns
 //                the second or first half of dK's, dV's and dQ's columns; S^T and dP^T (full head
@@ -123,7 +130,7 @@ using tc::u32;
 //                schedule (D=64 3 % slower, H100).
 enum DkdvOpt : int { DKDV_SWZ = 1, DKDV_WGMMA = 2, DKDV_WG_DQ = 4, DKDV_HALVES = 16,
                      DKDV_DBIAS = 64, DKDV_SBIAS = 128, DKDV_GROUP = 256, DKDV_DQ_BULK = 512,
-                     DKDV_DQ_ORDER = 1024, DKDV_LIKE = 2048 };
+                     DKDV_DQ_ORDER = 1024, DKDV_LIKE = 2048, DKDV_DQ_T = 8192 };
 
 // DKDV_DQ_ORDER: the place of key block jb (of n_blocks, BLOCK_N keys each) among the blocks of
 // its head that see query tile m (BLOCK_M rows): the blocks whose queries start later (a causal
@@ -484,10 +491,13 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr int LROW = SWZ ? 128 : ROW_BYTES;
   constexpr u32 KBLK = SWZ && HEAD_DIM > 64 ? BLOCK_N * 128 : 0;
   constexpr bool WG_DQ = (OPT & tcb::DKDV_WG_DQ) != 0;  // dQ on wgmma (swizzled dS^T)
+  constexpr bool DQ_TR = (OPT & tcb::DKDV_DQ_T) != 0;   // ... as dQ^T = K^T dS^T (80 queries)
   // dS^T rows (keys) in shared memory: padded, or (WG_DQ) 128-byte-swizzled rows of 64 queries,
   // in blocks of DS_BLK bytes (BLOCK_N rows) per 64 queries
   constexpr int DS_ROW = WG_DQ ? 128 : (BLOCK_M + 8) * 2;
   constexpr u32 DS_BLK = BLOCK_N * 128;
+  // DQ_TR: dS as rows of queries, in blocks of DST_BLK bytes per 64 keys
+  constexpr u32 DST_BLK = BLOCK_M * 128;
   // DQ_BULK (DKDV_DQ_BULK): a tile's dQ block is stored to shared memory (rows of DQ_PITCH
   // bytes, 8 banks apart: conflict-free) and added to dq_acc by the bulk copy engine at the next
   // tile's top, a row per DQ_T-th thread (add_dq_block): no red.global.add for the fences to wait
@@ -496,7 +506,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   constexpr bool ORDER = (OPT & tcb::DKDV_DQ_ORDER) != 0;  // deterministic dQ (dq_turn)
   constexpr bool LIKE = (OPT & tcb::DKDV_LIKE) != 0;      // dK, dV in k's, v's layouts
   static_assert(!ORDER || (DQ_BULK && !HAS_MB), "DKDV_DQ_ORDER: DQ_BULK, no modifier");
-  constexpr int DQ_PITCH = (HEAD_DIM + 8) * 4;
+  constexpr int DQ_PITCH = (HEAD_DIM + (DQ_TR ? 4 : 8)) * 4;  // (DQ_TR: transposed stores)
   constexpr int QT_BYTES = BLOCK_M * ROW_BYTES;
   // dQ = dS K: WM warps along the query rows (16 each), WD along the head dim.
   constexpr int WM = BLOCK_M / 16;
@@ -509,23 +519,27 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   static_assert(!LIKE || (WG && !HAS_MB && sizeof...(Drop) == 0 && !DBIAS),
                 "DKDV_LIKE: the wgmma kernel, no modifier, dropout or dbias");
   static_assert(!WG || (SWZ && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
-                        (BLOCK_M == 32 || BLOCK_M == 64 || (BLOCK_M == 128 && HEAD_DIM == 64)) &&
+                        (BLOCK_M == 32 || BLOCK_M == 64 || (BLOCK_M == 128 && HEAD_DIM == 64) ||
+                         (BLOCK_M == 80 && DQ_TR)) &&
                         NWARPS == 8 && !KV_IN_REGS),
                 "DKDV_WGMMA: swizzled tiles, head dim 64 / 128, 32 or 64 (D=64: or 128) x 128 "
                 "tile, K / V in shared memory");
   static_assert(!SWZ || HEAD_DIM == 64 || WG, "DKDV_SWZ's mma.sync products: one column block");
   static_assert(!HALVES || (!SWZ && !KV_IN_REGS && DCK % 16 == 0 && DCV % 16 == 0),
                 "DKDV_HALVES: padded tiles, K / V in shared memory, halves of 16-column steps");
-  static_assert(!WG_DQ || (WG && BLOCK_M * HEAD_DIM == 64 * 128 && DQ_ATOMIC),
+  static_assert(!WG_DQ || (WG && (BLOCK_M * HEAD_DIM == 64 * 128 || DQ_TR) && DQ_ATOMIC),
                 "DKDV_WG_DQ: the wgmma kernel, 64 queries per step at D=128 or 128 at D=64, dQ "
                 "atomics");
+  static_assert(!DQ_TR || (WG_DQ && DQ_BULK && !ORDER && HEAD_DIM == 128 && BLOCK_M == 80),
+                "DKDV_DQ_T: dQ on wgmma, through shared memory, unordered, D=128, 80 queries");
   // Shared tile bases: swizzled tiles start on a row (tc::tile_addr's XOR must not carry into the
   // base), wgmma's 128-byte swizzle on 8 rows (it swizzles absolute addresses).
   constexpr u32 BASE_ALIGN = WG ? 8 * LROW : LROW;
-  static_assert(BLOCK_M <= LSE_PAD && LSE_PAD % BLOCK_M == 0, "lse2/delta padding");
+  // (DQ_TR's 80 queries: the host pads to a multiple of 640, _mma_bwd.nq_padded)
+  static_assert(DQ_TR || (BLOCK_M <= LSE_PAD && LSE_PAD % BLOCK_M == 0), "lse2/delta padding");
   static_assert(THREADS >= BLOCK_M / 2, "lse2/delta copies: one 16-byte chunk per thread");
-  static_assert(!DQ_ATOMIC || (WD >= 1 && NWARPS % WM == 0 && DQ_COLS % 16 == 0 &&
-                               DQ_COLS <= 64),
+  static_assert(!DQ_ATOMIC || DQ_TR || (WD >= 1 && NWARPS % WM == 0 && DQ_COLS % 16 == 0 &&
+                                        DQ_COLS <= 64),
                 "dQ warp layout (at most 32 accumulators per thread, held through dK)");
 
   const int n_ntiles = (Nk + BLOCK_N - 1) / BLOCK_N;
@@ -590,7 +604,10 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   u32 sK, sV, sQ, sdO, sdS, sL, sD, sDQ, sB;
   shared_regions<SWZ ? BASE_ALIGN : 16>(sK, BLOCK_N * ROW_BYTES, sV, BLOCK_N * ROW_BYTES, sQ,
                                         2 * QT_BYTES, sdO, 2 * QT_BYTES, sdS,
-                                        WG_DQ ? BLOCK_M / 64 * DS_BLK : BLOCK_N * DS_ROW, sL,
+                                        DQ_TR   ? BLOCK_N / 64 * DST_BLK
+                                        : WG_DQ ? BLOCK_M / 64 * DS_BLK
+                                                : BLOCK_N * DS_ROW,
+                                        sL,
                                         2 * BLOCK_M * 4, sD, 2 * BLOCK_M * 4, sDQ,
                                         DQ_BULK ? BLOCK_M * DQ_PITCH : 0, sB);
 
@@ -671,7 +688,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   // DQ_UNDER: on the 32-query tiles (dQ on mma.sync) they go out under the next tile's S^T and
   // dP^T products instead (padding, bias 3 % faster on the H100; D=64's 64-query tile lost 2 %
   // that way, D=128's WG_DQ tile spilled).
-  constexpr int QF = DQ_ATOMIC ? DQ_COLS / 8 : 1;
+  constexpr int QF = DQ_TR ? BLOCK_M / 8 : DQ_ATOMIC ? DQ_COLS / 8 : 1;  // (DQ_TR: dQ^T's N)
   constexpr int NR = 2 * QF;
   constexpr bool DEFER_DQ = WG && DQ_ATOMIC;
   constexpr bool DQ_UNDER = DEFER_DQ && !DQ_BULK && !WG_DQ && BLOCK_M == 32;
@@ -692,21 +709,22 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   int dq_i0 = -1, dq_hd = 0;  // DEFER_DQ: the tile whose dQ block acc holds (rows, head), -1: none
   // DQ_BULK: that block from sDQ into dq_acc, row tid / DQ_T by thread tid % DQ_T == 0 (after the
   // barrier that follows its stores; its bulk group waited for before sDQ is written again).
-  constexpr int DQ_T = THREADS / BLOCK_M;  // threads per dQ row
-  static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC &&
-                             DQ_T * BLOCK_M == THREADS),
-                "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, whole threads per row");
+  // (DQ_T threads per row; where BLOCK_M does not divide THREADS, row tid of the first BLOCK_M)
+  constexpr int DQ_T = THREADS % BLOCK_M == 0 ? THREADS / BLOCK_M : 0;
+  static_assert(!DQ_BULK || ((OPT & tcb::DKDV_WGMMA) != 0 && DQ_ATOMIC && THREADS >= BLOCK_M),
+                "DKDV_DQ_BULK: the wgmma kernel with dQ atomics, a thread per row");
+  const int dq_r = DQ_T ? (tid % DQ_T == 0 ? tid / DQ_T : -1) : (tid < BLOCK_M ? tid : -1);
   // ORDER: the row's turn first (dq_rank: the block's place for that tile; seen: the turn as
   // peek_turn read it when the tile's products were issued), then passed on once the engine has
   // written the row (sdq_free).
   int dq_rank = 0, seen = -1;
   int* turn = nullptr;
   auto dq_row = [&](int i0, int hd) {  // the row this thread adds of the tile (rows i0, head hd)
-    return (GROUP ? bh + hd : bh) * Nq + i0 + tid / DQ_T;
+    return (GROUP ? bh + hd : bh) * Nq + i0 + dq_r;
   };
   auto add_dq_block = [&]() {
-    const int r = tid / DQ_T;
-    if (dq_i0 >= 0 && tid % DQ_T == 0 && dq_i0 + r < Nq) {
+    const int r = dq_r;
+    if (dq_i0 >= 0 && r >= 0 && dq_i0 + r < Nq) {
       const long long row = dq_row(dq_i0, dq_hd);
       if constexpr (ORDER) {
         turn = dq_turns + row;
@@ -867,7 +885,12 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         // a0 = (key g, queries 16kk + 2t..), a1 = key g + 8, a2/a3 = queries + 8. WG_DQ: query
         // chunk 2 kk (+1 for a2/a3) of key row r sits at chunk (2 kk) ^ (r % 8) (keys g and g + 8
         // share r % 8): 8 rows x 4 words per store, conflict-free.
-        if constexpr (WG_DQ) {
+        if constexpr (DQ_TR) {  // dS rows (queries) of this warp's 16 keys, 64 keys per block
+          const int m = lane / 8, qrow = 16 * kk + 8 * (m / 2) + lane % 8;
+          const int chunk = 2 * (warp % 4) + m % 2;  // (keys 16 (warp % 4) + 8 (m % 2) ..)
+          wg::stsm_x4_t(sdS + (warp / 4) * DST_BLK + qrow * 128 + ((chunk ^ (qrow % 8)) * 16),
+                        da[kk]);
+        } else if constexpr (WG_DQ) {
           const int key = warp * 16 + g;
           const u32 blk = sdS + (kk / 4) * DS_BLK;  // (the block of queries 16 kk ..)
           const u32 row = blk + chunk_offset<true, DS_ROW>(key, (2 * kk) % 8) + 4 * t;
@@ -885,14 +908,20 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
       }
     }
-    // dK += dS^T Q, under dQ. WG_DQ at 128 queries: A = this warpgroup's rows of the dS^T just
-    // stored (a barrier of its 128 threads), not the packed registers, which are then free (from
-    // registers it spilled; at D=128's 64 queries the shared A was 4 % slower, H100).
+    // dK += dS^T Q, under dQ. WG_DQ at 128 queries and DQ_TR: A = this warpgroup's part of the
+    // dS^T (dS) just stored (a barrier of its 128 threads), not the packed registers, which are
+    // then free (from registers they spilled; at D=128's 64 queries the shared A was 4 % slower,
+    // H100).
     if constexpr (WG_DQ && BLOCK_M == 128) {
       wg::fence_shared();
       asm volatile("bar.sync %0, 128;" ::"r"(1 + warp / 4) : "memory");
       wg::tile_times_tile<T, HEAD_DIM, KM, DS_BLK, BLOCK_M * 128>(dk, sdS + (warp / 4) * 64 * 128,
                                                                    qs);
+    } else if constexpr (DQ_TR) {  // A = dS^T read MN-major from dS's block of this group's keys
+      wg::fence_shared();
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + warp / 4) : "memory");
+      wg::tile_t_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128, true>(dk, sdS + (warp / 4) * DST_BLK,
+                                                                  qs);
     } else if constexpr (WG) {
       wg::regs_times_tile<T, HEAD_DIM, KM, BLOCK_M * 128>(dk, da, qs);
     }
@@ -905,8 +934,12 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       __syncthreads();     // dS^T of every warp in shared memory
       // warpgroup h: dQ's columns [64 h, 64 h + 64) at D=128, its query rows [64 h, 64 h + 64)
       // (dS^T's block h) at D=64
-      const u32 ds_blk = sdS + (BLOCK_M / 64 - 1) * (warp / 4) * DS_BLK;
-      wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, ds_blk, sK + (warp / 4) * KBLK);
+      if constexpr (DQ_TR) {  // dQ^T: warpgroup h's 64 columns x the 80 queries
+        wg::tile_t_times_rows<T, BLOCK_M, BLOCK_N / 16, DST_BLK>(acc, sK + (warp / 4) * KBLK, sdS);
+      } else {
+        const u32 ds_blk = sdS + (BLOCK_M / 64 - 1) * (warp / 4) * DS_BLK;
+        wg::tile_t_times_tile<T, 64, BLOCK_N / 16, 0>(acc, ds_blk, sK + (warp / 4) * KBLK);
+      }
       wg::wait<0>();  // (dV and dK land here too)
       wg::fence_acc(acc);
     } else if (DQ_ATOMIC) {
@@ -927,7 +960,15 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
       }
     }
-    if constexpr (DQ_BULK) {  // acc into sDQ (added at the next tile's top)
+    if constexpr (DQ_TR) {  // dQ^T into sDQ transposed: column d of query row q
+      const int d = (warp / 4) * 64 + (warp % 4) * 16 + g;
+#pragma unroll
+      for (int nf = 0; nf < QF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          st_shared_f32(sDQ + (nf * 8 + 2 * t + e % 2) * DQ_PITCH + (d + 8 * (e / 2)) * 4,
+                        acc[nf][e]);
+    } else if constexpr (DQ_BULK) {  // acc into sDQ (added at the next tile's top)
 #pragma unroll
       for (int nf = 0; nf < QF; ++nf)
 #pragma unroll
@@ -944,7 +985,7 @@ bwd_mma_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         dq_rank = spread ? tcb::spread_turn(j0 / BLOCK_N, jl + 1, n_qt, i0 / BLOCK_M)
                          : tcb::dq_turn<BLOCK_M, BLOCK_N>(w, j0 / BLOCK_N, n_ntiles,
                                                           i0 / BLOCK_M, Nq, late_first);
-        if (tid % DQ_T == 0 && i0 + tid / DQ_T < Nq)
+        if (dq_r >= 0 && i0 + dq_r < Nq)
           seen = tcb::peek_turn(dq_turns + dq_row(i0, dq_hd));
       }
       wg::wait<0>();

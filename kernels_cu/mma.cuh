@@ -282,6 +282,9 @@ __device__ __forceinline__ void cp_tile_inc(u32 dst, const T* __restrict__ src, 
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(x) : "memory");
 }
+__device__ __forceinline__ void st_shared_f32(u32 addr, float a) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(a) : "memory");
+}
 __device__ __forceinline__ void st_shared_v2f(u32 addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1,%2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }

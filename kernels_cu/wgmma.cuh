@@ -2,8 +2,8 @@
 // No kernels.
 //
 // A warpgroup (4 consecutive warps, the first one's index a multiple of 4) computes D (64 x N,
-// N = 32, 64, 128, 176 or 192, float32) += A (64 x 16k) B (16k x N), 16-bit inputs. B is always
-// in shared memory, A in shared memory (ss) or in registers (rs). The register layouts are
+// N = 32, 64, 80, 128, 176 or 192, float32) += A (64 x 16k) B (16k x N), 16-bit inputs. B is
+// always in shared memory, A in shared memory (ss) or in registers (rs). The register layouts are
 // mma.sync's (mma.cuh), stacked: warp w of the group holds rows 16 w .. 16 w + 15; its accumulator
 // d[j][0..3] is the m16n8 C fragment of columns 8 j .. 8 j + 7, and a register A operand is the
 // m16n8k16 A fragment of its 16 rows (tc::acc_to_a). So code written for mma.sync fragments reads wgmma results unchanged.
@@ -131,6 +131,14 @@ template <int NF> __device__ __forceinline__ void fence_acc(float (&d)[NF][4]) {
 #define CUFLASH_WG_RS_FLAG32 "setp.ne.b32 p, %37, 0;\n"
 #define CUFLASH_WG_RS_FLAG64 "setp.ne.b32 p, %69, 0;\n"
 
+// N = 80 (the backward's 80-query steps at D=128)
+#define CUFLASH_WG_DOPS40(d) CUFLASH_WG_DOPS32(d), CUFLASH_WG_D4(d, 8), CUFLASH_WG_D4(d, 9)
+#define CUFLASH_WG_DSTR40 CUFLASH_WG_DSTR32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define CUFLASH_WG_SS_TAIL40 ", %40, %41, p, 1, 1, %44, %43;\n}\n"
+#define CUFLASH_WG_SS_FLAG40 "setp.ne.b32 p, %42, 0;\n"
+#define CUFLASH_WG_RS_TAIL40 ", {%40, %41, %42, %43}, %44, p, 1, 1, %46;\n}\n"
+#define CUFLASH_WG_RS_FLAG40 "setp.ne.b32 p, %45, 0;\n"
+
 // N = 176 and 192 (score tiles of 176 and 192 keys)
 #define CUFLASH_WG_DOPS88(d) CUFLASH_WG_DOPS64(d), \
   CUFLASH_WG_D4(d, 16), CUFLASH_WG_D4(d, 17), CUFLASH_WG_D4(d, 18), CUFLASH_WG_D4(d, 19), CUFLASH_WG_D4(d, 20), CUFLASH_WG_D4(d, 21)
@@ -185,9 +193,11 @@ template <typename T, int N> struct Mma;
 #endif
 CUFLASH_WG_MMA(bf16_t, "bf16", 32, 16)
 CUFLASH_WG_MMA(bf16_t, "bf16", 64, 32)
+CUFLASH_WG_MMA(bf16_t, "bf16", 80, 40)
 CUFLASH_WG_MMA(bf16_t, "bf16", 128, 64)
 CUFLASH_WG_MMA(half_t, "f16", 32, 16)
 CUFLASH_WG_MMA(half_t, "f16", 64, 32)
+CUFLASH_WG_MMA(half_t, "f16", 80, 40)
 CUFLASH_WG_MMA(half_t, "f16", 128, 64)
 CUFLASH_WG_MMA(bf16_t, "bf16", 176, 88)
 CUFLASH_WG_MMA(bf16_t, "bf16", 192, 96)
@@ -241,21 +251,47 @@ __device__ __forceinline__ void tile_times_tile(float (&d)[N / 8][4], u32 a, u32
   }
   commit();
 }
-// d (64 x N) = A B over K = 16 KSTEPS, both operands 128-byte-swizzled tiles read MN-major: A
-// (64 wide) from shared address a, B (N wide, B_BLK bytes per 64-column block) from b; k-step kk is
-// rows 16 kk .. 16 kk + 15 of both. (dQ = dS K with dS^T stored: rows = keys.)
-template <typename T, int N, int KSTEPS, u32 B_BLK>
+// d (64 x N) = A B (ADD: d +=) over K = 16 KSTEPS, both operands 128-byte-swizzled tiles read
+// MN-major: A (64 wide) from shared address a, B (N wide, B_BLK bytes per 64-column block) from b;
+// k-step kk is rows 16 kk .. 16 kk + 15 of both. (dQ = dS K with dS^T stored: rows = keys; dK +=
+// dS^T Q with dS stored: rows = queries.)
+template <typename T, int N, int KSTEPS, u32 B_BLK, bool ADD = false>
 __device__ __forceinline__ void tile_t_times_tile(float (&d)[N / 8][4], u32 a, u32 b) {
   fence();
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
     const u64 da = desc_sw128(a + kk * SW128_KSTEP_MN, 0, SW128_SBO);
     const u64 db = desc_sw128(b + kk * SW128_KSTEP_MN, B_BLK, SW128_SBO);
-    if (kk == 0)
+    if (kk == 0 && !ADD)
       Mma<T, N>::template ss<0, 1, 1>(d, da, db);
     else
       Mma<T, N>::template ss<1, 1, 1>(d, da, db);
   }
   commit();
+}
+// d (64 x N) = A B over K = 16 KSTEPS: A read MN-major (64 wide, as tile_t_times_tile's), B
+// K-major (N rows at b, B_BLK bytes per 64-column block, as rows_times_rows's B). (dQ^T = K^T
+// dS^T with dS stored: rows = queries.)
+template <typename T, int N, int KSTEPS, u32 B_BLK>
+__device__ __forceinline__ void tile_t_times_rows(float (&d)[N / 8][4], u32 a, u32 b) {
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const u64 da = desc_sw128(a + kk * SW128_KSTEP_MN, 0, SW128_SBO);
+    const u64 db = desc_sw128(b + (kk / 4) * B_BLK + (kk % 4) * SW128_KSTEP_K, 0, SW128_SBO);
+    if (kk == 0)
+      Mma<T, N>::template ss<0, 0, 1>(d, da, db);
+    else
+      Mma<T, N>::template ss<1, 0, 1>(d, da, db);
+  }
+  commit();
+}
+// The four 8 x 8 16-bit blocks of an m16n8k16 A fragment as tc::acc_to_a packs them (x[0]: rows
+// 0-7, columns 0-7; x[1]: rows 8-15, columns 0-7; x[2], x[3]: the same rows, columns 8-15) stored
+// transposed: lane l gives the shared address of row l % 8 of block l / 8's transpose (16 bytes:
+// the block's column l % 8).
+__device__ __forceinline__ void stsm_x4_t(u32 addr, const u32 (&x)[4]) {
+  CUFLASH_SM90A_ASM("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                    ::"r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
 }
 }  // namespace wg

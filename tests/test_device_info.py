@@ -59,9 +59,12 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
     monkeypatch.setattr(_runtime, "nvrtc_version", lambda: nvrtc)
     for d, has_mb in ((64, False), (64, True), (128, False), (128, True)):
         dims = (d, d)
-        # (plain calls at D=64: 128 queries per step, DKDV_TILES_WG_PLAIN)
+        # (plain calls: DKDV_TILES_WG_PLAIN, D=64's 128 queries per step; D=128's 80, dQ^T,
+        # with dQ atomics only)
+        plain_tile = None if has_mb else _mma_bwd.DKDV_TILES_WG_PLAIN.get(dims)
+        no_dq_plain = plain_tile is not None and not plain_tile.opt & _mma_bwd.OPT_DQ_T
         wg = _mma_bwd.DKDV_TILES_WG_MB[dims] if has_mb else \
-            _mma_bwd.DKDV_TILES_WG_PLAIN.get(dims, _mma_bwd.DKDV_TILES_WG[dims])
+            plain_tile if no_dq_plain else _mma_bwd.DKDV_TILES_WG[dims]
         want = eligible and _mma_bwd.dkdv_smem_bytes(dims, wg) <= smem
         tile = _mma_bwd.dkdv_tile(dims, has_mb)
         assert (tile == wg) == want, (dims, has_mb, tile)
@@ -69,14 +72,14 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
         if not want and not tile.opt & _mma_bwd.OPT_GRID:  # the table's tile, as elsewhere
             assert tile == (_mma_bwd.DKDV_TILES_MB if has_mb else _mma_bwd.DKDV_TILES)[dims]
         # with dQ atomics, D=128's wgmma tile with dQ on wgmma too (a mask alone included), and
-        # D=64's plain one; a bias keeps the mask / bias tile, which stages it in shared memory;
-        # the 64- and 128-query tiles add dQ through shared memory (OPT_DQ_BULK, its block
+        # the plain ones; a bias keeps the mask / bias tile, which stages it in shared memory;
+        # the 64-, 80- and 128-query tiles add dQ through shared memory (OPT_DQ_BULK, its block
         # allocated: taken where it fits)
         def bulk(t):
             return t._replace(opt=t.opt | (_mma_bwd.OPT_DQ_BULK if t.block_m >= 64 else 0))
         assert not tile.opt & _mma_bwd.OPT_DQ_BULK  # (no dQ atomics: nothing to add)
-        plain = not has_mb and dims in _mma_bwd.DKDV_TILES_WG_PLAIN
-        wg_dq = bulk(wg._replace(opt=wg.opt | _mma_bwd.OPT_WG_DQ) if plain
+        plain = plain_tile is not None
+        wg_dq = bulk(plain_tile._replace(opt=plain_tile.opt | _mma_bwd.OPT_WG_DQ) if plain
                      else _mma_bwd.DKDV_TILES_WG_DQ.get(dims, wg))
         atomic = _mma_bwd.dkdv_tile(dims, has_mb, dq_atomic=True)
         if eligible and _mma_bwd.dkdv_smem_bytes(dims, wg_dq) <= smem:
@@ -106,8 +109,8 @@ def test_backward_tile_choice_follows_device_and_nvrtc(monkeypatch, override, cc
 @pytest.mark.parametrize("atomic", [True, False])
 def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override, atomic):
     """On the H200: ALiBi alone (an additive transform: the scale stays folded, no derivative
-    array) takes the call without it's wgmma dK/dV tile (D=64: the 64-query one), D=128's with
-    dQ on wgmma included;
+    array) takes the call without it's wgmma dK/dV tile (the 64-query ones: not the plain
+    calls' 128 / 80), D=128's with dQ on wgmma included;
     a transform with a mask or bias, or softcap, the modifier's tiles; without wgmma the
     transforms' tiles (never the warp-grid kernel, which takes no modifier)."""
     from cuflash import _mma_bwd
@@ -118,8 +121,11 @@ def test_additive_transforms_keep_the_plain_backward_tiles(monkeypatch, override
     for dims in ((64, 64), (128, 128)):
         plain = _mma_bwd.dkdv_tile(dims, False, atomic)
         # (less OPT_DQ_BULK, which a transform leaves off: ALiBi's WG_DQ tile spilled with it;
-        # at D=64 the 64-query tile: the 128-query one spilled with ALiBi)
-        base = _mma_bwd.DKDV_TILES_WG[dims] if dims in _mma_bwd.DKDV_TILES_WG_PLAIN else plain
+        # the plain calls' own tiles (DKDV_TILES_WG_PLAIN) are not ALiBi's: the 64-query ones)
+        base = plain
+        if dims in _mma_bwd.DKDV_TILES_WG_PLAIN:
+            base = (_mma_bwd.DKDV_TILES_WG_DQ if atomic and dims in _mma_bwd.DKDV_TILES_WG_DQ
+                    else _mma_bwd.DKDV_TILES_WG)[dims]
         no_bulk = base._replace(opt=base.opt & ~_mma_bwd.OPT_DQ_BULK)
         assert _mma_bwd.dkdv_tile(dims, False, atomic, ("alibi",)) == no_bulk
         assert plain.opt & _mma_bwd.OPT_WG and bool(plain.opt & _mma_bwd.OPT_DQ_BULK) == atomic

@@ -142,6 +142,24 @@ def test_tensor_core_backward_kernels(case, dims, kernel, deterministic, dtype, 
     check(q, k, v, rng, deterministic=deterministic, **options)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Nq, Nk", [(79, 200), (80, 80), (81, 333), (161, 130), (641, 700)])
+def test_eighty_query_steps_at_d128(Nq, Nk, causal, rng, override):
+    """D=128's plain wgmma backward steps 80 queries at a time with dQ made transposed
+    (_mma_bwd.OPT_DQ_T; lse2 / delta padded to 640 rows): query counts around multiples of 80,
+    one tile, several, a partial last one, against the float64 reference."""
+    from cuflash import _mma_bwd, _runtime
+    if not _runtime.wgmma_available():
+        pytest.skip("the wgmma kernel: compute capability 9.0 and NVRTC 12.9+ only")
+    override(wgmma=True)
+    tile = _mma_bwd.dkdv_tile((128, 128), False, dq_atomic=True)
+    assert tile.block_m == 80 and tile.opt & _mma_bwd.OPT_DQ_T
+    dtype = "bfloat16" if BFLOAT16 is not None else "float16"
+    q = randn(rng, (2, 3, Nq, 128), dtype)
+    k, v = (randn(rng, (2, 3, Nk, 128), dtype) for _ in range(2))
+    check(q, k, v, rng, causal=causal)
+
+
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=lambda d: f"{d[0]}x{d[1]}")
 @pytest.mark.parametrize("layout", ["rows", "misaligned", "keys-strided"])
 def test_staged_bias_layouts(layout, dims, rng, override):

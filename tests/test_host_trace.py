@@ -130,9 +130,10 @@ def test_the_backward_rounds_dq_in_its_last_kernel(trace):
 
 def test_the_prep_takes_every_padded_row(trace):
     """A known shape of the trace: bwd_mma_prep is a block of 128 threads (4 lanes a row) per 32
-    padded query rows of each (batch, head), Nq padded to 128 (_mma_bwd.LSE_PAD), its lost-row
-    columns per lane by the head dim (2 at D = 64: fewer registers, more blocks per SM)."""
-    for call, bh, nq_pad, cols in (("small/bwd/1", 8, 128, 2), ("mid/bwd/1", 64, 512, 4)):
+    padded query rows of each (batch, head), Nq padded to a multiple of 128 (_mma_bwd.LSE_PAD) and
+    of the dK/dV tile's query step (D = 128's 80 on the H200: 640, _mma_bwd.nq_padded), its
+    lost-row columns per lane by the head dim (2 at D = 64: fewer registers, more blocks per SM)."""
+    for call, bh, nq_pad, cols in (("small/bwd/1", 8, 128, 2), ("mid/bwd/1", 64, 640, 4)):
         prep = trace[call][0]
         assert prep[1].startswith(f"bwd_mma_prep<bf16_t, {cols}"), (call, prep[1])
         assert prep[2:4] == [[bh * nq_pad // 32, 1, 1], [128, 1, 1]], (call, prep[2:4])
