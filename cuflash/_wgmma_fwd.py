@@ -3,6 +3,10 @@ warpgroups; float16 / bfloat16, head dims up to 256 (padded to the next multiple
 kernel, TILES), any mask and bias, compute capability 9.0; one launch, which settles at its end
 the rows its float arithmetic cannot (lost_rows.cuh fwd_fix_rows, as fwd_mma).
 
+float32 with precision="high" (one TF32 product per GEMM), head dims up to 128, no mask, bias,
+transform, sinks or dropout (F32_TILES): three launches of tf32_operand first, which copy q, k
+and v^T rounded to TF32 (the kernel's operands, fwd_wgmma.cu), then the kernel on the copies.
+
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, cc90_only.
 """
 from collections import namedtuple
@@ -48,6 +52,12 @@ TRANSFORM_TILES = {
     ((64, 64), False): _T(64, 3, 2, 160, False),
 }
 TRANSFORM_TILES_SPARED = {("bfloat16", ("softcap",))}
+# float32, precision="high": (Dk, Dv) padded -> tile. S and P take 4 bytes a key per row (16-bit:
+# P 2), so fewer keys per tile at D=128; shared memory: float32 Q, K and V^T tiles.
+F32_TILES = {
+    (64, 64): _T(128, 2, 2, 240, True),
+    (128, 128): _T(64, 2, 2, 240, True),
+}
 del _T
 DIMS = sorted({dims for dims, _ in TILES})
 
@@ -67,6 +77,8 @@ SHORT_ROW_KEYS = 768
 def pick_tile(dims, mb, transforms=(), dtype=None):
     """The tile of a mask / bias reading mb (score transforms, by name, keep the tile of the call
     without them, but where TRANSFORM_TILES says otherwise for their dtype)."""
+    if dtype is not None and _config.dtype_name(dtype) == "float32":
+        return F32_TILES[dims]
     spared = (_config.dtype_name(dtype), tuple(transforms)) in TRANSFORM_TILES_SPARED
     if transforms and not spared and (dims, mb != MB_NONE) in TRANSFORM_TILES:
         return TRANSFORM_TILES[(dims, mb != MB_NONE)]
@@ -82,12 +94,12 @@ def block_m(tile):
     return 64 * tile.consumers
 
 
-def smem_bytes(dims, tile, mb):
-    """Q tile, `stages` K and V tiles (16-bit), the staged mask (bytes) and bias (float32) rings,
-    the mbarriers and the slack that aligns the tiles to 1024 bytes."""
+def smem_bytes(dims, tile, mb, itemsize=2):
+    """Q tile, `stages` K and V tiles (of itemsize bytes), the staged mask (bytes) and bias
+    (float32) rings, the mbarriers and the slack that aligns the tiles to 1024 bytes."""
     dk, dv = dims
     staged = block_m(tile) * tile.block_n * (1 + 4) if mb >= MB_STAGED else 0
-    return (block_m(tile) * dk + tile.stages * tile.block_n * (dk + dv)) * 2 \
+    return (block_m(tile) * dk + tile.stages * tile.block_n * (dk + dv)) * itemsize \
         + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
 
@@ -117,6 +129,11 @@ def instantiations():
               name_expression(dt, dims, pick_tile(dims, mb), mb, (), False, True))
              for dt in _config.MMA_DTYPES for dims in DIMS
              for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
+    main += [("fwd_wgmma", "float32", dims[0], SOURCE,
+              name_expression("float32", dims, tile, MB_NONE))
+             for dims, tile in F32_TILES.items()]
+    main += [("tf32_operand", "float32", None, SOURCE, f"tf32_operand<{b}>")
+             for b in ("false", "true")]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
     return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
@@ -124,7 +141,7 @@ def instantiations():
 
 def cc90_only():
     """Every fwd_wgmma expression runs on compute capability 9.0 only."""
-    return {inst[-1] for inst in instantiations() if inst[0] == "fwd_wgmma"}
+    return {inst[-1] for inst in instantiations() if inst[0] in ("fwd_wgmma", "tf32_operand")}
 
 
 # Launch: the kernel's choice of mask / bias reading, the 5 tensor maps (q, k, v, mask, bias),
@@ -263,6 +280,8 @@ def _maps_layout(p, dims):
 
 def takes(p):
     """Whether the Hopper forward takes this Problem."""
+    if p.dtype.name == "float32":
+        return _takes_f32(p)
     dims = padded(p)
     if dims not in DIMS or p.Dv % 8:
         return False
@@ -350,8 +369,11 @@ class _Forward:
 
 
 def prepare(p):
-    """The prepared forward of p's layout and staging (_Forward)."""
+    """The prepared forward of p's layout and staging (_Forward, float32 _Forward32)."""
     dims = padded(p)
+    if p.dtype.name == "float32":
+        return _prepared.build(None if p.key is None else (p.key, "f32"),
+                               lambda: _Forward32(p, dims))
     launch = _launch(p, dims)
     key = None if p.key is None else (p.key, launch.mb, launch.mask_rows, launch.bias_rows)
     return _prepared.build(key, lambda: _Forward(p, dims, launch))
@@ -359,3 +381,137 @@ def prepare(p):
 
 def forward(p):
     return prepare(p)(p)
+
+
+# ---- float32 (precision="high") -------------------------------------------------------------------
+
+# How tf32_operand reads one of q, k, v: its matrices' (hdiv, bmul, Hx, Bx) as _tma.head_layout
+# gives them and its element strides (row, column, head, batch).
+Operand = namedtuple("Operand", "hdiv bmul heads batches rs cs hs bs")
+_f32_layouts = _memo.Memo(256)
+
+
+def _f32_layout(p):
+    """(Operand of q, k, v) or None where a float32 call's inputs do not fit the float32 kernel:
+    matrices not at b * sb + h * sh (_tma.head_layout), or host kv_lens that differ between
+    output heads reading the same v matrix (tf32_operand zeroes v^T past one length per matrix);
+    memoized by the signature (with host kv_lens values)."""
+    def build():
+        B, H = _mask_tiles.grid_shape(p)
+        ops = []
+        for x, x_map in ((p.q, p.q_map), (p.k, p.k_map), (p.v, p.v_map)):
+            lay = _tma.head_layout(x, x_map, B, H)
+            if lay is None:
+                return None
+            hdiv, bmul, Hx, Bx, sh, sb = lay
+            es = element_strides(x)
+            ops.append(Operand(hdiv, bmul, Hx, Bx, es[-2], es[-1], sh, sb))
+        if p.kv_lens is not None:
+            v = ops[2]
+            lens = np.asarray(p.kv_lens).reshape(B, v.heads, v.hdiv)
+            if not np.all(lens == (lens[:, :, :1] if v.bmul else lens[:1, :, :1])):
+                return None
+        return tuple(ops)
+
+    return _f32_layouts.build(p.key, build)
+
+
+def _takes_f32(p):
+    dims = padded(p)
+    if dims not in F32_TILES or p.precision != "high" or p.Dv % 4 or not p.scale > 0:
+        return False
+    if (p.mask is not None or p.bias is not None or p.transforms or p.sinks is not None
+            or p.dropout_p or p.pages is not None or p.lens_device is not None):
+        return False
+    # (tf32_operand's grid: row tiles of 32 along y)
+    if max(p.Nq, p.Nk) > min(_config.MMA_MAX_LEN, 32 * 65535) or not _runtime.wgmma_available():
+        return False
+    if _f32_layout(p) is None:
+        return False
+    return smem_bytes(dims, F32_TILES[dims], MB_NONE, 4) <= _runtime.device_info().smem_optin
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+class _Forward32:
+    """The float32 forward of one layout, prepared: tf32_operand's three copies (q and k rounded
+    to TF32, rows padded to 4 floats; v^T rounded and key-permuted, rows of the keys padded to
+    8), then fwd_wgmma on their tensor maps (one allocation per call, its maps encoded per
+    call)."""
+
+    def __init__(self, p, dims):
+        self.dims = dims
+        tile = F32_TILES[dims]
+        ops = _f32_layout(p)
+        B, H = _mask_tiles.grid_shape(p)
+        kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, MB_NONE),
+                                     arch=ARCH)
+        smem = smem_bytes(dims, tile, MB_NONE, 4)
+        _runtime.opt_in(kern, smem)
+        blocks = _ceil(p.Nq, block_m(tile)) * p.BH
+        if blocks > _runtime.MAX_GRID_X:
+            raise ValueError(f"problem too large for one launch: {blocks} blocks")
+        self.run = _runtime.Launch(kern, (blocks,), ((tile.consumers + 1) * 128,), smem)
+        i32, i64 = np.int32, np.int64
+        strides = _runtime.Args(p).strides
+        self.sizes = (i32(H), i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
+                      i32(p.right), i32(bool(p.bottom_right)), i32(0), i32(0))
+        self.strides = (i32(p.BH),) + tuple(i64(x) for x in strides[3:])
+        self.scalars = tuple(np.float64(x) for x in _modifiers.scalars(p))
+        self.fixing = tuple(i64(x) for x in strides[:3]) + (
+            i32(p.Dk), np.float64(p.scale), np.float64(_config.lost_lse_limit(p.acc_dtype)))
+        # the copies: (rows, cols, ld) per operand, v transposed
+        ldk = _ceil(p.Dk, 4) * 4
+        shapes = ((p.Nq, p.Dk, ldk), (p.Nk, p.Dk, ldk), (p.Nk, p.Dv, _ceil(p.Nk, 8) * 8))
+        nbytes = [op.heads * op.batches * (cols if n == 2 else rows) * ld * 4
+                  for n, (op, (rows, cols, ld)) in enumerate(zip(ops, shapes))]
+        self.workspace = _runtime.carving(*nbytes)
+        self.prep = []
+        for n, (op, (rows, cols, ld)) in enumerate(zip(ops, shapes)):
+            transpose = n == 2
+            k = _runtime.get_function(SOURCE, f"tf32_operand<{'true' if transpose else 'false'}>",
+                                      arch=ARCH)
+            grid = (op.heads * op.batches * _ceil(cols if transpose else ld, 32),
+                    _ceil(ld if transpose else rows, 32))
+            numbers = (i32(rows), i32(cols), i32(op.heads), i64(op.rs), i64(op.cs), i64(op.hs),
+                       i64(op.bs), i32(ld))
+            self.prep.append((_runtime.Launch(k, grid, (32, 8)), numbers, i32(H), i32(op.hdiv)))
+        # tensor maps of the copies: (columns, rows, heads, batches), boxes of 32 floats
+        self.tiled = []
+        for n, (op, (rows, cols, ld)) in enumerate(zip(ops, shapes)):
+            dims4 = (ld, cols, op.heads, op.batches) if n == 2 else (cols, rows, op.heads,
+                                                                     op.batches)
+            row_bytes = ld * 4
+            mat = row_bytes * (cols if n == 2 else rows)
+            box_rows = dims[1] if n == 2 else (block_m(tile) if n == 0 else tile.block_n)
+            self.tiled.append(_tma.TiledMap("float32", dims4, (row_bytes, mat, mat * op.heads),
+                                            (32, box_rows, 1, 1), _tma.SWIZZLE_128B))
+        heads = np.zeros((), dtype=HEADS_DTYPE)
+        for x, op in enumerate(ops):
+            heads["hdiv"][x], heads["bmul"][x] = op.hdiv, op.bmul
+        heads["hdiv"][3:], heads["bmul"][3:] = 1, 0
+        self.heads = heads[()]
+        self.carving = _runtime.output_carving(p)
+        self.args = _runtime.KeptArgs(p)
+
+    def __call__(self, p):
+        kv_lens, offsets, _ = self.args(p)
+        out, lse = _runtime.carved_outputs(self.carving, p)
+        copies = _runtime.carved(self.workspace)
+        lens = _runtime.ptr(kv_lens)
+        maps = []
+        for x, y, tiled, (run, numbers, H, hdiv) in zip((p.q, p.k, p.v), copies, self.tiled,
+                                                         self.prep):
+            run((x, y) + numbers + (lens if x is p.v else _runtime.NULL, H, hdiv))
+            m = tiled.at(y.ptr)
+            if m is None:
+                raise RuntimeError("fwd_wgmma: the driver refused a float32 tensor map")
+            maps.append(m)
+        self.run(tuple(maps) + (_tma.NO_MAP, _tma.NO_MAP, self.heads, out, lse, lens)
+                 + self.sizes + (offsets, _runtime.NULL, _runtime.NULL) + self.strides
+                 + (_mask_tiles.NO_CLASSES,) + self.scalars
+                 + (_runtime.ptr(_modifiers.table(p)), _runtime.NULL, p.q, p.k, p.v)
+                 + self.fixing)
+        return out, lse

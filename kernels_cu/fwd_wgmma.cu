@@ -3,6 +3,17 @@
 // Dk <= DK and Dv <= DV, DK and DV multiples of 64: the tensor maps fill the columns past Dk (Dv)
 // with zeros, which add nothing to Q K^T and give output columns that are not stored.
 //
+// float32 (precision="high": one TF32 product per GEMM): the operands come from tf32_operand
+// (below), rounded to TF32 to nearest (the tensor cores would truncate them), V as V^T: .tf32
+// reads only K-major operands, so P V's B operand is V^T with the keys contiguous, in column
+// blocks of 32 keys. Within each group of 8 keys, slot s of V^T holds key 2 s (s < 4) or
+// 2 (s - 4) + 1, so that S's accumulators, which hold keys 2 t and 2 t + 1 of a lane's rows, are
+// P's A fragment as they stand ({s0, s2, s1, s3}, rounded). Key tiles then start at multiples of
+// 8: the block's range [j_first, j_limit) widens to multiples of 8, and the keys it adds are
+// masked by position; V^T is 0 past the keys and past kv_lens, so nothing they hold reaches O.
+// A column block holds 32 floats (128 bytes), and a k-step is 8 of them: the byte offsets of
+// wgmma.cuh's swizzled tiles are the 16-bit ones.
+//
 // One block owns BLOCK_M = 64 * CONSUMERS query rows of one (batch, head); consumer warpgroup c
 // owns rows 64 c .. 64 c + 63 (warp w of it rows 16 w .. 16 w + 15, mma.sync's fragment layout,
 // wgmma.cuh). One thread of the producer warpgroup issues every copy: the Q tile once, then per key
@@ -61,7 +72,10 @@
 template <typename T, int DV, int KN, tc::u32 KV_BLK>
 __device__ __forceinline__ void pv_product(float (&o)[DV / 8][4], const tc::u32 (&p)[KN][4],
                                            tc::u32 sv) {
-  if constexpr (DV <= 128) {
+  if constexpr (sizeof(T) == 4) {  // V^T: DV rows of 32 keys per column block
+    static_assert(DV <= 128, "float32: one product");
+    wg::regs_times_rows<T, DV, KN, DV * 128>(o, p, sv);
+  } else if constexpr (DV <= 128) {
     wg::regs_times_tile<T, DV, KN, KV_BLK>(o, p, sv);
   } else {
     constexpr int HI = DV - 128;
@@ -145,15 +159,22 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
           const Drop... drop) {
   using namespace tc;
   constexpr int BLOCK_M = 64 * CONSUMERS;
+  constexpr bool F32 = sizeof(T) == 4;          // TF32 products of float32 operands
+  constexpr int COLS = 128 / sizeof(T);         // elements of a column block's 128-byte row
+  constexpr int KSTEP = wg::kstep_elems<T>();   // elements of one k-step: 16, float32 8
   constexpr int NF = BLOCK_N / 8;   // score n-fragments per warp
   constexpr int DF = DV / 8;        // output n-fragments per warp
-  constexpr int KD = DK / 16;       // k-steps of Q K^T
-  constexpr int KN = BLOCK_N / 16;  // k-steps of P V
-  constexpr int NCK = DK / 64, NCV = DV / 64;  // 64-column blocks of a row (one TMA box each)
+  constexpr int KD = DK / KSTEP;    // k-steps of Q K^T
+  constexpr int KN = BLOCK_N / KSTEP;  // k-steps of P V
+  // column blocks of a row (one TMA box each); V's: 64 of its columns, float32 32 keys of V^T
+  constexpr int NCK = DK / COLS, NCV = F32 ? BLOCK_N / 32 : DV / 64;
   constexpr u32 Q_BLK = BLOCK_M * 128, KV_BLK = BLOCK_N * 128;  // bytes per column block
-  constexpr u32 Q_BYTES = Q_BLK * NCK, K_BYTES = KV_BLK * NCK, V_BYTES = KV_BLK * NCV;
+  constexpr u32 V_BLK = F32 ? DV * 128 : KV_BLK;
+  constexpr u32 Q_BYTES = Q_BLK * NCK, K_BYTES = KV_BLK * NCK, V_BYTES = V_BLK * NCV;
   constexpr u32 CONSUMER_THREADS = CONSUMERS * 128;
   static_assert(DK % 64 == 0 && DV % 64 == 0 && DV <= 256 && BLOCK_N % 16 == 0, "tile shape");
+  static_assert(!F32 || (DV <= 128 && BLOCK_N % 32 == 0 && MB == MB_NONE && F::IDENTITY &&
+                         !SINKS && sizeof...(Drop) == 0), "float32: the plain forward");
   static_assert(DV <= DK, "the output is staged in the Q tile");
   static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong between two consumer warpgroups");
   static_assert(128 * (24 + CONSUMERS * CONSUMER_REGS) <= 65536, "register budget");
@@ -177,10 +198,10 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   const Window w = head_window(kv_lens, bh, Nq, Nk, left, right, bottom_right);
   const KeyRange range = tile_key_range(w, i0, min(i0 + BLOCK_M, Nq) - 1);
   const Bounds32 b32 = make_bounds32(w);
-  const int n_tiles = range.hi >= range.lo
-                          ? static_cast<int>((range.hi - range.lo) / BLOCK_N) + 1 : 0;
-  const int j_first = static_cast<int>(range.lo);
-  const int j_limit = static_cast<int>(range.hi) + 1;
+  // float32: widened to multiples of 8 keys (V^T's groups of 8)
+  const int j_first = static_cast<int>(range.lo) & (F32 ? ~7 : ~0);
+  const int j_limit = F32 ? (static_cast<int>(range.hi) + 8) & ~7 : static_cast<int>(range.hi) + 1;
+  const int n_tiles = range.hi >= range.lo ? (j_limit - 1 - j_first) / BLOCK_N + 1 : 0;
   const int key_floor = j_first + (n_tiles - 1) * BLOCK_N;  // of the last tile (visited first)
   // First key of the it-th tile visited (tile n_tiles - 1 - it).
   auto tile_start = [&](int it) {
@@ -241,7 +262,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
       tma::arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
       for (int cb = 0; cb < NCK; ++cb)
-        tma::load_4d(sQ + cb * Q_BLK, tq, cb * 64, i0, head(0), batch(0), q_full);
+        tma::load_4d(sQ + cb * Q_BLK, tq, cb * COLS, i0, head(0), batch(0), q_full);
       for (int it = next_tile(0), k = 0; it < n_tiles; it = next_tile(it + 1), ++k) {
         const int seq = CLASSES ? k : it;
         const int slot = seq % STAGES;
@@ -251,7 +272,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
         tma::arrive_expect_tx(k_full(slot), K_BYTES + mb_bytes);
 #pragma unroll
         for (int cb = 0; cb < NCK; ++cb)
-          tma::load_4d(sK + slot * K_BYTES + cb * KV_BLK, tk, cb * 64, j0, kh, kb, k_full(slot));
+          tma::load_4d(sK + slot * K_BYTES + cb * KV_BLK, tk, cb * COLS, j0, kh, kb, k_full(slot));
         if (STAGED && mask_box_rows)
           tma::load_4d(sM + slot * M_BYTES, tm, j0, mask_box_rows == 1 ? 0 : i0, head(3),
                        batch(3), k_full(slot));
@@ -264,8 +285,12 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
         tma::wait(v_empty(slot), parity);
         tma::arrive_expect_tx(v_full(slot), V_BYTES);
 #pragma unroll
-        for (int cb = 0; cb < NCV; ++cb)
-          tma::load_4d(sV + slot * V_BYTES + cb * KV_BLK, tv, cb * 64, j0, vh, vb, v_full(slot));
+        for (int cb = 0; cb < NCV; ++cb) {  // (float32: V^T's 32 keys of every row)
+          if constexpr (F32)
+            tma::load_4d(sV + slot * V_BYTES + cb * V_BLK, tv, j0 + 32 * cb, 0, vh, vb, v_full(slot));
+          else
+            tma::load_4d(sV + slot * V_BYTES + cb * V_BLK, tv, cb * 64, j0, vh, vb, v_full(slot));
+        }
       }
     }
     return;
@@ -340,8 +365,18 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   // P of tile `it` as P V's A operand (dropout: its dropped entries 0; l is the undropped sum)
   auto to_p = [&](int it) {
     drop_rows(s[0], dz, i0 + row_w + g, tile_start(it), t);
+    if constexpr (F32) {  // keys 2 t, 2 t + 1 of 8 are V^T's slots t, t + 4 (tf32_operand)
 #pragma unroll
-    for (int kk = 0; kk < KN; ++kk) acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
+      for (int kk = 0; kk < KN; ++kk) {
+        p[kk][0] = to_tf32(s[0][kk][0]);
+        p[kk][1] = to_tf32(s[0][kk][2]);
+        p[kk][2] = to_tf32(s[0][kk][1]);
+        p[kk][3] = to_tf32(s[0][kk][3]);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < KN; ++kk) acc_to_a<T>(s[0][2 * kk], s[0][2 * kk + 1], p[kk]);
+    }
   };
   // PINGPONG: a warpgroup issues its products between its turn's barrier and the other's. There
   // are (tiles computed) + 1 issue points per warpgroup; warpgroup 0 goes first, and warpgroup 1
@@ -428,25 +463,33 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     }
 #pragma unroll
     for (int df = 0; df < DF; ++df) {
-      const u32 packed = Mma<T>::pack(o[df][2 * hh] * inv_l, o[df][2 * hh + 1] * inv_l);
-      st_shared_b32(sQ + (df / 8) * Q_BLK + r * 128 + stored_chunk<true>(r, df % 8) * 16 + 4 * t,
-                    packed);
+      const float x = o[df][2 * hh] * inv_l, y = o[df][2 * hh + 1] * inv_l;
+      if constexpr (F32) {  // columns 8 df + 2 t, + 1: 8 bytes of a 32-float column block
+        const int c = (df % 4) * 8 + 2 * t;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                     ::"r"(sQ + (df / 4) * Q_BLK + r * 128 + stored_chunk<true>(r, c / 4) * 16 +
+                           (c % 4) * 4), "f"(x), "f"(y) : "memory");
+      } else {
+        st_shared_b32(sQ + (df / 8) * Q_BLK + r * 128 + stored_chunk<true>(r, df % 8) * 16 + 4 * t,
+                      Mma<T>::pack(x, y));
+      }
     }
   }
   tma::named_sync(1 + cw, 128);
-  constexpr int CPR = DV / 8;  // 16-byte chunks of a staged row; the first Dv / 8 are stored
+  constexpr int EPC = 16 / sizeof(T);  // elements per 16-byte chunk
+  constexpr int CPR = DV / EPC;  // chunks of a staged row; the first Dv / EPC are stored
   const int ltid = tid % 128;
 #pragma unroll
   for (int idx = ltid; idx < 64 * CPR; idx += 128) {
     const int r = cw * 64 + idx / CPR, c = idx % CPR;
     const int i = i0 + r;
-    if (i < Nq && c * 8 < Dv) {
+    if (i < Nq && c * EPC < Dv) {
       uint4 val;
       asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                    : "r"(sQ + (c / 8) * Q_BLK + r * 128 + stored_chunk<true>(r, c % 8) * 16)
                    : "memory");
-      *reinterpret_cast<uint4*>(out + (bh * Nq + i) * Dv + c * 8) = val;
+      *reinterpret_cast<uint4*>(out + (bh * Nq + i) * Dv + c * EPC) = val;
     }
   }
   // The warpgroups' rows are all written: the ones to settle again, each warp its own 16 rows.
@@ -458,5 +501,54 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     fwd_fix_rows_apart<T, float, LostF, DK / 32>(q_mem, k_mem, v_mem, out, lse, offsets, mask,
                                                  bias, kv_lens, a, lost, r0, r1,
                                                  SINKS ? sinks : nullptr, drop...);
+  }
+}
+
+// tf32_operand: one float32 operand of the float32 forward, rounded to TF32 (to nearest), as a
+// contiguous copy y of (batch, head) matrices. x's matrix m = bx * heads + hx (element strides
+// rs, cs within, hs, bs between) of rows x cols becomes:
+//   TRANSPOSE = false (q, k): rows of ld >= cols floats (the columns past cols 0);
+//   TRANSPOSE = true (v): its transpose, cols rows of ld >= rows keys (fwd_wgmma's V^T), key
+//     8 a + j at slot 8 a + j / 2 (j even) or 8 a + 4 + j / 2 (j odd), 0 past the rows and, with
+//     kv_lens, past the key length of output (batch bx, head hx * hdiv) (host: every output head
+//     that reads the matrix has the same).
+// Block (32, 8): a tile of 32 rows x 32 columns of the matrix (TRANSPOSE: 32 keys x 32 columns
+// through shared memory); grid x = matrices x column tiles, y = row tiles.
+template <bool TRANSPOSE>
+__global__ void __launch_bounds__(256)
+tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int heads,
+             long long rs, long long cs, long long hs, long long bs, int ld,
+             const long long* __restrict__ kv_lens, int H, int hdiv) {
+  const int n_ct = ((TRANSPOSE ? cols : ld) + 31) / 32;
+  const long long m = blockIdx.x / n_ct;
+  const int c0 = static_cast<int>(blockIdx.x % n_ct) * 32, r0 = blockIdx.y * 32;
+  const int bx = static_cast<int>(m / heads), hx = static_cast<int>(m % heads);
+  const float* xm = x + bx * bs + hx * hs;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  auto round = [](float v) { return __uint_as_float(tc::to_tf32(v)); };
+  if constexpr (!TRANSPOSE) {
+    float* ym = y + m * rows * ld;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + ty + 8 * i, c = c0 + tx;
+      if (r < rows && c < ld) ym[static_cast<long long>(r) * ld + c] = c < cols ? round(xm[r * rs + c * cs]) : 0.f;
+    }
+  } else {
+    __shared__ float tile[32][33];
+    const long long len = kv_lens ? kv_lens[static_cast<long long>(bx) * H + hx * hdiv] : rows;
+    const int keys = static_cast<int>(min(static_cast<long long>(rows), len));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + ty + 8 * i, c = c0 + tx;
+      tile[ty + 8 * i][tx] = r < keys && c < cols ? round(xm[r * rs + c * cs]) : 0.f;
+    }
+    __syncthreads();
+    float* ym = y + m * cols * ld;
+    const int j = tx % 8, key = (tx & ~7) + (j < 4 ? 2 * j : 2 * (j - 4) + 1);  // slot tx's key
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int d = c0 + ty + 8 * i, s = r0 + tx;
+      if (d < cols && s < ld) ym[static_cast<long long>(d) * ld + s] = tile[key][ty + 8 * i];
+    }
   }
 }

@@ -205,6 +205,57 @@ CUFLASH_WG_MMA(half_t, "f16", 176, 88)
 CUFLASH_WG_MMA(half_t, "f16", 192, 96)
 #undef CUFLASH_WG_MMA
 
+// Mma<float, N>: float32 operands on TF32 (k-steps of 8; the hardware reads each operand's top 19
+// bits, a truncation: operands are rounded to TF32 before they reach it). .tf32 takes no
+// transpose: both shared operands are K-major (TB = TA = 0), as a register A is.
+#define CUFLASH_WG_SS_TAILF16 ", %16, %17, p, 1, 1;\n}\n"
+#define CUFLASH_WG_SS_TAILF32 ", %32, %33, p, 1, 1;\n}\n"
+#define CUFLASH_WG_SS_TAILF64 ", %64, %65, p, 1, 1;\n}\n"
+#define CUFLASH_WG_RS_TAILF16 ", {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+#define CUFLASH_WG_RS_TAILF32 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+#define CUFLASH_WG_RS_TAILF64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+#if CUFLASH_WGMMA
+#define CUFLASH_WG_MMA_TF32(N, R)                                                               \
+  template <> struct Mma<float, N> {                                                           \
+    template <int ACC, int TB, int TA = 0>                                                     \
+    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {           \
+      static_assert(TB == 0 && TA == 0, ".tf32 operands are K-major");                         \
+      asm volatile("{\n.reg .pred p;\n" CUFLASH_WG_SS_FLAG##R                                 \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {"                 \
+                   CUFLASH_WG_DSTR##R "}" CUFLASH_WG_SS_TAILF##R                              \
+                   : CUFLASH_WG_DOPS##R(d)                                                     \
+                   : "l"(a), "l"(b), "r"(ACC));                                                \
+    }                                                                                          \
+    template <int ACC, int TB>                                                                 \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) { \
+      static_assert(TB == 0, ".tf32 operands are K-major");                                    \
+      asm volatile("{\n.reg .pred p;\n" CUFLASH_WG_RS_FLAG##R                                 \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {"                 \
+                   CUFLASH_WG_DSTR##R "}" CUFLASH_WG_RS_TAILF##R                              \
+                   : CUFLASH_WG_DOPS##R(d)                                                     \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(ACC));            \
+    }                                                                                          \
+  };
+#else
+#define CUFLASH_WG_MMA_TF32(N, R)                                                               \
+  template <> struct Mma<float, N> {                                                           \
+    template <int ACC, int TB, int TA = 0>                                                     \
+    static __device__ __forceinline__ void ss(float (&)[N / 8][4], u64, u64) { __trap(); }    \
+    template <int ACC, int TB>                                                                 \
+    static __device__ __forceinline__ void rs(float (&)[N / 8][4], const u32 (&)[4], u64) {   \
+      __trap();                                                                                \
+    }                                                                                          \
+  };
+#endif
+CUFLASH_WG_MMA_TF32(32, 16)
+CUFLASH_WG_MMA_TF32(64, 32)
+CUFLASH_WG_MMA_TF32(128, 64)
+#undef CUFLASH_WG_MMA_TF32
+
+// Bytes of one k-step along a K-major row: 16 elements of 16 bits or 8 of float32 (TF32), so a
+// 128-byte row of a swizzled column block holds 4 k-steps whatever T is.
+template <typename T> __host__ __device__ constexpr int kstep_elems() { return 32 / static_cast<int>(sizeof(T)); }
+
 // d (64 x N) = A B^T over K = 16 KSTEPS, both operands K-major 128-byte-swizzled tiles (blocks of
 // 64 columns, tc::chunk_offset_swz): A's 64 rows from shared address a (1024-aligned), whose tile
 // has A_BLK bytes per column block; B's N rows from b, B_BLK bytes per block. (S^T = K Q^T and
@@ -285,6 +336,19 @@ __device__ __forceinline__ void tile_t_times_rows(float (&d)[N / 8][4], u32 a, u
       Mma<T, N>::template ss<1, 0, 1>(d, da, db);
   }
   commit();
+}
+// d (64 x N) += A B over KSTEPS k-steps: A from registers (a[kk], as regs_times_tile's), B K-major
+// (N rows at b, B_BLK bytes per column block, as rows_times_rows's B). (float32's O += P V with B
+// = V^T: .tf32 reads no MN-major operand.)
+template <typename T, int N, int KSTEPS, u32 B_BLK, bool COMMIT = true>
+__device__ __forceinline__ void regs_times_rows(float (&d)[N / 8][4], const u32 (&a)[KSTEPS][4],
+                                                u32 b) {
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk)
+    Mma<T, N>::template rs<1, 0>(
+        d, a[kk], desc_sw128(b + (kk / 4) * B_BLK + (kk % 4) * SW128_KSTEP_K, 0, SW128_SBO));
+  if (COMMIT) commit();
 }
 // The four 8 x 8 16-bit blocks of an m16n8k16 A fragment as tc::acc_to_a packs them (x[0]: rows
 // 0-7, columns 0-7; x[1]: rows 8-15, columns 0-7; x[2], x[3]: the same rows, columns 8-15) stored

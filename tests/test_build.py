@@ -77,7 +77,7 @@ def test_instantiation_table_is_complete():
                        "decode_tc_paged", "bwd_mma_prep", "bwd_mma_dkdv",
                        "bwd_mma_dkdv_grid", "bwd_mma_dq",
                        "bwd_lost_rows", "bwd_lost_keys", "mask_tile_classes",
-                       "sink_join_rows", "sink_row_dot"}
+                       "sink_join_rows", "sink_row_dot", "tf32_operand"}
     assert len(INSTANTIATIONS) == len(set(e for *_, e in INSTANTIATIONS))
     for path in _gpu.PATHS:  # and the paths agree on the kernels they share (the lost rows')
         assert set(path.instantiations()) <= set(INSTANTIATIONS), path.NAME
@@ -133,6 +133,13 @@ def test_decode_tc_fits_sm80():
 def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
     """Tiles that exceed sm_80's 163 KiB are only taken where the device allows (_mma_fwd.takes)."""
     assert _mma_fwd.smem_bytes(head_dim, has_mb) <= 227 * 1024
+
+
+def test_wgmma_float32_tiles_fit_sm90():
+    """The float32 Hopper forward's tiles (float32 Q, K and V^T) fit sm_90's 227 KiB."""
+    from cuflash import _wgmma_fwd
+    for dims, tile in _wgmma_fwd.F32_TILES.items():
+        assert _wgmma_fwd.smem_bytes(dims, tile, _wgmma_fwd.MB_NONE, 4) <= 227 * 1024, dims
 
 
 def test_wgmma_backward_tiles_fit_sm90():

@@ -384,6 +384,84 @@ def test_hopper_forward(case, dims, dtype, rng, override):
     check(q, k, v, rng, **options)
 
 
+def tf32_rounded(x):
+    """float32 x rounded to TensorFloat-32 (10-bit mantissa) to nearest, ties away from zero, as
+    cvt.rna.tf32.f32 does; non-finite values kept."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(np.isfinite(x), rounded, x)
+
+
+def check_tf32_forward(q, k, v, **options):
+    """A precision="high" forward against the float64 reference, within 2x the error of a naive
+    float32 implementation on inputs rounded to TF32 (the kernel also rounds P, whose error is
+    of the same order as v's and sits in the slack)."""
+    out, lse = cuflash.attention(q, k, v, return_lse=True, precision="high", **options)
+    host = {n: to_host(x) if hasattr(x, "shape") else x for n, x in options.items()}
+    qh, kh, vh = (to_host(x) for x in (q, k, v))
+    ref_out, ref_lse = reference.attention(qh, kh, vh, return_lse=True, **host)
+    naive = naive_attention(tf32_rounded(qh), tf32_rounded(kh), tf32_rounded(vh), **host)
+    assert_close_to_reference(out, ref_out, naive[0], FLOORS["float32"], "out")
+    assert_close_to_reference(lse, ref_lse, naive[1], FLOORS["float32"], "lse")
+    return out, ref_out
+
+
+# float32 on the Hopper forward (precision="high"): its tiles (64, 64) and (128, 128), and the
+# sizes they pad (40 -> 64, 96 -> 128, Dk 5 with Dv 36 -> 64)
+F32_RUNS = [(c, d) for c in WG_FWD_CASES for d in [(64, 64), (128, 128)]] + [
+    (c, d) for c in WG_FWD_CASES if c[0] in ("odd", "gqa-causal", "kv_lens-window", "window")
+    for d in [(40, 40), (96, 96), (5, 36)]]
+
+
+@pytest.mark.parametrize("case, dims", F32_RUNS, ids=[f"{c[0]}-{d[0]}x{d[1]}" for c, d in F32_RUNS])
+def test_hopper_forward_float32_high(case, dims, rng, override):
+    _, lq, lkv, Nq, Nk, options = case
+    dk, dv = dims
+    q = randn(rng, lq + (Nq, dk), "float32")
+    k = randn(rng, lkv + (Nk, dk), "float32")
+    v = randn(rng, lkv + (Nk, dv), "float32")
+    _wgmma_forward_or_skip(override, q, k, v, dict(options, precision="high"))
+    check_tf32_forward(q, k, v, **options)
+
+
+def test_hopper_forward_float32_choice(rng, override):
+    """float32 reaches the Hopper forward with precision="high" only ("highest" stays on the
+    exact wide path), and not where output heads reading one v matrix have different kv_lens
+    (its v^T copy is zeroed past one length per matrix)."""
+    from cuflash import _gpu, _runtime, _validate
+    if not _runtime.wgmma_available():
+        pytest.skip("the Hopper forward: compute capability 9.0 and NVRTC 12.9+ only")
+    q = randn(rng, (1, 4, 300, 64), "float32")
+    k, v = randn(rng, (1, 2, 300, 64), "float32"), randn(rng, (1, 2, 300, 64), "float32")
+    path = lambda **o: _gpu.forward_path(_validate.make_problem(q, k, v, **o))  # noqa: E731
+    assert path(precision="high") == "wgmma"
+    assert path() == "wide" and path(precision="highest") == "wide"
+    assert path(precision="high", kv_lens=np.array([[30, 30, 77, 77]])) == "wgmma"
+    assert path(precision="high", kv_lens=np.array([[30, 31, 77, 77]])) == "wide"
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=str)
+def test_hopper_forward_float32_nan_past_kv_lens(dims, rng, override):
+    """The float32 kernel's key tiles start at multiples of 8 keys, so the last one reads up to 7
+    keys past a row's last visible one: past kv_lens those may hold NaN, which must not reach
+    the output (v^T is zeroed there, the scores masked)."""
+    import cupy
+    dk, dv = dims
+    lens = np.array([[13], [70], [0]])
+    q = randn(rng, (3, 2, 90, dk), "float32")
+    k = rng.standard_normal((3, 2, 100, dk)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 100, dv)).astype(np.float32)
+    for b, n in enumerate(lens[:, 0]):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.inf
+    k, v = cupy.asarray(k), cupy.asarray(v)
+    for causal in (False, True):
+        options = dict(kv_lens=lens, causal=causal)
+        _wgmma_forward_or_skip(override, q, k, v, dict(options, precision="high"))
+        check_tf32_forward(q, k, v, **options)
+
+
 @pytest.mark.parametrize("Nk, staged", [(272, True), (270, False)], ids=["staged", "global"])
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)], ids=str)
 @pytest.mark.parametrize("kind", ["padding-mask", "mask", "bias", "mask-bias-causal"])
