@@ -318,8 +318,10 @@ def _check_huge_float64(q, k, v, scale):
 
 def test_wide_precision_high_is_tf32(rng, override):
     """precision="high" runs one TF32 product per GEMM: its error against the float64 reference is
-    larger than "highest"'s (so the option reaches the kernel) but within TF32's rounding."""
+    larger than "highest"'s (so the option reaches the kernel) but within TF32's rounding. (The
+    Hopper forward's "high" has its own tests: test_hopper_forward_float32_high.)"""
     from cuflash import _gpu, _validate
+    override(path="wide")
     q, k, v = (randn(rng, (2, 2, 300, 64), "float32") for _ in range(3))
     ref = reference.attention(to_host(q), to_host(k), to_host(v), causal=True)
     errs = {}
