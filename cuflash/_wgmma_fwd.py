@@ -3,9 +3,10 @@ warpgroups; float16 / bfloat16, head dims up to 256 (padded to the next multiple
 kernel, TILES), any mask and bias, compute capability 9.0; one launch, which settles at its end
 the rows its float arithmetic cannot (lost_rows.cuh fwd_fix_rows, as fwd_mma).
 
-float32 with precision="high" (one TF32 product per GEMM), head dims up to 128, no mask, bias,
-transform, sinks or dropout (F32_TILES): three launches of tf32_operand first, which copy q, k
-and v^T rounded to TF32 (the kernel's operands, fwd_wgmma.cu), then the kernel on the copies.
+float32, head dims up to 128, no mask, bias, transform, sinks or dropout (F32_TILES): one TF32
+product per GEMM with precision="high", three (hi and lo parts: as exact as float32) with
+"highest"; three launches of tf32_operand first, which copy q, k and v^T rounded to TF32 (split
+in two parts for "highest": the kernel's operands, fwd_wgmma.cu), then the kernel on the copies.
 
 Path interface (cuflash/_gpu.py): NAME, takes / forward, instantiations, cc90_only.
 """
@@ -52,12 +53,18 @@ TRANSFORM_TILES = {
     ((64, 64), False): _T(64, 3, 2, 160, False),
 }
 TRANSFORM_TILES_SPARED = {("bfloat16", ("softcap",))}
-# float32, precision="high": (Dk, Dv) padded -> tile. S and P take 4 bytes a key per row (16-bit:
-# P 2), so fewer keys per tile at D=128; shared memory: float32 Q, K and V^T tiles.
+# float32: ((Dk, Dv) padded, TF32 passes) -> tile. S and P take 4 bytes a key per row (16-bit: P
+# 2), so fewer keys per tile at D=128; shared memory: float32 Q, K and V^T tiles, two parts each
+# with three passes (hi, lo), which also keep a fresh P V accumulator per tile (DV / 2 registers)
+# and P's lo part: at D=128 one consumer of 32-key tiles.
 F32_TILES = {
-    (64, 64): _T(128, 2, 2, 240, True),
-    (128, 128): _T(64, 2, 2, 240, True),
+    ((64, 64), 1): _T(128, 2, 2, 240, True),
+    ((128, 128), 1): _T(64, 2, 2, 240, True),
+    ((64, 64), 3): _T(64, 2, 2, 240, True),
+    ((128, 128), 3): _T(32, 1, 2, 240, False),
 }
+# float32 precision -> TF32 passes per GEMM (mma.cuh WideMma)
+F32_PASSES = {"high": 1, "highest": 3}
 del _T
 DIMS = sorted({dims for dims, _ in TILES})
 
@@ -77,8 +84,6 @@ SHORT_ROW_KEYS = 768
 def pick_tile(dims, mb, transforms=(), dtype=None):
     """The tile of a mask / bias reading mb (score transforms, by name, keep the tile of the call
     without them, but where TRANSFORM_TILES says otherwise for their dtype)."""
-    if dtype is not None and _config.dtype_name(dtype) == "float32":
-        return F32_TILES[dims]
     spared = (_config.dtype_name(dtype), tuple(transforms)) in TRANSFORM_TILES_SPARED
     if transforms and not spared and (dims, mb != MB_NONE) in TRANSFORM_TILES:
         return TRANSFORM_TILES[(dims, mb != MB_NONE)]
@@ -103,10 +108,11 @@ def smem_bytes(dims, tile, mb, itemsize=2):
         + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
 
-def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=False):
+def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=False, passes=None):
     """transforms: the score transforms' names (cuflash/_modifiers.py), a template argument when
     there are any or sinks or dropout; sinks: whether the kernel joins attention sinks (then a
-    template argument, true); dropout: the DropoutArgs instantiation (kernels_cu/philox.cuh)."""
+    template argument, true); dropout: the DropoutArgs instantiation (kernels_cu/philox.cuh);
+    passes: float32's TF32 passes (PASSES; 1, its default, is spelled before any transform)."""
     b = "true" if tile.pingpong else "false"
     # F, then LostF (the transforms as its end settles rows: lost_rows.cuh), SINKS and Drop
     f = (f", {_modifiers.transform(transforms, 'float', False, _config.dtype_name(dtype))}"
@@ -114,6 +120,8 @@ def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=F
          if transforms or sinks or dropout else "") + (", true" if sinks else "")
     if dropout:
         f += f"{'' if sinks else ', false'}, DropoutArgs"
+    if passes is not None or f:
+        f = f", {passes or 1}{f}"
     return (f"fwd_wgmma<{_config.c_types(dtype)[0]}, {dims[0]}, {dims[1]}, {tile.block_n}, "
             f"{tile.consumers}, {tile.stages}, {tile.consumer_regs}, {b}, {mb}{f}>")
 
@@ -130,10 +138,10 @@ def instantiations():
              for dt in _config.MMA_DTYPES for dims in DIMS
              for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     main += [("fwd_wgmma", "float32", dims[0], SOURCE,
-              name_expression("float32", dims, tile, MB_NONE))
-             for dims, tile in F32_TILES.items()]
-    main += [("tf32_operand", "float32", None, SOURCE, f"tf32_operand<{b}>")
-             for b in ("false", "true")]
+              name_expression("float32", dims, tile, MB_NONE, passes=passes))
+             for (dims, passes), tile in F32_TILES.items()]
+    main += [("tf32_operand", "float32", None, SOURCE, _operand_expression(b, passes))
+             for b in (False, True) for passes in sorted(set(F32_PASSES.values()))]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
     masks = {_mask_tiles.expression(block_m(t), t.block_n) for t in tiles}
     return main + [("mask_tile_classes", None, None, _mask_tiles.SOURCE, e) for e in sorted(masks)]
@@ -418,7 +426,8 @@ def _f32_layout(p):
 
 def _takes_f32(p):
     dims = padded(p)
-    if dims not in F32_TILES or p.precision != "high" or p.Dv % 4 or not p.scale > 0:
+    passes = F32_PASSES[p.precision]
+    if (dims, passes) not in F32_TILES or p.Dv % 4 or not p.scale > 0:
         return False
     if (p.mask is not None or p.bias is not None or p.transforms or p.sinks is not None
             or p.dropout_p or p.pages is not None or p.lens_device is not None):
@@ -428,7 +437,12 @@ def _takes_f32(p):
         return False
     if _f32_layout(p) is None:
         return False
-    return smem_bytes(dims, F32_TILES[dims], MB_NONE, 4) <= _runtime.device_info().smem_optin
+    return smem_bytes(dims, F32_TILES[(dims, passes)], MB_NONE, 4 * (1 + (passes == 3))) <= \
+        _runtime.device_info().smem_optin
+
+
+def _operand_expression(transpose, passes):
+    return f"tf32_operand<{'true' if transpose else 'false'}, {2 if passes == 3 else 1}>"
 
 
 def _ceil(a, b):
@@ -438,17 +452,19 @@ def _ceil(a, b):
 class _Forward32:
     """The float32 forward of one layout, prepared: tf32_operand's three copies (q and k rounded
     to TF32, rows padded to 4 floats; v^T rounded and key-permuted, rows of the keys padded to
-    8), then fwd_wgmma on their tensor maps (one allocation per call, its maps encoded per
-    call)."""
+    8; each as hi and lo matrices with three passes), then fwd_wgmma on their tensor maps (one
+    allocation per call, its maps encoded per call)."""
 
     def __init__(self, p, dims):
         self.dims = dims
-        tile = F32_TILES[dims]
+        passes = F32_PASSES[p.precision]
+        parts = 2 if passes == 3 else 1
+        tile = F32_TILES[(dims, passes)]
         ops = _f32_layout(p)
         B, H = _mask_tiles.grid_shape(p)
-        kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, MB_NONE),
-                                     arch=ARCH)
-        smem = smem_bytes(dims, tile, MB_NONE, 4)
+        kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, MB_NONE,
+                                                             passes=passes), arch=ARCH)
+        smem = smem_bytes(dims, tile, MB_NONE, 4 * parts)
         _runtime.opt_in(kern, smem)
         blocks = _ceil(p.Nq, block_m(tile)) * p.BH
         if blocks > _runtime.MAX_GRID_X:
@@ -465,28 +481,27 @@ class _Forward32:
         # the copies: (rows, cols, ld) per operand, v transposed
         ldk = _ceil(p.Dk, 4) * 4
         shapes = ((p.Nq, p.Dk, ldk), (p.Nk, p.Dk, ldk), (p.Nk, p.Dv, _ceil(p.Nk, 8) * 8))
-        nbytes = [op.heads * op.batches * (cols if n == 2 else rows) * ld * 4
+        nbytes = [parts * op.heads * op.batches * (cols if n == 2 else rows) * ld * 4
                   for n, (op, (rows, cols, ld)) in enumerate(zip(ops, shapes))]
         self.workspace = _runtime.carving(*nbytes)
         self.prep = []
         for n, (op, (rows, cols, ld)) in enumerate(zip(ops, shapes)):
             transpose = n == 2
-            k = _runtime.get_function(SOURCE, f"tf32_operand<{'true' if transpose else 'false'}>",
-                                      arch=ARCH)
+            k = _runtime.get_function(SOURCE, _operand_expression(transpose, passes), arch=ARCH)
             grid = (op.heads * op.batches * _ceil(cols if transpose else ld, 32),
                     _ceil(ld if transpose else rows, 32))
             numbers = (i32(rows), i32(cols), i32(op.heads), i64(op.rs), i64(op.cs), i64(op.hs),
                        i64(op.bs), i32(ld))
             self.prep.append((_runtime.Launch(k, grid, (32, 8)), numbers, i32(H), i32(op.hdiv)))
-        # tensor maps of the copies: (columns, rows, heads, batches), boxes of 32 floats
+        # tensor maps of the copies: (columns, rows, heads x parts, batches), boxes of 32 floats
         self.tiled = []
         for n, (op, (rows, cols, ld)) in enumerate(zip(ops, shapes)):
-            dims4 = (ld, cols, op.heads, op.batches) if n == 2 else (cols, rows, op.heads,
-                                                                     op.batches)
+            heads = op.heads * parts
+            dims4 = (ld, cols, heads, op.batches) if n == 2 else (cols, rows, heads, op.batches)
             row_bytes = ld * 4
             mat = row_bytes * (cols if n == 2 else rows)
             box_rows = dims[1] if n == 2 else (block_m(tile) if n == 0 else tile.block_n)
-            self.tiled.append(_tma.TiledMap("float32", dims4, (row_bytes, mat, mat * op.heads),
+            self.tiled.append(_tma.TiledMap("float32", dims4, (row_bytes, mat, mat * heads),
                                             (32, box_rows, 1, 1), _tma.SWIZZLE_128B))
         heads = np.zeros((), dtype=HEADS_DTYPE)
         for x, op in enumerate(ops):

@@ -3,8 +3,15 @@
 // Dk <= DK and Dv <= DV, DK and DV multiples of 64: the tensor maps fill the columns past Dk (Dv)
 // with zeros, which add nothing to Q K^T and give output columns that are not stored.
 //
-// float32 (precision="high": one TF32 product per GEMM): the operands come from tf32_operand
-// (below), rounded to TF32 to nearest (the tensor cores would truncate them), V as V^T: .tf32
+// float32 (PASSES = 1, precision="high": one TF32 product per GEMM; PASSES = 3, "highest":
+// three, as exact as float32): the operands come from tf32_operand (below), rounded to TF32 to
+// nearest (the tensor cores would truncate them); with three passes each as two parts, hi and
+// lo = the remainder (mma.cuh WideMma), stored as heads 2 h and 2 h + 1 of the copies, which the
+// producer brings side by side (the lo tile after the hi one). S = Qlo Khi + Qhi Klo + Qhi Khi
+// (small terms first, one accumulator), and each tile's P V = Plo Vhi + Phi Vlo + Phi Vhi in a
+// fresh accumulator added to O in float32: the tensor cores round their sums toward zero, which
+// a chain through every key tile of a row collects (tools/tf32_probe.py: 35x the error of one
+// per tile). V as V^T: .tf32
 // reads only K-major operands, so P V's B operand is V^T with the keys contiguous, in column
 // blocks of 32 keys. Within each group of 8 keys, slot s of V^T holds key 2 s (s < 4) or
 // 2 (s - 4) + 1, so that S's accumulators, which hold keys 2 t and 2 t + 1 of a lane's rows, are
@@ -141,7 +148,8 @@ struct StagedMaskBias {
 };
 
 template <typename T, int DK, int DV, int BLOCK_N, int CONSUMERS, int STAGES, int CONSUMER_REGS,
-          bool PINGPONG, int MB, typename F = NoTransform, typename LostF = NoTransform,
+          bool PINGPONG, int MB, int PASSES = 1, typename F = NoTransform,
+          typename LostF = NoTransform,
           bool SINKS = false, typename... Drop>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
@@ -170,11 +178,15 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   constexpr int NCK = DK / COLS, NCV = F32 ? BLOCK_N / 32 : DV / 64;
   constexpr u32 Q_BLK = BLOCK_M * 128, KV_BLK = BLOCK_N * 128;  // bytes per column block
   constexpr u32 V_BLK = F32 ? DV * 128 : KV_BLK;
-  constexpr u32 Q_BYTES = Q_BLK * NCK, K_BYTES = KV_BLK * NCK, V_BYTES = V_BLK * NCV;
+  // PARTS: hi and lo tiles of each operand with three passes; the lo tile PART bytes after the hi
+  constexpr int PARTS = PASSES == 3 ? 2 : 1;
+  constexpr u32 Q_PART = Q_BLK * NCK, K_PART = KV_BLK * NCK, V_PART = V_BLK * NCV;
+  constexpr u32 Q_BYTES = Q_PART * PARTS, K_BYTES = K_PART * PARTS, V_BYTES = V_PART * PARTS;
   constexpr u32 CONSUMER_THREADS = CONSUMERS * 128;
   static_assert(DK % 64 == 0 && DV % 64 == 0 && DV <= 256 && BLOCK_N % 16 == 0, "tile shape");
   static_assert(!F32 || (DV <= 128 && BLOCK_N % 32 == 0 && MB == MB_NONE && F::IDENTITY &&
                          !SINKS && sizeof...(Drop) == 0), "float32: the plain forward");
+  static_assert(PASSES == 1 || (F32 && PASSES == 3), "three TF32 passes: float32 only");
   static_assert(DV <= DK, "the output is staged in the Q tile");
   static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong between two consumer warpgroups");
   static_assert(128 * (24 + CONSUMERS * CONSUMER_REGS) <= 65536, "register budget");
@@ -261,8 +273,11 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
       const u32 mb_bytes = STAGED ? (mask_box_rows + 4 * bias_box_rows) * BLOCK_N : 0;
       tma::arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-      for (int cb = 0; cb < NCK; ++cb)
-        tma::load_4d(sQ + cb * Q_BLK, tq, cb * COLS, i0, head(0), batch(0), q_full);
+      for (int part = 0; part < PARTS; ++part)
+#pragma unroll
+        for (int cb = 0; cb < NCK; ++cb)
+          tma::load_4d(sQ + part * Q_PART + cb * Q_BLK, tq, cb * COLS, i0, head(0) * PARTS + part,
+                       batch(0), q_full);
       for (int it = next_tile(0), k = 0; it < n_tiles; it = next_tile(it + 1), ++k) {
         const int seq = CLASSES ? k : it;
         const int slot = seq % STAGES;
@@ -271,8 +286,11 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
         tma::wait(k_empty(slot), parity);
         tma::arrive_expect_tx(k_full(slot), K_BYTES + mb_bytes);
 #pragma unroll
-        for (int cb = 0; cb < NCK; ++cb)
-          tma::load_4d(sK + slot * K_BYTES + cb * KV_BLK, tk, cb * COLS, j0, kh, kb, k_full(slot));
+        for (int part = 0; part < PARTS; ++part)
+#pragma unroll
+          for (int cb = 0; cb < NCK; ++cb)
+            tma::load_4d(sK + slot * K_BYTES + part * K_PART + cb * KV_BLK, tk, cb * COLS, j0,
+                         kh * PARTS + part, kb, k_full(slot));
         if (STAGED && mask_box_rows)
           tma::load_4d(sM + slot * M_BYTES, tm, j0, mask_box_rows == 1 ? 0 : i0, head(3),
                        batch(3), k_full(slot));
@@ -285,12 +303,15 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
         tma::wait(v_empty(slot), parity);
         tma::arrive_expect_tx(v_full(slot), V_BYTES);
 #pragma unroll
-        for (int cb = 0; cb < NCV; ++cb) {  // (float32: V^T's 32 keys of every row)
-          if constexpr (F32)
-            tma::load_4d(sV + slot * V_BYTES + cb * V_BLK, tv, j0 + 32 * cb, 0, vh, vb, v_full(slot));
-          else
-            tma::load_4d(sV + slot * V_BYTES + cb * V_BLK, tv, cb * 64, j0, vh, vb, v_full(slot));
-        }
+        for (int part = 0; part < PARTS; ++part)
+#pragma unroll
+          for (int cb = 0; cb < NCV; ++cb) {  // (float32: V^T's 32 keys of every row)
+            const u32 dst = sV + slot * V_BYTES + part * V_PART + cb * V_BLK;
+            if constexpr (F32)
+              tma::load_4d(dst, tv, j0 + 32 * cb, 0, vh * PARTS + part, vb, v_full(slot));
+            else
+              tma::load_4d(dst, tv, cb * 64, j0, vh, vb, v_full(slot));
+          }
       }
     }
     return;
@@ -321,6 +342,41 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                                            static_cast<float>(1.0 / scale_d));
   float s[1][NF][4];
   u32 p[KN][4];
+  // three passes: P's lo part, and each tile's P V before it joins O (otherwise unused)
+  u32 p_lo[PARTS == 2 ? KN : 1][4];
+  float pv[PARTS == 2 ? DF : 1][4];
+  // S = Q K^T of the K tile at sk, one commit group
+  auto s_product = [&](u32 sk) {
+    if constexpr (PARTS == 2) {
+      wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK, false, false>(s[0], sQw + Q_PART, sk);
+      wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK, true, false>(s[0], sQw, sk + K_PART);
+      wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK, true>(s[0], sQw, sk);
+    } else {
+      wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sk);
+    }
+  };
+  // O += P V (three passes: pv = P V, added to O by pv_join once done), one commit group
+  auto pv_issue = [&](u32 sv) {
+    if constexpr (PARTS == 2) {
+      constexpr u32 B_BLK = DV * 128;
+      wg::regs_times_rows<T, DV, KN, B_BLK, false, false>(pv, p_lo, sv);
+      wg::regs_times_rows<T, DV, KN, B_BLK, false>(pv, p, sv + V_PART);
+      wg::regs_times_rows<T, DV, KN, B_BLK>(pv, p, sv);
+    } else {
+      pv_product<T, DV, KN, KV_BLK>(o, p, sv);
+    }
+  };
+  auto pv_join = [&]() {  // after the wait for P V
+    if constexpr (PARTS == 2) {
+      wg::fence_acc(pv);
+#pragma unroll
+      for (int df = 0; df < DF; ++df)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[df][e] += pv[df][e];
+    } else {
+      wg::fence_acc(o);
+    }
+  };
 
   // Mask by global position where the tile is not entirely visible to the warpgroup's rows (seq:
   // the tile's place in the rings).
@@ -368,10 +424,12 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     if constexpr (F32) {  // keys 2 t, 2 t + 1 of 8 are V^T's slots t, t + 4 (tf32_operand)
 #pragma unroll
       for (int kk = 0; kk < KN; ++kk) {
-        p[kk][0] = to_tf32(s[0][kk][0]);
-        p[kk][1] = to_tf32(s[0][kk][2]);
-        p[kk][2] = to_tf32(s[0][kk][1]);
-        p[kk][3] = to_tf32(s[0][kk][3]);
+        const float x[4] = {s[0][kk][0], s[0][kk][2], s[0][kk][1], s[0][kk][3]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[kk][e] = to_tf32(x[e]);
+          if constexpr (PARTS == 2) p_lo[kk][e] = to_tf32(x[e] - __uint_as_float(p[kk][e]));
+        }
       }
     } else {
 #pragma unroll
@@ -394,7 +452,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   if (first < n_tiles) {
     tma::wait(k_full(0), 0);
     turn_take();
-    wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK);
+    s_product(sK);
     turn_pass(false);
     wg::wait<0>();
     wg::fence_acc(s[0]);
@@ -411,8 +469,8 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     tma::wait(k_full(slot), (seq / STAGES) & 1);
     tma::wait(v_full(prev), ((seq - 1) / STAGES) & 1);
     turn_take();
-    wg::rows_times_rows<T, BLOCK_N, KD, Q_BLK, KV_BLK>(s[0], sQw, sK + slot * K_BYTES);
-    pv_product<T, DV, KN, KV_BLK>(o, p, sV + prev * V_BYTES);
+    s_product(sK + slot * K_BYTES);
+    pv_issue(sV + prev * V_BYTES);
     turn_pass(false);
     wg::wait<1>();  // this tile's S is done; the previous tile's P V may still run
     wg::fence_acc(s[0]);
@@ -421,7 +479,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     release_k(seq, true);
     sm.step(s, sl2);
     wg::wait<0>();
-    wg::fence_acc(o);
+    pv_join();
     tma::arrive(v_empty(prev));
 #pragma unroll
     for (int pf = 0; pf < DF / 2; ++pf) sm.rescale(o[2 * pf], o[2 * pf + 1], 0);  // O *= alpha
@@ -432,10 +490,10 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
     const int last = seq % STAGES;
     tma::wait(v_full(last), (seq / STAGES) & 1);
     turn_take();
-    pv_product<T, DV, KN, KV_BLK>(o, p, sV + last * V_BYTES);
+    pv_issue(sV + last * V_BYTES);
     turn_pass(true);
     wg::wait<0>();
-    wg::fence_acc(o);
+    pv_join();
     tma::arrive(v_empty(last));
   }
 
@@ -505,8 +563,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
 }
 
 // tf32_operand: one float32 operand of the float32 forward, rounded to TF32 (to nearest), as a
-// contiguous copy y of (batch, head) matrices. x's matrix m = bx * heads + hx (element strides
-// rs, cs within, hs, bs between) of rows x cols becomes:
+// contiguous copy y of (batch, head) matrices, PARTS of them per matrix (2: hi, then lo = the
+// remainder rounded: WideMma's split). x's matrix m = bx * heads + hx (element strides rs, cs
+// within, hs, bs between) of rows x cols becomes matrices m PARTS + part of y:
 //   TRANSPOSE = false (q, k): rows of ld >= cols floats (the columns past cols 0);
 //   TRANSPOSE = true (v): its transpose, cols rows of ld >= rows keys (fwd_wgmma's V^T), key
 //     8 a + j at slot 8 a + j / 2 (j even) or 8 a + 4 + j / 2 (j odd), 0 past the rows and, with
@@ -514,7 +573,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
 //     that reads the matrix has the same).
 // Block (32, 8): a tile of 32 rows x 32 columns of the matrix (TRANSPOSE: 32 keys x 32 columns
 // through shared memory); grid x = matrices x column tiles, y = row tiles.
-template <bool TRANSPOSE>
+template <bool TRANSPOSE, int PARTS>
 __global__ void __launch_bounds__(256)
 tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int heads,
              long long rs, long long cs, long long hs, long long bs, int ld,
@@ -526,12 +585,18 @@ tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int c
   const float* xm = x + bx * bs + hx * hs;
   const int tx = threadIdx.x, ty = threadIdx.y;
   auto round = [](float v) { return __uint_as_float(tc::to_tf32(v)); };
+  const long long mat = static_cast<long long>(TRANSPOSE ? cols : rows) * ld;  // y's matrix
+  auto store = [&](float* at, float v) {  // hi, and lo one matrix later
+    const float hi = round(v);
+    at[0] = hi;
+    if (PARTS == 2) at[mat] = round(v - hi);
+  };
+  float* ym = y + m * PARTS * mat;
   if constexpr (!TRANSPOSE) {
-    float* ym = y + m * rows * ld;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = r0 + ty + 8 * i, c = c0 + tx;
-      if (r < rows && c < ld) ym[static_cast<long long>(r) * ld + c] = c < cols ? round(xm[r * rs + c * cs]) : 0.f;
+      if (r < rows && c < ld) store(ym + static_cast<long long>(r) * ld + c, c < cols ? xm[r * rs + c * cs] : 0.f);
     }
   } else {
     __shared__ float tile[32][33];
@@ -540,15 +605,14 @@ tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int c
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = r0 + ty + 8 * i, c = c0 + tx;
-      tile[ty + 8 * i][tx] = r < keys && c < cols ? round(xm[r * rs + c * cs]) : 0.f;
+      tile[ty + 8 * i][tx] = r < keys && c < cols ? xm[r * rs + c * cs] : 0.f;
     }
     __syncthreads();
-    float* ym = y + m * cols * ld;
     const int j = tx % 8, key = (tx & ~7) + (j < 4 ? 2 * j : 2 * (j - 4) + 1);  // slot tx's key
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int d = c0 + ty + 8 * i, s = r0 + tx;
-      if (d < cols && s < ld) ym[static_cast<long long>(d) * ld + s] = tile[key][ty + 8 * i];
+      if (d < cols && s < ld) store(ym + static_cast<long long>(d) * ld + s, tile[key][ty + 8 * i]);
     }
   }
 }

@@ -260,7 +260,10 @@ template <typename T> __host__ __device__ constexpr int kstep_elems() { return 3
 // 64 columns, tc::chunk_offset_swz): A's 64 rows from shared address a (1024-aligned), whose tile
 // has A_BLK bytes per column block; B's N rows from b, B_BLK bytes per block. (S^T = K Q^T and
 // dP^T = V dO^T.)
-template <typename T, int N, int KSTEPS, u32 A_BLK, u32 B_BLK>
+// ADD: d += A B^T; COMMIT = false leaves the products in the open group (float32's three TF32
+// products of one S).
+template <typename T, int N, int KSTEPS, u32 A_BLK, u32 B_BLK, bool ADD = false,
+          bool COMMIT = true>
 __device__ __forceinline__ void rows_times_rows(float (&d)[N / 8][4], u32 a, u32 b) {
   fence();
 #pragma unroll
@@ -268,12 +271,12 @@ __device__ __forceinline__ void rows_times_rows(float (&d)[N / 8][4], u32 a, u32
     const u32 col = (kk % 4) * SW128_KSTEP_K;  // 4 k-steps per 64-column block
     const u64 da = desc_sw128(a + (kk / 4) * A_BLK + col, 0, SW128_SBO);
     const u64 db = desc_sw128(b + (kk / 4) * B_BLK + col, 0, SW128_SBO);
-    if (kk == 0)
+    if (kk == 0 && !ADD)
       Mma<T, N>::template ss<0, 0>(d, da, db);
     else
       Mma<T, N>::template ss<1, 0>(d, da, db);
   }
-  commit();
+  if (COMMIT) commit();
 }
 // d (64 x N) += A B over K = 16 KSTEPS: A from registers (a[kk], mma.sync A fragments), B a
 // 128-byte-swizzled tile of 16 KSTEPS rows and N columns at shared address b, read MN-major, with
@@ -339,15 +342,19 @@ __device__ __forceinline__ void tile_t_times_rows(float (&d)[N / 8][4], u32 a, u
 }
 // d (64 x N) += A B over KSTEPS k-steps: A from registers (a[kk], as regs_times_tile's), B K-major
 // (N rows at b, B_BLK bytes per column block, as rows_times_rows's B). (float32's O += P V with B
-// = V^T: .tf32 reads no MN-major operand.)
-template <typename T, int N, int KSTEPS, u32 B_BLK, bool COMMIT = true>
+// = V^T: .tf32 reads no MN-major operand.) ADD = false: d = A B.
+template <typename T, int N, int KSTEPS, u32 B_BLK, bool COMMIT = true, bool ADD = true>
 __device__ __forceinline__ void regs_times_rows(float (&d)[N / 8][4], const u32 (&a)[KSTEPS][4],
                                                 u32 b) {
   fence();
 #pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk)
-    Mma<T, N>::template rs<1, 0>(
-        d, a[kk], desc_sw128(b + (kk / 4) * B_BLK + (kk % 4) * SW128_KSTEP_K, 0, SW128_SBO));
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const u64 db = desc_sw128(b + (kk / 4) * B_BLK + (kk % 4) * SW128_KSTEP_K, 0, SW128_SBO);
+    if (kk == 0 && !ADD)
+      Mma<T, N>::template rs<0, 0>(d, a[kk], db);
+    else
+      Mma<T, N>::template rs<1, 0>(d, a[kk], db);
+  }
   if (COMMIT) commit();
 }
 // The four 8 x 8 16-bit blocks of an m16n8k16 A fragment as tc::acc_to_a packs them (x[0]: rows

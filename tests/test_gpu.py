@@ -319,7 +319,7 @@ def _check_huge_float64(q, k, v, scale):
 def test_wide_precision_high_is_tf32(rng, override):
     """precision="high" runs one TF32 product per GEMM: its error against the float64 reference is
     larger than "highest"'s (so the option reaches the kernel) but within TF32's rounding. (The
-    Hopper forward's "high" has its own tests: test_hopper_forward_float32_high.)"""
+    Hopper forward's float32 has its own tests: test_hopper_forward_float32.)"""
     from cuflash import _gpu, _validate
     override(path="wide")
     q, k, v = (randn(rng, (2, 2, 300, 64), "float32") for _ in range(3))
@@ -395,42 +395,45 @@ def tf32_rounded(x):
     return np.where(np.isfinite(x), rounded, x)
 
 
-def check_tf32_forward(q, k, v, **options):
-    """A precision="high" forward against the float64 reference, within 2x the error of a naive
-    float32 implementation on inputs rounded to TF32 (the kernel also rounds P, whose error is
-    of the same order as v's and sits in the slack)."""
-    out, lse = cuflash.attention(q, k, v, return_lse=True, precision="high", **options)
+def check_tf32_forward(q, k, v, precision, **options):
+    """A float32 forward against the float64 reference: "highest" within 2x the error of a naive
+    float32 implementation, "high" within 2x that of one on inputs rounded to TF32 (the kernel
+    also rounds P, whose error is of the same order as v's and sits in the slack)."""
+    out, lse = cuflash.attention(q, k, v, return_lse=True, precision=precision, **options)
     host = {n: to_host(x) if hasattr(x, "shape") else x for n, x in options.items()}
     qh, kh, vh = (to_host(x) for x in (q, k, v))
     ref_out, ref_lse = reference.attention(qh, kh, vh, return_lse=True, **host)
-    naive = naive_attention(tf32_rounded(qh), tf32_rounded(kh), tf32_rounded(vh), **host)
+    if precision == "high":
+        qh, kh, vh = tf32_rounded(qh), tf32_rounded(kh), tf32_rounded(vh)
+    naive = naive_attention(qh, kh, vh, **host)
     assert_close_to_reference(out, ref_out, naive[0], FLOORS["float32"], "out")
     assert_close_to_reference(lse, ref_lse, naive[1], FLOORS["float32"], "lse")
     return out, ref_out
 
 
-# float32 on the Hopper forward (precision="high"): its tiles (64, 64) and (128, 128), and the
-# sizes they pad (40 -> 64, 96 -> 128, Dk 5 with Dv 36 -> 64)
+# float32 on the Hopper forward (one TF32 pass, "high", and three, "highest"): its tiles (64, 64)
+# and (128, 128), and the sizes they pad (40 -> 64, 96 -> 128, Dk 5 with Dv 36 -> 64)
 F32_RUNS = [(c, d) for c in WG_FWD_CASES for d in [(64, 64), (128, 128)]] + [
     (c, d) for c in WG_FWD_CASES if c[0] in ("odd", "gqa-causal", "kv_lens-window", "window")
     for d in [(40, 40), (96, 96), (5, 36)]]
 
 
+@pytest.mark.parametrize("precision", ["high", "highest"])
 @pytest.mark.parametrize("case, dims", F32_RUNS, ids=[f"{c[0]}-{d[0]}x{d[1]}" for c, d in F32_RUNS])
-def test_hopper_forward_float32_high(case, dims, rng, override):
+def test_hopper_forward_float32(case, dims, precision, rng, override):
     _, lq, lkv, Nq, Nk, options = case
     dk, dv = dims
     q = randn(rng, lq + (Nq, dk), "float32")
     k = randn(rng, lkv + (Nk, dk), "float32")
     v = randn(rng, lkv + (Nk, dv), "float32")
-    _wgmma_forward_or_skip(override, q, k, v, dict(options, precision="high"))
-    check_tf32_forward(q, k, v, **options)
+    _wgmma_forward_or_skip(override, q, k, v, dict(options, precision=precision))
+    check_tf32_forward(q, k, v, precision, **options)
 
 
 def test_hopper_forward_float32_choice(rng, override):
-    """float32 reaches the Hopper forward with precision="high" only ("highest" stays on the
-    exact wide path), and not where output heads reading one v matrix have different kv_lens
-    (its v^T copy is zeroed past one length per matrix)."""
+    """float32 reaches the Hopper forward with either precision, but not where output heads
+    reading one v matrix have different kv_lens (its v^T copy is zeroed past one length per
+    matrix)."""
     from cuflash import _gpu, _runtime, _validate
     if not _runtime.wgmma_available():
         pytest.skip("the Hopper forward: compute capability 9.0 and NVRTC 12.9+ only")
@@ -438,13 +441,15 @@ def test_hopper_forward_float32_choice(rng, override):
     k, v = randn(rng, (1, 2, 300, 64), "float32"), randn(rng, (1, 2, 300, 64), "float32")
     path = lambda **o: _gpu.forward_path(_validate.make_problem(q, k, v, **o))  # noqa: E731
     assert path(precision="high") == "wgmma"
-    assert path() == "wide" and path(precision="highest") == "wide"
-    assert path(precision="high", kv_lens=np.array([[30, 30, 77, 77]])) == "wgmma"
-    assert path(precision="high", kv_lens=np.array([[30, 31, 77, 77]])) == "wide"
+    assert path() == "wgmma" and path(precision="highest") == "wgmma"
+    for precision in ("high", "highest"):
+        assert path(precision=precision, kv_lens=np.array([[30, 30, 77, 77]])) == "wgmma"
+        assert path(precision=precision, kv_lens=np.array([[30, 31, 77, 77]])) == "wide"
 
 
+@pytest.mark.parametrize("precision", ["high", "highest"])
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=str)
-def test_hopper_forward_float32_nan_past_kv_lens(dims, rng, override):
+def test_hopper_forward_float32_nan_past_kv_lens(dims, precision, rng, override):
     """The float32 kernel's key tiles start at multiples of 8 keys, so the last one reads up to 7
     keys past a row's last visible one: past kv_lens those may hold NaN, which must not reach
     the output (v^T is zeroed there, the scores masked)."""
@@ -460,8 +465,8 @@ def test_hopper_forward_float32_nan_past_kv_lens(dims, rng, override):
     k, v = cupy.asarray(k), cupy.asarray(v)
     for causal in (False, True):
         options = dict(kv_lens=lens, causal=causal)
-        _wgmma_forward_or_skip(override, q, k, v, dict(options, precision="high"))
-        check_tf32_forward(q, k, v, **options)
+        _wgmma_forward_or_skip(override, q, k, v, dict(options, precision=precision))
+        check_tf32_forward(q, k, v, precision, **options)
 
 
 @pytest.mark.parametrize("Nk, staged", [(272, True), (270, False)], ids=["staged", "global"])
@@ -1010,7 +1015,8 @@ def test_fast_path_is_chosen_where_it_applies(rng, override):
     p = _validate.make_problem(q, k, v, causal=True)
     assert _gpu.forward_path(p) == ("wgmma" if hopper else "mma")
     q32 = randn(rng, (2, 4, 256, 128), "float32")
-    assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == "wide"
+    assert _gpu.forward_path(_validate.make_problem(q32, q32, q32)) == (
+        "wgmma" if hopper else "wide")
     p80 = _validate.make_problem(q[..., :80], k[..., :80], v[..., :80])
     assert _gpu.forward_path(p80) == ("wgmma" if hopper else "generic")
     q64 = q[..., :64]
