@@ -3,7 +3,8 @@ warpgroups; float16 / bfloat16, head dims up to 256 (padded to the next multiple
 kernel, TILES), any mask and bias, compute capability 9.0; one launch, which settles at its end
 the rows its float arithmetic cannot (lost_rows.cuh fwd_fix_rows, as fwd_mma).
 
-float32, head dims up to 128, no mask, bias, transform, sinks or dropout (F32_TILES): one TF32
+float32, head dims up to 128, a mask and bias read from global memory (MB_GLOBAL: the float32
+tiles leave no shared memory for staged ones), no transform, sinks or dropout (F32_TILES): one TF32
 product per GEMM with precision="high", three (hi and lo parts: as exact as float32) with
 "highest"; three launches of tf32_operand first, which copy q, k and v^T rounded to TF32 (split
 in two parts for "highest": the kernel's operands, fwd_wgmma.cu), then the kernel on the copies.
@@ -63,6 +64,8 @@ F32_TILES = {
     ((64, 64), 3): _T(64, 2, 2, 240, True),
     ((128, 128), 3): _T(32, 1, 2, 240, False),
 }
+# With a mask or bias, where F32_TILES' tile spills (the modifier's registers; sm_90a ptxas)
+F32_MB_TILES = {((64, 64), 1): _T(64, 2, 2, 240, True)}
 # float32 precision -> TF32 passes per GEMM (mma.cuh WideMma)
 F32_PASSES = {"high": 1, "highest": 3}
 del _T
@@ -138,8 +141,8 @@ def instantiations():
              for dt in _config.MMA_DTYPES for dims in DIMS
              for mb in (MB_NONE, MB_GLOBAL, MB_STAGED, MB_CLASSES)]
     main += [("fwd_wgmma", "float32", dims[0], SOURCE,
-              name_expression("float32", dims, tile, MB_NONE, passes=passes))
-             for (dims, passes), tile in F32_TILES.items()]
+              name_expression("float32", dims, f32_tile(dims, passes, mb), mb, passes=passes))
+             for dims, passes in F32_TILES for mb in (MB_NONE, MB_GLOBAL)]
     main += [("tf32_operand", "float32", None, SOURCE, _operand_expression(b, passes))
              for b in (False, True) for passes in sorted(set(F32_PASSES.values()))]
     tiles = {pick_tile(dims, MB_STAGED) for dims in DIMS}
@@ -429,7 +432,7 @@ def _takes_f32(p):
     passes = F32_PASSES[p.precision]
     if (dims, passes) not in F32_TILES or p.Dv % 4 or not p.scale > 0:
         return False
-    if (p.mask is not None or p.bias is not None or p.transforms or p.sinks is not None
+    if (p.transforms or p.sinks is not None
             or p.dropout_p or p.pages is not None or p.lens_device is not None):
         return False
     # (tf32_operand's grid: row tiles of 32 along y)
@@ -439,6 +442,13 @@ def _takes_f32(p):
         return False
     return smem_bytes(dims, F32_TILES[(dims, passes)], MB_NONE, 4 * (1 + (passes == 3))) <= \
         _runtime.device_info().smem_optin
+
+
+def f32_tile(dims, passes, mb):
+    """The float32 tile of (Dk, Dv) padded, TF32 passes and mask / bias reading."""
+    if mb != MB_NONE and (dims, passes) in F32_MB_TILES:
+        return F32_MB_TILES[(dims, passes)]
+    return F32_TILES[(dims, passes)]
 
 
 def _operand_expression(transpose, passes):
@@ -459,10 +469,11 @@ class _Forward32:
         self.dims = dims
         passes = F32_PASSES[p.precision]
         parts = 2 if passes == 3 else 1
-        tile = F32_TILES[(dims, passes)]
+        mb = MB_NONE if p.mask is None and p.bias is None else MB_GLOBAL
+        tile = f32_tile(dims, passes, mb)
         ops = _f32_layout(p)
         B, H = _mask_tiles.grid_shape(p)
-        kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, MB_NONE,
+        kern = _runtime.get_function(SOURCE, name_expression(p.dtype, dims, tile, mb,
                                                              passes=passes), arch=ARCH)
         smem = smem_bytes(dims, tile, MB_NONE, 4 * parts)
         _runtime.opt_in(kern, smem)
@@ -477,7 +488,8 @@ class _Forward32:
         self.strides = (i32(p.BH),) + tuple(i64(x) for x in strides[3:])
         self.scalars = tuple(np.float64(x) for x in _modifiers.scalars(p))
         self.fixing = tuple(i64(x) for x in strides[:3]) + (
-            i32(p.Dk), np.float64(p.scale), np.float64(_config.lost_lse_limit(p.acc_dtype)))
+            i32(p.Dk), np.float64(p.scale),
+            np.float64(np.inf if mb != MB_NONE else _config.lost_lse_limit(p.acc_dtype)))
         # the copies: (rows, cols, ld) per operand, v transposed
         ldk = _ceil(p.Dk, 4) * 4
         shapes = ((p.Nq, p.Dk, ldk), (p.Nk, p.Dk, ldk), (p.Nk, p.Dv, _ceil(p.Nk, 8) * 8))
@@ -525,7 +537,8 @@ class _Forward32:
                 raise RuntimeError("fwd_wgmma: the driver refused a float32 tensor map")
             maps.append(m)
         self.run(tuple(maps) + (_tma.NO_MAP, _tma.NO_MAP, self.heads, out, lse, lens)
-                 + self.sizes + (offsets, _runtime.NULL, _runtime.NULL) + self.strides
+                 + self.sizes + (offsets, _runtime.ptr(p.mask), _runtime.ptr(p.bias))
+                 + self.strides
                  + (_mask_tiles.NO_CLASSES,) + self.scalars
                  + (_runtime.ptr(_modifiers.table(p)), _runtime.NULL, p.q, p.k, p.v)
                  + self.fixing)

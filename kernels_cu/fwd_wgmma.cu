@@ -184,8 +184,9 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   constexpr u32 Q_BYTES = Q_PART * PARTS, K_BYTES = K_PART * PARTS, V_BYTES = V_PART * PARTS;
   constexpr u32 CONSUMER_THREADS = CONSUMERS * 128;
   static_assert(DK % 64 == 0 && DV % 64 == 0 && DV <= 256 && BLOCK_N % 16 == 0, "tile shape");
-  static_assert(!F32 || (DV <= 128 && BLOCK_N % 32 == 0 && MB == MB_NONE && F::IDENTITY &&
-                         !SINKS && sizeof...(Drop) == 0), "float32: the plain forward");
+  static_assert(!F32 || (DV <= 128 && BLOCK_N % 32 == 0 && MB <= MB_GLOBAL && F::IDENTITY &&
+                         !SINKS && sizeof...(Drop) == 0),
+                "float32: a mask or bias from global memory, no transform, sinks or dropout");
   static_assert(PASSES == 1 || (F32 && PASSES == 3), "three TF32 passes: float32 only");
   static_assert(DV <= DK, "the output is staged in the Q tile");
   static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong between two consumer warpgroups");

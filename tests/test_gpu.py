@@ -477,12 +477,42 @@ def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng, override):
     padding bias of finfo.min (uniform rows, settled by the lost-row fix); staged by the producer
     where their strides are 16-byte multiples (272 keys), else read from global memory (270). A
     padding mask, the same for every query, is staged as one row."""
-    import cupy
     from cuflash import _validate, _wgmma_fwd
     B, Hq, Hk, Nq = 2, 4, 2, 150
     dk, dv = dims
     q = randn(rng, (B, Hq, Nq, dk), "float16")
     k, v = randn(rng, (B, Hk, Nk, dk), "float16"), randn(rng, (B, Hk, Nk, dv), "float16")
+    options = _mask_bias_options(kind, B, Hq, Nq, Nk, rng)
+    _wgmma_forward_or_skip(override, q, k, v, options)
+    p = _validate.make_problem(q, k, v, **options)
+    # staged tiles need key tiles at multiples of 16 keys: no causal bound (its diagonal tiles
+    # start anywhere; staging them faulted with an illegal instruction)
+    # (a staged mask is classified: MB_CLASSES)
+    want = _wgmma_fwd.MB_GLOBAL if not staged or "causal" in options else \
+        _wgmma_fwd.MB_CLASSES if "mask" in options else _wgmma_fwd.MB_STAGED
+    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == want
+    check(q, k, v, rng, **options)
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=str)
+@pytest.mark.parametrize("kind", ["padding-mask", "mask-bias-causal"])
+def test_hopper_forward_float32_mask_bias(kind, dims, precision, rng, override):
+    """float32 on the Hopper forward reads a mask and bias from global memory (MB_GLOBAL)."""
+    B, Hq, Hk, Nq, Nk = 2, 4, 2, 150, 270
+    dk, dv = dims
+    q = randn(rng, (B, Hq, Nq, dk), "float32")
+    k, v = randn(rng, (B, Hk, Nk, dk), "float32"), randn(rng, (B, Hk, Nk, dv), "float32")
+    options = _mask_bias_options(kind, B, Hq, Nq, Nk, rng)
+    _wgmma_forward_or_skip(override, q, k, v, dict(options, precision=precision))
+    check_tf32_forward(q, k, v, precision, **options)
+
+
+def _mask_bias_options(kind, B, Hq, Nq, Nk, rng):
+    """The options of a mask / bias kind: a padding mask (B, 1, 1, Nk), a random mask with a row
+    that sees no key, a float32 bias (Hq, Nq, Nk) with a padding row of finfo.min, both with
+    causal."""
+    import cupy
     options = {}
     if kind == "padding-mask":
         valid = np.arange(Nk)[None, :] < np.array([[200], [1]])
@@ -497,15 +527,7 @@ def test_hopper_forward_mask_bias(kind, dims, Nk, staged, rng, override):
         options["bias"] = cupy.asarray(bias)
     if kind == "mask-bias-causal":
         options["causal"] = True
-    _wgmma_forward_or_skip(override, q, k, v, options)
-    p = _validate.make_problem(q, k, v, **options)
-    # staged tiles need key tiles at multiples of 16 keys: no causal bound (its diagonal tiles
-    # start anywhere; staging them faulted with an illegal instruction)
-    # (a staged mask is classified: MB_CLASSES)
-    want = _wgmma_fwd.MB_GLOBAL if not staged or "causal" in options else \
-        _wgmma_fwd.MB_CLASSES if "mask" in options else _wgmma_fwd.MB_STAGED
-    assert _wgmma_fwd._launch(p, _wgmma_fwd.padded(p)).mb == want
-    check(q, k, v, rng, **options)
+    return options
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
