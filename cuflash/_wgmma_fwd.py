@@ -403,10 +403,8 @@ _f32_layouts = _memo.Memo(256)
 
 
 def _f32_layout(p):
-    """(Operand of q, k, v) or None where a float32 call's inputs do not fit the float32 kernel:
-    matrices not at b * sb + h * sh (_tma.head_layout), or host kv_lens that differ between
-    output heads reading the same v matrix (tf32_operand zeroes v^T past one length per matrix);
-    memoized by the signature (with host kv_lens values)."""
+    """(Operand of q, k, v) or None where a float32 call's matrices are not at b * sb + h * sh
+    (_tma.head_layout); memoized by the signature."""
     def build():
         B, H = _mask_tiles.grid_shape(p)
         ops = []
@@ -417,11 +415,6 @@ def _f32_layout(p):
             hdiv, bmul, Hx, Bx, sh, sb = lay
             es = element_strides(x)
             ops.append(Operand(hdiv, bmul, Hx, Bx, es[-2], es[-1], sh, sb))
-        if p.kv_lens is not None:
-            v = ops[2]
-            lens = np.asarray(p.kv_lens).reshape(B, v.heads, v.hdiv)
-            if not np.all(lens == (lens[:, :, :1] if v.bmul else lens[:1, :, :1])):
-                return None
         return tuple(ops)
 
     return _f32_layouts.build(p.key, build)
@@ -433,7 +426,7 @@ def _takes_f32(p):
     if (dims, passes) not in F32_TILES or p.Dv % 4 or not p.scale > 0:
         return False
     if (p.transforms or p.sinks is not None
-            or p.dropout_p or p.pages is not None or p.lens_device is not None):
+            or p.dropout_p or p.pages is not None):
         return False
     # (tf32_operand's grid: row tiles of 32 along y)
     if max(p.Nq, p.Nk) > min(_config.MMA_MAX_LEN, 32 * 65535) or not _runtime.wgmma_available():
@@ -504,7 +497,8 @@ class _Forward32:
                     _ceil(ld if transpose else rows, 32))
             numbers = (i32(rows), i32(cols), i32(op.heads), i64(op.rs), i64(op.cs), i64(op.hs),
                        i64(op.bs), i32(ld))
-            self.prep.append((_runtime.Launch(k, grid, (32, 8)), numbers, i32(H), i32(op.hdiv)))
+            self.prep.append((_runtime.Launch(k, grid, (32, 8)), numbers,
+                              (i32(B), i32(H), i32(op.hdiv), i32(op.bmul))))
         # tensor maps of the copies: (columns, rows, heads x parts, batches), boxes of 32 floats
         self.tiled = []
         for n, (op, (rows, cols, ld)) in enumerate(zip(ops, shapes)):
@@ -529,9 +523,9 @@ class _Forward32:
         copies = _runtime.carved(self.workspace)
         lens = _runtime.ptr(kv_lens)
         maps = []
-        for x, y, tiled, (run, numbers, H, hdiv) in zip((p.q, p.k, p.v), copies, self.tiled,
-                                                         self.prep):
-            run((x, y) + numbers + (lens if x is p.v else _runtime.NULL, H, hdiv))
+        for x, y, tiled, (run, numbers, grid) in zip((p.q, p.k, p.v), copies, self.tiled,
+                                                      self.prep):
+            run((x, y) + numbers + (lens if x is p.v else _runtime.NULL,) + grid)
             m = tiled.at(y.ptr)
             if m is None:
                 raise RuntimeError("fwd_wgmma: the driver refused a float32 tensor map")

@@ -570,15 +570,17 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
 //   TRANSPOSE = false (q, k): rows of ld >= cols floats (the columns past cols 0);
 //   TRANSPOSE = true (v): its transpose, cols rows of ld >= rows keys (fwd_wgmma's V^T), key
 //     8 a + j at slot 8 a + j / 2 (j even) or 8 a + 4 + j / 2 (j odd), 0 past the rows and, with
-//     kv_lens, past the key length of output (batch bx, head hx * hdiv) (host: every output head
-//     that reads the matrix has the same).
+//     kv_lens, past the longest key length of the output (batch, head)s that read the matrix
+//     (heads hx hdiv .. hx hdiv + hdiv - 1 of batch bx, or of every batch of B where the matrix
+//     is broadcast, bmul = 0): no key at or past every reader's length reaches O, whatever it
+//     holds.
 // Block (32, 8): a tile of 32 rows x 32 columns of the matrix (TRANSPOSE: 32 keys x 32 columns
 // through shared memory); grid x = matrices x column tiles, y = row tiles.
 template <bool TRANSPOSE, int PARTS>
 __global__ void __launch_bounds__(256)
 tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int cols, int heads,
              long long rs, long long cs, long long hs, long long bs, int ld,
-             const long long* __restrict__ kv_lens, int H, int hdiv) {
+             const long long* __restrict__ kv_lens, int B, int H, int hdiv, int bmul) {
   const int n_ct = ((TRANSPOSE ? cols : ld) + 31) / 32;
   const long long m = blockIdx.x / n_ct;
   const int c0 = static_cast<int>(blockIdx.x % n_ct) * 32, r0 = blockIdx.y * 32;
@@ -601,7 +603,11 @@ tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int c
     }
   } else {
     __shared__ float tile[32][33];
-    const long long len = kv_lens ? kv_lens[static_cast<long long>(bx) * H + hx * hdiv] : rows;
+    long long len = kv_lens ? 0 : rows;
+    if (kv_lens)
+      for (int b = bmul ? bx : 0; b < (bmul ? bx + 1 : B); ++b)
+        for (int h = hx * hdiv; h < (hx + 1) * hdiv; ++h)
+          len = max(len, kv_lens[static_cast<long long>(b) * H + h]);
     const int keys = static_cast<int>(min(static_cast<long long>(rows), len));
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

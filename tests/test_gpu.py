@@ -431,9 +431,8 @@ def test_hopper_forward_float32(case, dims, precision, rng, override):
 
 
 def test_hopper_forward_float32_choice(rng, override):
-    """float32 reaches the Hopper forward with either precision, but not where output heads
-    reading one v matrix have different kv_lens (its v^T copy is zeroed past one length per
-    matrix)."""
+    """float32 reaches the Hopper forward with either precision, also with kv_lens that differ
+    between the output heads reading one v matrix (its v^T copy is zeroed past the longest)."""
     from cuflash import _gpu, _runtime, _validate
     if not _runtime.wgmma_available():
         pytest.skip("the Hopper forward: compute capability 9.0 and NVRTC 12.9+ only")
@@ -443,30 +442,38 @@ def test_hopper_forward_float32_choice(rng, override):
     assert path(precision="high") == "wgmma"
     assert path() == "wgmma" and path(precision="highest") == "wgmma"
     for precision in ("high", "highest"):
-        assert path(precision=precision, kv_lens=np.array([[30, 30, 77, 77]])) == "wgmma"
-        assert path(precision=precision, kv_lens=np.array([[30, 31, 77, 77]])) == "wide"
+        assert path(precision=precision, kv_lens=np.array([[30, 31, 77, 7]])) == "wgmma"
 
 
 @pytest.mark.parametrize("precision", ["high", "highest"])
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=str)
 def test_hopper_forward_float32_nan_past_kv_lens(dims, precision, rng, override):
     """The float32 kernel's key tiles start at multiples of 8 keys, so the last one reads up to 7
-    keys past a row's last visible one: past kv_lens those may hold NaN, which must not reach
-    the output (v^T is zeroed there, the scores masked)."""
+    keys past a row's last visible one: past kv_lens (here different for the two heads that
+    share a kv head) the keys may hold anything, NaN and inf included, which must not reach the
+    output (v^T is zeroed past the longest length, the scores masked): the call gives what it
+    gives with zeros there."""
     import cupy
     dk, dv = dims
-    lens = np.array([[13], [70], [0]])
+    lens = np.array([[13, 21], [70, 64], [0, 0]])
     q = randn(rng, (3, 2, 90, dk), "float32")
-    k = rng.standard_normal((3, 2, 100, dk)).astype(np.float32)
-    v = rng.standard_normal((3, 2, 100, dv)).astype(np.float32)
-    for b, n in enumerate(lens[:, 0]):
-        k[b, :, n:] = np.nan
-        v[b, :, n:] = np.inf
-    k, v = cupy.asarray(k), cupy.asarray(v)
+    k = rng.standard_normal((3, 1, 100, dk)).astype(np.float32)
+    v = rng.standard_normal((3, 1, 100, dv)).astype(np.float32)
+    k_clean, v_clean = k.copy(), v.copy()
+    for b, n in enumerate(lens.max(axis=1)):
+        k[b, :, n:], k_clean[b, :, n:] = np.nan, 0
+        v[b, :, n:], v_clean[b, :, n:] = np.inf, 0
     for causal in (False, True):
         options = dict(kv_lens=lens, causal=causal)
-        _wgmma_forward_or_skip(override, q, k, v, dict(options, precision=precision))
-        check_tf32_forward(q, k, v, precision, **options)
+        _wgmma_forward_or_skip(override, q, cupy.asarray(k), cupy.asarray(v),
+                               dict(options, precision=precision))
+        got = cuflash.attention(q, cupy.asarray(k), cupy.asarray(v), precision=precision,
+                                **options)
+        _, want = check_tf32_forward(q, cupy.asarray(k_clean), cupy.asarray(v_clean), precision,
+                                     **options)
+        clean = cuflash.attention(q, cupy.asarray(k_clean), cupy.asarray(v_clean),
+                                  precision=precision, **options)
+        assert np.array_equal(to_host(got), to_host(clean))
 
 
 @pytest.mark.parametrize("Nk, staged", [(272, True), (270, False)], ids=["staged", "global"])
