@@ -203,7 +203,6 @@ CUFLASH_WG_MMA(bf16_t, "bf16", 176, 88)
 CUFLASH_WG_MMA(bf16_t, "bf16", 192, 96)
 CUFLASH_WG_MMA(half_t, "f16", 176, 88)
 CUFLASH_WG_MMA(half_t, "f16", 192, 96)
-#undef CUFLASH_WG_MMA
 
 // Mma<float, N>: float32 operands on TF32 (k-steps of 8; the hardware reads each operand's top 19
 // bits, a truncation: operands are rounded to TF32 before they reach it). .tf32 takes no
@@ -237,20 +236,13 @@ CUFLASH_WG_MMA(half_t, "f16", 192, 96)
     }                                                                                          \
   };
 #else
-#define CUFLASH_WG_MMA_TF32(N, R)                                                               \
-  template <> struct Mma<float, N> {                                                           \
-    template <int ACC, int TB, int TA = 0>                                                     \
-    static __device__ __forceinline__ void ss(float (&)[N / 8][4], u64, u64) { __trap(); }    \
-    template <int ACC, int TB>                                                                 \
-    static __device__ __forceinline__ void rs(float (&)[N / 8][4], const u32 (&)[4], u64) {   \
-      __trap();                                                                                \
-    }                                                                                          \
-  };
+#define CUFLASH_WG_MMA_TF32(N, R) CUFLASH_WG_MMA(float, "tf32", N, R)  // (the 16-bit stubs' trap)
 #endif
 CUFLASH_WG_MMA_TF32(32, 16)
 CUFLASH_WG_MMA_TF32(64, 32)
 CUFLASH_WG_MMA_TF32(128, 64)
 #undef CUFLASH_WG_MMA_TF32
+#undef CUFLASH_WG_MMA
 
 // Bytes of one k-step along a K-major row: 16 elements of 16 bits or 8 of float32 (TF32), so a
 // 128-byte row of a swizzled column block holds 4 k-steps whatever T is.
