@@ -138,8 +138,11 @@ def test_tensor_core_tiles_fit_sm90(head_dim, has_mb):
 def test_wgmma_float32_tiles_fit_sm90():
     """The float32 Hopper forward's tiles (float32 Q, K and V^T) fit sm_90's 227 KiB."""
     from cuflash import _wgmma_fwd
-    for dims, tile in _wgmma_fwd.F32_TILES.items():
-        assert _wgmma_fwd.smem_bytes(dims, tile, _wgmma_fwd.MB_NONE, 4) <= 227 * 1024, dims
+    tiles = list(_wgmma_fwd.F32_TILES.items()) + list(_wgmma_fwd.F32_MB_TILES.items())
+    for (dims, passes), tile in tiles:
+        parts = 2 if passes == 3 else 1  # (hi and lo tiles)
+        assert _wgmma_fwd.smem_bytes(dims, tile, _wgmma_fwd.MB_NONE, 4 * parts) <= 227 * 1024, \
+            (dims, passes)
 
 
 def test_wgmma_backward_tiles_fit_sm90():
