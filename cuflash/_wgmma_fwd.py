@@ -394,7 +394,7 @@ def forward(p):
     return prepare(p)(p)
 
 
-# ---- float32 (precision="high") -------------------------------------------------------------------
+# ---- float32 (one TF32 pass, precision="high"; three, "highest") ---------------------------------
 
 # How tf32_operand reads one of q, k, v: its matrices' (hdiv, bmul, Hx, Bx) as _tma.head_layout
 # gives them and its element strides (row, column, head, batch).
