@@ -111,7 +111,8 @@ def smem_bytes(dims, tile, mb, itemsize=2):
         + tile.stages * staged + 8 * (1 + 4 * tile.stages) + 1024
 
 
-def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=False, passes=None):
+def name_expression(dtype, dims, tile, mb, transforms=(), sinks=False, dropout=False,
+                    passes=None):
     """transforms: the score transforms' names (cuflash/_modifiers.py), a template argument when
     there are any or sinks or dropout; sinks: whether the kernel joins attention sinks (then a
     template argument, true); dropout: the DropoutArgs instantiation (kernels_cu/philox.cuh);

@@ -599,7 +599,8 @@ tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int c
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = r0 + ty + 8 * i, c = c0 + tx;
-      if (r < rows && c < ld) store(ym + static_cast<long long>(r) * ld + c, c < cols ? xm[r * rs + c * cs] : 0.f);
+      if (r < rows && c < ld)
+        store(ym + static_cast<long long>(r) * ld + c, c < cols ? xm[r * rs + c * cs] : 0.f);
     }
   } else {
     __shared__ float tile[32][33];

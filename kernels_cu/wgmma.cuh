@@ -246,7 +246,9 @@ CUFLASH_WG_MMA_TF32(128, 64)
 
 // Bytes of one k-step along a K-major row: 16 elements of 16 bits or 8 of float32 (TF32), so a
 // 128-byte row of a swizzled column block holds 4 k-steps whatever T is.
-template <typename T> __host__ __device__ constexpr int kstep_elems() { return 32 / static_cast<int>(sizeof(T)); }
+template <typename T> __host__ __device__ constexpr int kstep_elems() {
+  return 32 / static_cast<int>(sizeof(T));
+}
 
 // d (64 x N) = A B^T over K = 16 KSTEPS, both operands K-major 128-byte-swizzled tiles (blocks of
 // 64 columns, tc::chunk_offset_swz): A's 64 rows from shared address a (1024-aligned), whose tile
