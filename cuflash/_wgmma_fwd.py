@@ -331,24 +331,28 @@ def _recipe(p, dims, launch):
     if blocks > _runtime.MAX_GRID_X:
         raise ValueError(f"problem too large for one launch: {blocks} blocks")
     _, H = _mask_tiles.grid_shape(p)
+    return (_runtime.Launch(kern, (blocks,), ((tile.consumers + 1) * 128,), smem), blocks,
+            block_m(tile), tile, _numbers(p, H, mb, launch.mask_rows, launch.bias_rows))
+
+
+def _numbers(p, H, mb, mask_rows, bias_rows):
+    """fwd_wgmma's four runs of numbers for a layout (H: the output's heads; mb and the rows per
+    staged mask / bias tile: the Launch's)."""
     i32 = np.int32
     strides = _runtime.Args(p).strides
     # the kernel's own parameter list (not AttnArgs: the struct's fields cost the generic
     # kernels registers, and this one is kept as it was measured); its numbers, per layout:
-    numbers = ((i32(H), i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
-                i32(p.right), i32(bool(p.bottom_right)), i32(launch.mask_rows),
-                i32(launch.bias_rows)),
-               (i32(p.BH),) + tuple(np.int64(x) for x in strides[3:]),
-               tuple(np.float64(x) for x in _modifiers.scalars(p)),
-               # the end's lost-row fix (fwd_fix_rows): q, k, v's row strides, Dk, the scale in
-               # double and the |lse| limit (with a modifier only rows of l = 0, which the
-               # kernel flags, as fwd_mma's: all masked, empty, or all -inf, NaN)
-               tuple(np.int64(x) for x in strides[:3])
-               + (i32(p.Dk), np.float64(p.scale),
-                  np.float64(np.inf if mb != MB_NONE or p.transforms
-                             else _config.lost_lse_limit(p.acc_dtype))))
-    return (_runtime.Launch(kern, (blocks,), ((tile.consumers + 1) * 128,), smem), blocks,
-            block_m(tile), tile, numbers)
+    return ((i32(H), i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
+             i32(p.right), i32(bool(p.bottom_right)), i32(mask_rows), i32(bias_rows)),
+            (i32(p.BH),) + tuple(np.int64(x) for x in strides[3:]),
+            tuple(np.float64(x) for x in _modifiers.scalars(p)),
+            # the end's lost-row fix (fwd_fix_rows): q, k, v's row strides, Dk, the scale in
+            # double and the |lse| limit (with a modifier only rows of l = 0, which the
+            # kernel flags, as fwd_mma's: all masked, empty, or all -inf, NaN)
+            tuple(np.int64(x) for x in strides[:3])
+            + (i32(p.Dk), np.float64(p.scale),
+               np.float64(np.inf if mb != MB_NONE or p.transforms
+                          else _config.lost_lse_limit(p.acc_dtype))))
 
 
 class _Forward:
@@ -476,14 +480,7 @@ class _Forward32:
             raise ValueError(f"problem too large for one launch: {blocks} blocks")
         self.run = _runtime.Launch(kern, (blocks,), ((tile.consumers + 1) * 128,), smem)
         i32, i64 = np.int32, np.int64
-        strides = _runtime.Args(p).strides
-        self.sizes = (i32(H), i32(p.Nq), i32(p.Nk), i32(p.Dv), np.float32(p.scale), i32(p.left),
-                      i32(p.right), i32(bool(p.bottom_right)), i32(0), i32(0))
-        self.strides = (i32(p.BH),) + tuple(i64(x) for x in strides[3:])
-        self.scalars = tuple(np.float64(x) for x in _modifiers.scalars(p))
-        self.fixing = tuple(i64(x) for x in strides[:3]) + (
-            i32(p.Dk), np.float64(p.scale),
-            np.float64(np.inf if mb != MB_NONE else _config.lost_lse_limit(p.acc_dtype)))
+        self.sizes, self.strides, self.scalars, self.fixing = _numbers(p, H, mb, 0, 0)
         # the copies: (rows, cols, ld) per operand, v transposed
         ldk = _ceil(p.Dk, 4) * 4
         shapes = ((p.Nq, p.Dk, ldk), (p.Nk, p.Dk, ldk), (p.Nk, p.Dv, _ceil(p.Nk, 8) * 8))

@@ -344,7 +344,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
   float s[1][NF][4];
   u32 p[KN][4];
   // three passes: P's lo part, and each tile's P V before it joins O (otherwise unused)
-  u32 p_lo[PARTS == 2 ? KN : 1][4];
+  u32 p_lo[KN][4];
   float pv[PARTS == 2 ? DF : 1][4];
   // S = Q K^T of the K tile at sk, one commit group
   auto s_product = [&](u32 sk) {
@@ -427,10 +427,7 @@ fwd_wgmma(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
       for (int kk = 0; kk < KN; ++kk) {
         const float x[4] = {s[0][kk][0], s[0][kk][2], s[0][kk][1], s[0][kk][3]};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          p[kk][e] = to_tf32(x[e]);
-          if constexpr (PARTS == 2) p_lo[kk][e] = to_tf32(x[e] - __uint_as_float(p[kk][e]));
-        }
+        for (int e = 0; e < 4; ++e) WideMma<float, PASSES>::split(x[e], p[kk][e], p_lo[kk][e]);
       }
     } else {
 #pragma unroll
@@ -587,12 +584,12 @@ tf32_operand(const float* __restrict__ x, float* __restrict__ y, int rows, int c
   const int bx = static_cast<int>(m / heads), hx = static_cast<int>(m % heads);
   const float* xm = x + bx * bs + hx * hs;
   const int tx = threadIdx.x, ty = threadIdx.y;
-  auto round = [](float v) { return __uint_as_float(tc::to_tf32(v)); };
   const long long mat = static_cast<long long>(TRANSPOSE ? cols : rows) * ld;  // y's matrix
   auto store = [&](float* at, float v) {  // hi, and lo one matrix later
-    const float hi = round(v);
-    at[0] = hi;
-    if (PARTS == 2) at[mat] = round(v - hi);
+    tc::u32 hi, lo;
+    tc::WideMma<float, PARTS == 2 ? 3 : 1>::split(v, hi, lo);
+    at[0] = __uint_as_float(hi);
+    if (PARTS == 2) at[mat] = __uint_as_float(lo);
   };
   float* ym = y + m * PARTS * mat;
   if constexpr (!TRANSPOSE) {
